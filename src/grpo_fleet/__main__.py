@@ -1,0 +1,7 @@
+"""`python -m grpo_fleet` is the same as the `grpo-fleet` command."""
+
+import sys
+
+from grpo_fleet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,259 @@
+"""The actor's event loop: register, sync weights, lease, generate, score, submit.
+
+All of the actor's socket work happens here. Generation and scoring are plain
+function calls (`rollout.generate_groups`, `tasks.score_completion`). Actors are
+stateless: anything lost with an actor is re-queued by the learner's leases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import signal
+import socket
+import time
+from typing import Optional, TypeVar
+from urllib.parse import urlparse
+
+import mlx.core as mx
+import numpy as np
+
+from grpo_fleet.actor.rollout import SamplingSettings, completion_text, generate_groups
+from grpo_fleet.config import ActorConfig, LoraConfig
+from grpo_fleet.metrics import actor_metrics, serve_metrics
+from grpo_fleet.model import Policy, load_policy, load_weight_blob, model_digest
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.codec import Limits, ProtocolError
+from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_message, send_message, sub_socket
+from grpo_fleet.tasks import score_completion, validate_rewards
+
+log = logging.getLogger("grpo_fleet.actor")
+Reply = TypeVar("Reply")
+MAX_BACKOFF_SECONDS = 10.0
+
+
+class LearnerUnavailable(Exception):
+    """No answer within the timeout, or the learner forgot us: register again."""
+
+
+class StopActor(Exception):
+    """The learner said Shutdown, or we were asked to stop."""
+
+
+class ActorWorker:
+    """One actor process."""
+
+    def __init__(self, cfg: ActorConfig) -> None:
+        self.cfg = cfg
+        self.actor_id = cfg.actor_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = actor_metrics()
+        # The learner is trusted more than actors are: allow large weight blobs.
+        self.limits = Limits(max_message_bytes=1 << 30, max_bin_len=1 << 30)
+        self.ctx = make_context()
+        self.policy: Optional[Policy] = None
+        self.model_key: Optional[tuple] = None
+        self.version = -1
+        self.welcome: Optional[m.Welcome] = None
+        self.pending: Optional[m.Rollouts] = None
+        self.stopping = False
+        self._dealer = None
+        self._sub = None
+        self._last_heartbeat = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def request_stop(self, *_args: object) -> None:
+        self.stopping = True
+
+    def run(self) -> None:
+        """Work until Shutdown or a signal; reconnect with backoff whenever the learner goes away."""
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        serve_metrics(self.metrics.registry, self.cfg.metrics.host, self.cfg.metrics.port)
+        backoff = 0.2
+        try:
+            while not self.stopping:
+                try:
+                    self._session()
+                except LearnerUnavailable as exc:
+                    log.warning("learner unavailable (%s); retrying in %.1fs", exc, backoff)
+                    self.metrics.reconnects.inc()
+                    self._sleep(backoff)
+                    backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
+                except StopActor as exc:
+                    log.info("actor %s stopping: %s", self.actor_id, exc)
+                    return
+                else:
+                    backoff = 0.2
+        finally:
+            self._close_sockets()
+            self.ctx.term()
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(min(0.05, seconds))
+
+    def _close_sockets(self) -> None:
+        for sock in (self._dealer, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
+        self._dealer = self._sub = None
+
+    def _session(self) -> None:
+        self._close_sockets()
+        self._dealer = dealer_socket(
+            self.ctx, self.cfg.connect, identity=self.actor_id.encode(), max_message_bytes=self.limits.max_message_bytes
+        )
+        hello = m.Hello(
+            actor_id=self.actor_id, host=socket.gethostname(), backend=str(mx.default_device()),
+            versions={"mlx": mx.__version__, "python": platform.python_version()},
+        )
+        welcome = self._request(hello, m.Welcome)
+        self._adopt(welcome)
+        self._sub = sub_socket(self.ctx, self._notice_address(welcome.pub_address))
+        self._sync_weights()
+        while not self.stopping:
+            self._work_once()
+        raise StopActor("signal")
+
+    def _notice_address(self, pub_address: Optional[str]) -> str:
+        # A learner bound to a wildcard advertises it; dial the host we reached it on.
+        parsed = urlparse(pub_address or "")
+        host = parsed.hostname
+        if host in (None, "0.0.0.0", "*", "::"):
+            host = urlparse(self.cfg.connect).hostname
+        return f"tcp://{host}:{parsed.port}"
+
+    # ------------------------------------------------------------------ requests
+
+    def _request(self, msg: object, expected: type[Reply]) -> Reply:
+        """Send and wait for a reply of the expected type, ignoring stray replies."""
+        send_message(self._dealer, msg)
+        deadline = time.monotonic() + self.cfg.request_timeout
+        while not self.stopping:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LearnerUnavailable(f"no reply to {type(msg).__name__}")
+            try:
+                reply = recv_message(self._dealer, timeout_s=min(remaining, 0.5), limits=self.limits)
+            except ProtocolError as exc:
+                log.warning("bad reply from learner: %s", exc)
+                continue
+            if isinstance(reply, expected):
+                return reply
+            if isinstance(reply, m.ErrorReply):
+                raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
+            self._check_notices()
+        raise StopActor("signal")
+
+    def _check_notices(self) -> None:
+        """Drain the PUB channel: a newer policy triggers a weight sync, Shutdown stops us."""
+        newest = None
+        while self._sub is not None:
+            try:
+                notice = recv_message(self._sub, timeout_s=0, limits=self.limits)
+            except ProtocolError:
+                continue
+            if notice is None:
+                break
+            if isinstance(notice, m.Shutdown):
+                raise StopActor(f"learner shut down ({notice.reason})")
+            if isinstance(notice, m.PolicyUpdated):
+                newest = max(newest or 0, notice.version)
+        if newest is not None and newest > self.version:
+            self._sync_weights()
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if self.welcome and now - self._last_heartbeat >= self.welcome.heartbeat_seconds:
+            self._last_heartbeat = now
+            send_message(self._dealer, m.Heartbeat(actor_id=self.actor_id, policy_version=max(self.version, 0), sent_at=time.time()))
+
+    # ------------------------------------------------------------------ model and weights
+
+    def _adopt(self, welcome: m.Welcome) -> None:
+        """Load the learner's model once (same path, digest and adapters = same model)."""
+        validate_rewards(welcome.reward.names, welcome.reward.weights)
+        key = (welcome.model.path, welcome.model.digest, str(welcome.model.lora), welcome.model.dtype)
+        if key != self.model_key:
+            if model_digest(welcome.model.path) != welcome.model.digest:
+                raise StopActor(f"local copy of {welcome.model.path} differs from the learner's (digest mismatch)")
+            lora = LoraConfig(**welcome.model.lora) if welcome.model.lora else None
+            self.policy = load_policy(welcome.model.path, lora=lora, dtype=welcome.model.dtype)
+            self.model_key = key
+            self.version = -1
+        if self.welcome is not None and self.welcome.run_id != welcome.run_id:
+            self.pending = None  # a different run: old rollouts mean nothing there
+        self.welcome = welcome
+        log.info("actor %s joined run %s (policy v%d)", self.actor_id, welcome.run_id, welcome.policy_version)
+
+    def _sync_weights(self) -> None:
+        weights = self._request(m.GetWeights(version=max(self.version, 0)), m.Weights)
+        if weights.version <= self.version:
+            return
+        try:
+            load_weight_blob(self.policy.model, weights.data, weights.digest)
+        except ValueError as exc:
+            self.metrics.weight_syncs.labels(outcome="rejected").inc()
+            log.error("refusing weights v%d: %s", weights.version, exc)
+            return
+        self.version = weights.version
+        self.metrics.weight_syncs.labels(outcome="loaded").inc()
+        self.metrics.policy_version.set(self.version)
+
+    # ------------------------------------------------------------------ work
+
+    def _work_once(self) -> None:
+        self._check_notices()
+        if self.pending is not None:
+            self._submit(self.pending)
+            return
+        lease = self._request(m.LeaseRequest(max_groups=self.cfg.max_groups), m.Lease)
+        if not lease.prompts:
+            self._sleep(lease.retry_after)
+            return
+        self.pending = self._rollout(lease)
+        self._submit(self.pending)
+
+    def _rollout(self, lease: m.Lease) -> m.Rollouts:
+        welcome, policy = self.welcome, self.policy
+        gen = welcome.generation
+        settings = SamplingSettings(
+            group_size=gen.group_size, max_tokens=gen.max_tokens, temperature=gen.temperature,
+            top_p=gen.top_p, stop_token_ids=sorted(policy.tokenizer.eos_token_ids),
+        )
+        version = self.version
+        started = time.perf_counter()
+        prompts = [item.prompt_tokens.to_numpy().tolist() for item in lease.prompts]
+        groups = generate_groups(policy.model, prompts, settings, on_step=self._heartbeat)
+        self.metrics.generation_seconds.observe(time.perf_counter() - started)
+        results = [self._score_group(item, completions) for item, completions in zip(lease.prompts, groups)]
+        return m.Rollouts(lease_id=lease.lease_id, policy_version=version, groups=results)
+
+    def _score_group(self, item: m.PromptItem, completions: list) -> m.GroupResult:
+        reward = self.welcome.reward
+        eos = set(self.policy.tokenizer.eos_token_ids)
+        wire = []
+        for completion in completions:
+            text = completion_text(self.policy.tokenizer, completion, eos)
+            score = score_completion(reward.names, reward.weights, text, item.fields)
+            self.metrics.reward.observe(score)
+            self.metrics.tokens_generated.inc(len(completion.tokens))
+            wire.append(m.Completion(
+                tokens=m.Tensor.from_numpy(np.asarray(completion.tokens, dtype=np.int32)),
+                logprobs=m.Tensor.from_numpy(np.asarray(completion.logprobs, dtype=np.float32)),
+                reward=float(score),
+                finish_reason=completion.finish_reason,
+            ))
+        self.metrics.groups_generated.inc()
+        return m.GroupResult(group_id=item.group_id, completions=wire)
+
+    def _submit(self, rollouts: m.Rollouts) -> None:
+        """At-least-once: the same message is resent after a reconnect until it is acked."""
+        ack = self._request(rollouts, m.Ack)
+        self.metrics.acks.labels(status=ack.status).inc()
+        if ack.status == "invalid":
+            log.error("learner rejected lease %s: %s", rollouts.lease_id, ack.reason)
+        self.pending = None

@@ -1,0 +1,209 @@
+"""One pydantic config tree for a run, loaded from TOML with dotted CLI overrides.
+
+The learner owns the run config; actors receive what they need (model reference,
+generation settings, reward names) in the `Welcome` message, so their own config
+is only where to connect and how to expose metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    """Shape of the self-built test/demo model (random init, locally trained tokenizer)."""
+
+    seed: int = Field(0, description="Seed for the weights and the tokenizer; same seed, same bytes.")
+    hidden_size: int = Field(64, description="Model width.")
+    num_layers: int = Field(2, description="Transformer blocks.")
+    num_heads: int = Field(4, description="Attention heads (and KV heads).")
+    intermediate_size: int = Field(128, description="MLP width.")
+    vocab_size: int = Field(320, description="Target tokenizer vocabulary (bytes + merges + specials).")
+
+
+class ModelConfig(_Section):
+    """Which policy to train."""
+
+    path: str = Field(
+        "tiny",
+        description="An mlx-lm model directory or hub id (e.g. mlx-community/Qwen2.5-0.5B-Instruct-4bit), "
+        "or 'tiny' to build the self-contained demo model under the run directory.",
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Used when path = 'tiny'.")
+    dtype: Optional[Literal["float32", "float16", "bfloat16"]] = Field(
+        None,
+        description="Cast floating weights to this dtype. Default: float32 on the CPU backend "
+        "(bf16 matmul is slow there), unchanged on Metal.",
+    )
+
+
+class LoraConfig(_Section):
+    """LoRA adapters. When enabled, pi_ref is the base model with adapters switched off."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
+    rank: int = Field(8, ge=1, description="Adapter rank.")
+    scale: float = Field(20.0, gt=0, description="Adapter output scale (mlx-lm's `scale`, not alpha).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Adapter dropout.")
+    num_layers: int = Field(-1, description="How many of the last blocks get adapters; -1 means all.")
+    keys: Optional[list[str]] = Field(None, description="Module names to adapt, e.g. ['self_attn.q_proj']; default: mlx-lm's choice.")
+
+
+class GenerationConfig(_Section):
+    """How actors sample completions (sent to them in Welcome)."""
+
+    group_size: int = Field(8, ge=2, description="G: completions per prompt.")
+    max_tokens: int = Field(8, ge=1, description="Maximum completion length in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; logprobs are of softmax(logits / T).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 disables it.")
+
+
+class TaskConfig(_Section):
+    """What the policy is trained to do, and how completions are scored."""
+
+    name: Literal["reverse", "jsonl"] = Field("reverse", description="'reverse' (built-in synthetic) or 'jsonl' ({prompt, answer} lines).")
+    train_path: Optional[str] = Field(None, description="JSONL training file for task 'jsonl'.")
+    eval_path: Optional[str] = Field(None, description="JSONL held-out file for task 'jsonl'.")
+    digits: int = Field(3, ge=1, le=12, description="Digits per prompt for 'reverse'.")
+    num_train: int = Field(800, ge=1, description="Training prompts generated for 'reverse' (train + eval <= 10**digits).")
+    num_eval: int = Field(128, ge=1, description="Held-out prompts for evaluation.")
+    seed: int = Field(0, description="Seed for synthetic prompts and dataset shuffling.")
+    rewards: list[str] = Field(default_factory=lambda: ["reverse_positions"], description="Reward function names, summed with reward_weights.")
+    reward_weights: Optional[list[float]] = Field(None, description="One weight per reward; default all 1.0.")
+    chat_template: bool = Field(False, description="Wrap prompts in the tokenizer's chat template.")
+    system_prompt: Optional[str] = Field(None, description="System message when chat_template is on.")
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> "TaskConfig":
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError("reward_weights must have one entry per reward")
+        if self.name == "jsonl" and not self.train_path:
+            raise ValueError("task 'jsonl' needs train_path")
+        return self
+
+
+class GRPOConfig(_Section):
+    """The objective."""
+
+    beta: float = Field(0.04, ge=0, description="KL (k3) coefficient against pi_ref; 0 skips the reference forward.")
+    epsilon_low: float = Field(0.2, gt=0, description="Lower clip range: ratio >= 1 - epsilon_low.")
+    epsilon_high: Optional[float] = Field(None, description="Upper clip range (DAPO clip-higher); default = epsilon_low.")
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo"] = Field("grpo", description="Token aggregation.")
+    scale_by_std: bool = Field(True, description="Divide advantages by the group std (off = Dr. GRPO).")
+    groups_per_step: int = Field(8, ge=1, description="B: informative groups per optimizer batch.")
+    ppo_epochs: int = Field(1, ge=1, description="Optimizer steps taken on each batch.")
+    max_staleness: int = Field(2, ge=0, description="Reject rollouts more than this many versions behind.")
+
+
+class OptimConfig(_Section):
+    """AdamW with global-norm gradient clipping."""
+
+    lr: float = Field(1e-4, gt=0, description="Learning rate (>= 5e-4 collapsed the tiny model).")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Maximum global gradient norm.")
+
+
+class TrainConfig(_Section):
+    """Length and cadence of the run."""
+
+    steps: int = Field(200, ge=1, description="Optimizer batches to train on.")
+    sync_every: int = Field(1, ge=1, description="Publish a new policy version every this many steps.")
+    checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the end).")
+    seed: int = Field(0, description="Seed for the learner's RNG.")
+
+
+class ServerConfig(_Section):
+    """Learner sockets and leases."""
+
+    bind: str = Field("tcp://127.0.0.1:5555", description="ROUTER address actors connect to.")
+    pub_bind: Optional[str] = Field(None, description="PUB address for notices; default: bind port + 1.")
+    advertise_host: Optional[str] = Field(None, description="Host actors should use for the PUB socket; default: the bind host.")
+    lease_seconds: float = Field(60.0, gt=0, description="A lease not returned within this is re-queued.")
+    max_groups_per_lease: int = Field(4, ge=1, description="Upper bound on prompts in one lease.")
+    heartbeat_seconds: float = Field(2.0, gt=0, description="Heartbeat period both ways.")
+    max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Largest accepted message.")
+
+
+class MetricsConfig(_Section):
+    """Prometheus exporter."""
+
+    host: str = Field("127.0.0.1", description="Address the /metrics HTTP server binds.")
+    port: int = Field(9400, ge=0, le=65535, description="Port of /metrics; 0 disables it.")
+
+
+class RunConfig(_Section):
+    """The whole learner run."""
+
+    run_dir: str = Field("runs/default", description="Checkpoints, metrics.jsonl and logs go here.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+
+class ActorConfig(_Section):
+    """One actor process. Everything about the run comes from the learner."""
+
+    connect: str = Field("tcp://127.0.0.1:5555", description="The learner's ROUTER address.")
+    actor_id: Optional[str] = Field(None, description="Name shown in logs and metrics; default: host-pid.")
+    max_groups: int = Field(2, ge=1, description="Prompts asked for per lease.")
+    metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig(port=9401))
+    model_dirs: list[str] = Field(default_factory=list, description="Extra directories the learner's model path may point into.")
+    request_timeout: float = Field(30.0, gt=0, description="Seconds to wait for a learner reply before reconnecting.")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split 'a.b.c=value' into a key path and a TOML-parsed value (bare words stay strings)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} is not of the form key.path=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Return a copy of a config dict with dotted overrides applied."""
+    import copy
+
+    merged = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = merged
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {text!r}: {part} is not a section")
+        node[path[-1]] = value
+    return merged
+
+
+def load_run_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> RunConfig:
+    """Load a RunConfig from a TOML file (or defaults) plus dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        with open(path, "rb") as handle:
+            # JSON is accepted too: the demo and tools write resolved configs as JSON.
+            data = json.load(handle) if str(path).endswith(".json") else tomllib.load(handle)
+    return RunConfig.model_validate(apply_overrides(data, overrides or []))

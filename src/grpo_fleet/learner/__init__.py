@@ -1,0 +1,1 @@
+"""Learner side: the GRPO objective, the optimizer step and weight publishing."""

@@ -1,0 +1,345 @@
+"""The learner's state and its answers to each message, without sockets.
+
+`server.py` owns the ZeroMQ loop and calls `handle()`; everything here takes and
+returns plain objects, so it can be tested without a network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
+from grpo_fleet.learner.scheduler import PromptScheduler
+from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.model import Policy, save_checkpoint, trainable_weights, weights_to_bytes
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.tasks import Task
+
+log = logging.getLogger("grpo_fleet.learner")
+
+
+@dataclass
+class ActorInfo:
+    """What the learner knows about a registered actor."""
+
+    actor_id: str
+    host: str
+    last_seen: float
+
+
+@dataclass
+class Snapshot:
+    """A published policy version: its weight blob and digest."""
+
+    version: int
+    blob: bytes
+    digest: str
+
+
+class Learner:
+    """Single source of truth for the run: leases, accepted groups, steps and versions."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        policy: Policy,
+        trainer: Trainer,
+        task: Task,
+        prompt_tokens: list[np.ndarray],
+        model_digest: str,
+        metrics: LearnerMetrics,
+        run_dir: Path,
+        pub_address: Optional[str] = None,
+    ) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.trainer = trainer
+        self.task = task
+        self.prompt_tokens = prompt_tokens
+        self.model_digest = model_digest
+        self.metrics = metrics
+        self.run_dir = run_dir
+        self.pub_address = pub_address
+        self.run_id = uuid.uuid4().hex[:12]
+        self.scheduler = PromptScheduler(
+            len(prompt_tokens), seed=cfg.train.seed, lease_seconds=cfg.server.lease_seconds
+        )
+        self.actors: dict[bytes, ActorInfo] = {}
+        self.acks: dict[str, m.Ack] = {}
+        self.buffer: list[AcceptedGroup] = []
+        self.step = 0
+        self.version = 0
+        self.accepted_since_step = 0
+        self.zero_variance_since_step = 0
+        self.started = time.monotonic()
+        self.snapshot = self._make_snapshot()
+        self._metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._ledger_file = open(run_dir / "ledger.jsonl", "a", buffering=1)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _make_snapshot(self) -> Snapshot:
+        blob = weights_to_bytes(trainable_weights(self.policy.model))
+        return Snapshot(version=self.version, blob=blob, digest=m.Weights.build(self.version, blob).digest)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.cfg.train.steps
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle(self, identity: bytes, msg: object) -> Optional[object]:
+        """Answer one decoded message from `identity` (None = no reply)."""
+        if isinstance(msg, m.Hello):
+            return self._on_hello(identity, msg)
+        actor = self.actors.get(identity)
+        if actor is None:
+            self.metrics.protocol_errors.labels(reason="not_registered").inc()
+            return m.ErrorReply(reason="not_registered", detail="send Hello first")
+        actor.last_seen = time.monotonic()
+        if isinstance(msg, m.Heartbeat):
+            return m.Heartbeat(actor_id=actor.actor_id, policy_version=self.version, sent_at=time.time())
+        if isinstance(msg, m.GetWeights):
+            return self._on_get_weights(msg)
+        if isinstance(msg, m.LeaseRequest):
+            return self._on_lease_request(identity, msg)
+        if isinstance(msg, m.Rollouts):
+            return self._on_rollouts(identity, msg)
+        self.metrics.protocol_errors.labels(reason="unexpected_type").inc()
+        return m.ErrorReply(reason="unexpected_type", detail=f"{type(msg).__name__} is not a request")
+
+    def _on_hello(self, identity: bytes, msg: m.Hello) -> m.Welcome:
+        self.actors[identity] = ActorInfo(actor_id=msg.actor_id, host=msg.host, last_seen=time.monotonic())
+        log.info("actor %s joined from %s (%s)", msg.actor_id, msg.host, msg.backend)
+        self.metrics.actors_connected.set(len(self.actors))
+        return self.welcome(msg.actor_id)
+
+    def welcome(self, actor_id: str) -> m.Welcome:
+        cfg = self.cfg
+        lora = cfg.lora.model_dump() if self.policy.lora is not None else None
+        return m.Welcome(
+            run_id=self.run_id,
+            actor_id=actor_id,
+            model=m.ModelRef(
+                path=self.policy.path,
+                digest=self.model_digest,
+                lora=lora,
+                dtype=cfg.model.dtype,
+                chat_template=cfg.task.chat_template,
+                system_prompt=cfg.task.system_prompt,
+            ),
+            generation=m.GenerationParams(**cfg.generation.model_dump()),
+            reward=m.RewardSpec(names=list(self.task.reward_names), weights=[float(w) for w in self.task.reward_weights]),
+            policy_version=self.version,
+            heartbeat_seconds=cfg.server.heartbeat_seconds,
+            pub_address=self.pub_address,
+            vocab_size=self.policy.vocab_size,
+        )
+
+    def _on_get_weights(self, msg: m.GetWeights) -> m.Weights:
+        # Only the newest snapshot is kept: an actor asking for an older one gets
+        # the current version, which is what it wants anyway.
+        snap = self.snapshot
+        self.metrics.weight_bytes_served.inc(len(snap.blob))
+        return m.Weights(version=snap.version, digest=snap.digest, format="safetensors", data=snap.blob)
+
+    # ------------------------------------------------------------------ leases
+
+    def _lease_capacity(self) -> int:
+        # Bound what is in flight so rollouts stay within max_staleness of the policy.
+        limit = 2 * self.cfg.grpo.groups_per_step
+        return max(0, limit - self.scheduler.outstanding_groups - len(self.buffer))
+
+    def _on_lease_request(self, identity: bytes, msg: m.LeaseRequest) -> m.Lease:
+        count = min(msg.max_groups, self.cfg.server.max_groups_per_lease, self._lease_capacity())
+        lease = self.scheduler.issue(identity.hex(), count) if count and not self.done else None
+        if lease is None:
+            return m.Lease(lease_id="", deadline_seconds=0.0, policy_version=self.version, prompts=[], retry_after=0.2)
+        self.metrics.leases_issued.inc()
+        self.metrics.leases_outstanding.set(len(self.scheduler.leases))
+        prompts = [self._prompt_item(t.group_id, t.prompt_index) for t in lease.tickets.values()]
+        return m.Lease(
+            lease_id=lease.lease_id,
+            deadline_seconds=self.cfg.server.lease_seconds,
+            policy_version=self.version,
+            prompts=prompts,
+        )
+
+    def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:
+        tokens = m.Tensor.from_numpy(self.prompt_tokens[index])
+        return m.PromptItem(group_id=group_id, prompt_index=index, prompt_tokens=tokens, fields=self.task.fields(self.task.train[index]))
+
+    def expire_leases(self) -> int:
+        """Re-queue leases past their deadline; returns how many expired."""
+        expired = self.scheduler.expire()
+        if expired:
+            self.metrics.leases_expired.inc(len(expired))
+            self.metrics.leases_outstanding.set(len(self.scheduler.leases))
+        return len(expired)
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _reject(self, reason: str, detail: str = "") -> m.Ack:
+        self.metrics.rejections.labels(reason=reason).inc()
+        return m.Ack(status="invalid", reason=reason if not detail else f"{reason}: {detail}")
+
+    def _on_rollouts(self, identity: bytes, msg: m.Rollouts) -> m.Ack:
+        stored = self.acks.get(msg.lease_id)
+        if stored is not None:
+            return stored  # a replay: same answer, no new accounting
+        gen = self.cfg.generation
+        reason = m.validate_rollouts(msg, group_size=gen.group_size, vocab_size=self.policy.vocab_size, max_tokens=gen.max_tokens)
+        if reason is not None:
+            return self._reject(reason)
+        if msg.policy_version > self.version:
+            return self._reject("future_version", f"{msg.policy_version} > {self.version}")
+        statuses = {g.group_id: self.scheduler.classify(identity.hex(), msg.lease_id, g.group_id) for g in msg.groups}
+        bad = sorted({s for s in statuses.values() if s in ("not_your_lease", "not_leased")})
+        if bad:
+            return self._reject(bad[0])
+        if self.version - msg.policy_version > self.cfg.grpo.max_staleness:
+            return self._store(msg.lease_id, self._stale(msg, statuses))
+        return self._store(msg.lease_id, self._accept(identity, msg, statuses))
+
+    def _store(self, lease_id: str, ack: m.Ack) -> m.Ack:
+        self.acks[lease_id] = ack
+        self.metrics.leases_outstanding.set(len(self.scheduler.leases))
+        return ack
+
+    def _stale(self, msg: m.Rollouts, statuses: dict[str, str]) -> m.Ack:
+        for group_id, status in statuses.items():
+            if status == "ok":
+                self.scheduler.requeue(msg.lease_id, group_id)
+        self.metrics.rejections.labels(reason="stale_version").inc(len(msg.groups))
+        return m.Ack(status="stale", reason="stale_version", groups={g: "stale" for g in statuses})
+
+    def _accept(self, identity: bytes, msg: m.Rollouts, statuses: dict[str, str]) -> m.Ack:
+        answer: dict[str, str] = {}
+        for group in msg.groups:
+            status = statuses[group.group_id]
+            if status != "ok":
+                self.metrics.rejections.labels(reason=status).inc()
+                answer[group.group_id] = "duplicate" if status == "duplicate" else "stale"
+                continue
+            ticket = self.scheduler.finish(msg.lease_id, group.group_id)
+            self._take_group(identity, msg.policy_version, ticket.prompt_index, group)
+            answer[group.group_id] = "accepted"
+        overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
+        return m.Ack(status=overall, groups=answer)
+
+    def _take_group(self, identity: bytes, version: int, prompt_index: int, group: m.GroupResult) -> None:
+        actor_id = self.actors[identity].actor_id
+        record = AcceptedGroup(
+            group_id=group.group_id,
+            prompt_index=prompt_index,
+            prompt_tokens=self.prompt_tokens[prompt_index],
+            completions=[
+                CompletionRecord(
+                    tokens=c.tokens.to_numpy().astype(np.int32),
+                    logprobs=c.logprobs.to_numpy().astype(np.float32),
+                    reward=float(c.reward),
+                    finish_reason=c.finish_reason,
+                )
+                for c in group.completions
+            ],
+            policy_version=version,
+            actor_id=actor_id,
+        )
+        self._ledger_file.write(json.dumps({
+            "group_id": record.group_id, "prompt_index": prompt_index, "actor_id": actor_id,
+            "policy_version": version, "step": self.step,
+        }) + "\n")
+        self.metrics.groups_accepted.inc()
+        self.metrics.tokens_accepted.inc(record.num_tokens)
+        self.metrics.staleness.observe(self.version - version)
+        self.metrics.group_reward.observe(float(record.rewards.mean()))
+        self.accepted_since_step += 1
+        if record.is_informative:
+            self.buffer.append(record)
+        else:
+            self.zero_variance_since_step += 1
+            self.metrics.groups_zero_variance.inc()
+
+    # ------------------------------------------------------------------ training
+
+    def ready_to_train(self) -> bool:
+        return not self.done and len(self.buffer) >= self.cfg.grpo.groups_per_step
+
+    def train_step(self) -> dict:
+        """One optimizer batch from the oldest informative groups; publishes when due."""
+        started = time.perf_counter()
+        count = self.cfg.grpo.groups_per_step
+        groups, self.buffer = self.buffer[:count], self.buffer[count:]
+        batch = build_train_batch(groups, scale_by_std=self.cfg.grpo.scale_by_std)
+        stats = self.trainer.step(batch)
+        self.step += 1
+        published = self.step % self.cfg.train.sync_every == 0
+        if published:
+            self.version += 1
+            self.snapshot = self._make_snapshot()
+        record = self._step_record(groups, stats, time.perf_counter() - started)
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._observe_step(record)
+        if self.step % self.cfg.train.checkpoint_every == 0 or self.done:
+            self.checkpoint()
+        record["published"] = published
+        return record
+
+    def _step_record(self, groups: list[AcceptedGroup], stats: dict, seconds: float) -> dict:
+        rewards = np.concatenate([g.rewards for g in groups])
+        zero_var = self.zero_variance_since_step / max(1, self.accepted_since_step)
+        self.accepted_since_step = self.zero_variance_since_step = 0
+        return {
+            "step": self.step,
+            "policy_version": self.version,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "loss": stats["loss"],
+            "kl": stats["kl"],
+            "clip_fraction": stats["clip_fraction"],
+            "grad_norm": stats["grad_norm"],
+            "groups": len(groups),
+            "tokens": int(sum(g.num_tokens for g in groups)),
+            "staleness_mean": float(np.mean([self.version - g.policy_version for g in groups])),
+            "zero_variance_fraction": zero_var,
+            "step_seconds": seconds,
+            "wall_seconds": time.monotonic() - self.started,
+            "actors": len(self.actors),
+        }
+
+    def _observe_step(self, record: dict) -> None:
+        mt = self.metrics
+        mt.steps.inc()
+        mt.policy_version.set(self.version)
+        mt.reward.set(record["reward_mean"])
+        mt.loss.set(record["loss"])
+        mt.kl.set(record["kl"])
+        mt.clip_fraction.set(record["clip_fraction"])
+        mt.zero_variance_fraction.set(record["zero_variance_fraction"])
+        mt.step_seconds.observe(record["step_seconds"])
+
+    def checkpoint(self) -> Path:
+        """Write the current weights (mlx-lm format) and point `latest` at them."""
+        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        meta = {"step": self.step, "policy_version": self.version, "run_id": self.run_id}
+        save_checkpoint(self.policy, path, extra=meta)
+        self.trainer.save_optimizer(path / "optimizer.safetensors")
+        latest = self.run_dir / "checkpoints" / "latest.json"
+        tmp = latest.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"path": path.name, **meta}))
+        tmp.replace(latest)
+        return path
+
+    def close(self) -> None:
+        self._metrics_file.close()
+        self._ledger_file.close()

@@ -1,0 +1,154 @@
+"""Prompt leases: which prompt groups are out, with whom, until when.
+
+Pure bookkeeping on the learner's own monotonic clock; no sockets. A group keeps
+its `group_id` for its whole life (re-queued groups are re-leased under the same
+id), so dedup by `group_id` gives exactly-once accounting.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class GroupTicket:
+    """One prompt handed out as a group of G completions."""
+
+    group_id: str
+    prompt_index: int
+
+
+@dataclass
+class LeaseRecord:
+    """Groups leased to one actor with a deadline."""
+
+    lease_id: str
+    actor: str
+    deadline: float
+    tickets: dict[str, GroupTicket] = field(default_factory=dict)
+
+
+class PromptScheduler:
+    """Hands out prompts under leases, re-queues expired ones, tracks finished groups."""
+
+    def __init__(
+        self,
+        num_prompts: int,
+        *,
+        seed: int,
+        lease_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if num_prompts < 1:
+            raise ValueError("the dataset has no prompts")
+        self.num_prompts = num_prompts
+        self.lease_seconds = lease_seconds
+        self.clock = clock
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+        self._cursor = 0
+        self.epoch = 0
+        self._serial = 0
+        self._requeued: deque[GroupTicket] = deque()
+        self.leases: dict[str, LeaseRecord] = {}
+        self._lease_of_group: dict[str, str] = {}
+        self.finished: set[str] = set()
+
+    # ------------------------------------------------------------------ handing out
+
+    def _next_fresh(self) -> GroupTicket:
+        if self._cursor >= len(self._order):
+            self._order = list(range(self.num_prompts))
+            self._rng.shuffle(self._order)
+            self._cursor = 0
+            self.epoch += 1
+        index = self._order[self._cursor]
+        self._cursor += 1
+        self._serial += 1
+        return GroupTicket(group_id=f"g{self._serial:08d}", prompt_index=index)
+
+    @property
+    def outstanding_groups(self) -> int:
+        return len(self._lease_of_group)
+
+    @property
+    def queued_groups(self) -> list[GroupTicket]:
+        return list(self._requeued)
+
+    def issue(self, actor: str, max_groups: int) -> Optional[LeaseRecord]:
+        """Lease up to `max_groups` groups to `actor`; re-queued groups go first."""
+        if max_groups < 1:
+            return None
+        lease = LeaseRecord(lease_id=uuid.uuid4().hex, actor=actor, deadline=self.clock() + self.lease_seconds)
+        for _ in range(max_groups):
+            ticket = self._requeued.popleft() if self._requeued else self._next_fresh()
+            lease.tickets[ticket.group_id] = ticket
+            self._lease_of_group[ticket.group_id] = lease.lease_id
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    # ------------------------------------------------------------------ returning
+
+    def classify(self, actor: str, lease_id: str, group_id: str) -> str:
+        """How a submitted group stands: ok, duplicate, stale_lease, not_your_lease or not_leased."""
+        if group_id in self.finished:
+            return "duplicate"
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return "stale_lease"
+        if lease.actor != actor:
+            return "not_your_lease"
+        if group_id not in lease.tickets:
+            return "not_leased"
+        return "ok"
+
+    def ticket(self, lease_id: str, group_id: str) -> GroupTicket:
+        return self.leases[lease_id].tickets[group_id]
+
+    def finish(self, lease_id: str, group_id: str) -> GroupTicket:
+        """Mark a group accepted; it will never be handed out again."""
+        ticket = self._take(lease_id, group_id)
+        self.finished.add(group_id)
+        return ticket
+
+    def requeue(self, lease_id: str, group_id: str) -> GroupTicket:
+        """Put a leased group back at the front of the queue (stale result, lost actor)."""
+        ticket = self._take(lease_id, group_id)
+        self._requeued.append(ticket)
+        return ticket
+
+    def _take(self, lease_id: str, group_id: str) -> GroupTicket:
+        lease = self.leases[lease_id]
+        ticket = lease.tickets.pop(group_id)
+        self._lease_of_group.pop(group_id, None)
+        if not lease.tickets:
+            del self.leases[lease_id]
+        return ticket
+
+    def expire(self) -> list[LeaseRecord]:
+        """Re-queue every lease past its deadline; returns the expired leases."""
+        now = self.clock()
+        expired = [lease for lease in self.leases.values() if lease.deadline <= now]
+        for lease in expired:
+            self.release(lease.lease_id)
+        return expired
+
+    def release(self, lease_id: str) -> None:
+        """Re-queue all groups still out under a lease."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return
+        for group_id in list(lease.tickets):
+            self.requeue(lease_id, group_id)
+
+    def release_actor(self, actor: str) -> int:
+        """Re-queue everything leased to an actor that went away; returns the lease count."""
+        mine = [lease.lease_id for lease in self.leases.values() if lease.actor == actor]
+        for lease_id in mine:
+            self.release(lease_id)
+        return len(mine)

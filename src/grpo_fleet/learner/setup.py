@@ -1,0 +1,73 @@
+"""Build a learner from a RunConfig: model, task, tokenized prompts, trainer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from grpo_fleet.actor.rollout import encode_prompt
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.core import Learner
+from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.metrics import learner_metrics
+from grpo_fleet.model import build_tiny_model, load_policy, model_digest
+from grpo_fleet.tasks import Task, build_task
+
+log = logging.getLogger("grpo_fleet.learner")
+
+
+def tokenizer_corpus(task: Task) -> list[str]:
+    """Text the tiny model's tokenizer is trained on: the task's prompts and answers."""
+    lines = [f"{ex.prompt}{ex.answer}" for ex in task.train + task.eval]
+    return lines + ["<think> </think> <answer> </answer> user assistant system"]
+
+
+def resolve_model_path(cfg: RunConfig, task: Task) -> str:
+    """The model directory or hub id to load; builds the tiny model when path = 'tiny'."""
+    if cfg.model.path != "tiny":
+        return cfg.model.path
+    target = Path(cfg.run_dir) / "tiny-model"
+    build_tiny_model(target, cfg.model.tiny, tokenizer_corpus(task))
+    return str(target.resolve())
+
+
+def tokenize_prompts(tokenizer: object, task: Task, cfg: RunConfig, *, split: str = "train") -> list[np.ndarray]:
+    """Token ids of every prompt, chat template applied when configured."""
+    examples = task.train if split == "train" else task.eval
+    return [
+        np.asarray(
+            encode_prompt(tokenizer, ex.prompt, chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt),
+            dtype=np.int32,
+        )
+        for ex in examples
+    ]
+
+
+def build_learner(cfg: RunConfig, *, pub_address: Optional[str] = None) -> Learner:
+    """Everything the learner needs, loaded and ready; writes the resolved config to the run dir."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task = build_task(cfg.task)
+    path = resolve_model_path(cfg, task)
+    lora = cfg.lora if cfg.lora.enabled else None
+    policy = load_policy(path, lora=lora, dtype=cfg.model.dtype)
+    ref_model = None
+    if lora is None and cfg.grpo.beta > 0:
+        # Full fine-tuning changes every weight, so pi_ref needs its own frozen copy.
+        ref_model = load_policy(path, dtype=cfg.model.dtype).model
+        ref_model.freeze()
+    trainer = Trainer(
+        policy, cfg.grpo, cfg.optim,
+        temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens, ref_model=ref_model,
+    )
+    prompts = tokenize_prompts(policy.tokenizer, task, cfg)
+    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    learner = Learner(
+        cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address
+    )
+    log.info("learner ready: model %s, %d prompts, run %s", path, len(prompts), learner.run_id)
+    return learner

@@ -1,0 +1,117 @@
+"""The MLX update: forward the policy (and pi_ref), GRPO loss, clipped AdamW step.
+
+The loss is a parameter (`loss_fn`) so a new objective plugs in without forking
+the trainer; the default wraps `grpo.grpo_loss`.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from grpo_fleet.config import GRPOConfig, OptimConfig
+from grpo_fleet.learner.batch import TrainBatch
+from grpo_fleet.learner.grpo import grpo_loss, token_logprobs
+from grpo_fleet.model import Policy, adapters_disabled
+
+
+def policy_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, temperature: float) -> mx.array:
+    """Per-token logprobs under the same convention the actors record: log_softmax(logits / T)."""
+    logits = model(inputs).astype(mx.float32)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logprobs(logits, targets)
+
+
+def default_loss(
+    model: nn.Module, batch: TrainBatch, ref_logprobs: Optional[mx.array], *, grpo: GRPOConfig, temperature: float, max_tokens: int
+) -> tuple[mx.array, dict]:
+    """GRPO objective of `batch` under the current weights."""
+    logprobs = policy_logprobs(model, batch.inputs, batch.targets, temperature)
+    return grpo_loss(
+        logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.mask,
+        ref_logprobs=ref_logprobs,
+        beta=grpo.beta,
+        epsilon_low=grpo.epsilon_low,
+        epsilon_high=grpo.epsilon_high,
+        loss_type=grpo.loss_type,
+        max_tokens=max_tokens,
+    )
+
+
+class Trainer:
+    """Owns the optimizer and takes `ppo_epochs` clipped AdamW steps per batch."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        grpo: GRPOConfig,
+        optim_cfg: OptimConfig,
+        *,
+        temperature: float,
+        max_tokens: int,
+        ref_model: Optional[nn.Module] = None,
+        loss_fn: Optional[Callable[..., tuple[mx.array, dict]]] = None,
+    ) -> None:
+        self.policy = policy
+        self.grpo = grpo
+        self.optim_cfg = optim_cfg
+        self.temperature = temperature
+        self.ref_model = ref_model
+        loss = loss_fn or default_loss
+        bound = partial(loss, grpo=grpo, temperature=temperature, max_tokens=max_tokens)
+        self._loss_and_grad = nn.value_and_grad(policy.model, bound)
+        self.optimizer = optim.AdamW(
+            learning_rate=optim_cfg.lr, betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+        )
+        self.optimizer.init(policy.model.trainable_parameters())
+
+    def reference_logprobs(self, batch: TrainBatch) -> Optional[mx.array]:
+        """pi_ref logprobs: the base with adapters off under LoRA, a frozen copy otherwise."""
+        if self.grpo.beta == 0:
+            return None
+        if self.policy.lora is not None:
+            with adapters_disabled(self.policy.model):
+                ref = policy_logprobs(self.policy.model, batch.inputs, batch.targets, self.temperature)
+        elif self.ref_model is not None:
+            ref = policy_logprobs(self.ref_model, batch.inputs, batch.targets, self.temperature)
+        else:
+            raise ValueError("beta > 0 with full fine-tuning needs a reference model")
+        ref = mx.stop_gradient(ref)
+        mx.eval(ref)
+        return ref
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """Train on one batch; returns scalar stats averaged over the epochs."""
+        start = time.perf_counter()
+        ref = self.reference_logprobs(batch)
+        totals: dict[str, float] = {}
+        for _ in range(self.grpo.ppo_epochs):
+            (loss, stats), grads = self._loss_and_grad(self.policy.model, batch, ref)
+            grads, grad_norm = optim.clip_grad_norm(grads, self.optim_cfg.grad_clip)
+            self.optimizer.update(self.policy.model, grads)
+            mx.eval(self.policy.model.trainable_parameters(), self.optimizer.state, loss, stats, grad_norm)
+            for key, value in {"loss": loss, "grad_norm": grad_norm, **stats}.items():
+                totals[key] = totals.get(key, 0.0) + float(value) / self.grpo.ppo_epochs
+        totals["train_seconds"] = time.perf_counter() - start
+        return totals
+
+    def save_optimizer(self, path: Path) -> None:
+        """Optimizer moments and step, for an exact resume."""
+        flat = dict(tree_flatten(self.optimizer.state))
+        mx.save_safetensors(str(path), {k: v for k, v in flat.items() if isinstance(v, mx.array)})
+
+    def load_optimizer(self, path: Path) -> None:
+        """Restore what `save_optimizer` wrote."""
+        loaded: dict[str, Any] = dict(mx.load(str(path)))
+        self.optimizer.state = tree_unflatten(list(loaded.items()))

@@ -1,0 +1,349 @@
+"""Models: load through mlx_lm, LoRA or full fine-tuning, weight blobs, checkpoints,
+and the self-built tiny model used by the tests and the demo.
+
+Everything goes through `mlx_lm.load`, so a real mlx-community model (quantized or
+not) takes exactly the same path as the tiny one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from grpo_fleet.config import LoraConfig, TinyModelConfig
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|pad|>", "<unk>"
+# A ChatML-style template so the chat path can be exercised with the tiny model.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class Policy:
+    """A loaded policy: the model, its tokenizer wrapper, and how it is trained."""
+
+    model: nn.Module
+    tokenizer: Any
+    path: str
+    lora: Optional[LoraConfig]
+    vocab_size: int
+
+
+def default_dtype() -> Optional[str]:
+    """fp32 on the CPU backend (bf16 matmul is slow there); keep the model's dtype on a GPU."""
+    return None if mx.default_device() == mx.gpu else "float32"
+
+
+def _cast_floating(model: nn.Module, dtype_name: str) -> None:
+    dtype = getattr(mx, dtype_name)
+    model.set_dtype(dtype, predicate=lambda current: mx.issubdtype(current, mx.floating))
+
+
+def load_policy(path: str, *, lora: Optional[LoraConfig] = None, dtype: Optional[str] = None) -> Policy:
+    """Load a model directory or hub id through mlx_lm and make it trainable.
+
+    With LoRA the base stays frozen and adapters are added; otherwise every weight
+    is trainable (which a quantized model cannot be).
+    """
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(path)
+    dtype = dtype or default_dtype()
+    if dtype:
+        _cast_floating(model, dtype)
+    if lora is not None and lora.enabled:
+        apply_lora(model, lora)
+    else:
+        lora = None
+        _refuse_quantized_full_finetune(model, path)
+        model.unfreeze()
+    model.train(False)
+    vocab_size = int(model.args.vocab_size) if hasattr(model, "args") else len(tokenizer.get_vocab())
+    return Policy(model=model, tokenizer=tokenizer, path=path, lora=lora, vocab_size=vocab_size)
+
+
+def _refuse_quantized_full_finetune(model: nn.Module, path: str) -> None:
+    if any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+        raise ValueError(f"{path} is quantized: full fine-tuning is impossible, enable [lora]")
+
+
+def lora_parameters(lora: LoraConfig) -> dict[str, Any]:
+    """The `lora_parameters` block mlx-lm expects (it requires `scale`)."""
+    params: dict[str, Any] = {"rank": lora.rank, "scale": lora.scale, "dropout": lora.dropout}
+    if lora.keys:
+        params["keys"] = list(lora.keys)
+    return params
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
+    """Freeze the base and add adapters to the last `num_layers` blocks (all if -1)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model.freeze()
+    num_layers = len(model.layers) if lora.num_layers < 0 else lora.num_layers
+    linear_to_lora_layers(model, num_layers, lora_parameters(lora))
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "scale")]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the base model (pi_ref) by zeroing every adapter's scale, then restore it.
+
+    This is why pi_ref needs no second copy of the weights under LoRA. It must not
+    be used inside an `mx.compile`d function, which would freeze the scale.
+    """
+    layers = _lora_layers(model)
+    saved = [layer.scale for layer in layers]
+    try:
+        for layer in layers:
+            layer.scale = 0.0
+        yield
+    finally:
+        for layer, scale in zip(layers, saved):
+            layer.scale = scale
+
+
+def trainable_weights(model: nn.Module) -> dict[str, mx.array]:
+    """The flat dict of weights that training changes (adapters, or everything)."""
+    return dict(tree_flatten(model.trainable_parameters()))
+
+
+def weights_to_bytes(weights: dict[str, mx.array]) -> bytes:
+    """Serialise weights as safetensors bytes (dtype and shape preserved, no pickle)."""
+    buffer = io.BytesIO()
+    mx.save_safetensors(buffer, weights)
+    return buffer.getvalue()
+
+
+def weights_from_bytes(blob: bytes) -> dict[str, mx.array]:
+    """Parse safetensors bytes back into arrays."""
+    return dict(mx.load(io.BytesIO(blob), format="safetensors"))
+
+
+def digest_bytes(blob: bytes) -> str:
+    """sha256 hex digest used to check every weight blob before it is swapped in."""
+    return hashlib.sha256(blob).hexdigest()
+
+
+def load_weight_blob(model: nn.Module, blob: bytes, expected_digest: str) -> None:
+    """Swap in a weight blob after checking its digest and that every name and shape exists."""
+    if digest_bytes(blob) != expected_digest:
+        raise ValueError("weight blob digest mismatch; keeping the current snapshot")
+    incoming = weights_from_bytes(blob)
+    current = dict(tree_flatten(model.parameters()))
+    for name, value in incoming.items():
+        if name not in current or current[name].shape != value.shape:
+            raise ValueError(f"weight blob does not fit the model at {name!r}")
+    model.load_weights(list(incoming.items()), strict=False)
+    mx.eval(model.parameters())
+
+
+def model_digest(path: str) -> str:
+    """A digest of a model directory's config and weights, so actors can prove they load the same base."""
+    from mlx_lm.utils import _download
+
+    root = Path(_download(path))
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in root.iterdir() if p.suffix in (".json", ".safetensors")):
+        digest.update(name.encode())
+        with open(root / name, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _atomic_dir(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+
+
+def _commit_dir(staging: Path, final: Path) -> None:
+    """Replace `final` with `staging` so readers see the old or the new checkpoint, never half of one."""
+    if final.exists():
+        trash = final.with_name(f".{final.name}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+        os.rename(staging, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(staging, final)
+
+
+def save_checkpoint(policy: Policy, out_dir: str | Path, extra: Optional[dict] = None) -> Path:
+    """Write the trainable weights in mlx-lm's format, atomically.
+
+    LoRA: `adapters.safetensors` + `adapter_config.json` (load with
+    `mlx_lm.load(base, adapter_path=out_dir)`). Full fine-tuning: an HF-format model
+    directory (load with `mlx_lm.load(out_dir)`).
+    """
+    final = Path(out_dir)
+    staging = _atomic_dir(final)
+    if policy.lora is not None:
+        mx.save_safetensors(str(staging / "adapters.safetensors"), trainable_weights(policy.model))
+        _write_adapter_config(staging / "adapter_config.json", policy)
+    else:
+        _save_full_model(policy, staging)
+    with open(staging / "grpo_fleet.json", "w") as handle:
+        json.dump({"base_model": policy.path, **(extra or {})}, handle, indent=2)
+    _commit_dir(staging, final)
+    return final
+
+
+def _write_adapter_config(path: Path, policy: Policy) -> None:
+    assert policy.lora is not None
+    num_layers = len(policy.model.layers) if policy.lora.num_layers < 0 else policy.lora.num_layers
+    config = {
+        "fine_tune_type": "lora",
+        "model": policy.path,
+        "num_layers": num_layers,
+        "lora_parameters": lora_parameters(policy.lora),
+    }
+    with open(path, "w") as handle:
+        json.dump(config, handle, indent=2)
+
+
+def _save_full_model(policy: Policy, staging: Path) -> None:
+    from mlx_lm.utils import _download, save_model
+
+    source = Path(_download(policy.path))
+    save_model(staging, policy.model)
+    for item in source.iterdir():
+        # Config and tokenizer files come from the source; weights were just written.
+        if item.is_file() and not item.name.startswith("model") and item.suffix != ".safetensors":
+            shutil.copy(item, staging / item.name)
+
+
+# --------------------------------------------------------------------------- tiny model
+
+
+def _train_tokenizer(corpus: list[str], vocab_size: int) -> Any:
+    """A BPE tokenizer over the corpus's own characters, with digits kept one per token.
+
+    Keeping the alphabet to what the task uses makes a random policy score above
+    zero, which is what gives GRPO its first signal.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Metaspace(prepend_scheme="never")]
+    )
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="never")
+    alphabet = sorted({ch for line in corpus for ch in line.replace(" ", "\u2581")})
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
+
+
+def _write_tokenizer(tokenizer: Any, out: Path) -> list[int]:
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": UNK_TOKEN,
+        "bos_token": None,
+        "chat_template": TINY_CHAT_TEMPLATE,
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+    }
+    with open(out / "tokenizer_config.json", "w") as handle:
+        json.dump(config, handle, indent=2)
+    return [tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id("<|im_end|>")]
+
+
+def _tiny_model_config(cfg: TinyModelConfig, vocab_size: int, eos_ids: list[int]) -> dict:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": eos_ids,
+        "pad_token_id": eos_ids[0],
+        "torch_dtype": "float32",
+    }
+
+
+def _init_tiny_weights(config: dict, seed: int) -> nn.Module:
+    """Random init from mlx_lm's ModelArgs, with small embeddings so the first policy is near-uniform."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs.from_dict(config)
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    embed = model.model.embed_tokens
+    embed.weight = mx.random.normal(embed.weight.shape, scale=0.02)
+    mx.eval(model.parameters())
+    return model
+
+
+def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig, corpus: list[str]) -> Path:
+    """Build (or reuse) the tiny HF-format model directory; deterministic for a seed and corpus."""
+    from mlx_lm.utils import save_config, save_model
+
+    final = Path(out_dir)
+    if (final / "config.json").exists() and (final / "tokenizer.json").exists():
+        return final
+    staging = _atomic_dir(final)
+    tokenizer = _train_tokenizer(corpus, cfg.vocab_size)
+    eos_ids = _write_tokenizer(tokenizer, staging)
+    config = _tiny_model_config(cfg, tokenizer.get_vocab_size(), eos_ids)
+    model = _init_tiny_weights(config, cfg.seed)
+    save_model(staging, model)
+    save_config(config, staging / "config.json")
+    if final.exists():
+        shutil.rmtree(staging)
+        return final
+    os.rename(staging, final)
+    return final
+
+
+def load_checkpoint(checkpoint: str | Path) -> tuple[nn.Module, Any]:
+    """Load a checkpoint written by `save_checkpoint` through mlx_lm, as a user would."""
+    import mlx_lm
+
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "adapters.safetensors").exists():
+        base = json.loads((checkpoint / "grpo_fleet.json").read_text())["base_model"]
+        return mlx_lm.load(base, adapter_path=str(checkpoint))
+    return mlx_lm.load(str(checkpoint))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint of a run, or None."""
+    pointer = Path(run_dir) / "checkpoints" / "latest.json"
+    if not pointer.exists():
+        return None
+    return pointer.parent / json.loads(pointer.read_text())["path"]

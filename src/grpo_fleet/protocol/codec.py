@@ -1,0 +1,154 @@
+"""msgpack envelope around the pydantic messages, hardened for untrusted input.
+
+Wire format: a msgpack map `{"v": PROTOCOL_VERSION, "type": <class name>,
+"body": <model_dump()>}`; bytes fields travel as msgpack bin (no base64).
+`decode` raises only `ProtocolError`, whose `reason` is a fixed short label so
+the learner can answer the peer and count failures by kind.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgpack
+from pydantic import BaseModel, ValidationError
+
+from grpo_fleet.protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION
+
+MiB = 1024 * 1024
+
+REASONS = frozenset({"too_large", "malformed", "bad_version", "unknown_type", "invalid", "too_deep", "bad_frames"})
+
+_ENVELOPE_KEYS = frozenset({"v", "type", "body"})
+_SCALARS = (str, bytes, int, float, bool, type(None))
+# msgpack reports its own length limits as ValueError("N exceeds max_bin_len(M)").
+_LENGTH_LIMIT = re.compile(r"exceeds max_(bin|str|array|map)_len")
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds applied while decoding one message."""
+
+    max_message_bytes: int = 64 * MiB
+    max_bin_len: int = 64 * MiB
+    max_str_len: int = 1 * MiB
+    max_array_len: int = 100_000
+    max_map_len: int = 1024
+    max_depth: int = 16
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted; `reason` is one of REASONS."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        if reason not in REASONS:
+            raise ValueError(f"unknown protocol error reason {reason!r}")
+        super().__init__(message or reason)
+        self.reason = reason
+        self.message = message or reason
+
+    def __repr__(self) -> str:
+        return f"ProtocolError({self.reason!r}, {self.message!r})"
+
+
+class _ExtRejected(Exception):
+    pass
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise _ExtRejected(f"msgpack ext type {code} is not allowed")
+
+
+def encode(msg: BaseModel) -> bytes:
+    """Pack a top-level message into its envelope."""
+    name = type(msg).__name__
+    if MESSAGE_TYPES.get(name) is not type(msg):
+        raise TypeError(f"{name} is not a protocol message type")
+    envelope = {"v": PROTOCOL_VERSION, "type": name, "body": msg.model_dump()}
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def _unpack(data: Buffer, limits: Limits) -> Any:
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=limits.max_bin_len,
+            max_str_len=limits.max_str_len,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=0,
+            ext_hook=_reject_ext,
+        )
+    except msgpack.exceptions.StackError as exc:
+        raise ProtocolError("too_deep", f"nesting exceeds the msgpack stack: {exc}") from None
+    except ValueError as exc:
+        if _LENGTH_LIMIT.search(str(exc)):
+            raise ProtocolError("too_large", str(exc)) from None
+        raise ProtocolError("malformed", f"{type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any parser failure on foreign bytes is "malformed"
+        raise ProtocolError("malformed", f"{type(exc).__name__}: {exc}") from None
+
+
+def _check_tree(obj: Any, max_depth: int) -> None:
+    """Iterative walk: bounded depth, str map keys and plain types only (no recursion to overflow)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > max_depth:
+                raise ProtocolError("too_deep", f"nesting deeper than {max_depth}")
+            if isinstance(node, dict):
+                if not all(isinstance(k, str) for k in node):
+                    raise ProtocolError("malformed", "map keys must be strings")
+                children = node.values()
+            else:
+                children = node
+            stack.extend((child, depth + 1) for child in children)
+        elif not isinstance(node, _SCALARS):
+            raise ProtocolError("malformed", f"unexpected value type {type(node).__name__}")
+
+
+def _summarize(exc: ValidationError, limit: int = 3) -> str:
+    parts = []
+    for err in exc.errors(include_url=False, include_input=False)[:limit]:
+        loc = ".".join(str(p) for p in err["loc"]) or "<body>"
+        parts.append(f"{loc}: {err['msg']}")
+    more = exc.error_count() - limit
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+def decode(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> BaseModel:
+    """Parse and validate one message; raises ProtocolError and nothing else."""
+    try:
+        size = memoryview(data).nbytes
+    except TypeError:
+        raise ProtocolError("malformed", f"expected a bytes-like object, got {type(data).__name__}") from None
+    if size > limits.max_message_bytes:
+        raise ProtocolError("too_large", f"{size} bytes > limit {limits.max_message_bytes}")
+    envelope = _unpack(data, limits)
+    _check_tree(envelope, limits.max_depth)
+    if not isinstance(envelope, dict) or set(envelope) != _ENVELOPE_KEYS:
+        raise ProtocolError("malformed", "envelope must be a map with exactly the keys v, type, body")
+    version = envelope["v"]
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    name = envelope["type"]
+    cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError("unknown_type", f"unknown message type {str(name)[:64]!r}")
+    try:
+        return cls.model_validate(envelope["body"], strict=True)
+    except ValidationError as exc:
+        raise ProtocolError("invalid", f"{name}: {_summarize(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - a validator bug must not escape as a crash
+        raise ProtocolError("invalid", f"{name}: {type(exc).__name__}: {exc}") from None

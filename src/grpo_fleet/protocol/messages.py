@@ -1,0 +1,270 @@
+"""Wire messages exchanged between the learner and its actors.
+
+Every model is strict, frozen and closed (`extra="forbid"`): the learner treats
+each actor as untrusted input, so nothing is coerced and unknown fields are an
+error rather than silently dropped. Sequences are `list` because msgpack
+decodes arrays to lists and strict mode would reject a list for a tuple field.
+
+Only intrinsic, cheap checks live in the validators. Checks that depend on run
+state (group size, vocabulary, token budget) are in `validate_rollouts`, so the
+learner can report a precise reason and count it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Annotated, Literal, Optional, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = 1
+
+TensorDType = Literal["int32", "uint32", "float32", "float16", "bfloat16"]
+
+# Little-endian is fixed on the wire so hosts of either byte order agree.
+_NUMPY_DTYPES: dict[str, np.dtype] = {
+    "int32": np.dtype("<i4"),
+    "uint32": np.dtype("<u4"),
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+}
+_ITEMSIZE: dict[str, int] = {"int32": 4, "uint32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
+
+# Finite floats only: NaN/inf in a config-like field is always a bug or an attack.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+LoraValue = Union[bool, int, float, str, list[str], None]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Tensor(_Strict):
+    """A dense little-endian array as raw bytes (msgpack bin, no base64)."""
+
+    dtype: TensorDType
+    shape: list[NonNegInt] = Field(max_length=4)
+    data: bytes
+
+    @model_validator(mode="after")
+    def _check_size(self) -> "Tensor":
+        expected = math.prod(self.shape) * _ITEMSIZE[self.dtype]
+        if len(self.data) != expected:
+            raise ValueError(
+                f"tensor data is {len(self.data)} bytes, shape {self.shape} of {self.dtype} needs {expected}"
+            )
+        return self
+
+    @classmethod
+    def from_numpy(cls, arr: np.ndarray) -> "Tensor":
+        """Wrap an int32/uint32/float32/float16 array (one copy into `bytes`)."""
+        arr = np.asarray(arr)
+        for name, dt in _NUMPY_DTYPES.items():
+            if arr.dtype.kind == dt.kind and arr.dtype.itemsize == dt.itemsize:
+                contiguous = np.ascontiguousarray(arr, dtype=dt)
+                return cls(dtype=name, shape=list(contiguous.shape), data=contiguous.tobytes())
+        raise TypeError(f"unsupported numpy dtype {arr.dtype}; convert to int32/uint32/float32/float16")
+
+    @classmethod
+    def from_raw(cls, dtype: TensorDType, shape: list[int], data: bytes) -> "Tensor":
+        """Build from raw little-endian bytes, e.g. bfloat16 buffers numpy can't represent."""
+        return cls(dtype=dtype, shape=list(shape), data=bytes(data))
+
+    def to_numpy(self) -> np.ndarray:
+        """Zero-copy, read-only view of `data`. bfloat16 raises: numpy has no such dtype."""
+        if self.dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"{self.dtype} has no numpy dtype; use .data and .shape directly")
+        return np.frombuffer(self.data, dtype=_NUMPY_DTYPES[self.dtype]).reshape(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class Hello(_Strict):
+    actor_id: str = Field(min_length=1, max_length=128)
+    host: str = Field(max_length=256)
+    backend: str = Field(max_length=64)
+    versions: dict[str, str] = Field(max_length=32)
+    capacity: PositiveFloat = 1.0  # tokens/s hint for scheduling
+
+
+class GenerationParams(_Strict):
+    group_size: int = Field(ge=2, le=1024)
+    max_tokens: int = Field(ge=1, le=32768)
+    temperature: PositiveFloat
+    top_p: float = Field(gt=0, le=1, allow_inf_nan=False)
+
+
+class RewardSpec(_Strict):
+    names: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(min_length=1, max_length=16)
+    weights: list[FiniteFloat] = Field(min_length=1, max_length=16)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "RewardSpec":
+        if len(self.names) != len(self.weights):
+            raise ValueError(f"{len(self.names)} reward names but {len(self.weights)} weights")
+        return self
+
+
+class ModelRef(_Strict):
+    path: str = Field(min_length=1, max_length=1024)
+    digest: Sha256Hex
+    # LoRA settings that rebuild the same trainable structure; None = full weights.
+    lora: Optional[dict[str, LoraValue]] = Field(default=None, max_length=64)
+    dtype: Optional[str] = None
+    chat_template: bool = False
+    system_prompt: Optional[str] = None
+
+
+class Welcome(_Strict):
+    run_id: str
+    actor_id: str
+    model: ModelRef
+    generation: GenerationParams
+    reward: RewardSpec
+    policy_version: NonNegInt
+    heartbeat_seconds: PositiveFloat
+    pub_address: Optional[str] = None
+    vocab_size: int = Field(ge=1)
+
+
+class GetWeights(_Strict):
+    version: NonNegInt
+
+
+class Weights(_Strict):
+    version: NonNegInt
+    digest: Sha256Hex
+    format: Literal["safetensors"]
+    data: bytes
+
+    @classmethod
+    def build(cls, version: int, data: bytes) -> "Weights":
+        """Create a Weights message with its digest computed from `data`."""
+        return cls(version=version, digest=hashlib.sha256(data).hexdigest(), format="safetensors", data=data)
+
+    def digest_ok(self) -> bool:
+        # Not a validator: hashing hundreds of MB on every decode belongs to the caller.
+        return hashlib.sha256(self.data).hexdigest() == self.digest
+
+
+class LeaseRequest(_Strict):
+    max_groups: int = Field(ge=1, le=256)
+
+
+class PromptItem(_Strict):
+    group_id: str = Field(min_length=1, max_length=128)
+    prompt_index: NonNegInt
+    prompt_tokens: Tensor
+    fields: dict[str, str] = Field(max_length=16)
+
+
+class Lease(_Strict):
+    lease_id: str
+    deadline_seconds: NonNegFloat  # relative: actor and learner clocks need not agree
+    policy_version: NonNegInt
+    prompts: list[PromptItem] = Field(max_length=256)  # empty = nothing to do now
+    retry_after: NonNegFloat = 0.5
+
+
+class Completion(_Strict):
+    tokens: Tensor
+    logprobs: Tensor
+    reward: float
+    finish_reason: Literal["stop", "length"]
+
+    @model_validator(mode="after")
+    def _intrinsic(self) -> "Completion":
+        if self.tokens.dtype not in ("int32", "uint32") or len(self.tokens.shape) != 1:
+            raise ValueError("tokens must be a 1-D int32/uint32 tensor")
+        if self.logprobs.dtype != "float32" or len(self.logprobs.shape) != 1:
+            raise ValueError("logprobs must be a 1-D float32 tensor")
+        if self.tokens.shape[0] != self.logprobs.shape[0]:
+            raise ValueError(f"{self.tokens.shape[0]} tokens but {self.logprobs.shape[0]} logprobs")
+        if self.tokens.shape[0] < 1:
+            raise ValueError("a completion needs at least one token")
+        if not math.isfinite(self.reward):
+            raise ValueError("reward must be finite")
+        return self
+
+
+class GroupResult(_Strict):
+    group_id: str = Field(min_length=1, max_length=128)
+    completions: list[Completion] = Field(min_length=1, max_length=1024)
+
+
+class Rollouts(_Strict):
+    lease_id: str
+    policy_version: NonNegInt
+    groups: list[GroupResult] = Field(min_length=1, max_length=256)
+
+
+class Ack(_Strict):
+    status: Literal["accepted", "duplicate", "stale", "invalid"]
+    reason: str = ""
+    groups: dict[str, str] = Field(default_factory=dict)  # group_id -> status
+
+
+class Heartbeat(_Strict):
+    actor_id: str = ""
+    policy_version: int = 0
+    sent_at: float = 0.0  # informational only; clocks are not assumed in sync
+
+
+class ErrorReply(_Strict):
+    reason: str  # short machine label, e.g. "malformed"
+    detail: str = ""
+
+
+class PolicyUpdated(_Strict):
+    version: NonNegInt
+    digest: str
+
+
+class Shutdown(_Strict):
+    reason: str = ""
+
+
+Message = Union[
+    Hello, Welcome, GetWeights, Weights, LeaseRequest, Lease,
+    Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown,
+]
+
+# Only top-level messages travel in an envelope; component models (Tensor, ...) do not.
+MESSAGE_TYPES: dict[str, type[BaseModel]] = {
+    cls.__name__: cls
+    for cls in (
+        Hello, Welcome, GetWeights, Weights, LeaseRequest, Lease,
+        Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown,
+    )
+}
+
+
+def validate_rollouts(msg: Rollouts, *, group_size: int, vocab_size: int, max_tokens: int) -> Optional[str]:
+    """Run-dependent checks; returns a short reason label or None when the batch is usable."""
+    ids = [g.group_id for g in msg.groups]
+    if len(set(ids)) != len(ids):
+        return "duplicate_group_in_message"
+    completions = [c for g in msg.groups for c in g.completions]
+    if not completions or any(len(g.completions) != group_size for g in msg.groups):
+        return "bad_group_size"
+    # Re-checked here because model_construct() bypasses the Completion validator.
+    if any(c.tokens.shape != c.logprobs.shape or len(c.tokens.shape) != 1 for c in completions):
+        return "length_mismatch"
+    if any(c.tokens.shape[0] > max_tokens for c in completions):
+        return "too_long"
+    # One concatenation per kind keeps the checks vectorised over the whole message.
+    tokens = np.concatenate([c.tokens.to_numpy().astype(np.int64, copy=False) for c in completions])
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        return "token_out_of_range"
+    logprobs = np.concatenate([c.logprobs.to_numpy() for c in completions])
+    if not np.all(np.isfinite(logprobs)) or np.any(logprobs > 1e-4):
+        return "bad_logprob"
+    return None

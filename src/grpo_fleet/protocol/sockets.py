@@ -1,0 +1,122 @@
+"""ZeroMQ socket setup and framed send/receive of protocol messages.
+
+Apart from the learner and actor event loops, this is the only module that
+touches zmq. Every socket has linger=0 so a shutdown never hangs on undelivered
+messages, and MAXMSGSIZE where peers are untrusted so libzmq drops an
+oversized frame before it is ever buffered in Python.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import zmq
+from pydantic import BaseModel
+
+from grpo_fleet.protocol.codec import DEFAULT_LIMITS, Limits, ProtocolError, decode, encode
+
+# Below this size copying is cheaper than zmq's zero-copy bookkeeping.
+_ZERO_COPY_THRESHOLD = 64 * 1024
+
+
+def make_context() -> zmq.Context:
+    """A fresh context (not the global singleton, so tests and processes stay isolated)."""
+    return zmq.Context()
+
+
+def bound_endpoint(sock: zmq.Socket) -> str:
+    """The endpoint actually bound, e.g. the real port after binding to ':0'."""
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def router_socket(ctx: zmq.Context, bind: str, *, max_message_bytes: int) -> zmq.Socket:
+    """The learner's ROUTER. Bind to 'host:0' for a random port; see `bound_endpoint`."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    # Replies to vanished actors are dropped silently instead of raising in the loop.
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    # A restarted actor reuses its identity; it must take over the old connection.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.bind(bind)
+    return sock
+
+
+def dealer_socket(
+    ctx: zmq.Context, connect: str, *, identity: Optional[bytes], max_message_bytes: int
+) -> zmq.Socket:
+    """An actor's DEALER; reconnects quickly at first, backing off to 5 s."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    if identity is not None:
+        # libzmq reserves identities starting with a zero byte for generated ones.
+        if not 1 <= len(identity) <= 255 or identity[:1] == b"\x00":
+            sock.close()
+            raise ValueError("identity must be 1..255 bytes and not start with a zero byte")
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(connect)
+    return sock
+
+
+def pub_socket(ctx: zmq.Context, bind: str) -> zmq.Socket:
+    """The learner's PUB for notices (PolicyUpdated, Shutdown)."""
+    sock = ctx.socket(zmq.PUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(bind)
+    return sock
+
+
+def sub_socket(ctx: zmq.Context, connect: str, *, max_message_bytes: Optional[int] = None) -> zmq.Socket:
+    """An actor's SUB, subscribed to everything."""
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    if max_message_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(connect)
+    return sock
+
+
+def send_message(sock: zmq.Socket, msg: BaseModel, *, identity: Optional[bytes] = None) -> None:
+    """Send one message: [identity, payload] on a ROUTER, [payload] otherwise."""
+    payload = encode(msg)
+    copy = len(payload) < _ZERO_COPY_THRESHOLD
+    if sock.type == zmq.ROUTER:
+        if identity is None:
+            raise ValueError("a ROUTER needs the peer identity to send to")
+        sock.send_multipart([identity, payload], copy=copy)
+    else:
+        if identity is not None:
+            raise ValueError("identity is only meaningful on a ROUTER socket")
+        sock.send(payload, copy=copy)
+
+
+def recv_message(sock: zmq.Socket, *, timeout_s: float, limits: Limits = DEFAULT_LIMITS) -> Optional[BaseModel]:
+    """Receive one message on a DEALER/SUB; None on timeout, ProtocolError on bad input."""
+    if not sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+        return None
+    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+    if len(frames) != 1:
+        raise ProtocolError("malformed", f"expected 1 frame, got {len(frames)}")
+    return decode(frames[0].buffer, limits)
+
+
+def recv_routed(
+    sock: zmq.Socket, limits: Limits = DEFAULT_LIMITS
+) -> tuple[bytes, Union[BaseModel, ProtocolError]]:
+    """Receive one [identity, payload] message on the ROUTER.
+
+    Blocks: call it after a poll says the socket is readable. Decode failures are
+    returned, not raised, so the caller can reply to that identity and count the reason.
+    """
+    frames = sock.recv_multipart(copy=False)
+    identity = frames[0].bytes
+    if len(frames) != 2:
+        return identity, ProtocolError("bad_frames", f"expected [identity, payload], got {len(frames)} frames")
+    try:
+        return identity, decode(frames[1].buffer, limits)
+    except ProtocolError as exc:
+        return identity, exc

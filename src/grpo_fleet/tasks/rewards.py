@@ -1,0 +1,130 @@
+"""Named reward functions: (completion text, example fields) -> score in [0, 1].
+
+Rewards are looked up by name so that actors, which only receive reward names,
+weights and per-prompt fields over the wire, score completions exactly as the
+learner would. Nothing here evaluates model output as code.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Optional
+
+RewardFn = Callable[[str, dict[str, str]], float]
+
+REWARDS: dict[str, RewardFn] = {}
+
+
+class UnknownRewardError(KeyError):
+    """A reward name that is not in the registry."""
+
+    def __init__(self, name: str) -> None:
+        known = ", ".join(sorted(REWARDS)) or "(none registered)"
+        self.name = name
+        self.message = f"unknown reward {name!r}; known rewards: {known}"
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        # KeyError's default str() wraps the message in quotes, which reads badly in logs.
+        return self.message
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator adding a reward function to REWARDS under `name`."""
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        if name in REWARDS and REWARDS[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function registered under `name`; UnknownRewardError if none."""
+    try:
+        return REWARDS[name]
+    except KeyError:
+        raise UnknownRewardError(name) from None
+
+
+@register_reward("reverse_positions")
+def reverse_positions(completion: str, fields: dict[str, str]) -> float:
+    """Fraction of positions that agree with the answer, over the longer of the two.
+
+    Partial credit means a random policy already scores a little above zero, so
+    GRPO groups have reward variance (and hence signal) from the first step.
+    Dividing by the longer length penalises both truncated and padded outputs.
+    """
+    answer = fields["answer"].strip()
+    text = completion.strip()
+    longest = max(len(answer), len(text))
+    if longest == 0:
+        return 1.0
+    matches = sum(1 for got, want in zip(text, answer) if got == want)
+    return matches / longest
+
+
+@register_reward("exact_match")
+def exact_match(completion: str, fields: dict[str, str]) -> float:
+    """1.0 when the stripped completion equals the stripped answer."""
+    return 1.0 if completion.strip() == fields["answer"].strip() else 0.0
+
+
+# Each block's body may not open or close a block of the same kind, so that
+# "exactly one think block, then exactly one answer block" is what matches.
+_R1_FORMAT = re.compile(
+    r"<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>",
+    re.DOTALL,
+)
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Thousands separators must come in groups of three so "1,23" is not read as 123.
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+
+
+@register_reward("r1_format")
+def r1_format(completion: str, fields: dict[str, str]) -> float:
+    """1.0 for exactly `<think>...</think> <answer>...</answer>` and nothing else."""
+    return 1.0 if _R1_FORMAT.fullmatch(completion.strip()) else 0.0
+
+
+def parse_number(text: str) -> Optional[float]:
+    """The single number in `text` ("$1,234.50.", "-7", "42 apples"), or None.
+
+    Text with several numbers is ambiguous and yields None: otherwise a policy
+    could list many candidates and be credited for whichever one we picked.
+    """
+    cleaned = text.strip().replace("$", "").rstrip(".").strip()
+    found = _NUMBER.findall(cleaned)
+    if len(found) != 1:
+        return None
+    value = float(found[0].replace(",", ""))
+    return value if math.isfinite(value) else None
+
+
+def gold_answer_text(answer: str) -> str:
+    """The final answer of a GSM8K-style solution (after the last '####'), else the whole text."""
+    if "####" in answer:
+        return answer.rsplit("####", 1)[1]
+    return answer
+
+
+def last_answer_tag(completion: str) -> Optional[str]:
+    """Contents of the last `<answer>...</answer>` in `completion`, or None."""
+    contents = _ANSWER_TAG.findall(completion)
+    return contents[-1] if contents else None
+
+
+@register_reward("r1_accuracy")
+def r1_accuracy(completion: str, fields: dict[str, str]) -> float:
+    """1.0 when the number in the last answer tag equals the reference number."""
+    content = last_answer_tag(completion)
+    if content is None:
+        return 0.0
+    predicted = parse_number(content)
+    expected = parse_number(gold_answer_text(fields["answer"]))
+    if predicted is None or expected is None:
+        return 0.0
+    return 1.0 if abs(predicted - expected) <= 1e-6 else 0.0

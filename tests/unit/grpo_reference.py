@@ -1,0 +1,109 @@
+"""Float64 NumPy reference for the GRPO objective, written from the formulas alone.
+
+Deliberately independent of `grpo_fleet.learner.grpo`: loops and plain NumPy,
+so that a shared mistake is unlikely.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+
+def ref_group_advantages(
+    rewards: np.ndarray, group_size: int, scale_by_std: bool = True, eps: float = 1e-4
+) -> np.ndarray:
+    r = np.asarray(rewards, dtype=np.float64)
+    out = np.zeros_like(r)
+    for start in range(0, len(r), group_size):
+        g = r[start : start + group_size]
+        if np.all(g == g[0]):
+            continue  # zero-variance group: exactly 0
+        adv = g - g.mean()
+        if scale_by_std:
+            adv = adv / (g.std(ddof=0) + eps)
+        out[start : start + group_size] = adv
+    return out
+
+
+def ref_group_is_informative(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
+    return np.array([len(set(row.tolist())) > 1 for row in r], dtype=bool)
+
+
+def ref_token_logprobs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    b, t, _ = x.shape
+    out = np.empty((b, t))
+    for i in range(b):
+        for j in range(t):
+            row = x[i, j]
+            top = row.max()
+            lse = top + np.log(np.exp(row - top).sum())
+            out[i, j] = row[targets[i, j]] - lse
+    return out
+
+
+def ref_kl_k3(logprobs: np.ndarray, ref_logprobs: np.ndarray) -> np.ndarray:
+    d = np.asarray(ref_logprobs, np.float64) - np.asarray(logprobs, np.float64)
+    return np.exp(d) - d - 1.0
+
+
+def ref_grpo_loss(
+    logprobs: np.ndarray,
+    old_logprobs: np.ndarray,
+    advantages: np.ndarray,
+    mask: np.ndarray,
+    ref_logprobs: Optional[np.ndarray] = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    loss_type: str = "grpo",
+    max_tokens: Optional[int] = None,
+) -> tuple[float, dict[str, float]]:
+    """Return (loss, stats) as Python floats."""
+    lp = np.asarray(logprobs, np.float64)
+    old = np.asarray(old_logprobs, np.float64)
+    adv = np.asarray(advantages, np.float64)
+    m = np.asarray(mask, np.float64)
+    eh = epsilon_low if epsilon_high is None else epsilon_high
+    b, t = lp.shape
+
+    ratio = np.ones((b, t))
+    for i in range(b):
+        sel = m[i] > 0
+        if loss_type == "gspo":
+            n = m[i].sum()
+            seq = np.exp(((lp[i] - old[i]) * m[i]).sum() / n) if n > 0 else 1.0
+            ratio[i, :] = seq
+        else:
+            ratio[i, sel] = np.exp(lp[i, sel] - old[i, sel])
+
+    surr = np.minimum(ratio * adv[:, None], np.clip(ratio, 1 - epsilon_low, 1 + eh) * adv[:, None])
+    k3 = np.zeros((b, t))
+    if ref_logprobs is not None:
+        ref = np.asarray(ref_logprobs, np.float64)
+        on = m > 0
+        k3[on] = ref_kl_k3(lp[on], ref[on])
+    obj = surr - beta * k3 if (ref_logprobs is not None and beta > 0) else surr
+
+    def agg(x: np.ndarray) -> float:
+        if loss_type in ("grpo", "gspo"):
+            rows = [(x[i] * m[i]).sum() / max(m[i].sum(), 1.0) for i in range(b)]
+            return float(np.mean(rows))
+        if loss_type == "dapo":
+            return float((x * m).sum() / m.sum())
+        if loss_type == "dr_grpo":
+            return float((x * m).sum() / (b * max_tokens))
+        raise ValueError(loss_type)
+
+    total = m.sum()
+    outside = ((ratio < 1 - epsilon_low) | (ratio > 1 + eh)).astype(np.float64)
+    stats = {
+        "clip_fraction": float((outside * m).sum() / total),
+        "kl": float((k3 * m).sum() / total),
+        "policy_objective": agg(surr),
+        "ratio_mean": float((ratio * m).sum() / total),
+    }
+    return -agg(obj), stats

@@ -27,8 +27,8 @@ DEMO_SETTINGS: dict = {
     "generation": {"group_size": 8, "max_tokens": 5, "temperature": 1.0},
     "task": {"name": "reverse", "digits": 3, "num_train": 800, "num_eval": 128},
     "grpo": {"beta": 0.04, "groups_per_step": 8, "max_staleness": 2},
-    "optim": {"lr": 1e-3},
-    "train": {"steps": 150, "checkpoint_every": 50},
+    "optim": {"lr": 1e-4},
+    "train": {"steps": 1500, "checkpoint_every": 250},
     "server": {"max_groups_per_lease": 4, "lease_seconds": 30.0},
 }
 

@@ -54,6 +54,7 @@ class ActorWorker:
         self.policy: Optional[Policy] = None
         self.model_key: Optional[tuple] = None
         self.version = -1
+        self.newest_version = -1
         self.welcome: Optional[m.Welcome] = None
         self.pending: Optional[m.Rollouts] = None
         self.stopping = False
@@ -149,8 +150,11 @@ class ActorWorker:
         raise StopActor("signal")
 
     def _check_notices(self) -> None:
-        """Drain the PUB channel: a newer policy triggers a weight sync, Shutdown stops us."""
-        newest = None
+        """Drain the PUB channel: remember the newest policy version; Shutdown stops us.
+
+        It never sends a request itself: it runs while another request waits for
+        its reply, and a nested request would swallow that reply.
+        """
         while self._sub is not None:
             try:
                 notice = recv_message(self._sub, timeout_s=0, limits=self.limits)
@@ -161,9 +165,7 @@ class ActorWorker:
             if isinstance(notice, m.Shutdown):
                 raise StopActor(f"learner shut down ({notice.reason})")
             if isinstance(notice, m.PolicyUpdated):
-                newest = max(newest or 0, notice.version)
-        if newest is not None and newest > self.version:
-            self._sync_weights()
+                self.newest_version = max(self.newest_version, notice.version)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -207,6 +209,8 @@ class ActorWorker:
 
     def _work_once(self) -> None:
         self._check_notices()
+        if self.newest_version > self.version:
+            self._sync_weights()
         if self.pending is not None:
             self._submit(self.pending)
             return

@@ -23,7 +23,10 @@ log = logging.getLogger("grpo_fleet.learner")
 def tokenizer_corpus(task: Task) -> list[str]:
     """Text the tiny model's tokenizer is trained on: the task's prompts and answers."""
     lines = [f"{ex.prompt}{ex.answer}" for ex in task.train + task.eval]
-    return lines + ["<think> </think> <answer> </answer> user assistant system"]
+    if any(name.startswith("r1_") for name in task.reward_names):
+        # The R1 rewards ask for tags the dataset text itself never contains.
+        lines.append("<think> </think> <answer> </answer>")
+    return lines
 
 
 def resolve_model_path(cfg: RunConfig, task: Task) -> str:

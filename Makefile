@@ -1,0 +1,44 @@
+# grpo-fleet: `make demo`, `make test`, `make bench` from a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+UNAME  := $(shell uname -s)
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead.
+OPENBLAS = $$(ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1)
+
+.PHONY: demo test test-fast bench doctor system-deps clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+system-deps:
+ifeq ($(UNAME),Linux)
+	@if ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's OpenBLAS (libopenblas0-pthread)"; \
+	    $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq libopenblas0-pthread >/dev/null; \
+	  else echo "warning: no apt-get; MLX will use its slow reference BLAS"; fi; \
+	fi
+endif
+
+demo: system-deps $(VENV)/.installed
+	$(VENV)/bin/grpo-fleet demo $(DEMO_ARGS)
+
+test: system-deps $(VENV)/.installed
+	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: system-deps $(VENV)/.installed
+	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: system-deps $(VENV)/.installed
+	$(VENV)/bin/grpo-fleet bench
+
+doctor: system-deps $(VENV)/.installed
+	$(VENV)/bin/grpo-fleet doctor
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,152 @@
+"""Tests for grpo_fleet.learner.batch: packing accepted groups into one GRPO batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from grpo_fleet.learner.batch import (
+    LENGTH_BUCKET,
+    AcceptedGroup,
+    CompletionRecord,
+    TrainBatch,
+    build_train_batch,
+)
+
+
+def completion(tokens: list[int], reward: float, *, logprobs: list[float] | None = None) -> CompletionRecord:
+    if logprobs is None:
+        logprobs = [-0.1 * (i + 1) - 0.01 * t for i, t in enumerate(tokens)]
+    return CompletionRecord(
+        tokens=np.asarray(tokens, dtype=np.int32),
+        logprobs=np.asarray(logprobs, dtype=np.float32),
+        reward=reward,
+        finish_reason="length",
+    )
+
+
+def group(prompt: list[int], completions: list[CompletionRecord], *, group_id: str = "g1") -> AcceptedGroup:
+    return AcceptedGroup(
+        group_id=group_id,
+        prompt_index=0,
+        prompt_tokens=np.asarray(prompt, dtype=np.int32),
+        completions=completions,
+        policy_version=0,
+        actor_id="actor-a",
+    )
+
+
+def numpy_advantages(rewards: list[float]) -> np.ndarray:
+    r = np.asarray(rewards, dtype=np.float64)
+    return (r - r.mean()) / (r.std() + 1e-4)
+
+
+@pytest.fixture
+def two_groups() -> list[AcceptedGroup]:
+    # Different prompt and completion lengths so padding and offsets are exercised.
+    first = group([5, 6, 7], [completion([11, 12], 1.0), completion([13], 0.0), completion([14, 15, 16], 0.5)], group_id="a")
+    second = group([8, 9], [completion([21, 22, 23, 24], 0.2), completion([25], 0.9), completion([26, 27], 0.2)], group_id="b")
+    return [first, second]
+
+
+def rows_of(groups: list[AcceptedGroup]) -> list[tuple[np.ndarray, CompletionRecord]]:
+    return [(g.prompt_tokens, c) for g in groups for c in g.completions]
+
+
+def test_inputs_and_targets_are_the_shifted_prompt_plus_completion(two_groups):
+    batch = build_train_batch(two_groups)
+    inputs, targets = np.array(batch.inputs), np.array(batch.targets)
+    assert inputs.shape == targets.shape == (6, inputs.shape[1])
+    for row, (prompt, comp) in enumerate(rows_of(two_groups)):
+        sequence = np.concatenate([prompt, comp.tokens])
+        n = len(sequence) - 1
+        np.testing.assert_array_equal(inputs[row, :n], sequence[:-1])
+        np.testing.assert_array_equal(targets[row, :n], sequence[1:])
+        # Right padding with zeros after the sequence.
+        assert not inputs[row, n:].any()
+        assert not targets[row, n:].any()
+
+
+def test_mask_is_one_exactly_at_completion_targets(two_groups):
+    batch = build_train_batch(two_groups)
+    mask = np.array(batch.mask)
+    assert mask.dtype == np.float32
+    for row, (prompt, comp) in enumerate(rows_of(two_groups)):
+        expected = np.zeros(mask.shape[1], dtype=np.float32)
+        start = len(prompt) - 1
+        expected[start : start + len(comp.tokens)] = 1.0
+        np.testing.assert_array_equal(mask[row], expected)
+        # The masked targets are exactly the completion tokens, in order.
+        targets = np.array(batch.targets)[row]
+        np.testing.assert_array_equal(targets[mask[row] == 1], comp.tokens)
+    assert mask.sum() == sum(len(c.tokens) for _, c in rows_of(two_groups))
+
+
+def test_old_logprobs_sit_at_the_mask_positions(two_groups):
+    batch = build_train_batch(two_groups)
+    mask, old = np.array(batch.mask), np.array(batch.old_logprobs)
+    for row, (_, comp) in enumerate(rows_of(two_groups)):
+        np.testing.assert_allclose(old[row][mask[row] == 1], comp.logprobs)
+        assert not old[row][mask[row] == 0].any()
+
+
+def test_width_is_bucketed_to_a_multiple_of_16():
+    def width(prompt_len: int, completion_len: int) -> int:
+        g = group(list(range(1, prompt_len + 1)), [completion([3] * completion_len, 0.0), completion([4], 1.0)])
+        return build_train_batch([g]).inputs.shape[1]
+
+    assert LENGTH_BUCKET == 16
+    assert width(2, 1) == 16  # sequence of 3 -> 2 positions, rounded up to one bucket
+    assert width(9, 8) == 16  # 17 tokens -> 16 positions: exactly one bucket
+    assert width(9, 9) == 32  # 18 tokens -> 17 positions: spills into a second bucket
+    assert width(30, 20) == 64  # 49 positions
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_advantages_are_group_relative(two_groups, scale_by_std):
+    batch = build_train_batch(two_groups, scale_by_std=scale_by_std)
+    got = np.array(batch.advantages)
+    expected = []
+    for g in two_groups:
+        r = [c.reward for c in g.completions]
+        expected.append(numpy_advantages(r) if scale_by_std else np.asarray(r) - np.mean(r))
+    np.testing.assert_allclose(got, np.concatenate(expected), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(batch.rewards), [0.0 + c.reward for _, c in rows_of(two_groups)], atol=1e-7)
+    assert batch.num_groups == 2
+    assert isinstance(batch, TrainBatch)
+
+
+def test_zero_variance_group_gets_zero_advantages(two_groups):
+    flat = group([5, 6], [completion([7], 0.3), completion([8], 0.3), completion([9, 9], 0.3)], group_id="flat")
+    batch = build_train_batch([two_groups[0], flat])
+    advantages = np.array(batch.advantages)
+    np.testing.assert_array_equal(advantages[3:], np.zeros(3, dtype=np.float32))
+    # The other group's advantages are untouched by the flat one.
+    np.testing.assert_allclose(advantages[:3], numpy_advantages([1.0, 0.0, 0.5]), rtol=1e-4, atol=1e-5)
+
+
+def test_empty_input_is_an_error():
+    with pytest.raises(ValueError, match="no groups"):
+        build_train_batch([])
+
+
+def test_mixed_group_sizes_are_an_error():
+    pair = group([1, 2], [completion([3], 0.0), completion([4], 1.0)], group_id="pair")
+    triple = group([1, 2], [completion([3], 0.0), completion([4], 1.0), completion([5], 0.5)], group_id="triple")
+    with pytest.raises(ValueError, match="same size"):
+        build_train_batch([pair, triple])
+
+
+def test_is_informative_is_false_only_when_all_rewards_are_equal():
+    assert group([1], [completion([2], 0.5), completion([3], 0.5)]).is_informative is False
+    assert group([1], [completion([2], 0.0), completion([3], 0.0), completion([4], 0.0)]).is_informative is False
+    assert group([1], [completion([2], 0.5), completion([3], 0.5001)]).is_informative is True
+    assert group([1], [completion([2], -1.0), completion([3], 0.0), completion([4], -1.0)]).is_informative is True
+
+
+def test_accepted_group_rewards_and_token_count(two_groups):
+    first = two_groups[0]
+    np.testing.assert_array_equal(first.rewards, np.array([1.0, 0.0, 0.5], dtype=np.float32))
+    assert first.rewards.dtype == np.float32
+    assert first.num_tokens == 6
+    assert two_groups[1].num_tokens == 7

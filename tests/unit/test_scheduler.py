@@ -1,0 +1,302 @@
+"""Tests for grpo_fleet.learner.scheduler.PromptScheduler, on an injected fake clock."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from grpo_fleet.learner.scheduler import PromptScheduler
+
+LEASE_SECONDS = 10.0
+
+
+class FakeClock:
+    """A monotonic clock the test advances by hand."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_scheduler(clock: FakeClock):
+    def make(num_prompts: int = 10, seed: int = 0) -> PromptScheduler:
+        return PromptScheduler(num_prompts, seed=seed, lease_seconds=LEASE_SECONDS, clock=clock)
+
+    return make
+
+
+def ids_of(lease) -> list[str]:
+    return list(lease.tickets)
+
+
+def test_empty_dataset_is_rejected():
+    with pytest.raises(ValueError, match="no prompts"):
+        PromptScheduler(0, seed=0, lease_seconds=1.0)
+
+
+def test_issue_gives_the_requested_number_of_groups_with_a_deadline(make_scheduler, clock):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 3)
+    assert lease is not None
+    assert len(lease.tickets) == 3
+    assert lease.actor == "actor-a"
+    assert lease.deadline == pytest.approx(clock.now + LEASE_SECONDS)
+    assert scheduler.leases[lease.lease_id] is lease
+    assert all(0 <= t.prompt_index < 10 for t in lease.tickets.values())
+
+
+def test_issue_of_zero_groups_returns_none_and_changes_nothing(make_scheduler):
+    scheduler = make_scheduler()
+    assert scheduler.issue("actor-a", 0) is None
+    assert scheduler.outstanding_groups == 0
+    assert scheduler.leases == {}
+
+
+def test_group_ids_are_unique_across_many_leases(make_scheduler):
+    scheduler = make_scheduler(num_prompts=5)
+    seen: list[str] = []
+    for i in range(12):  # spans several epochs of the 5-prompt dataset
+        seen.extend(ids_of(scheduler.issue(f"actor-{i % 3}", 3)))
+    assert len(seen) == 36
+    assert len(set(seen)) == len(seen)
+
+
+def test_lease_ids_are_unique(make_scheduler):
+    scheduler = make_scheduler()
+    lease_ids = {scheduler.issue("actor-a", 1).lease_id for _ in range(20)}
+    assert len(lease_ids) == 20
+
+
+def test_requeued_groups_are_leased_first_with_the_same_ids_and_prompts(make_scheduler):
+    scheduler = make_scheduler()
+    first = scheduler.issue("actor-a", 2)
+    original = dict(first.tickets)
+    scheduler.release(first.lease_id)
+    assert {t.group_id for t in scheduler.queued_groups} == set(original)
+
+    second = scheduler.issue("actor-b", 3)
+    tickets = list(second.tickets.values())
+    # The two re-queued groups come first, under their original ids and prompts.
+    assert [t.group_id for t in tickets[:2]] == list(original)
+    for ticket in tickets[:2]:
+        assert original[ticket.group_id] == ticket
+    # The third one is fresh.
+    assert tickets[2].group_id not in original
+    assert scheduler.queued_groups == []
+
+
+def test_requeue_puts_one_group_back_and_keeps_the_rest_of_the_lease(make_scheduler):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 3)
+    gid = ids_of(lease)[1]
+    ticket = scheduler.requeue(lease.lease_id, gid)
+    assert ticket.group_id == gid
+    assert scheduler.queued_groups == [ticket]
+    assert scheduler.outstanding_groups == 2
+    assert gid not in scheduler.leases[lease.lease_id].tickets
+    assert scheduler.classify("actor-a", lease.lease_id, gid) == "not_leased"
+
+
+def test_expire_does_nothing_before_the_deadline(make_scheduler, clock):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 2)
+    clock.advance(LEASE_SECONDS - 0.001)
+    assert scheduler.expire() == []
+    assert lease.lease_id in scheduler.leases
+    assert scheduler.outstanding_groups == 2
+    assert scheduler.queued_groups == []
+
+
+def test_expire_requeues_at_the_deadline(make_scheduler, clock):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 2)
+    gids = ids_of(lease)
+    clock.advance(LEASE_SECONDS)
+    expired = scheduler.expire()
+    assert [e.lease_id for e in expired] == [lease.lease_id]
+    assert lease.lease_id not in scheduler.leases
+    assert scheduler.outstanding_groups == 0
+    assert [t.group_id for t in scheduler.queued_groups] == gids
+    # The next lease re-issues them under the same ids.
+    assert ids_of(scheduler.issue("actor-b", 2)) == gids
+
+
+def test_expire_only_touches_leases_past_their_own_deadline(make_scheduler, clock):
+    scheduler = make_scheduler()
+    old = scheduler.issue("actor-a", 1)
+    clock.advance(LEASE_SECONDS / 2)
+    young = scheduler.issue("actor-b", 1)
+    clock.advance(LEASE_SECONDS / 2)
+    expired = scheduler.expire()
+    assert [e.lease_id for e in expired] == [old.lease_id]
+    assert young.lease_id in scheduler.leases
+    assert scheduler.outstanding_groups == 1
+
+
+def test_classify_ok_for_the_holder_of_a_live_lease(make_scheduler):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 2)
+    for gid in lease.tickets:
+        assert scheduler.classify("actor-a", lease.lease_id, gid) == "ok"
+
+
+def test_classify_duplicate_after_finish(make_scheduler):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 2)
+    gid = ids_of(lease)[0]
+    scheduler.finish(lease.lease_id, gid)
+    assert scheduler.classify("actor-a", lease.lease_id, gid) == "duplicate"
+    # Duplicate wins over every other reason, whoever asks under whatever lease.
+    assert scheduler.classify("actor-b", "no-such-lease", gid) == "duplicate"
+
+
+def test_classify_stale_lease_for_unknown_or_expired_lease(make_scheduler, clock):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 1)
+    gid = ids_of(lease)[0]
+    assert scheduler.classify("actor-a", "no-such-lease", gid) == "stale_lease"
+    clock.advance(LEASE_SECONDS + 1)
+    scheduler.expire()
+    assert scheduler.classify("actor-a", lease.lease_id, gid) == "stale_lease"
+
+
+def test_classify_not_your_lease_for_another_actor(make_scheduler):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 1)
+    gid = ids_of(lease)[0]
+    assert scheduler.classify("actor-b", lease.lease_id, gid) == "not_your_lease"
+
+
+def test_classify_not_leased_for_a_group_outside_the_lease(make_scheduler):
+    scheduler = make_scheduler()
+    mine = scheduler.issue("actor-a", 1)
+    other = scheduler.issue("actor-a", 1)
+    other_gid = ids_of(other)[0]
+    assert scheduler.classify("actor-a", mine.lease_id, other_gid) == "not_leased"
+    assert scheduler.classify("actor-a", mine.lease_id, "g-made-up") == "not_leased"
+
+
+def test_finish_removes_a_group_forever(make_scheduler, clock):
+    scheduler = make_scheduler(num_prompts=3)
+    lease = scheduler.issue("actor-a", 2)
+    done, pending = ids_of(lease)
+    ticket = scheduler.finish(lease.lease_id, done)
+    assert ticket.group_id == done
+    assert done in scheduler.finished
+    assert scheduler.outstanding_groups == 1
+
+    # Expiry and actor loss re-queue only what is still out.
+    clock.advance(LEASE_SECONDS)
+    scheduler.expire()
+    assert [t.group_id for t in scheduler.queued_groups] == [pending]
+    assert scheduler.release_actor("actor-a") == 0
+
+    reissued = []
+    for _ in range(10):
+        reissued.extend(ids_of(scheduler.issue("actor-b", 3)))
+    assert done not in reissued
+    assert pending in reissued
+
+
+def test_finishing_every_group_of_a_lease_closes_it(make_scheduler):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 2)
+    for gid in ids_of(lease):
+        scheduler.finish(lease.lease_id, gid)
+    assert lease.lease_id not in scheduler.leases
+    assert scheduler.outstanding_groups == 0
+    assert scheduler.queued_groups == []
+
+
+def test_release_of_unknown_lease_is_a_no_op(make_scheduler):
+    scheduler = make_scheduler()
+    scheduler.issue("actor-a", 2)
+    scheduler.release("no-such-lease")
+    assert scheduler.outstanding_groups == 2
+    assert scheduler.queued_groups == []
+
+
+def test_release_actor_requeues_only_that_actors_leases(make_scheduler):
+    scheduler = make_scheduler()
+    a1 = scheduler.issue("actor-a", 2)
+    b1 = scheduler.issue("actor-b", 1)
+    a2 = scheduler.issue("actor-a", 1)
+    actor_a_groups = set(ids_of(a1)) | set(ids_of(a2))  # captured: release empties the records
+
+    assert scheduler.release_actor("actor-a") == 2
+    assert set(scheduler.leases) == {b1.lease_id}
+    assert {t.group_id for t in scheduler.queued_groups} == actor_a_groups
+    assert scheduler.outstanding_groups == 1
+    assert scheduler.classify("actor-b", b1.lease_id, ids_of(b1)[0]) == "ok"
+    assert scheduler.release_actor("actor-nobody") == 0
+
+
+def test_each_epoch_covers_every_prompt_exactly_once(make_scheduler):
+    num_prompts = 7
+    scheduler = make_scheduler(num_prompts=num_prompts, seed=3)
+    indices: list[int] = []
+    for _ in range(3 * num_prompts):
+        lease = scheduler.issue("actor-a", 1)
+        indices.extend(t.prompt_index for t in lease.tickets.values())
+    for epoch in range(3):
+        chunk = indices[epoch * num_prompts : (epoch + 1) * num_prompts]
+        assert sorted(chunk) == list(range(num_prompts)), f"epoch {epoch}: {chunk}"
+    assert scheduler.epoch == 3
+
+
+def test_epochs_are_shuffled_by_seed(make_scheduler):
+    def order(seed: int) -> list[int]:
+        scheduler = make_scheduler(num_prompts=20, seed=seed)
+        return [t.prompt_index for t in scheduler.issue("actor-a", 20).tickets.values()]
+
+    assert order(1) == order(1)
+    assert order(1) != order(2)
+    assert order(1) != list(range(20))
+
+
+def test_requeued_groups_do_not_consume_the_fresh_epoch(make_scheduler):
+    num_prompts = 4
+    scheduler = make_scheduler(num_prompts=num_prompts)
+    lease = scheduler.issue("actor-a", 2)
+    scheduler.release(lease.lease_id)
+    # 2 re-queued + the remaining 2 fresh prompts make one full epoch.
+    nxt = scheduler.issue("actor-a", 4)
+    counts = Counter(t.prompt_index for t in nxt.tickets.values())
+    assert sorted(counts) == list(range(num_prompts))
+    assert set(counts.values()) == {1}
+    assert scheduler.epoch == 1
+
+
+def test_outstanding_groups_counts_through_the_lifecycle(make_scheduler, clock):
+    scheduler = make_scheduler()
+    assert scheduler.outstanding_groups == 0
+    a = scheduler.issue("actor-a", 3)
+    b = scheduler.issue("actor-b", 2)
+    a_ids = ids_of(a)
+    assert scheduler.outstanding_groups == 5
+    scheduler.finish(a.lease_id, a_ids[0])
+    assert scheduler.outstanding_groups == 4
+    scheduler.requeue(a.lease_id, a_ids[1])
+    assert scheduler.outstanding_groups == 3
+    scheduler.release_actor("actor-b")
+    assert scheduler.outstanding_groups == 1
+    clock.advance(LEASE_SECONDS)
+    scheduler.expire()
+    assert scheduler.outstanding_groups == 0
+    assert len(scheduler.queued_groups) == 4
+    scheduler.issue("actor-c", 4)
+    assert scheduler.outstanding_groups == 4
+    assert scheduler.queued_groups == []
+    assert b.lease_id not in scheduler.leases

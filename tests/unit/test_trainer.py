@@ -1,0 +1,212 @@
+"""Tests for grpo_fleet.learner.trainer.Trainer on the tiny model, with LoRA and full fine-tuning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
+from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch
+from grpo_fleet.learner.trainer import Trainer, policy_logprobs
+from grpo_fleet.model import Policy, load_policy, trainable_weights
+
+TEMPERATURE = 1.0
+MAX_TOKENS = 4
+
+
+def make_policy(model_dir: Path, mode: str) -> Policy:
+    lora = LoraConfig(enabled=True, rank=4) if mode == "lora" else None
+    return load_policy(str(model_dir), lora=lora)
+
+
+def make_trainer(model_dir: Path, mode: str, *, ppo_epochs: int = 1, lr: float = 1e-3, beta: float = 0.04) -> Trainer:
+    policy = make_policy(model_dir, mode)
+    ref_model = None
+    if mode == "full" and beta > 0:
+        ref_model = load_policy(str(model_dir)).model
+        ref_model.freeze()
+    return Trainer(
+        policy,
+        GRPOConfig(beta=beta, groups_per_step=1, ppo_epochs=ppo_epochs),
+        OptimConfig(lr=lr),
+        temperature=TEMPERATURE,
+        max_tokens=MAX_TOKENS,
+        ref_model=ref_model,
+    )
+
+
+def on_policy_batch(policy: Policy, completions: list[list[int]], rewards: list[float]) -> TrainBatch:
+    """One group of completions of "123=", with old logprobs taken from the current policy (ratio = 1)."""
+    prompt = np.asarray(policy.tokenizer.encode("123=", add_special_tokens=False), dtype=np.int32)
+    records = [
+        CompletionRecord(
+            tokens=np.asarray(tokens, dtype=np.int32),
+            logprobs=np.full(len(tokens), -1.0, dtype=np.float32),  # replaced below
+            reward=reward,
+            finish_reason="length",
+        )
+        for tokens, reward in zip(completions, rewards)
+    ]
+    group = AcceptedGroup("g1", 0, prompt, records, policy_version=0, actor_id="test")
+    batch = build_train_batch([group])
+    current = policy_logprobs(policy.model, batch.inputs, batch.targets, TEMPERATURE)
+    batch.old_logprobs = mx.stop_gradient(current * batch.mask)
+    mx.eval(batch.old_logprobs)
+    return batch
+
+
+def digit_ids(policy: Policy, text: str) -> list[int]:
+    return list(policy.tokenizer.encode(text, add_special_tokens=False))
+
+
+def sequence_logprobs(policy: Policy, batch: TrainBatch) -> np.ndarray:
+    """Per-completion summed logprob over the mask, under the current weights."""
+    lp = policy_logprobs(policy.model, batch.inputs, batch.targets, TEMPERATURE)
+    return np.array(mx.sum(lp * batch.mask, axis=1))
+
+
+def flat_state(trainer: Trainer) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in tree_flatten(trainer.optimizer.state) if isinstance(v, mx.array)}
+
+
+@pytest.fixture
+def contrast_completions(tiny_model_dir: Path):
+    """One rewarded and one penalised completion with disjoint tokens."""
+    probe = load_policy(str(tiny_model_dir))
+    return [digit_ids(probe, "321"), digit_ids(probe, "777")], [1.0, 0.0]
+
+
+def test_lora_reference_logprobs_are_the_base_model_even_after_training(tiny_model_dir, contrast_completions):
+    trainer = make_trainer(tiny_model_dir, "lora")
+    base = load_policy(str(tiny_model_dir))  # no adapters at all
+    batch = on_policy_batch(trainer.policy, *contrast_completions)
+    base_lp = np.array(policy_logprobs(base.model, batch.inputs, batch.targets, TEMPERATURE))
+
+    np.testing.assert_allclose(np.array(trainer.reference_logprobs(batch)), base_lp, atol=1e-5)
+
+    before = sequence_logprobs(trainer.policy, batch)
+    trainer.step(batch)
+    after = sequence_logprobs(trainer.policy, batch)
+    # The adapters really changed the policy...
+    assert np.abs(after - before).max() > 1e-4
+    # ...but pi_ref is still exactly the base, and the adapters are back on afterwards.
+    np.testing.assert_allclose(np.array(trainer.reference_logprobs(batch)), base_lp, atol=1e-5)
+    np.testing.assert_allclose(sequence_logprobs(trainer.policy, batch), after, atol=1e-6)
+
+
+def test_lora_trains_only_the_adapters(tiny_model_dir):
+    trainer = make_trainer(tiny_model_dir, "lora")
+    names = list(trainable_weights(trainer.policy.model))
+    assert names and all(name.endswith(("lora_a", "lora_b")) for name in names)
+    assert trainer.policy.lora is not None and trainer.policy.lora.rank == 4
+
+
+def test_full_finetune_reference_is_the_frozen_copy(tiny_model_dir, contrast_completions):
+    trainer = make_trainer(tiny_model_dir, "full")
+    batch = on_policy_batch(trainer.policy, *contrast_completions)
+    start = np.array(trainer.reference_logprobs(batch))
+    trainer.step(batch)
+    np.testing.assert_allclose(np.array(trainer.reference_logprobs(batch)), start, atol=1e-6)
+    moved = np.array(policy_logprobs(trainer.policy.model, batch.inputs, batch.targets, TEMPERATURE))
+    assert np.abs((moved - start) * np.array(batch.mask)).max() > 1e-4
+
+
+def test_full_finetune_with_beta_needs_a_reference_model(tiny_model_dir, contrast_completions):
+    policy = make_policy(tiny_model_dir, "full")
+    trainer = Trainer(policy, GRPOConfig(beta=0.04), OptimConfig(), temperature=1.0, max_tokens=MAX_TOKENS)
+    batch = on_policy_batch(policy, *contrast_completions)
+    with pytest.raises(ValueError, match="reference model"):
+        trainer.reference_logprobs(batch)
+
+
+def test_beta_zero_skips_the_reference(tiny_model_dir, contrast_completions):
+    trainer = make_trainer(tiny_model_dir, "full", beta=0.0)
+    batch = on_policy_batch(trainer.policy, *contrast_completions)
+    assert trainer.reference_logprobs(batch) is None
+    stats = trainer.step(batch)
+    assert stats["kl"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_step_raises_the_rewarded_completion_and_lowers_the_penalised_one(tiny_model_dir, contrast_completions, mode):
+    trainer = make_trainer(tiny_model_dir, mode)
+    batch = on_policy_batch(trainer.policy, *contrast_completions)
+    advantages = np.array(batch.advantages)
+    assert advantages[0] > 0 > advantages[1]
+
+    before = sequence_logprobs(trainer.policy, batch)
+    stats = trainer.step(batch)
+    after = sequence_logprobs(trainer.policy, batch)
+
+    assert after[0] > before[0]
+    assert after[1] < before[1]
+    for key in ("loss", "kl", "clip_fraction", "grad_norm", "train_seconds"):
+        assert np.isfinite(stats[key]), key
+    # On-policy first step: the ratio is 1, nothing is clipped and pi == pi_ref.
+    assert stats["clip_fraction"] == 0.0
+    assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert stats["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_ppo_epochs_take_that_many_optimizer_steps(tiny_model_dir, contrast_completions, mode):
+    one = make_trainer(tiny_model_dir, mode, ppo_epochs=1)
+    two = make_trainer(tiny_model_dir, mode, ppo_epochs=2)
+    start = {k: np.array(v) for k, v in trainable_weights(two.policy.model).items()}
+
+    one.step(on_policy_batch(one.policy, *contrast_completions))
+    two.step(on_policy_batch(two.policy, *contrast_completions))
+
+    assert int(one.optimizer.state["step"]) == 1
+    assert int(two.optimizer.state["step"]) == 2
+    after_one = {k: np.array(v) for k, v in trainable_weights(one.policy.model).items()}
+    after_two = {k: np.array(v) for k, v in trainable_weights(two.policy.model).items()}
+    # The second epoch moved the weights beyond where a single epoch stops.
+    assert any(not np.allclose(after_one[k], after_two[k]) for k in start)
+    assert any(not np.allclose(start[k], after_two[k]) for k in start)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_optimizer_state_round_trips_through_safetensors(tiny_model_dir, contrast_completions, mode, tmp_path):
+    trainer = make_trainer(tiny_model_dir, mode)
+    trainer.step(on_policy_batch(trainer.policy, *contrast_completions))
+    path = tmp_path / "optimizer.safetensors"
+    trainer.save_optimizer(path)
+    saved = flat_state(trainer)
+    assert any(k.endswith(".m") for k in saved) and any(k.endswith(".v") for k in saved)
+
+    fresh = make_trainer(tiny_model_dir, mode)
+    assert int(fresh.optimizer.state["step"]) == 0
+    fresh.load_optimizer(path)
+    loaded = flat_state(fresh)
+
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():
+        assert loaded[key].dtype == value.dtype, key
+        np.testing.assert_array_equal(loaded[key], value, err_msg=key)
+    assert int(fresh.optimizer.state["step"]) == 1
+
+
+def test_loaded_optimizer_resumes_exactly(tiny_model_dir, contrast_completions, tmp_path):
+    """Weights + optimizer saved after step 1 and loaded into a new trainer give the same step 2."""
+    original = make_trainer(tiny_model_dir, "lora")
+    batch = on_policy_batch(original.policy, *contrast_completions)
+    original.step(batch)
+    weights_after_one = {k: mx.array(np.array(v)) for k, v in trainable_weights(original.policy.model).items()}
+    original.save_optimizer(tmp_path / "optimizer.safetensors")
+
+    resumed = make_trainer(tiny_model_dir, "lora")
+    resumed.policy.model.load_weights(list(weights_after_one.items()), strict=False)
+    resumed.load_optimizer(tmp_path / "optimizer.safetensors")
+
+    original.step(batch)
+    resumed.step(batch)
+    want = trainable_weights(original.policy.model)
+    got = trainable_weights(resumed.policy.model)
+    for key in want:
+        np.testing.assert_allclose(np.array(got[key]), np.array(want[key]), rtol=1e-5, atol=1e-7, err_msg=key)
+    assert int(resumed.optimizer.state["step"]) == 2

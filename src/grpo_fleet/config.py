@@ -32,7 +32,7 @@ class TinyModelConfig(_Section):
     num_layers: int = Field(2, description="Transformer blocks.")
     num_heads: int = Field(4, description="Attention heads (and KV heads).")
     intermediate_size: int = Field(128, description="MLP width.")
-    vocab_size: int = Field(320, description="Target tokenizer vocabulary (bytes + merges + specials).")
+    vocab_size: int = Field(320, description="Upper bound on the tokenizer vocabulary (the task's characters + BPE merges + specials).")
 
 
 class ModelConfig(_Section):
@@ -207,3 +207,30 @@ def load_run_config(path: Optional[str | Path] = None, overrides: Optional[list[
             # JSON is accepted too: the demo and tools write resolved configs as JSON.
             data = json.load(handle) if str(path).endswith(".json") else tomllib.load(handle)
     return RunConfig.model_validate(apply_overrides(data, overrides or []))
+
+
+def _default_text(field_info: Any) -> str:
+    if field_info.default_factory is not None:
+        value = field_info.default_factory()
+        return "(section)" if isinstance(value, BaseModel) else f"`{value!r}`"
+    return f"`{field_info.default!r}`"
+
+
+def config_reference(root: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every leaf field, from the docstrings in this file."""
+    rows: list[tuple[str, str, str]] = []
+    for name, info in root.model_fields.items():
+        annotation = info.annotation
+        key = f"{prefix}{name}"
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(config_reference(annotation, prefix=f"{key}."))
+        else:
+            rows.append((key, _default_text(info), info.description or ""))
+    return rows
+
+
+def config_reference_markdown() -> str:
+    """The README's configuration table."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{key}` | {default} | {text} |" for key, default, text in config_reference()]
+    return "\n".join(lines)

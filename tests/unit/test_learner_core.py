@@ -1,0 +1,583 @@
+"""Tests for grpo_fleet.learner.core.Learner, driven through `handle()` without sockets."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx_lm
+import numpy as np
+import pytest
+
+from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.core import Learner
+from grpo_fleet.learner.setup import build_learner
+from grpo_fleet.model import model_digest
+from grpo_fleet.protocol import messages as m
+
+GROUP_SIZE = 4
+MAX_TOKENS = 4
+GROUPS_PER_STEP = 2
+ACTOR_A = b"actor-a-identity"
+ACTOR_B = b"actor-b-identity"
+STEP_RECORD_KEYS = {
+    "step", "policy_version", "reward_mean", "loss", "kl", "clip_fraction",
+    "groups", "tokens", "staleness_mean", "step_seconds",
+}
+INFORMATIVE = [0.0, 0.25, 0.5, 1.0]
+FLAT = [0.5, 0.5, 0.5, 0.5]
+
+
+def run_config(model_dir: Path, run_dir: Path, **sections: dict) -> RunConfig:
+    data = {
+        "run_dir": str(run_dir),
+        "model": {"path": str(model_dir)},
+        "task": {"name": "reverse", "num_train": 50, "num_eval": 8},
+        "generation": {"group_size": GROUP_SIZE, "max_tokens": MAX_TOKENS},
+        "grpo": {"groups_per_step": GROUPS_PER_STEP, "beta": 0.04},
+        "train": {"steps": 3, "checkpoint_every": 1},
+        "metrics": {"port": 0},
+    }
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values}
+    return RunConfig.model_validate(data)
+
+
+@pytest.fixture
+def make_learner(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Learner]]:
+    built: list[Learner] = []
+
+    def make(**sections: dict) -> Learner:
+        learner = build_learner(run_config(tiny_model_dir, tmp_path / f"run{len(built)}", **sections))
+        built.append(learner)
+        return learner
+
+    yield make
+    for learner in built:
+        learner.close()
+
+
+@pytest.fixture
+def learner(make_learner) -> Learner:
+    return make_learner()
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def hello(learner: Learner, identity: bytes = ACTOR_A, actor_id: str = "actor-a") -> m.Welcome:
+    reply = learner.handle(identity, m.Hello(actor_id=actor_id, host="testhost", backend="cpu", versions={}))
+    assert isinstance(reply, m.Welcome)
+    return reply
+
+
+def lease(learner: Learner, identity: bytes = ACTOR_A, max_groups: int = GROUPS_PER_STEP) -> m.Lease:
+    reply = learner.handle(identity, m.LeaseRequest(max_groups=max_groups))
+    assert isinstance(reply, m.Lease)
+    return reply
+
+
+def completion(tokens: Sequence[int], logprobs: Sequence[float], reward: float) -> m.Completion:
+    return m.Completion(
+        tokens=m.Tensor.from_numpy(np.asarray(tokens, dtype=np.int32)),
+        logprobs=m.Tensor.from_numpy(np.asarray(logprobs, dtype=np.float32)),
+        reward=float(reward),
+        finish_reason="length",
+    )
+
+
+def crafted_group(group_id: str, rewards: Sequence[float], *, size: Optional[int] = None,
+                  token: int = 7, logprob: float = -1.5, length: int = 3) -> m.GroupResult:
+    rewards = list(rewards)[: size or len(rewards)] if size is None or size <= len(rewards) else list(rewards) + [0.0] * (size - len(rewards))
+    return m.GroupResult(
+        group_id=group_id,
+        completions=[
+            completion([token + i % 3] * length, [logprob - 0.1 * i] * length, reward) for i, reward in enumerate(rewards)
+        ],
+    )
+
+
+def rollouts_for(lease_msg: m.Lease, rewards: Sequence[float] = INFORMATIVE, *, version: Optional[int] = None,
+                 **group_kwargs) -> m.Rollouts:
+    return m.Rollouts(
+        lease_id=lease_msg.lease_id,
+        policy_version=lease_msg.policy_version if version is None else version,
+        groups=[crafted_group(p.group_id, rewards, **group_kwargs) for p in lease_msg.prompts],
+    )
+
+
+def generated_rollouts(learner: Learner, lease_msg: m.Lease) -> m.Rollouts:
+    """Real samples from the learner's own policy, with rewards spread so every group is informative."""
+    prompts = [p.prompt_tokens.to_numpy() for p in lease_msg.prompts]
+    groups = generate_groups(
+        learner.policy.model, prompts, SamplingSettings(group_size=GROUP_SIZE, max_tokens=MAX_TOKENS)
+    )
+    results = []
+    for item, samples in zip(lease_msg.prompts, groups):
+        wire = [
+            m.Completion(
+                tokens=m.Tensor.from_numpy(np.asarray(c.tokens, dtype=np.int32)),
+                logprobs=m.Tensor.from_numpy(np.asarray(c.logprobs, dtype=np.float32)),
+                reward=INFORMATIVE[i],
+                finish_reason="stop" if c.finish_reason == "stop" else "length",
+            )
+            for i, c in enumerate(samples)
+        ]
+        results.append(m.GroupResult(group_id=item.group_id, completions=wire))
+    return m.Rollouts(lease_id=lease_msg.lease_id, policy_version=lease_msg.policy_version, groups=results)
+
+
+def ledger(learner: Learner) -> list[dict]:
+    path = learner.run_dir / "ledger.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def metrics_lines(learner: Learner) -> list[dict]:
+    path = learner.run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sample(learner: Learner, name: str, labels: Optional[dict] = None) -> float:
+    value = learner.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+def rejections(learner: Learner, reason: str) -> float:
+    return sample(learner, "grpo_fleet_learner_rejections_total", {"reason": reason})
+
+
+def fill_buffer(learner: Learner, identity: bytes = ACTOR_A) -> m.Lease:
+    lease_msg = lease(learner, identity)
+    ack = learner.handle(identity, rollouts_for(lease_msg))
+    assert ack.status == "accepted"
+    return lease_msg
+
+
+# ----------------------------------------------------------------- registration
+
+
+def test_hello_gets_a_welcome_describing_the_run(learner, tiny_model_dir):
+    welcome = hello(learner, actor_id="worker-7")
+    assert welcome.actor_id == "worker-7"
+    assert welcome.run_id == learner.run_id
+    assert welcome.generation == m.GenerationParams(group_size=GROUP_SIZE, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0)
+    assert welcome.reward.names == ["reverse_positions"]
+    assert welcome.reward.weights == [1.0]
+    assert welcome.vocab_size == learner.policy.vocab_size
+    assert welcome.model.path == str(tiny_model_dir)
+    assert welcome.model.digest == model_digest(str(tiny_model_dir))
+    assert welcome.model.lora is None
+    assert welcome.model.chat_template is False
+    assert welcome.policy_version == 0
+    assert sample(learner, "grpo_fleet_learner_actors_connected") == 1
+
+
+def test_welcome_carries_lora_settings_when_training_adapters(make_learner):
+    learner = make_learner(lora={"enabled": True, "rank": 4})
+    welcome = hello(learner)
+    assert welcome.model.lora is not None
+    assert welcome.model.lora["enabled"] is True and welcome.model.lora["rank"] == 4
+
+
+@pytest.mark.parametrize(
+    "request_msg",
+    [m.LeaseRequest(max_groups=1), m.GetWeights(version=0), m.Heartbeat(),
+     m.Rollouts(lease_id="x", policy_version=0, groups=[crafted_group("g", INFORMATIVE)])],
+    ids=["lease", "weights", "heartbeat", "rollouts"],
+)
+def test_requests_before_hello_are_refused(learner, request_msg):
+    reply = learner.handle(ACTOR_A, request_msg)
+    assert isinstance(reply, m.ErrorReply)
+    assert reply.reason == "not_registered"
+    assert sample(learner, "grpo_fleet_learner_protocol_errors_total", {"reason": "not_registered"}) == 1
+    assert learner.scheduler.outstanding_groups == 0
+    assert ledger(learner) == []
+
+
+def test_registration_is_per_identity(learner):
+    hello(learner, ACTOR_A)
+    reply = learner.handle(ACTOR_B, m.LeaseRequest(max_groups=1))
+    assert isinstance(reply, m.ErrorReply) and reply.reason == "not_registered"
+
+
+def test_heartbeat_and_weights_after_hello(learner):
+    hello(learner)
+    beat = learner.handle(ACTOR_A, m.Heartbeat(actor_id="actor-a"))
+    assert isinstance(beat, m.Heartbeat) and beat.policy_version == 0
+    weights = learner.handle(ACTOR_A, m.GetWeights(version=0))
+    assert isinstance(weights, m.Weights)
+    assert weights.version == 0
+    assert weights.digest == learner.snapshot.digest
+    assert weights.digest_ok()
+    assert sample(learner, "grpo_fleet_learner_weight_sent_bytes_total") == len(weights.data)
+
+
+def test_a_reply_type_sent_as_a_request_is_an_error(learner):
+    hello(learner)
+    reply = learner.handle(ACTOR_A, m.Ack(status="accepted"))
+    assert isinstance(reply, m.ErrorReply)
+    assert reply.reason == "unexpected_type"
+
+
+# ----------------------------------------------------------------- leases
+
+
+def test_lease_prompts_are_the_tokenized_training_prompts(learner):
+    hello(learner)
+    lease_msg = lease(learner, max_groups=3)
+    assert lease_msg.lease_id
+    assert lease_msg.policy_version == 0
+    assert lease_msg.deadline_seconds == learner.cfg.server.lease_seconds
+    assert len(lease_msg.prompts) == 3
+    assert len({p.group_id for p in lease_msg.prompts}) == 3
+    for item in lease_msg.prompts:
+        np.testing.assert_array_equal(item.prompt_tokens.to_numpy(), learner.prompt_tokens[item.prompt_index])
+        example = learner.task.train[item.prompt_index]
+        assert item.fields == {"answer": example.answer}
+        assert learner.policy.tokenizer.decode(item.prompt_tokens.to_numpy().tolist()) == example.prompt
+    assert learner.scheduler.outstanding_groups == 3
+    assert sample(learner, "grpo_fleet_learner_leases_issued_total") == 1
+
+
+def test_lease_size_is_capped_by_max_groups_per_lease(make_learner):
+    learner = make_learner(server={"max_groups_per_lease": 1})
+    hello(learner)
+    assert len(lease(learner, max_groups=4).prompts) == 1
+
+
+def test_in_flight_groups_are_capped_at_twice_groups_per_step(learner):
+    hello(learner)
+    hello(learner, ACTOR_B, "actor-b")
+    capacity = 2 * GROUPS_PER_STEP
+    first = lease(learner, max_groups=3)
+    second = lease(learner, ACTOR_B, max_groups=3)
+    assert len(first.prompts) + len(second.prompts) == capacity
+    assert len(second.prompts) == capacity - 3
+    empty = lease(learner, max_groups=1)
+    assert empty.lease_id == "" and empty.prompts == [] and empty.retry_after > 0
+    assert learner.scheduler.outstanding_groups == capacity
+
+    # Buffered (accepted, not yet trained) groups count against the cap too.
+    assert learner.handle(ACTOR_A, rollouts_for(first)).status == "accepted"
+    assert len(learner.buffer) == 3
+    assert learner.scheduler.outstanding_groups == 1
+    assert lease(learner, max_groups=4).prompts == []
+
+
+def test_no_leases_once_training_is_done(make_learner):
+    learner = make_learner(train={"steps": 1})
+    hello(learner)
+    fill_buffer(learner)
+    learner.train_step()
+    assert learner.done
+    assert lease(learner).prompts == []
+
+
+def test_expired_leases_are_requeued_and_their_results_come_back_stale(learner):
+    hello(learner)
+    lease_msg = lease(learner)
+    ids = [p.group_id for p in lease_msg.prompts]
+    assert learner.expire_leases() == 0
+    later = time.monotonic() + learner.cfg.server.lease_seconds + 1
+    learner.scheduler.clock = lambda: later
+    assert learner.expire_leases() == 1
+    assert learner.scheduler.outstanding_groups == 0
+    assert sample(learner, "grpo_fleet_learner_leases_expired_total") == 1
+
+    ack = learner.handle(ACTOR_A, rollouts_for(lease_msg))
+    assert ack.status == "stale"
+    assert set(ack.groups.values()) == {"stale"}
+    assert rejections(learner, "stale_lease") == len(ids)
+    assert ledger(learner) == [] and learner.buffer == []
+    # The same groups are leased again, to anyone.
+    hello(learner, ACTOR_B, "actor-b")
+    assert [p.group_id for p in lease(learner, ACTOR_B).prompts] == ids
+
+
+# ----------------------------------------------------------------- rollouts
+
+
+def test_accepted_rollouts_are_acked_and_ledgered(learner):
+    hello(learner, actor_id="actor-a")
+    lease_msg = lease(learner)
+    ack = learner.handle(ACTOR_A, rollouts_for(lease_msg))
+    assert ack.status == "accepted"
+    assert ack.groups == {p.group_id: "accepted" for p in lease_msg.prompts}
+
+    lines = ledger(learner)
+    assert len(lines) == len(lease_msg.prompts)
+    for line, item in zip(lines, lease_msg.prompts):
+        assert line == {
+            "group_id": item.group_id, "prompt_index": item.prompt_index, "actor_id": "actor-a",
+            "policy_version": 0, "step": 0,
+        }
+    assert len(learner.buffer) == len(lease_msg.prompts)
+    assert learner.scheduler.outstanding_groups == 0
+    assert learner.scheduler.finished == {p.group_id for p in lease_msg.prompts}
+    assert sample(learner, "grpo_fleet_learner_groups_accepted_total") == len(lease_msg.prompts)
+    assert sample(learner, "grpo_fleet_learner_tokens_accepted_total") == len(lease_msg.prompts) * GROUP_SIZE * 3
+
+    stored = learner.buffer[0]
+    np.testing.assert_array_equal(stored.prompt_tokens, learner.prompt_tokens[lease_msg.prompts[0].prompt_index])
+    np.testing.assert_allclose(stored.rewards, INFORMATIVE)
+
+
+def test_a_replayed_rollouts_gets_the_stored_ack_and_changes_nothing(learner):
+    hello(learner)
+    lease_msg = lease(learner)
+    msg = rollouts_for(lease_msg)
+    first = learner.handle(ACTOR_A, msg)
+    lines, buffered = ledger(learner), len(learner.buffer)
+
+    again = learner.handle(ACTOR_A, msg)
+    assert again == first
+    assert ledger(learner) == lines
+    assert len(learner.buffer) == buffered
+    assert sample(learner, "grpo_fleet_learner_groups_accepted_total") == len(lease_msg.prompts)
+
+
+def test_a_finished_group_resubmitted_under_another_lease_is_a_duplicate(learner):
+    hello(learner)
+    done = lease(learner, max_groups=1)
+    learner.handle(ACTOR_A, rollouts_for(done))
+    other = lease(learner, max_groups=1)
+    forged = m.Rollouts(
+        lease_id=other.lease_id, policy_version=0,
+        groups=[crafted_group(done.prompts[0].group_id, INFORMATIVE), crafted_group(other.prompts[0].group_id, INFORMATIVE)],
+    )
+    ack = learner.handle(ACTOR_A, forged)
+    assert ack.groups == {done.prompts[0].group_id: "duplicate", other.prompts[0].group_id: "accepted"}
+    assert ack.status == "accepted"
+    assert rejections(learner, "duplicate") == 1
+    assert [line["group_id"] for line in ledger(learner)].count(done.prompts[0].group_id) == 1
+
+
+def _wrong_group_size(learner, lease_msg, other):
+    return rollouts_for(lease_msg, INFORMATIVE[:3])
+
+
+def _token_out_of_range(learner, lease_msg, other):
+    return rollouts_for(lease_msg, token=learner.policy.vocab_size - 1)  # token + i % 3 reaches past the vocab
+
+
+def _positive_logprob(learner, lease_msg, other):
+    return rollouts_for(lease_msg, logprob=0.5)
+
+
+def _too_long(learner, lease_msg, other):
+    return rollouts_for(lease_msg, length=MAX_TOKENS + 1)
+
+
+def _future_version(learner, lease_msg, other):
+    return rollouts_for(lease_msg, version=learner.version + 1)
+
+
+def _group_not_in_lease(learner, lease_msg, other):
+    groups = [crafted_group(p.group_id, INFORMATIVE) for p in lease_msg.prompts + other.prompts]
+    return m.Rollouts(lease_id=lease_msg.lease_id, policy_version=0, groups=groups)
+
+
+def _duplicate_group_in_message(learner, lease_msg, other):
+    gid = lease_msg.prompts[0].group_id
+    return m.Rollouts(lease_id=lease_msg.lease_id, policy_version=0,
+                      groups=[crafted_group(gid, INFORMATIVE), crafted_group(gid, INFORMATIVE)])
+
+
+INVALID_CASES = [
+    (_wrong_group_size, "bad_group_size", ACTOR_A),
+    (_token_out_of_range, "token_out_of_range", ACTOR_A),
+    (_positive_logprob, "bad_logprob", ACTOR_A),
+    (_too_long, "too_long", ACTOR_A),
+    (_future_version, "future_version", ACTOR_A),
+    (_group_not_in_lease, "not_leased", ACTOR_A),
+    (_duplicate_group_in_message, "duplicate_group_in_message", ACTOR_A),
+    (lambda learner, lease_msg, other: rollouts_for(lease_msg), "not_your_lease", ACTOR_B),
+]
+
+
+@pytest.mark.parametrize(("build", "reason", "sender"), INVALID_CASES, ids=[c[1] for c in INVALID_CASES])
+def test_invalid_rollouts_are_rejected_without_changing_state(learner, build, reason, sender):
+    hello(learner, ACTOR_A, "actor-a")
+    hello(learner, ACTOR_B, "actor-b")
+    lease_msg = lease(learner, ACTOR_A, max_groups=1)
+    other = lease(learner, ACTOR_A, max_groups=1)
+    outstanding = learner.scheduler.outstanding_groups
+    leases_before = set(learner.scheduler.leases)
+
+    ack = learner.handle(sender, build(learner, lease_msg, other))
+
+    assert isinstance(ack, m.Ack)
+    assert ack.status == "invalid"
+    assert ack.reason.split(":")[0] == reason
+    assert rejections(learner, reason) == 1
+    assert ledger(learner) == []
+    assert learner.buffer == []
+    assert learner.scheduler.outstanding_groups == outstanding
+    assert set(learner.scheduler.leases) == leases_before
+    assert learner.scheduler.finished == set()
+    assert learner.step == 0 and learner.version == 0
+    # An invalid answer is not remembered: the rightful holder can still submit a good result.
+    good = learner.handle(ACTOR_A, rollouts_for(lease_msg))
+    assert good.status == "accepted"
+
+
+def test_zero_variance_group_is_ledgered_but_not_trained_on(learner):
+    hello(learner)
+    lease_msg = lease(learner)
+    flat_id = lease_msg.prompts[0].group_id
+    msg = m.Rollouts(
+        lease_id=lease_msg.lease_id, policy_version=0,
+        groups=[crafted_group(flat_id, FLAT), crafted_group(lease_msg.prompts[1].group_id, INFORMATIVE)],
+    )
+    ack = learner.handle(ACTOR_A, msg)
+    assert ack.status == "accepted"
+    assert ack.groups[flat_id] == "accepted"
+    assert [line["group_id"] for line in ledger(learner)] == [p.group_id for p in lease_msg.prompts]
+    assert [g.group_id for g in learner.buffer] == [lease_msg.prompts[1].group_id]
+    assert sample(learner, "grpo_fleet_learner_groups_zero_variance_total") == 1
+    assert learner.zero_variance_since_step == 1
+    assert not learner.ready_to_train()
+    # The flat group is finished for good, not re-queued.
+    assert flat_id in learner.scheduler.finished
+
+
+def test_results_too_far_behind_are_stale_and_requeued(learner):
+    hello(learner)
+    lease_msg = lease(learner)
+    ids = [p.group_id for p in lease_msg.prompts]
+    indices = [p.prompt_index for p in lease_msg.prompts]
+    learner.version = learner.cfg.grpo.max_staleness + 1
+
+    ack = learner.handle(ACTOR_A, rollouts_for(lease_msg, version=0))
+    assert ack.status == "stale"
+    assert ack.reason == "stale_version"
+    assert ack.groups == {gid: "stale" for gid in ids}
+    assert rejections(learner, "stale_version") == len(ids)
+    assert ledger(learner) == [] and learner.buffer == []
+    assert learner.scheduler.outstanding_groups == 0
+    assert [t.group_id for t in learner.scheduler.queued_groups] == ids
+
+    again = lease(learner)
+    assert [p.group_id for p in again.prompts] == ids
+    assert [p.prompt_index for p in again.prompts] == indices
+    assert again.policy_version == learner.version
+
+
+def test_results_within_max_staleness_are_accepted(learner):
+    hello(learner)
+    lease_msg = lease(learner)
+    learner.version = learner.cfg.grpo.max_staleness
+    ack = learner.handle(ACTOR_A, rollouts_for(lease_msg, version=0))
+    assert ack.status == "accepted"
+    assert {line["policy_version"] for line in ledger(learner)} == {0}
+
+
+# ----------------------------------------------------------------- training
+
+
+def test_train_step_records_metrics_publishes_and_checkpoints(learner):
+    hello(learner)
+    lease_msg = lease(learner)
+    assert not learner.ready_to_train()
+    assert learner.handle(ACTOR_A, generated_rollouts(learner, lease_msg)).status == "accepted"
+    assert learner.ready_to_train()
+    digest_before = learner.snapshot.digest
+    expected_tokens = sum(g.num_tokens for g in learner.buffer)
+
+    record = learner.train_step()
+
+    assert learner.step == 1
+    assert learner.version == 1
+    assert record["published"] is True
+    assert learner.snapshot.version == 1
+    assert learner.snapshot.digest != digest_before
+    weights = learner.handle(ACTOR_A, m.GetWeights(version=1))
+    assert weights.version == 1 and weights.digest == learner.snapshot.digest and weights.digest_ok()
+    assert learner.buffer == []
+    assert not learner.ready_to_train()
+
+    lines = metrics_lines(learner)
+    assert len(lines) == 1
+    line = lines[0]
+    assert STEP_RECORD_KEYS <= line.keys()
+    assert line["step"] == 1 and line["policy_version"] == 1
+    assert line["groups"] == GROUPS_PER_STEP
+    assert line["tokens"] == expected_tokens
+    assert line["reward_mean"] == pytest.approx(np.mean(INFORMATIVE))
+    assert 0.0 <= line["clip_fraction"] <= 1.0
+    assert line["kl"] >= 0.0
+    assert np.isfinite(line["loss"]) and line["step_seconds"] > 0
+    assert 0.0 <= line["staleness_mean"] <= 1.0
+    assert sample(learner, "grpo_fleet_learner_steps_total") == 1
+    assert sample(learner, "grpo_fleet_learner_policy_version") == 1
+
+    checkpoint = learner.run_dir / "checkpoints" / "step_000001"
+    assert (checkpoint / "optimizer.safetensors").is_file()
+    meta = json.loads((checkpoint / "grpo_fleet.json").read_text())
+    assert meta["step"] == 1 and meta["policy_version"] == 1 and meta["run_id"] == learner.run_id
+    latest = json.loads((learner.run_dir / "checkpoints" / "latest.json").read_text())
+    assert latest["path"] == "step_000001"
+    model, tokenizer = mlx_lm.load(str(checkpoint))
+    text = mlx_lm.generate(model, tokenizer, "12=", max_tokens=3)
+    assert isinstance(text, str)
+
+
+def test_train_step_uses_the_oldest_groups_first(learner):
+    hello(learner)
+    lease_msg = lease(learner, max_groups=4)
+    learner.handle(ACTOR_A, rollouts_for(lease_msg))
+    oldest = [g.group_id for g in learner.buffer[:GROUPS_PER_STEP]]
+    newest = [g.group_id for g in learner.buffer[GROUPS_PER_STEP:]]
+    learner.train_step()
+    assert [g.group_id for g in learner.buffer] == newest
+    assert oldest == [p.group_id for p in lease_msg.prompts[:GROUPS_PER_STEP]]
+    assert learner.ready_to_train()
+
+
+def test_ledger_lines_carry_the_step_they_were_accepted_in(learner):
+    hello(learner)
+    fill_buffer(learner)
+    learner.train_step()
+    fill_buffer(learner)
+    assert [line["step"] for line in ledger(learner)] == [0] * GROUPS_PER_STEP + [1] * GROUPS_PER_STEP
+    assert [line["policy_version"] for line in ledger(learner)] == [0] * GROUPS_PER_STEP + [1] * GROUPS_PER_STEP
+
+
+def test_version_bumps_every_sync_every_steps(make_learner):
+    learner = make_learner(train={"steps": 3, "sync_every": 2, "checkpoint_every": 10})
+    hello(learner)
+    digest0 = learner.snapshot.digest
+    fill_buffer(learner)
+    first = learner.train_step()
+    assert (learner.step, learner.version, first["published"]) == (1, 0, False)
+    assert learner.snapshot.digest == digest0  # nothing new published yet
+    fill_buffer(learner)
+    second = learner.train_step()
+    assert (learner.step, learner.version, second["published"]) == (2, 1, True)
+    assert learner.snapshot.digest != digest0
+    assert [line["policy_version"] for line in metrics_lines(learner)] == [0, 1]
+    # checkpoint_every=10 > steps so far: no checkpoint yet...
+    assert not (learner.run_dir / "checkpoints").exists()
+    fill_buffer(learner)
+    learner.train_step()
+    # ...but the final step always writes one.
+    assert learner.done
+    assert (learner.run_dir / "checkpoints" / "step_000003").is_dir()
+    assert not learner.ready_to_train()
+
+
+def test_zero_variance_fraction_is_reported_and_reset_per_step(learner):
+    hello(learner)
+    lease_msg = lease(learner, max_groups=4)
+    rewards = {0: FLAT, 1: INFORMATIVE, 2: INFORMATIVE, 3: FLAT}
+    msg = m.Rollouts(
+        lease_id=lease_msg.lease_id, policy_version=0,
+        groups=[crafted_group(p.group_id, rewards[i]) for i, p in enumerate(lease_msg.prompts)],
+    )
+    learner.handle(ACTOR_A, msg)
+    record = learner.train_step()
+    assert record["zero_variance_fraction"] == pytest.approx(0.5)
+    assert learner.accepted_since_step == 0 and learner.zero_variance_since_step == 0

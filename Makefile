@@ -7,7 +7,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead.
 OPENBLAS = $$(ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1)
 
-.PHONY: demo test test-fast bench doctor system-deps clean
+.PHONY: demo test test-fast bench doctor system-deps clean readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,3 +42,6 @@ doctor: system-deps $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
+
+readme: $(VENV)/.installed
+	$(PY) -c "from grpo_fleet.config import refresh_readme; refresh_readme('README.md')"

@@ -19,18 +19,21 @@ def _setup_logging(verbose: bool) -> None:
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config
     from grpo_fleet.learner.server import LearnerServer
-    from grpo_fleet.learner.setup import build_learner
+    from grpo_fleet.learner.setup import build_learner, load_resume_config
     from grpo_fleet.metrics import serve_metrics
 
     overrides = list(args.set or [])
-    if args.run_dir:
-        overrides.append(f"run_dir={_toml_string(args.run_dir)}")
+    if args.run_dir or args.resume:
+        overrides.append(f"run_dir={_toml_string(args.resume or args.run_dir)}")
     if args.bind:
         overrides.append(f"server.bind={_toml_string(args.bind)}")
     if args.metrics_port is not None:
         overrides.append(f"metrics.port={args.metrics_port}")
-    cfg = load_run_config(args.config, overrides)
-    learner = build_learner(cfg)
+    if args.resume:
+        cfg = load_resume_config(args.resume, overrides)
+    else:
+        cfg = load_run_config(args.config, overrides)
+    learner = build_learner(cfg, resume=bool(args.resume))
     server = LearnerServer(learner)
     server.install_signal_handlers()
     serve_metrics(learner.metrics.registry, cfg.metrics.host, cfg.metrics.port)
@@ -87,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     learner = sub.add_parser("learner", help="run the learner (ROUTER server + MLX trainer)")
     learner.add_argument("--config", help="run config TOML (see configs/)")
     learner.add_argument("--run-dir", help="override run_dir")
+    learner.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     learner.add_argument("--bind", help="override server.bind, e.g. tcp://0.0.0.0:5555")
     learner.add_argument("--metrics-port", type=int, help="override metrics.port (0 disables)")
     learner.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted config override, repeatable")

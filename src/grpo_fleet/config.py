@@ -123,7 +123,8 @@ class TrainConfig(_Section):
     steps: int = Field(200, ge=1, description="Optimizer batches to train on.")
     sync_every: int = Field(1, ge=1, description="Publish a new policy version every this many steps.")
     checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the end).")
-    seed: int = Field(0, description="Seed for the learner's RNG.")
+    seed: int = Field(0, description="Seed for the learner's RNG (prompt order).")
+    keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
 
 
 class ServerConfig(_Section):
@@ -136,6 +137,7 @@ class ServerConfig(_Section):
     max_groups_per_lease: int = Field(4, ge=1, description="Upper bound on prompts in one lease.")
     heartbeat_seconds: float = Field(2.0, gt=0, description="Heartbeat period both ways.")
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Largest accepted message.")
+    max_violations: int = Field(50, ge=1, description="Bad messages after which a peer is ignored for the rest of the run.")
 
 
 class MetricsConfig(_Section):
@@ -234,3 +236,14 @@ def config_reference_markdown() -> str:
     lines = ["| key | default | meaning |", "|---|---|---|"]
     lines += [f"| `{key}` | {default} | {text} |" for key, default, text in config_reference()]
     return "\n".join(lines)
+
+
+def refresh_readme(path: str | Path) -> bool:
+    """Rewrite the config table between the README's markers; True when it changed."""
+    start, end = "<!-- config-reference:start (regenerate: make readme) -->\n", "\n<!-- config-reference:end -->"
+    text = Path(path).read_text()
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    updated = head + start + config_reference_markdown() + end + tail
+    Path(path).write_text(updated)
+    return updated != text

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -188,12 +188,18 @@ def _commit_dir(staging: Path, final: Path) -> None:
         os.rename(staging, final)
 
 
-def save_checkpoint(policy: Policy, out_dir: str | Path, extra: Optional[dict] = None) -> Path:
+def save_checkpoint(
+    policy: Policy,
+    out_dir: str | Path,
+    extra: Optional[dict] = None,
+    write_extra: Optional[Callable[[Path], None]] = None,
+) -> Path:
     """Write the trainable weights in mlx-lm's format, atomically.
 
     LoRA: `adapters.safetensors` + `adapter_config.json` (load with
     `mlx_lm.load(base, adapter_path=out_dir)`). Full fine-tuning: an HF-format model
-    directory (load with `mlx_lm.load(out_dir)`).
+    directory (load with `mlx_lm.load(out_dir)`). `write_extra(staging_dir)` adds
+    files (optimizer, learner state) inside the same atomic swap.
     """
     final = Path(out_dir)
     staging = _atomic_dir(final)
@@ -204,6 +210,8 @@ def save_checkpoint(policy: Policy, out_dir: str | Path, extra: Optional[dict] =
         _save_full_model(policy, staging)
     with open(staging / "grpo_fleet.json", "w") as handle:
         json.dump({"base_model": policy.path, **(extra or {})}, handle, indent=2)
+    if write_extra is not None:
+        write_extra(staging)
     _commit_dir(staging, final)
     return final
 
@@ -339,6 +347,18 @@ def load_checkpoint(checkpoint: str | Path) -> tuple[nn.Module, Any]:
         base = json.loads((checkpoint / "grpo_fleet.json").read_text())["base_model"]
         return mlx_lm.load(base, adapter_path=str(checkpoint))
     return mlx_lm.load(str(checkpoint))
+
+
+def load_checkpoint_weights(policy: Policy, checkpoint: str | Path) -> None:
+    """Load a checkpoint's trainable weights into an already-built policy (for resume)."""
+    checkpoint = Path(checkpoint)
+    adapters = checkpoint / "adapters.safetensors"
+    files = [adapters] if adapters.exists() else sorted(checkpoint.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no weights in checkpoint {checkpoint}")
+    for file in files:
+        policy.model.load_weights(list(mx.load(str(file)).items()), strict=False)
+    mx.eval(policy.model.parameters())
 
 
 def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:

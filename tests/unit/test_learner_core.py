@@ -89,9 +89,9 @@ def completion(tokens: Sequence[int], logprobs: Sequence[float], reward: float) 
     )
 
 
-def crafted_group(group_id: str, rewards: Sequence[float], *, size: Optional[int] = None,
-                  token: int = 7, logprob: float = -1.5, length: int = 3) -> m.GroupResult:
-    rewards = list(rewards)[: size or len(rewards)] if size is None or size <= len(rewards) else list(rewards) + [0.0] * (size - len(rewards))
+def crafted_group(group_id: str, rewards: Sequence[float], *, token: int = 7, logprob: float = -1.5,
+                  length: int = 3) -> m.GroupResult:
+    """One completion per reward; completion i repeats token `token + i % 3`."""
     return m.GroupResult(
         group_id=group_id,
         completions=[

@@ -144,6 +144,8 @@ class ActorWorker:
                 continue
             if isinstance(reply, expected):
                 return reply
+            if isinstance(reply, m.Shutdown):
+                raise StopActor(f"learner shut down ({reply.reason})")
             if isinstance(reply, m.ErrorReply):
                 raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
             self._check_notices()

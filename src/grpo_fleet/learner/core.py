@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -21,7 +23,8 @@ from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_trai
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
-from grpo_fleet.model import Policy, save_checkpoint, trainable_weights, weights_to_bytes
+from grpo_fleet.learner.state import group_from_dict, group_to_dict, read_state, truncate_log, write_state
+from grpo_fleet.model import Policy, load_checkpoint_weights, save_checkpoint, trainable_weights, weights_to_bytes
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Task
 
@@ -75,6 +78,7 @@ class Learner:
             len(prompt_tokens), seed=cfg.train.seed, lease_seconds=cfg.server.lease_seconds
         )
         self.actors: dict[bytes, ActorInfo] = {}
+        self.violations: Counter[bytes] = Counter()
         self.acks: dict[str, m.Ack] = {}
         self.buffer: list[AcceptedGroup] = []
         self.step = 0
@@ -105,6 +109,7 @@ class Learner:
         actor = self.actors.get(identity)
         if actor is None:
             self.metrics.protocol_errors.labels(reason="not_registered").inc()
+            self.record_violation(identity)
             return m.ErrorReply(reason="not_registered", detail="send Hello first")
         actor.last_seen = time.monotonic()
         if isinstance(msg, m.Heartbeat):
@@ -116,6 +121,7 @@ class Learner:
         if isinstance(msg, m.Rollouts):
             return self._on_rollouts(identity, msg)
         self.metrics.protocol_errors.labels(reason="unexpected_type").inc()
+        self.record_violation(identity)
         return m.ErrorReply(reason="unexpected_type", detail=f"{type(msg).__name__} is not a request")
 
     def _on_hello(self, identity: bytes, msg: m.Hello) -> m.Welcome:
@@ -189,9 +195,17 @@ class Learner:
 
     # ------------------------------------------------------------------ rollouts
 
-    def _reject(self, reason: str, detail: str = "") -> m.Ack:
+    def _reject(self, identity: bytes, reason: str, detail: str = "") -> m.Ack:
         self.metrics.rejections.labels(reason=reason).inc()
+        self.record_violation(identity)
         return m.Ack(status="invalid", reason=reason if not detail else f"{reason}: {detail}")
+
+    def record_violation(self, identity: bytes) -> None:
+        """Count a bad message from a peer; past the limit the server stops listening to it."""
+        self.violations[identity] += 1
+
+    def is_banned(self, identity: bytes) -> bool:
+        return self.violations[identity] >= self.cfg.server.max_violations
 
     def _on_rollouts(self, identity: bytes, msg: m.Rollouts) -> m.Ack:
         stored = self.acks.get(msg.lease_id)
@@ -200,13 +214,13 @@ class Learner:
         gen = self.cfg.generation
         reason = m.validate_rollouts(msg, group_size=gen.group_size, vocab_size=self.policy.vocab_size, max_tokens=gen.max_tokens)
         if reason is not None:
-            return self._reject(reason)
+            return self._reject(identity, reason)
         if msg.policy_version > self.version:
-            return self._reject("future_version", f"{msg.policy_version} > {self.version}")
+            return self._reject(identity, "future_version", f"{msg.policy_version} > {self.version}")
         statuses = {g.group_id: self.scheduler.classify(identity.hex(), msg.lease_id, g.group_id) for g in msg.groups}
         bad = sorted({s for s in statuses.values() if s in ("not_your_lease", "not_leased")})
         if bad:
-            return self._reject(bad[0])
+            return self._reject(identity, bad[0])
         if self.version - msg.policy_version > self.cfg.grpo.max_staleness:
             return self._store(msg.lease_id, self._stale(msg, statuses))
         return self._store(msg.lease_id, self._accept(identity, msg, statuses))
@@ -281,13 +295,14 @@ class Learner:
         count = self.cfg.grpo.groups_per_step
         groups, self.buffer = self.buffer[:count], self.buffer[count:]
         batch = build_train_batch(groups, scale_by_std=self.cfg.grpo.scale_by_std)
+        trained_on = self.version
         stats = self.trainer.step(batch)
         self.step += 1
         published = self.step % self.cfg.train.sync_every == 0
         if published:
             self.version += 1
             self.snapshot = self._make_snapshot()
-        record = self._step_record(groups, stats, time.perf_counter() - started)
+        record = self._step_record(groups, stats, time.perf_counter() - started, trained_on)
         self._metrics_file.write(json.dumps(record) + "\n")
         self._observe_step(record)
         if self.step % self.cfg.train.checkpoint_every == 0 or self.done:
@@ -295,7 +310,7 @@ class Learner:
         record["published"] = published
         return record
 
-    def _step_record(self, groups: list[AcceptedGroup], stats: dict, seconds: float) -> dict:
+    def _step_record(self, groups: list[AcceptedGroup], stats: dict, seconds: float, trained_on: int) -> dict:
         rewards = np.concatenate([g.rewards for g in groups])
         zero_var = self.zero_variance_since_step / max(1, self.accepted_since_step)
         self.accepted_since_step = self.zero_variance_since_step = 0
@@ -310,7 +325,8 @@ class Learner:
             "grad_norm": stats["grad_norm"],
             "groups": len(groups),
             "tokens": int(sum(g.num_tokens for g in groups)),
-            "staleness_mean": float(np.mean([self.version - g.policy_version for g in groups])),
+            # Versions between the snapshot that sampled a group and the policy it trained.
+            "staleness_mean": float(np.mean([trained_on - g.policy_version for g in groups])),
             "zero_variance_fraction": zero_var,
             "step_seconds": seconds,
             "wall_seconds": time.monotonic() - self.started,
@@ -329,16 +345,78 @@ class Learner:
         mt.step_seconds.observe(record["step_seconds"])
 
     def checkpoint(self) -> Path:
-        """Write the current weights (mlx-lm format) and point `latest` at them."""
-        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        """Write weights (mlx-lm format), optimizer and learner state in one atomic swap, then repoint `latest`."""
+        self._metrics_file.flush()
+        self._ledger_file.flush()
+        root = self.run_dir / "checkpoints"
+        path = root / f"step_{self.step:06d}"
         meta = {"step": self.step, "policy_version": self.version, "run_id": self.run_id}
-        save_checkpoint(self.policy, path, extra=meta)
-        self.trainer.save_optimizer(path / "optimizer.safetensors")
-        latest = self.run_dir / "checkpoints" / "latest.json"
+        state = self.state_dict()
+
+        def write_extra(staging: Path) -> None:
+            self.trainer.save_optimizer(staging / "optimizer.safetensors")
+            write_state(staging, state)
+
+        save_checkpoint(self.policy, path, extra=meta, write_extra=write_extra)
+        latest = root / "latest.json"
         tmp = latest.with_suffix(".tmp")
         tmp.write_text(json.dumps({"path": path.name, **meta}))
         tmp.replace(latest)
+        self._prune_checkpoints(root, keep=path.name)
         return path
+
+    def _prune_checkpoints(self, root: Path, keep: str) -> None:
+        older = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != keep)
+        for stale in older[: max(0, len(older) - self.cfg.train.keep_checkpoints + 1)]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def state_dict(self) -> dict:
+        """Everything besides weights and optimizer that a resume needs."""
+        return {
+            "run_id": self.run_id,
+            "step": self.step,
+            "version": self.version,
+            "buffer": [group_to_dict(g) for g in self.buffer],
+            "acks": {lease_id: ack.model_dump() for lease_id, ack in self.acks.items()},
+            "accepted_since_step": self.accepted_since_step,
+            "zero_variance_since_step": self.zero_variance_since_step,
+            "scheduler": self.scheduler.state_dict(),
+            "ledger_bytes": self._log_size(self._ledger_file),
+            "metrics_bytes": self._log_size(self._metrics_file),
+            "wall_seconds": time.monotonic() - self.started,
+        }
+
+    def forget_uncheckpointed_work(self) -> None:
+        """Resuming a run that died before its first checkpoint: start over, logs included."""
+        truncate_log(self.run_dir / "ledger.jsonl", 0)
+        truncate_log(self.run_dir / "metrics.jsonl", 0)
+
+    @staticmethod
+    def _log_size(handle) -> int:
+        handle.flush()
+        return Path(handle.name).stat().st_size
+
+    def resume(self, checkpoint: Path) -> None:
+        """Continue from a checkpoint: weights, optimizer, leases, finished groups, logs cut back to match."""
+        state = read_state(checkpoint)
+        load_checkpoint_weights(self.policy, checkpoint)
+        self.trainer.load_optimizer(checkpoint / "optimizer.safetensors")
+        self.run_id, self.step, self.version = state["run_id"], state["step"], state["version"]
+        self.buffer = [group_from_dict(g) for g in state["buffer"]]
+        self.acks = {lease_id: m.Ack(**ack) for lease_id, ack in state["acks"].items()}
+        self.accepted_since_step = state["accepted_since_step"]
+        self.zero_variance_since_step = state["zero_variance_since_step"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.started = time.monotonic() - state["wall_seconds"]
+        # Groups accepted after this checkpoint are forgotten here and re-queued by
+        # their leases, so the ledger must forget them too to stay exactly-once.
+        self._ledger_file.flush()
+        self._metrics_file.flush()
+        truncate_log(self.run_dir / "ledger.jsonl", state["ledger_bytes"])
+        truncate_log(self.run_dir / "metrics.jsonl", state["metrics_bytes"])
+        self.snapshot = self._make_snapshot()
+        self.metrics.policy_version.set(self.version)
+        log.info("resumed run %s at step %d (policy v%d) from %s", self.run_id, self.step, self.version, checkpoint)
 
     def close(self) -> None:
         self._metrics_file.close()

@@ -152,3 +152,45 @@ class PromptScheduler:
         for lease_id in mine:
             self.release(lease_id)
         return len(mine)
+
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume exactly: cursor, queue, leases, finished set, RNG."""
+        version, internal, gauss = self._rng.getstate()
+        return {
+            "num_prompts": self.num_prompts,
+            "order": list(self._order),
+            "cursor": self._cursor,
+            "epoch": self.epoch,
+            "serial": self._serial,
+            "requeued": [[t.group_id, t.prompt_index] for t in self._requeued],
+            "leases": [
+                {"lease_id": lease.lease_id, "actor": lease.actor,
+                 "tickets": [[t.group_id, t.prompt_index] for t in lease.tickets.values()]}
+                for lease in self.leases.values()
+            ],
+            "finished": sorted(self.finished),
+            "rng": [version, list(internal), gauss],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`; leases restart their deadline on this process's clock."""
+        if state["num_prompts"] != self.num_prompts:
+            raise ValueError(f"checkpoint has {state['num_prompts']} prompts, the dataset now has {self.num_prompts}")
+        self._order = list(state["order"])
+        self._cursor = state["cursor"]
+        self.epoch = state["epoch"]
+        self._serial = state["serial"]
+        self._requeued = deque(GroupTicket(g, i) for g, i in state["requeued"])
+        self.leases, self._lease_of_group = {}, {}
+        deadline = self.clock() + self.lease_seconds
+        for entry in state["leases"]:
+            lease = LeaseRecord(lease_id=entry["lease_id"], actor=entry["actor"], deadline=deadline)
+            for group_id, index in entry["tickets"]:
+                lease.tickets[group_id] = GroupTicket(group_id, index)
+                self._lease_of_group[group_id] = lease.lease_id
+            self.leases[lease.lease_id] = lease
+        self.finished = set(state["finished"])
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))

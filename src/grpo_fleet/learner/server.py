@@ -22,6 +22,8 @@ log = logging.getLogger("grpo_fleet.learner")
 
 # How long an actor may stay silent (in heartbeat periods) before its leases are re-queued.
 SILENT_HEARTBEATS = 10
+# After the last step, how long the learner waits for every actor to hear Shutdown.
+SHUTDOWN_GRACE_SECONDS = 10.0
 
 
 def pub_endpoint_for(bind: str) -> str:
@@ -51,6 +53,8 @@ class LearnerServer:
         self.endpoint = bound_endpoint(self.router)
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
+        self.closing = False
+        self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
 
     def request_stop(self, *_args: object) -> None:
@@ -71,9 +75,12 @@ class LearnerServer:
                     record = self.learner.train_step()
                     if record["published"]:
                         self._publish(m.PolicyUpdated(version=self.learner.version, digest=self.learner.snapshot.digest))
-            if not self.learner.done:
+            if self.learner.done:
+                self._say_goodbye()
+            else:
+                # Stopped early (signal): save everything; actors keep retrying and
+                # carry on with a learner resumed from this checkpoint.
                 self.learner.checkpoint()
-            self._say_goodbye()
         finally:
             self.close()
 
@@ -85,13 +92,20 @@ class LearnerServer:
             if not self.router.poll(0, zmq.POLLIN):
                 return
             identity, msg = recv_routed(self.router, self.limits)
+            if self.learner.is_banned(identity):
+                self.learner.metrics.protocol_errors.labels(reason="banned").inc()
+                continue
             reply = self._answer(identity, msg)
             if reply is not None:
                 send_message(self.router, reply, identity=identity)
 
     def _answer(self, identity: bytes, msg: object) -> Optional[object]:
+        if self.closing:
+            self.told_to_stop.add(identity)
+            return m.Shutdown(reason="done")
         if isinstance(msg, ProtocolError):
             self.learner.metrics.protocol_errors.labels(reason=msg.reason).inc()
+            self.learner.record_violation(identity)
             return m.ErrorReply(reason=msg.reason, detail=str(msg)[:500])
         try:
             return self.learner.handle(identity, msg)
@@ -122,10 +136,16 @@ class LearnerServer:
         send_message(self.pub, msg)
 
     def _say_goodbye(self) -> None:
-        reason = "done" if self.learner.done else "stopped"
-        for _ in range(3):
-            self._publish(m.Shutdown(reason=reason))
-            self._pump(timeout_ms=50)
+        """Tell every actor the run is over: on PUB, and as the reply to its next request.
+
+        PUB alone can miss an actor whose SUB was reconnecting; the direct reply
+        cannot, so linger (bounded) until each registered actor has heard it.
+        """
+        self.closing = True
+        deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
+        while time.monotonic() < deadline and set(self.learner.actors) - self.told_to_stop:
+            self._publish(m.Shutdown(reason="done"))
+            self._pump(timeout_ms=100)
 
     def close(self) -> None:
         self.router.close(linger=0)

@@ -10,14 +10,18 @@ from typing import Optional
 import numpy as np
 
 from grpo_fleet.actor.rollout import encode_prompt
-from grpo_fleet.config import RunConfig
+from grpo_fleet.config import RunConfig, load_run_config
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.trainer import Trainer
 from grpo_fleet.metrics import learner_metrics
-from grpo_fleet.model import build_tiny_model, load_policy, model_digest
+from grpo_fleet.model import build_tiny_model, latest_checkpoint, load_policy, model_digest
 from grpo_fleet.tasks import Task, build_task
 
 log = logging.getLogger("grpo_fleet.learner")
+
+
+class RunDirInUse(RuntimeError):
+    """A fresh run was pointed at a directory that already holds one."""
 
 
 def tokenizer_corpus(task: Task) -> list[str]:
@@ -50,10 +54,16 @@ def tokenize_prompts(tokenizer: object, task: Task, cfg: RunConfig, *, split: st
     ]
 
 
-def build_learner(cfg: RunConfig, *, pub_address: Optional[str] = None) -> Learner:
-    """Everything the learner needs, loaded and ready; writes the resolved config to the run dir."""
+def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional[str] = None) -> Learner:
+    """Everything the learner needs, loaded and ready; writes the resolved config to the run dir.
+
+    With `resume`, continues from the run directory's latest checkpoint.
+    """
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    ledger = run_dir / "ledger.jsonl"
+    if not resume and ledger.exists() and ledger.stat().st_size > 0:
+        raise RunDirInUse(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick a new run_dir")
     task = build_task(cfg.task)
     path = resolve_model_path(cfg, task)
     lora = cfg.lora if cfg.lora.enabled else None
@@ -72,5 +82,18 @@ def build_learner(cfg: RunConfig, *, pub_address: Optional[str] = None) -> Learn
     learner = Learner(
         cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address
     )
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if checkpoint is not None:
+        learner.resume(checkpoint)
+    elif resume:
+        learner.forget_uncheckpointed_work()
     log.info("learner ready: model %s, %d prompts, run %s", path, len(prompts), learner.run_id)
     return learner
+
+
+def load_resume_config(run_dir: str, overrides: Optional[list[str]] = None) -> RunConfig:
+    """The config a run was started with (RUN_DIR/config.json), plus overrides."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a grpo-fleet run directory?")
+    return load_run_config(path, overrides or [])

@@ -53,6 +53,7 @@ def _actor(args: argparse.Namespace) -> int:
         connect=args.connect,
         actor_id=args.actor_id,
         max_groups=args.max_groups,
+        request_timeout=args.request_timeout,
         metrics=MetricsConfig(host=args.metrics_host, port=args.metrics_port),
     )
     ActorWorker(cfg).run()
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     actor.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
     actor.add_argument("--actor-id", help="name in logs and metrics (default host-pid)")
     actor.add_argument("--max-groups", type=int, default=2, help="prompts per lease")
+    actor.add_argument("--request-timeout", type=float, default=30.0, help="seconds without a reply before reconnecting")
     actor.add_argument("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
     actor.add_argument("--metrics-port", type=int, default=9401, help="port of /metrics (0 disables)")
     actor.set_defaults(func=_actor)

@@ -581,3 +581,103 @@ def test_zero_variance_fraction_is_reported_and_reset_per_step(learner):
     record = learner.train_step()
     assert record["zero_variance_fraction"] == pytest.approx(0.5)
     assert learner.accepted_since_step == 0 and learner.zero_variance_since_step == 0
+
+
+# ----------------------------------------------------------------- resume
+
+
+def test_resume_restores_state_and_cuts_logs_back_to_the_checkpoint(tiny_model_dir, tmp_path):
+    cfg = run_config(tiny_model_dir, tmp_path / "run", train={"steps": 5, "checkpoint_every": 1})
+    first = build_learner(cfg)
+    hello(first)
+    granted = lease(first)
+    first.handle(ACTOR_A, generated_rollouts(first, granted))
+    first.train_step()  # checkpoint at step 1 (buffer empty, nothing outstanding)
+    outstanding = lease(first)  # leased after the checkpoint...
+    first.handle(ACTOR_A, rollouts_for(outstanding, FLAT))  # ...and accepted after it
+    kept = ledger(first)[: GROUPS_PER_STEP]
+    assert len(ledger(first)) == 2 * GROUPS_PER_STEP
+    first.close()
+
+    second = build_learner(cfg, resume=True)
+    try:
+        assert (second.step, second.version, second.run_id) == (1, 1, first.run_id)
+        assert ledger(second) == kept, "groups accepted after the checkpoint leave the ledger"
+        assert len(metrics_lines(second)) == 1
+        assert second.scheduler.finished == {entry["group_id"] for entry in kept}
+        # the post-checkpoint lease is unknown to the resumed learner: a late submission is stale
+        hello(second)
+        late = second.handle(ACTOR_A, rollouts_for(outstanding, INFORMATIVE))
+        assert late.status == "stale" and set(late.groups.values()) == {"stale"}
+        # the same prompts are handed out again under the same group ids
+        again = lease(second)
+        assert [p.prompt_index for p in again.prompts] == [p.prompt_index for p in outstanding.prompts]
+        assert [p.group_id for p in again.prompts] == [p.group_id for p in outstanding.prompts]
+    finally:
+        second.close()
+
+
+def test_resume_keeps_buffered_groups_and_open_leases(tiny_model_dir, tmp_path):
+    cfg = run_config(tiny_model_dir, tmp_path / "run", grpo={"groups_per_step": 4}, train={"steps": 5})
+    first = build_learner(cfg)
+    hello(first)
+    buffered = lease(first, max_groups=2)
+    first.handle(ACTOR_A, rollouts_for(buffered))
+    still_out = lease(first, max_groups=2)
+    first.checkpoint()
+    first.close()
+
+    second = build_learner(cfg, resume=True)
+    try:
+        assert [g.group_id for g in second.buffer] == [p.group_id for p in buffered.prompts]
+        hello(second)
+        ack = second.handle(ACTOR_A, rollouts_for(still_out))
+        assert ack.status == "accepted", "an actor's lease survives the learner restart"
+        assert second.ready_to_train()
+    finally:
+        second.close()
+
+
+def test_fresh_start_refuses_a_run_dir_holding_a_run(tiny_model_dir, tmp_path):
+    from grpo_fleet.learner.setup import RunDirInUse
+
+    cfg = run_config(tiny_model_dir, tmp_path / "run")
+    first = build_learner(cfg)
+    hello(first)
+    first.handle(ACTOR_A, rollouts_for(lease(first)))
+    first.close()
+    with pytest.raises(RunDirInUse, match="--resume"):
+        build_learner(cfg)
+
+
+def test_peer_sending_garbage_is_cut_off(make_learner):
+    learner = make_learner(server={"max_violations": 3})
+    for _ in range(3):
+        assert isinstance(learner.handle(b"pest", m.LeaseRequest(max_groups=1)), m.ErrorReply)
+    assert learner.is_banned(b"pest")
+    assert not learner.is_banned(ACTOR_A)
+
+
+def test_kill_between_staging_and_rename_leaves_previous_checkpoint(make_learner, monkeypatch):
+    import grpo_fleet.model as model_module
+    from grpo_fleet.model import latest_checkpoint
+
+    learner = make_learner(train={"steps": 5, "checkpoint_every": 100})
+    good = learner.checkpoint()
+    learner.step = 1  # pretend a step happened so the next checkpoint is a new directory
+
+    class Killed(BaseException):
+        pass
+
+    def die(staging, final):
+        assert (staging / "learner_state.msgpack").exists(), "everything is written before the swap"
+        raise Killed()
+
+    monkeypatch.setattr(model_module, "_commit_dir", die)
+    with pytest.raises(Killed):
+        learner.checkpoint()
+    monkeypatch.undo()
+    assert latest_checkpoint(learner.run_dir) == good
+    assert not (learner.run_dir / "checkpoints" / "step_000001").exists()
+    model, tokenizer = mlx_lm.load(str(good))
+    assert isinstance(mlx_lm.generate(model, tokenizer, "12=", max_tokens=2), str)

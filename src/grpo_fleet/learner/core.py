@@ -29,6 +29,8 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Task
 
 log = logging.getLogger("grpo_fleet.learner")
+# Stored answers kept for replays (at-least-once actors resend after a reconnect).
+ACK_CACHE_SIZE = 4096
 
 
 @dataclass
@@ -217,16 +219,22 @@ class Learner:
             return self._reject(identity, reason)
         if msg.policy_version > self.version:
             return self._reject(identity, "future_version", f"{msg.policy_version} > {self.version}")
+        known_lease = msg.lease_id in self.scheduler.leases
         statuses = {g.group_id: self.scheduler.classify(identity.hex(), msg.lease_id, g.group_id) for g in msg.groups}
         bad = sorted({s for s in statuses.values() if s in ("not_your_lease", "not_leased")})
         if bad:
             return self._reject(identity, bad[0])
         if self.version - msg.policy_version > self.cfg.grpo.max_staleness:
-            return self._store(msg.lease_id, self._stale(msg, statuses))
-        return self._store(msg.lease_id, self._accept(identity, msg, statuses))
+            return self._store(msg.lease_id, self._stale(msg, statuses), known_lease)
+        return self._store(msg.lease_id, self._accept(identity, msg, statuses), known_lease)
 
-    def _store(self, lease_id: str, ack: m.Ack) -> m.Ack:
-        self.acks[lease_id] = ack
+    def _store(self, lease_id: str, ack: m.Ack, known_lease: bool) -> m.Ack:
+        # Only answers about leases that were open are worth replaying, and the
+        # cache is bounded so no peer can grow it without limit.
+        if known_lease:
+            self.acks[lease_id] = ack
+            while len(self.acks) > ACK_CACHE_SIZE:
+                self.acks.pop(next(iter(self.acks)))
         self.metrics.leases_outstanding.set(len(self.scheduler.leases))
         return ack
 
@@ -366,6 +374,9 @@ class Learner:
         return path
 
     def _prune_checkpoints(self, root: Path, keep: str) -> None:
+        # Hidden staging directories are what a kill mid-checkpoint leaves behind.
+        for leftover in root.glob(".step_*"):
+            shutil.rmtree(leftover, ignore_errors=True)
         older = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != keep)
         for stale in older[: max(0, len(older) - self.cfg.train.keep_checkpoints + 1)]:
             shutil.rmtree(stale, ignore_errors=True)

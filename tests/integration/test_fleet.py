@@ -105,3 +105,45 @@ def test_learner_and_two_actors_train_over_tcp(tmp_path, free_port, spawn):
     assert pointer["step"] == 12
     model, tokenizer = mlx_lm.load(str(run_dir / "checkpoints" / pointer["path"]))
     assert isinstance(mlx_lm.generate(model, tokenizer, "123=", max_tokens=4), str)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_steps(run_dir: Path, count: int, proc, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_lines(run_dir / "metrics.jsonl")) < count:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.log_path.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def test_sigterm_checkpoints_and_resume_continues_the_run(tmp_path, free_port, spawn):
+    import signal
+
+    run_dir = tmp_path / "run"
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    config = _write_config(tmp_path / "run.toml", run_dir, bind, f"tcp://127.0.0.1:{free_port()}", 0)
+    config.write_text(config.read_text().replace("steps = 12", "steps = 100000").replace("checkpoint_every = 5", "checkpoint_every = 100000"))
+    learner = spawn("learner", "--config", str(config), name="learner")
+    actors = [spawn("actor", "--connect", bind, "--actor-id", f"t-{i}", "--metrics-port", "0", "--request-timeout", "3", name=f"a{i}")
+              for i in range(2)]
+    _wait_steps(run_dir, 5, learner)
+
+    actors[1].send_signal(signal.SIGTERM)
+    assert actors[1].wait(timeout=20) == 0, "an actor drains and exits on SIGTERM"
+    learner.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert learner.wait(timeout=30) == 0
+    assert time.monotonic() - started < 30
+    stopped_at = len(_lines(run_dir / "metrics.jsonl"))
+    pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert pointer["step"] == stopped_at, "SIGTERM writes a checkpoint of the last step"
+
+    target = stopped_at + 4
+    resumed = spawn("learner", "--resume", str(run_dir), "--set", f"train.steps={target}", name="resumed")
+    assert resumed.wait(timeout=180) == 0, resumed.log_path.read_text()[-3000:]
+    assert actors[0].wait(timeout=30) == 0, "the surviving actor reconnected, worked and was told to stop"
+    assert [r["step"] for r in _lines(run_dir / "metrics.jsonl")] == list(range(1, target + 1))
+    ids = [entry["group_id"] for entry in _lines(run_dir / "ledger.jsonl")]
+    assert len(ids) == len(set(ids))

@@ -115,7 +115,8 @@ class ActorWorker:
         self._adopt(welcome)
         self._sub = sub_socket(self.ctx, self._notice_address(welcome.pub_address))
         self._sync_weights()
-        while not self.stopping:
+        # On SIGTERM, finish delivering what was generated (drain), then stop.
+        while not (self.stopping and self.pending is None):
             self._work_once()
         raise StopActor("signal")
 
@@ -133,7 +134,7 @@ class ActorWorker:
         """Send and wait for a reply of the expected type, ignoring stray replies."""
         send_message(self._dealer, msg)
         deadline = time.monotonic() + self.cfg.request_timeout
-        while not self.stopping:
+        while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise LearnerUnavailable(f"no reply to {type(msg).__name__}")
@@ -149,7 +150,6 @@ class ActorWorker:
             if isinstance(reply, m.ErrorReply):
                 raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
             self._check_notices()
-        raise StopActor("signal")
 
     def _check_notices(self) -> None:
         """Drain the PUB channel: remember the newest policy version; Shutdown stops us.
@@ -215,6 +215,8 @@ class ActorWorker:
             self._sync_weights()
         if self.pending is not None:
             self._submit(self.pending)
+            return
+        if self.stopping:
             return
         lease = self._request(m.LeaseRequest(max_groups=self.cfg.max_groups), m.Lease)
         if not lease.prompts:

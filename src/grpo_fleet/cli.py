@@ -18,7 +18,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config
-    from grpo_fleet.learner.server import LearnerServer
+    from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
     from grpo_fleet.learner.setup import build_learner, load_resume_config
     from grpo_fleet.metrics import serve_metrics
 
@@ -29,10 +29,21 @@ def _learner(args: argparse.Namespace) -> int:
         overrides.append(f"server.bind={_toml_string(args.bind)}")
     if args.metrics_port is not None:
         overrides.append(f"metrics.port={args.metrics_port}")
+    if args.metrics_host:
+        overrides.append(f"metrics.host={_toml_string(args.metrics_host)}")
+    if args.keys:
+        overrides.append(f"security.keys_dir={_toml_string(args.keys)}")
+    if args.insecure:
+        overrides.append("security.insecure=true")
     if args.resume:
         cfg = load_resume_config(args.resume, overrides)
     else:
         cfg = load_run_config(args.config, overrides)
+    try:
+        check_bind_security(cfg)  # before loading a model that may take minutes
+    except InsecureBindError as exc:
+        print(f"grpo-fleet learner: {exc}", file=sys.stderr)
+        return 2
     learner = build_learner(cfg, resume=bool(args.resume))
     server = LearnerServer(learner)
     server.install_signal_handlers()
@@ -49,14 +60,41 @@ def _actor(args: argparse.Namespace) -> int:
     from grpo_fleet.actor.worker import ActorWorker
     from grpo_fleet.config import ActorConfig, MetricsConfig
 
+    from grpo_fleet.actor.worker import ActorRefused
+
     cfg = ActorConfig(
         connect=args.connect,
         actor_id=args.actor_id,
         max_groups=args.max_groups,
         request_timeout=args.request_timeout,
         metrics=MetricsConfig(host=args.metrics_host, port=args.metrics_port),
+        model_dirs=list(args.model_dir or []),
+        key_file=args.key,
+        learner_key_file=args.learner_key,
     )
-    ActorWorker(cfg).run()
+    try:
+        ActorWorker(cfg).run()
+    except ActorRefused as exc:
+        print(f"grpo-fleet actor: refusing to run: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from grpo_fleet.protocol import auth
+
+    if args.keys_command == "init":
+        public = auth.init_keys(args.dir)
+        print(f"learner keypair in {args.dir}; copy {public} to every actor Mac")
+    elif args.keys_command == "add-actor":
+        secret = auth.add_actor(args.dir, args.name)
+        print(f"actor {args.name} allowed. Copy {secret} and {args.dir}/learner.key to that Mac, then run:\n"
+              f"  grpo-fleet actor --connect tcp://LEARNER:5555 --key {secret.name} --learner-key learner.key\n"
+              f"and delete {secret} here.")
+    elif args.keys_command == "revoke":
+        found = auth.revoke_actor(args.dir, args.name)
+        print(f"{args.name} {'revoked; a running learner drops it within seconds' if found else 'was not allowed'}")
+        return 0 if found else 1
     return 0
 
 
@@ -94,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     learner.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     learner.add_argument("--bind", help="override server.bind, e.g. tcp://0.0.0.0:5555")
     learner.add_argument("--metrics-port", type=int, help="override metrics.port (0 disables)")
+    learner.add_argument("--metrics-host", help="override metrics.host (default 127.0.0.1)")
+    learner.add_argument("--keys", metavar="DIR", help="CURVE keys directory (security.keys_dir)")
+    learner.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE")
     learner.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted config override, repeatable")
     learner.set_defaults(func=_learner)
 
@@ -104,7 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
     actor.add_argument("--request-timeout", type=float, default=30.0, help="seconds without a reply before reconnecting")
     actor.add_argument("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
     actor.add_argument("--metrics-port", type=int, default=9401, help="port of /metrics (0 disables)")
+    actor.add_argument("--key", help="this actor's CURVE secret key file (from `keys add-actor`)")
+    actor.add_argument("--learner-key", help="the learner's public key file (learner.key)")
+    actor.add_argument("--model-dir", action="append", help="local directory the learner's model may live in; repeatable")
     actor.set_defaults(func=_actor)
+
+    keys = sub.add_parser("keys", help="CURVE keys: who may join the fleet")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    init = keys_sub.add_parser("init", help="create the learner keypair and an empty allow-list")
+    init.add_argument("dir")
+    add = keys_sub.add_parser("add-actor", help="create an actor keypair and allow it")
+    add.add_argument("name")
+    add.add_argument("--dir", default="keys")
+    revoke = keys_sub.add_parser("revoke", help="remove an actor from the allow-list")
+    revoke.add_argument("name")
+    revoke.add_argument("--dir", default="keys")
+    keys.set_defaults(func=_keys)
 
     demo = sub.add_parser("demo", help="learner + actors on this machine, tiny model, before/after eval")
     demo.add_argument("--actors", type=int, default=2)

@@ -140,6 +140,15 @@ class ServerConfig(_Section):
     max_violations: int = Field(50, ge=1, description="Bad messages after which a peer is ignored for the rest of the run.")
 
 
+class SecurityConfig(_Section):
+    """Who may join: CURVE encryption and an allow-list of actor public keys."""
+
+    keys_dir: Optional[str] = Field(
+        None, description="Directory made by `grpo-fleet keys init` (learner.key_secret + authorized/); enables CURVE."
+    )
+    insecure: bool = Field(False, description="Allow binding a non-loopback address without CURVE (logged loudly).")
+
+
 class MetricsConfig(_Section):
     """Prometheus exporter."""
 
@@ -159,6 +168,7 @@ class RunConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
 
@@ -169,7 +179,11 @@ class ActorConfig(_Section):
     actor_id: Optional[str] = Field(None, description="Name shown in logs and metrics; default: host-pid.")
     max_groups: int = Field(2, ge=1, description="Prompts asked for per lease.")
     metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig(port=9401))
-    model_dirs: list[str] = Field(default_factory=list, description="Extra directories the learner's model path may point into.")
+    model_dirs: list[str] = Field(
+        default_factory=list, description="Local directories the learner's model path may point into (hub ids are always allowed)."
+    )
+    key_file: Optional[str] = Field(None, description="This actor's CURVE secret key file (NAME.key_secret).")
+    learner_key_file: Optional[str] = Field(None, description="The learner's public key file (learner.key).")
     request_timeout: float = Field(30.0, gt=0, description="Seconds to wait for a learner reply before reconnecting.")
 
 

@@ -77,7 +77,8 @@ def start_fleet(cfg: RunConfig, config_path: Path, actors: int) -> tuple[subproc
     learner = _spawn(["learner", "--config", str(config_path)], run_dir / "learner.log")
     ports = [free_port() for _ in range(actors)]
     fleet = [
-        _spawn(["actor", "--connect", cfg.server.bind, "--actor-id", f"demo-actor-{i}", "--metrics-port", str(port)],
+        _spawn(["actor", "--connect", cfg.server.bind, "--actor-id", f"demo-actor-{i}", "--metrics-port", str(port),
+                "--model-dir", str(run_dir)],
                run_dir / f"actor-{i}.log")
         for i, port in enumerate(ports)
     ]

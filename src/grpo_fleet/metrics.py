@@ -40,6 +40,7 @@ class LearnerMetrics:
     step_seconds: Histogram
     weight_bytes_served: Counter
     actors_connected: Gauge
+    auth_failures: Counter
 
 
 def learner_metrics() -> LearnerMetrics:
@@ -70,6 +71,9 @@ def learner_metrics() -> LearnerMetrics:
         step_seconds=Histogram(f"{p}_step_duration_seconds", "Wall time of one optimizer batch", registry=r),
         weight_bytes_served=Counter(f"{p}_weight_sent_bytes", "Weight bytes sent to actors", registry=r),
         actors_connected=Gauge(f"{p}_actors_connected", "Actors heard from within the heartbeat timeout", registry=r),
+        auth_failures=Counter(
+            f"{p}_auth_failures", "Refused CURVE handshakes and messages from revoked keys, by reason", ["reason"], registry=r
+        ),
     )
 
 

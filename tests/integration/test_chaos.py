@@ -61,7 +61,7 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(tmp_path, 
 
     def start_actor(index: int):
         return spawn("actor", "--connect", bind, "--actor-id", f"chaos-{index}", "--metrics-port", "0",
-                     "--request-timeout", "3", name=f"actor{index}")
+                     "--request-timeout", "3", "--model-dir", str(run_dir), name=f"actor{index}")
 
     learner = spawn("learner", "--config", str(config), name="learner")
     actors = [start_actor(i) for i in range(3)]

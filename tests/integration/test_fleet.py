@@ -78,7 +78,8 @@ def test_learner_and_two_actors_train_over_tcp(tmp_path, free_port, spawn):
     config = _write_config(tmp_path / "run.toml", run_dir, bind, f"tcp://127.0.0.1:{free_port()}", ports["learner"])
     learner = spawn("learner", "--config", str(config), name="learner")
     actors = [
-        spawn("actor", "--connect", bind, "--actor-id", f"it-{i}", "--metrics-port", str(ports[f"actor{i}"]), name=f"actor{i}")
+        spawn("actor", "--connect", bind, "--actor-id", f"it-{i}", "--metrics-port", str(ports[f"actor{i}"]),
+              "--model-dir", str(run_dir), name=f"actor{i}")
         for i in range(2)
     ]
     pages = _wait_for_metrics(ports, [learner, *actors])
@@ -126,7 +127,8 @@ def test_sigterm_checkpoints_and_resume_continues_the_run(tmp_path, free_port, s
     config = _write_config(tmp_path / "run.toml", run_dir, bind, f"tcp://127.0.0.1:{free_port()}", 0)
     config.write_text(config.read_text().replace("steps = 12", "steps = 100000").replace("checkpoint_every = 5", "checkpoint_every = 100000"))
     learner = spawn("learner", "--config", str(config), name="learner")
-    actors = [spawn("actor", "--connect", bind, "--actor-id", f"t-{i}", "--metrics-port", "0", "--request-timeout", "3", name=f"a{i}")
+    actors = [spawn("actor", "--connect", bind, "--actor-id", f"t-{i}", "--metrics-port", "0", "--request-timeout", "3",
+                   "--model-dir", str(run_dir), name=f"a{i}")
               for i in range(2)]
     _wait_steps(run_dir, 5, learner)
 

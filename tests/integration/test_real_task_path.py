@@ -43,7 +43,7 @@ pub_bind = "tcp://127.0.0.1:{free_port()}"
 port = 0
 """)
     learner = spawn("learner", "--config", str(config), name="learner")
-    actor = spawn("actor", "--connect", bind, "--metrics-port", "0", name="actor")
+    actor = spawn("actor", "--connect", bind, "--metrics-port", "0", "--model-dir", str(run_dir), name="actor")
     assert learner.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
     assert actor.wait(timeout=30) == 0
 

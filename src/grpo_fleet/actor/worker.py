@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Optional, TypeVar
 from urllib.parse import urlparse
 
@@ -25,8 +27,9 @@ from grpo_fleet.metrics import actor_metrics, serve_metrics
 from grpo_fleet.model import Policy, load_policy, load_weight_blob, model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits, ProtocolError
+from grpo_fleet.protocol.auth import load_keypair
 from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_message, send_message, sub_socket
-from grpo_fleet.tasks import score_completion, validate_rewards
+from grpo_fleet.tasks import UnknownRewardError, score_completion, validate_rewards
 
 log = logging.getLogger("grpo_fleet.actor")
 Reply = TypeVar("Reply")
@@ -39,6 +42,23 @@ class LearnerUnavailable(Exception):
 
 class StopActor(Exception):
     """The learner said Shutdown, or we were asked to stop."""
+
+
+class ActorRefused(Exception):
+    """The learner asked for something this actor will not do (unknown reward, model outside allowed dirs)."""
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def model_path_allowed(path: str, model_dirs: list[str]) -> bool:
+    """Hub ids are fine; a local path must resolve inside an allowed directory (cwd by default)."""
+    local = Path(path).expanduser()
+    if HUB_ID.match(path) and not local.exists():
+        return True
+    resolved = local.resolve()
+    roots = [Path(d).expanduser().resolve() for d in (model_dirs or [os.getcwd()])]
+    return any(resolved == root or root in resolved.parents for root in roots)
 
 
 class ActorWorker:
@@ -61,6 +81,19 @@ class ActorWorker:
         self._dealer = None
         self._sub = None
         self._last_heartbeat = 0.0
+        self.curve = self._load_curve(cfg)
+
+    @staticmethod
+    def _load_curve(cfg: ActorConfig) -> Optional[tuple]:
+        """(own keypair, learner public key) when CURVE is configured."""
+        if not cfg.key_file and not cfg.learner_key_file:
+            return None
+        if not (cfg.key_file and cfg.learner_key_file):
+            raise ActorRefused("CURVE needs both --key (this actor's secret key) and --learner-key (learner.key)")
+        keypair = load_keypair(cfg.key_file)
+        if keypair.secret is None:
+            raise ActorRefused(f"{cfg.key_file} holds no secret key; pass the NAME.key_secret file")
+        return keypair, load_keypair(cfg.learner_key_file).public
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -105,7 +138,8 @@ class ActorWorker:
     def _session(self) -> None:
         self._close_sockets()
         self._dealer = dealer_socket(
-            self.ctx, self.cfg.connect, identity=self.actor_id.encode(), max_message_bytes=self.limits.max_message_bytes
+            self.ctx, self.cfg.connect, identity=self.actor_id.encode(),
+            max_message_bytes=self.limits.max_message_bytes, curve=self.curve,
         )
         hello = m.Hello(
             actor_id=self.actor_id, host=socket.gethostname(), backend=str(mx.default_device()),
@@ -113,7 +147,7 @@ class ActorWorker:
         )
         welcome = self._request(hello, m.Welcome)
         self._adopt(welcome)
-        self._sub = sub_socket(self.ctx, self._notice_address(welcome.pub_address))
+        self._sub = sub_socket(self.ctx, self._notice_address(welcome.pub_address), curve=self.curve)
         self._sync_weights()
         # On SIGTERM, finish delivering what was generated (drain), then stop.
         while not (self.stopping and self.pending is None):
@@ -179,11 +213,19 @@ class ActorWorker:
 
     def _adopt(self, welcome: m.Welcome) -> None:
         """Load the learner's model once (same path, digest and adapters = same model)."""
-        validate_rewards(welcome.reward.names, welcome.reward.weights)
+        try:
+            validate_rewards(welcome.reward.names, welcome.reward.weights)
+        except UnknownRewardError as exc:
+            raise ActorRefused(f"the learner asks for a reward this actor does not have: {exc}") from exc
+        if not model_path_allowed(welcome.model.path, self.cfg.model_dirs):
+            raise ActorRefused(
+                f"model path {welcome.model.path!r} is outside the allowed directories "
+                f"{self.cfg.model_dirs or [os.getcwd()]}; pass --model-dir to allow it"
+            )
         key = (welcome.model.path, welcome.model.digest, str(welcome.model.lora), welcome.model.dtype)
         if key != self.model_key:
             if model_digest(welcome.model.path) != welcome.model.digest:
-                raise StopActor(f"local copy of {welcome.model.path} differs from the learner's (digest mismatch)")
+                raise ActorRefused(f"local copy of {welcome.model.path} differs from the learner's (digest mismatch)")
             lora = LoraConfig(**welcome.model.lora) if welcome.model.lora else None
             self.policy = load_policy(welcome.model.path, lora=lora, dtype=welcome.model.dtype)
             self.model_key = key

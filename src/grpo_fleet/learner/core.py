@@ -40,6 +40,7 @@ class ActorInfo:
     actor_id: str
     host: str
     last_seen: float
+    principal: str  # the CURVE public key when CURVE is on, else the routing id in hex
 
 
 @dataclass
@@ -104,12 +105,17 @@ class Learner:
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, identity: bytes, msg: object) -> Optional[object]:
-        """Answer one decoded message from `identity` (None = no reply)."""
+    def handle(self, identity: bytes, msg: object, principal: Optional[str] = None) -> Optional[object]:
+        """Answer one decoded message from `identity` (None = no reply).
+
+        `principal` is the authenticated CURVE key; leases are bound to it, so a
+        peer reusing another actor's routing id cannot act for it.
+        """
+        owner = principal or identity.hex()
         if isinstance(msg, m.Hello):
-            return self._on_hello(identity, msg)
+            return self._on_hello(identity, owner, msg)
         actor = self.actors.get(identity)
-        if actor is None:
+        if actor is None or actor.principal != owner:
             self.metrics.protocol_errors.labels(reason="not_registered").inc()
             self.record_violation(identity)
             return m.ErrorReply(reason="not_registered", detail="send Hello first")
@@ -126,8 +132,8 @@ class Learner:
         self.record_violation(identity)
         return m.ErrorReply(reason="unexpected_type", detail=f"{type(msg).__name__} is not a request")
 
-    def _on_hello(self, identity: bytes, msg: m.Hello) -> m.Welcome:
-        self.actors[identity] = ActorInfo(actor_id=msg.actor_id, host=msg.host, last_seen=time.monotonic())
+    def _on_hello(self, identity: bytes, owner: str, msg: m.Hello) -> m.Welcome:
+        self.actors[identity] = ActorInfo(actor_id=msg.actor_id, host=msg.host, last_seen=time.monotonic(), principal=owner)
         log.info("actor %s joined from %s (%s)", msg.actor_id, msg.host, msg.backend)
         self.metrics.actors_connected.set(len(self.actors))
         return self.welcome(msg.actor_id)
@@ -170,7 +176,8 @@ class Learner:
 
     def _on_lease_request(self, identity: bytes, msg: m.LeaseRequest) -> m.Lease:
         count = min(msg.max_groups, self.cfg.server.max_groups_per_lease, self._lease_capacity())
-        lease = self.scheduler.issue(identity.hex(), count) if count and not self.done else None
+        owner = self.actors[identity].principal
+        lease = self.scheduler.issue(owner, count) if count and not self.done else None
         if lease is None:
             return m.Lease(lease_id="", deadline_seconds=0.0, policy_version=self.version, prompts=[], retry_after=0.2)
         self.metrics.leases_issued.inc()
@@ -186,6 +193,14 @@ class Learner:
     def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:
         tokens = m.Tensor.from_numpy(self.prompt_tokens[index])
         return m.PromptItem(group_id=group_id, prompt_index=index, prompt_tokens=tokens, fields=self.task.fields(self.task.train[index]))
+
+    def drop_actor(self, identity: bytes) -> int:
+        """Forget an actor (silent or revoked) and re-queue its leases; returns the lease count."""
+        info = self.actors.pop(identity, None)
+        if info is None:
+            return 0
+        self.metrics.actors_connected.set(len(self.actors))
+        return self.scheduler.release_actor(info.principal)
 
     def expire_leases(self) -> int:
         """Re-queue leases past their deadline; returns how many expired."""
@@ -220,7 +235,8 @@ class Learner:
         if msg.policy_version > self.version:
             return self._reject(identity, "future_version", f"{msg.policy_version} > {self.version}")
         known_lease = msg.lease_id in self.scheduler.leases
-        statuses = {g.group_id: self.scheduler.classify(identity.hex(), msg.lease_id, g.group_id) for g in msg.groups}
+        owner = self.actors[identity].principal
+        statuses = {g.group_id: self.scheduler.classify(owner, msg.lease_id, g.group_id) for g in msg.groups}
         bad = sorted({s for s in statuses.values() if s in ("not_your_lease", "not_leased")})
         if bad:
             return self._reject(identity, bad[0])
@@ -260,7 +276,7 @@ class Learner:
         return m.Ack(status=overall, groups=answer)
 
     def _take_group(self, identity: bytes, version: int, prompt_index: int, group: m.GroupResult) -> None:
-        actor_id = self.actors[identity].actor_id
+        actor_id, owner = self.actors[identity].actor_id, self.actors[identity].principal
         record = AcceptedGroup(
             group_id=group.group_id,
             prompt_index=prompt_index,
@@ -279,7 +295,7 @@ class Learner:
         )
         self._ledger_file.write(json.dumps({
             "group_id": record.group_id, "prompt_index": prompt_index, "actor_id": actor_id,
-            "policy_version": version, "step": self.step,
+            "actor_key": owner, "policy_version": version, "step": self.step,
         }) + "\n")
         self.metrics.groups_accepted.inc()
         self.metrics.tokens_accepted.inc(record.num_tokens)

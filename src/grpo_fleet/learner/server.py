@@ -11,12 +11,24 @@ import time
 from typing import Optional
 from urllib.parse import urlparse
 
-import zmq
+from pathlib import Path
 
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.auth import KeyRing, is_loopback_endpoint, load_keypair, start_authenticator
 from grpo_fleet.protocol.codec import Limits, ProtocolError
-from grpo_fleet.protocol.sockets import bound_endpoint, make_context, pub_socket, recv_routed, router_socket, send_message
+from grpo_fleet.protocol.sockets import (
+    bound_endpoint,
+    make_context,
+    pub_socket,
+    recv_routed_from,
+    router_socket,
+    send_message,
+)
 
 log = logging.getLogger("grpo_fleet.learner")
 
@@ -24,6 +36,32 @@ log = logging.getLogger("grpo_fleet.learner")
 SILENT_HEARTBEATS = 10
 # After the last step, how long the learner waits for every actor to hear Shutdown.
 SHUTDOWN_GRACE_SECONDS = 10.0
+
+
+HANDSHAKE_FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_auth",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_other",
+}
+
+
+class InsecureBindError(RuntimeError):
+    """A non-loopback bind without CURVE and without an explicit --insecure."""
+
+
+def check_bind_security(cfg: RunConfig) -> None:
+    """Refuse to expose the learner to a network without CURVE unless the user insists."""
+    endpoints = [cfg.server.bind, cfg.server.pub_bind or pub_endpoint_for(cfg.server.bind)]
+    exposed = [e for e in endpoints if not is_loopback_endpoint(e)]
+    if not exposed or cfg.security.keys_dir:
+        return
+    if not cfg.security.insecure:
+        raise InsecureBindError(
+            f"refusing to listen on {', '.join(exposed)} without CURVE: anyone who reaches it could "
+            "feed the learner rollouts or read its weights. Create keys with `grpo-fleet keys init DIR` and "
+            "set security.keys_dir (or --keys DIR), bind 127.0.0.1, or pass --insecure if you really mean it."
+        )
+    log.warning("!!! INSECURE: learner listening on %s without CURVE; any peer can join !!!", ", ".join(exposed))
 
 
 def pub_endpoint_for(bind: str) -> str:
@@ -47,9 +85,13 @@ class LearnerServer:
         self.learner = learner
         cfg = learner.cfg.server
         self.limits = Limits(max_message_bytes=cfg.max_message_bytes, max_bin_len=cfg.max_message_bytes)
+        check_bind_security(learner.cfg)
         self.ctx = make_context()
-        self.router = router_socket(self.ctx, cfg.bind, max_message_bytes=cfg.max_message_bytes)
-        self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind))
+        self.keyring, self.auth, keypair = self._start_security(learner.cfg)
+        self.router = router_socket(self.ctx, cfg.bind, max_message_bytes=cfg.max_message_bytes, curve=keypair)
+        self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind), curve=keypair)
+        self.monitor = self.router.get_monitor_socket(sum(HANDSHAKE_FAILURES))
+        self.reload_requested = False
         self.endpoint = bound_endpoint(self.router)
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
@@ -57,12 +99,27 @@ class LearnerServer:
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
 
+    def _start_security(self, cfg: RunConfig) -> tuple:
+        if not cfg.security.keys_dir:
+            return None, None, None
+        keys = Path(cfg.security.keys_dir)
+        keypair = load_keypair(keys / "learner.key_secret")
+        keyring = KeyRing(keys / "authorized")
+        auth = start_authenticator(self.ctx, keyring)
+        log.info("CURVE on: %d authorised actor keys in %s", len(keyring._keys), keyring.directory)
+        return keyring, auth, keypair
+
     def request_stop(self, *_args: object) -> None:
         self.stopping = True
+
+    def request_reload(self, *_args: object) -> None:
+        self.reload_requested = True
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        if hasattr(signal, "SIGHUP"):
+            signal.signal(signal.SIGHUP, self.request_reload)
 
     def serve(self) -> None:
         """Run until the step target is reached or a stop is requested."""
@@ -91,15 +148,25 @@ class LearnerServer:
         for _ in range(256):
             if not self.router.poll(0, zmq.POLLIN):
                 return
-            identity, msg = recv_routed(self.router, self.limits)
-            if self.learner.is_banned(identity):
-                self.learner.metrics.protocol_errors.labels(reason="banned").inc()
+            routed = recv_routed_from(self.router, self.limits)
+            if not self._admitted(routed.identity, routed.principal):
                 continue
-            reply = self._answer(identity, msg)
+            reply = self._answer(routed.identity, routed.message, routed.principal)
             if reply is not None:
-                send_message(self.router, reply, identity=identity)
+                send_message(self.router, reply, identity=routed.identity)
 
-    def _answer(self, identity: bytes, msg: object) -> Optional[object]:
+    def _admitted(self, identity: bytes, principal: Optional[str]) -> bool:
+        """Drop messages from banned peers and from keys revoked after their handshake."""
+        if self.learner.is_banned(identity):
+            self.learner.metrics.protocol_errors.labels(reason="banned").inc()
+            return False
+        if self.keyring is not None and not (principal and self.keyring.allows(principal.encode())):
+            self.learner.metrics.auth_failures.labels(reason="revoked").inc()
+            self.learner.drop_actor(identity)
+            return False
+        return True
+
+    def _answer(self, identity: bytes, msg: object, principal: Optional[str] = None) -> Optional[object]:
         if self.closing:
             self.told_to_stop.add(identity)
             return m.Shutdown(reason="done")
@@ -108,7 +175,7 @@ class LearnerServer:
             self.learner.record_violation(identity)
             return m.ErrorReply(reason=msg.reason, detail=str(msg)[:500])
         try:
-            return self.learner.handle(identity, msg)
+            return self.learner.handle(identity, msg, principal)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling %s", type(msg).__name__)
             self.learner.metrics.protocol_errors.labels(reason="internal").inc()
@@ -120,6 +187,8 @@ class LearnerServer:
         if now - self._last_housekeeping < min(0.5, period):
             return
         self._last_housekeeping = now
+        self._count_handshake_failures()
+        self._reload_allow_list()
         self.learner.expire_leases()
         self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
         self._publish(m.Heartbeat(actor_id="learner", policy_version=self.learner.version, sent_at=time.time()))
@@ -127,10 +196,29 @@ class LearnerServer:
     def _drop_silent_actors(self, cutoff: float) -> None:
         for identity, info in list(self.learner.actors.items()):
             if info.last_seen < cutoff:
-                released = self.learner.scheduler.release_actor(identity.hex())
+                released = self.learner.drop_actor(identity)
                 log.info("actor %s went silent; re-queued %d leases", info.actor_id, released)
-                del self.learner.actors[identity]
-        self.learner.metrics.actors_connected.set(len(self.learner.actors))
+
+    def _count_handshake_failures(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            reason = HANDSHAKE_FAILURES.get(event["event"])
+            if reason is not None:
+                self.learner.metrics.auth_failures.labels(reason=reason).inc()
+                log.warning("handshake failed on %s (%s)", event["endpoint"].decode(errors="replace"), reason)
+
+    def _reload_allow_list(self) -> None:
+        """SIGHUP or a change in the authorized/ directory: re-read keys, cut off revoked actors."""
+        if self.keyring is None:
+            return
+        changed = self.keyring.reload() if self.reload_requested else self.keyring.reload_if_changed()
+        self.reload_requested = False
+        if not changed:
+            return
+        for identity, info in list(self.learner.actors.items()):
+            if not self.keyring.allows(info.principal.encode()):
+                released = self.learner.drop_actor(identity)
+                log.warning("actor %s (%s) revoked; re-queued %d leases", info.actor_id, info.principal, released)
 
     def _publish(self, msg: object) -> None:
         send_message(self.pub, msg)
@@ -148,6 +236,10 @@ class LearnerServer:
             self._pump(timeout_ms=100)
 
     def close(self) -> None:
+        self.router.disable_monitor()
+        self.monitor.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.router.close(linger=0)
         self.pub.close(linger=0)
         self.ctx.term()

@@ -8,10 +8,14 @@ oversized frame before it is ever buffered in Python.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
 
 import zmq
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from grpo_fleet.protocol.auth import Keypair
 
 from grpo_fleet.protocol.codec import DEFAULT_LIMITS, Limits, ProtocolError, decode, encode
 
@@ -29,9 +33,15 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
-def router_socket(ctx: zmq.Context, bind: str, *, max_message_bytes: int) -> zmq.Socket:
-    """The learner's ROUTER. Bind to 'host:0' for a random port; see `bound_endpoint`."""
+def router_socket(
+    ctx: zmq.Context, bind: str, *, max_message_bytes: int, curve: Optional["Keypair"] = None
+) -> zmq.Socket:
+    """The learner's ROUTER (a CURVE server when `curve` is given). Bind to 'host:0' for a random port."""
     sock = ctx.socket(zmq.ROUTER)
+    if curve is not None:
+        from grpo_fleet.protocol.auth import make_server
+
+        make_server(sock, curve)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     # Replies to vanished actors are dropped silently instead of raising in the loop.
@@ -43,10 +53,19 @@ def router_socket(ctx: zmq.Context, bind: str, *, max_message_bytes: int) -> zmq
 
 
 def dealer_socket(
-    ctx: zmq.Context, connect: str, *, identity: Optional[bytes], max_message_bytes: int
+    ctx: zmq.Context,
+    connect: str,
+    *,
+    identity: Optional[bytes],
+    max_message_bytes: int,
+    curve: Optional[tuple["Keypair", bytes]] = None,
 ) -> zmq.Socket:
-    """An actor's DEALER; reconnects quickly at first, backing off to 5 s."""
+    """An actor's DEALER; reconnects quickly at first, backing off to 5 s.
+
+    `curve` is (the actor's keypair, the learner's public key).
+    """
     sock = ctx.socket(zmq.DEALER)
+    _maybe_client(sock, curve)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -61,17 +80,35 @@ def dealer_socket(
     return sock
 
 
-def pub_socket(ctx: zmq.Context, bind: str) -> zmq.Socket:
-    """The learner's PUB for notices (PolicyUpdated, Shutdown)."""
+def _maybe_client(sock: zmq.Socket, curve: Optional[tuple["Keypair", bytes]]) -> None:
+    if curve is not None:
+        from grpo_fleet.protocol.auth import make_client
+
+        make_client(sock, curve[0], curve[1])
+
+
+def pub_socket(ctx: zmq.Context, bind: str, *, curve: Optional["Keypair"] = None) -> zmq.Socket:
+    """The learner's PUB for notices (PolicyUpdated, Shutdown); CURVE-protected like the ROUTER."""
     sock = ctx.socket(zmq.PUB)
+    if curve is not None:
+        from grpo_fleet.protocol.auth import make_server
+
+        make_server(sock, curve)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(bind)
     return sock
 
 
-def sub_socket(ctx: zmq.Context, connect: str, *, max_message_bytes: Optional[int] = None) -> zmq.Socket:
+def sub_socket(
+    ctx: zmq.Context,
+    connect: str,
+    *,
+    max_message_bytes: Optional[int] = None,
+    curve: Optional[tuple["Keypair", bytes]] = None,
+) -> zmq.Socket:
     """An actor's SUB, subscribed to everything."""
     sock = ctx.socket(zmq.SUB)
+    _maybe_client(sock, curve)
     sock.setsockopt(zmq.LINGER, 0)
     if max_message_bytes is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -112,11 +149,42 @@ def recv_routed(
     Blocks: call it after a poll says the socket is readable. Decode failures are
     returned, not raised, so the caller can reply to that identity and count the reason.
     """
+    routed = recv_routed_from(sock, limits)
+    return routed.identity, routed.message
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One message received on the ROUTER, with who sent it."""
+
+    identity: bytes  # routing id, used to reply
+    principal: Optional[str]  # the CURVE public key (ZAP User-Id) when CURVE is on
+    peer_address: str
+    message: Union[BaseModel, ProtocolError]
+
+
+def recv_routed_from(sock: zmq.Socket, limits: Limits = DEFAULT_LIMITS) -> Routed:
+    """Like `recv_routed`, plus the authenticated principal and peer address from libzmq's metadata."""
     frames = sock.recv_multipart(copy=False)
     identity = frames[0].bytes
+    principal, address = _metadata(frames[-1])
     if len(frames) != 2:
-        return identity, ProtocolError("bad_frames", f"expected [identity, payload], got {len(frames)} frames")
+        error = ProtocolError("bad_frames", f"expected [identity, payload], got {len(frames)} frames")
+        return Routed(identity, principal, address, error)
     try:
-        return identity, decode(frames[1].buffer, limits)
+        return Routed(identity, principal, address, decode(frames[1].buffer, limits))
     except ProtocolError as exc:
-        return identity, exc
+        return Routed(identity, principal, address, exc)
+
+
+def _metadata(frame: zmq.Frame) -> tuple[Optional[str], str]:
+    try:
+        user_id = frame.get("User-Id")
+    except (zmq.ZMQError, KeyError):
+        user_id = None
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, KeyError):
+        address = "?"
+    # Without CURVE, ZAP is not involved and there is no authenticated user.
+    return (user_id or None), address

@@ -1,0 +1,178 @@
+"""CURVE keys and the learner's allow-list of actor public keys (ZAP).
+
+Layout of a keys directory (`grpo-fleet keys init DIR`):
+
+    DIR/learner.key            learner public key: copy to every actor Mac
+    DIR/learner.key_secret     learner secret key (mode 0600): stays on the learner
+    DIR/authorized/NAME.key    the allow-list: public keys of actors that may join
+    DIR/actors/NAME.key_secret an actor's keypair made by `keys add-actor NAME`
+                               (mode 0600): copy to that actor's Mac, then delete here
+
+An actor's identity is its CURVE public key (libzmq's ZAP User-Id), never a name
+it claims. The allow-list can be reloaded while the learner runs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+from urllib.parse import urlparse
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger("grpo_fleet.auth")
+LEARNER_NAME = "learner"
+
+
+@dataclass(frozen=True)
+class Keypair:
+    """A CURVE keypair in z85 form."""
+
+    public: bytes
+    secret: Optional[bytes]
+
+
+def _restrict(path: Path) -> None:
+    os.chmod(path, 0o600)
+
+
+def _make_keypair(directory: Path, name: str) -> tuple[Path, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / f"{name}.key_secret").exists():
+        raise FileExistsError(f"{directory / (name + '.key_secret')} exists; refusing to overwrite a key")
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    _restrict(Path(secret))
+    return Path(public), Path(secret)
+
+
+def init_keys(directory: str | Path) -> Path:
+    """Create the learner's keypair and an empty allow-list; returns the public key file."""
+    root = Path(directory)
+    public, _ = _make_keypair(root, LEARNER_NAME)
+    (root / "authorized").mkdir(exist_ok=True)
+    return public
+
+
+def add_actor(directory: str | Path, name: str) -> Path:
+    """Create an actor keypair and allow its public key; returns the actor's secret key file."""
+    root = Path(directory)
+    if not (root / f"{LEARNER_NAME}.key").exists():
+        raise FileNotFoundError(f"{root} has no learner key; run `grpo-fleet keys init {root}` first")
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise ValueError("actor names may use letters, digits, '-' and '_' only")
+    public, secret = _make_keypair(root / "actors", name)
+    shutil.copy(public, root / "authorized" / public.name)
+    return secret
+
+
+def revoke_actor(directory: str | Path, name: str) -> bool:
+    """Remove an actor from the allow-list; True if it was there."""
+    path = Path(directory) / "authorized" / f"{name}.key"
+    if path.exists():
+        path.unlink()
+        return True
+    return False
+
+
+def load_keypair(path: str | Path) -> Keypair:
+    """Read a .key (public only) or .key_secret (both halves) file."""
+    public, secret = zmq.auth.load_certificate(str(path))
+    return Keypair(public=public, secret=secret)
+
+
+class KeyRing:
+    """The allow-list, swapped atomically on reload so the ZAP thread always sees a whole set."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._keys: frozenset[bytes] = frozenset()
+        self._stamp: tuple = ()
+        self._lock = threading.Lock()
+        self.reload()
+
+    def _listing(self) -> tuple:
+        files = sorted(self.directory.glob("*.key"))
+        return tuple((f.name, f.stat().st_mtime_ns) for f in files)
+
+    def reload(self) -> bool:
+        """Re-read the directory; True when the allow-list changed."""
+        keys = frozenset(zmq.auth.load_certificates(str(self.directory)).keys()) if self.directory.exists() else frozenset()
+        with self._lock:
+            changed = keys != self._keys
+            self._keys, self._stamp = keys, self._listing() if self.directory.exists() else ()
+        if changed:
+            log.info("allow-list now holds %d actor keys", len(keys))
+        return changed
+
+    def reload_if_changed(self) -> bool:
+        """Cheap file watch: reload only when the directory listing or mtimes moved."""
+        listing = self._listing() if self.directory.exists() else ()
+        return self.reload() if listing != self._stamp else False
+
+    def allows(self, public_key_z85: bytes) -> bool:
+        return public_key_z85 in self._keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """The ZAP credentials provider hook."""
+        return self.allows(key)
+
+
+class _LoggingAuthenticator(ThreadAuthenticator):
+    """ZAP handler that logs every refused handshake with the peer's address."""
+
+    on_denied: Callable[[str, str], None] = staticmethod(lambda address, reason: None)
+    _peer = "?"
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
+
+    def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous") -> None:
+        if status_code != b"200":
+            self.on_denied(self._peer, status_text.decode("utf-8", "replace"))
+        super()._send_zap_reply(request_id, status_code, status_text, user_id)
+
+
+def start_authenticator(ctx: zmq.Context, keyring: KeyRing) -> ThreadAuthenticator:
+    """ZAP on the same context as the learner's sockets, checking the allow-list."""
+    auth = _LoggingAuthenticator(ctx)
+    auth.on_denied = lambda address, reason: log.warning("refused CURVE handshake from %s: %s", address, reason)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=keyring)
+    return auth
+
+
+def make_server(sock: zmq.Socket, keypair: Keypair) -> None:
+    """Make a socket a CURVE server (must happen before bind)."""
+    sock.curve_secretkey = keypair.secret
+    sock.curve_publickey = keypair.public
+    sock.curve_server = True
+
+
+def make_client(sock: zmq.Socket, keypair: Keypair, server_public: bytes) -> None:
+    """Make a socket a CURVE client of the learner (must happen before connect)."""
+    sock.curve_secretkey = keypair.secret
+    sock.curve_publickey = keypair.public
+    sock.curve_serverkey = server_public
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True for tcp://127.x / localhost / [::1] and for ipc/inproc endpoints."""
+    parsed = urlparse(endpoint)
+    if parsed.scheme in ("ipc", "inproc"):
+        return True
+    host = (parsed.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a wildcard (*) or an interface name reaches the network

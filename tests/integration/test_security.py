@@ -1,0 +1,151 @@
+"""CURVE in real processes: authorised actors train, others never reach the application."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from grpo_fleet.blas import child_env
+from grpo_fleet.protocol.auth import add_actor, init_keys, load_keypair, revoke_actor
+
+
+def _metric(port: int, name: str) -> float:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return -1.0
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _config(tmp_path: Path, free_port, keys: Path, steps: int) -> tuple[Path, Path, str, int]:
+    run_dir, bind, metrics_port = tmp_path / "run", f"tcp://127.0.0.1:{free_port()}", free_port()
+    config = tmp_path / "secure.toml"
+    config.write_text(f"""
+run_dir = "{run_dir}"
+[model]
+path = "tiny"
+[task]
+num_train = 200
+num_eval = 8
+[generation]
+group_size = 4
+max_tokens = 4
+[grpo]
+groups_per_step = 2
+[train]
+steps = {steps}
+checkpoint_every = 1000
+[server]
+bind = "{bind}"
+pub_bind = "tcp://127.0.0.1:{free_port()}"
+lease_seconds = 3.0
+heartbeat_seconds = 0.5
+[security]
+keys_dir = "{keys}"
+[metrics]
+port = {metrics_port}
+""")
+    return config, run_dir, bind, metrics_port
+
+
+def _actor(spawn, bind: str, keys: Path, name: str, secret: Path, run_dir: Path):
+    return spawn("actor", "--connect", bind, "--actor-id", name, "--key", str(secret),
+                 "--learner-key", str(keys / "learner.key"), "--metrics-port", "0", "--request-timeout", "3",
+                 "--model-dir", str(run_dir), name=name)
+
+
+def test_only_the_authorised_key_gets_in(tmp_path, free_port, spawn):
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    good = add_actor(keys, "good")
+    stranger_dir = tmp_path / "stranger"
+    init_keys(stranger_dir)  # a valid keypair the learner has never heard of
+    config, run_dir, bind, metrics_port = _config(tmp_path, free_port, keys, steps=30)
+    learner = spawn("learner", "--config", str(config), name="learner")
+    intruder = _actor(spawn, bind, keys, "intruder", stranger_dir / "learner.key_secret", run_dir)
+    keyless = spawn("actor", "--connect", bind, "--actor-id", "keyless", "--metrics-port", "0",
+                    "--request-timeout", "3", "--model-dir", str(run_dir), name="keyless")
+    failures = 0.0
+    deadline = time.monotonic() + 120
+    while failures <= 0 and time.monotonic() < deadline:
+        failures = _metric(metrics_port, "grpo_fleet_learner_auth_failures_total")
+        time.sleep(0.3)
+    assert failures > 0, "refused handshakes are counted"
+    honest = _actor(spawn, bind, keys, "good", good, run_dir)
+    assert learner.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
+    assert honest.wait(timeout=30) == 0
+
+    ledger = _lines(run_dir / "ledger.jsonl")
+    good_key = load_keypair(good).public.decode()
+    assert ledger and {entry["actor_key"] for entry in ledger} == {good_key}
+    assert intruder.poll() is None and keyless.poll() is None, "outsiders never got a Welcome, let alone a Shutdown"
+    assert "refused CURVE handshake" in learner.log_path.read_text()
+
+
+def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, free_port, spawn):
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    secrets = {name: add_actor(keys, name) for name in ("stays", "goes")}
+    config, run_dir, bind, metrics_port = _config(tmp_path, free_port, keys, steps=100000)
+    learner = spawn("learner", "--config", str(config), name="learner")
+    actors = {name: _actor(spawn, bind, keys, name, secret, run_dir) for name, secret in secrets.items()}
+    goes_key = load_keypair(secrets["goes"]).public.decode()
+    deadline = time.monotonic() + 120
+    while not any(e["actor_key"] == goes_key for e in _lines(run_dir / "ledger.jsonl")):
+        assert time.monotonic() < deadline and learner.poll() is None
+        time.sleep(0.2)
+
+    revoke_actor(keys, "goes")
+    learner.send_signal(signal.SIGHUP)
+    while _metric(metrics_port, "grpo_fleet_learner_auth_failures_total") <= 0:
+        assert time.monotonic() < deadline and learner.poll() is None
+        time.sleep(0.2)
+    cutoff = len(_lines(run_dir / "ledger.jsonl"))
+    target = len(_lines(run_dir / "metrics.jsonl")) + 15
+    while len(_lines(run_dir / "metrics.jsonl")) < target:
+        assert time.monotonic() < deadline + 60 and learner.poll() is None
+        time.sleep(0.2)
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(timeout=30) == 0
+
+    after = _lines(run_dir / "ledger.jsonl")[cutoff:]
+    assert after, "training went on with the remaining actor"
+    assert {e["actor_key"] for e in after} == {load_keypair(secrets["stays"]).public.decode()}
+    from grpo_fleet.learner.state import read_state
+    from grpo_fleet.model import latest_checkpoint
+
+    open_leases = read_state(latest_checkpoint(run_dir))["scheduler"]["leases"]
+    assert all(lease["actor"] != goes_key for lease in open_leases)
+
+
+def test_learner_refuses_a_network_bind_without_keys(tmp_path, free_port):
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_fleet", "learner", "--run-dir", str(tmp_path / "run"),
+         "--bind", f"tcp://0.0.0.0:{free_port()}"],
+        capture_output=True, text=True, env=child_env(), timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "without CURVE" in proc.stderr and "keys init" in proc.stderr
+    assert not (tmp_path / "run").exists(), "nothing was started or written"
+
+
+def test_actor_refuses_a_model_outside_its_allowed_dirs(tmp_path, free_port, spawn):
+    run_dir, bind = tmp_path / "run", f"tcp://127.0.0.1:{free_port()}"
+    learner = spawn("learner", "--run-dir", str(run_dir), "--bind", bind, "--metrics-port", "0",
+                    "--set", f'server.pub_bind="tcp://127.0.0.1:{free_port()}"', name="learner")
+    actor = spawn("actor", "--connect", bind, "--metrics-port", "0", "--model-dir", str(tmp_path / "elsewhere"), name="actor")
+    assert actor.wait(timeout=120) == 2
+    assert "outside the allowed directories" in actor.log_path.read_text()
+    assert learner.poll() is None

@@ -1,0 +1,121 @@
+"""Keys on disk, the reloadable allow-list, loopback detection, and what actors refuse."""
+
+from __future__ import annotations
+
+import ast
+import stat
+from pathlib import Path
+
+import pytest
+
+from grpo_fleet.actor.worker import ActorRefused, ActorWorker, model_path_allowed
+from grpo_fleet.config import ActorConfig, MetricsConfig
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.auth import KeyRing, add_actor, init_keys, is_loopback_endpoint, load_keypair, revoke_actor
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "grpo_fleet"
+
+
+def test_keys_init_and_add_actor_write_private_secrets(tmp_path):
+    keys = tmp_path / "keys"
+    public = init_keys(keys)
+    secret = add_actor(keys, "mac-mini-1")
+    for path in (keys / "learner.key_secret", secret):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert public.read_text().count("secret-key") == 0
+    assert (keys / "authorized" / "mac-mini-1.key").exists()
+    assert load_keypair(secret).secret is not None and load_keypair(public).secret is None
+    with pytest.raises(FileExistsError):
+        add_actor(keys, "mac-mini-1")
+    with pytest.raises(ValueError):
+        add_actor(keys, "../escape")
+
+
+def test_add_actor_needs_learner_keys(tmp_path):
+    with pytest.raises(FileNotFoundError, match="keys init"):
+        add_actor(tmp_path, "a")
+
+
+def test_keyring_reloads_when_the_allow_list_changes(tmp_path):
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    secret = add_actor(keys, "a")
+    key_a = load_keypair(secret).public
+    ring = KeyRing(keys / "authorized")
+    assert ring.allows(key_a) and ring.callback("*", key_a)
+    assert not ring.reload_if_changed()
+    add_actor(keys, "b")
+    assert ring.reload_if_changed()
+    assert revoke_actor(keys, "a")
+    assert ring.reload_if_changed()
+    assert not ring.allows(key_a)
+    assert not revoke_actor(keys, "a")
+
+
+@pytest.mark.parametrize("endpoint, loopback", [
+    ("tcp://127.0.0.1:5555", True), ("tcp://localhost:5555", True), ("tcp://[::1]:5555", True),
+    ("tcp://127.1.2.3:1", True), ("ipc:///tmp/x", True),
+    ("tcp://0.0.0.0:5555", False), ("tcp://*:5555", False), ("tcp://192.168.1.10:5555", False),
+    ("tcp://eth0:5555", False),
+])
+def test_loopback_detection(endpoint, loopback):
+    assert is_loopback_endpoint(endpoint) is loopback
+
+
+def test_actor_model_paths_must_stay_in_allowed_dirs(tmp_path):
+    allowed = tmp_path / "models"
+    (allowed / "tiny").mkdir(parents=True)
+    assert model_path_allowed("mlx-community/Qwen2.5-0.5B-Instruct-4bit", [str(allowed)])
+    assert model_path_allowed(str(allowed / "tiny"), [str(allowed)])
+    assert not model_path_allowed(str(allowed / ".." / "elsewhere"), [str(allowed)])
+    assert not model_path_allowed("/etc", [str(allowed)])
+    link = allowed / "sneaky"
+    link.symlink_to("/etc")
+    assert not model_path_allowed(str(link), [str(allowed)])
+
+
+def _welcome(path: str, rewards: list[str]) -> m.Welcome:
+    return m.Welcome(
+        run_id="r", actor_id="a", model=m.ModelRef(path=path, digest="0" * 64),
+        generation=m.GenerationParams(group_size=2, max_tokens=2, temperature=1.0, top_p=1.0),
+        reward=m.RewardSpec(names=rewards, weights=[1.0] * len(rewards)),
+        policy_version=0, heartbeat_seconds=1.0, vocab_size=10,
+    )
+
+
+def test_actor_refuses_unknown_reward_and_foreign_model_path(tmp_path):
+    worker = ActorWorker(ActorConfig(model_dirs=[str(tmp_path)], metrics=MetricsConfig(port=0)))
+    try:
+        with pytest.raises(ActorRefused, match="reward"):
+            worker._adopt(_welcome(str(tmp_path), ["run_this_code"]))
+        with pytest.raises(ActorRefused, match="outside the allowed"):
+            worker._adopt(_welcome("/etc/passwd", ["exact_match"]))
+    finally:
+        worker.ctx.term()
+
+
+def test_actor_needs_both_curve_key_files(tmp_path):
+    with pytest.raises(ActorRefused, match="both"):
+        ActorWorker(ActorConfig(key_file=str(tmp_path / "a.key_secret"), metrics=MetricsConfig(port=0)))
+
+
+FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
+
+
+def test_package_never_unpickles_or_evaluates_received_data():
+    offences = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                offences += [f"{path.name}: import {n}" for n in names if n.split(".")[0] in FORBIDDEN_MODULES]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:
+                offences.append(f"{path.name}:{node.lineno}: {node.func.id}()")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("loads", "load"):
+                owner = node.func.value
+                if isinstance(owner, ast.Name) and owner.id in FORBIDDEN_MODULES:
+                    offences.append(f"{path.name}:{node.lineno}: {owner.id}.{node.func.attr}()")
+    assert offences == []
+    assert len(list(PACKAGE.rglob("*.py"))) > 20, "the scan must actually see the package"

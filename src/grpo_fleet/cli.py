@@ -116,8 +116,13 @@ def _doctor(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(_args: argparse.Namespace) -> int:
-    print("grpo-fleet bench: benchmarks arrive with the speed work (issue D); nothing to run yet.")
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grpo_fleet.bench import run_benchmarks
+
+    names = [n.strip() for n in args.only.split(",")] if args.only else None
+    run_benchmarks(names, args.quick, Path(args.out))
     return 0
 
 
@@ -174,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="print the MLX backend, the BLAS in use and a matmul GF/s figure")
     doctor.set_defaults(func=_doctor)
 
-    bench = sub.add_parser("bench", help="benchmarks (see bench/)")
+    bench = sub.add_parser("bench", help="benchmarks: figures next to baselines, as ratios (see bench/RESULTS.md)")
+    bench.add_argument("--only", help="comma-separated subset: rollout,ingest,weights,e2e,step")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    bench.add_argument("--out", default="bench/results.json", help="where to write every figure as JSON")
     bench.set_defaults(func=_bench)
     return parser
 

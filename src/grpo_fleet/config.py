@@ -137,6 +137,7 @@ class ServerConfig(_Section):
     max_groups_per_lease: int = Field(4, ge=1, description="Upper bound on prompts in one lease.")
     heartbeat_seconds: float = Field(2.0, gt=0, description="Heartbeat period both ways.")
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Largest accepted message.")
+    weight_chunk_bytes: int = Field(4 * 1024 * 1024, ge=4096, description="Size of the chunks weights are served in.")
     max_violations: int = Field(50, ge=1, description="Bad messages after which a peer is ignored for the rest of the run.")
 
 

@@ -8,7 +8,7 @@ not) takes exactly the same path as the tiny one.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import blake3
 import io
 import json
 import os
@@ -140,8 +140,10 @@ def weights_from_bytes(blob: bytes) -> dict[str, mx.array]:
 
 
 def digest_bytes(blob: bytes) -> str:
-    """sha256 hex digest used to check every weight blob before it is swapped in."""
-    return hashlib.sha256(blob).hexdigest()
+    """BLAKE3-256 hex digest used to check every weight blob before it is swapped in."""
+    from grpo_fleet.protocol.messages import blob_digest
+
+    return blob_digest(blob)
 
 
 def load_weight_blob(model: nn.Module, blob: bytes, expected_digest: str) -> None:
@@ -162,7 +164,7 @@ def model_digest(path: str) -> str:
     from mlx_lm.utils import _download
 
     root = Path(_download(path))
-    digest = hashlib.sha256()
+    digest = blake3.blake3()
     for name in sorted(p.name for p in root.iterdir() if p.suffix in (".json", ".safetensors")):
         digest.update(name.encode())
         with open(root / name, "rb") as handle:

@@ -207,12 +207,13 @@ def test_heartbeat_and_weights_after_hello(learner):
     hello(learner)
     beat = learner.handle(ACTOR_A, m.Heartbeat(actor_id="actor-a"))
     assert isinstance(beat, m.Heartbeat) and beat.policy_version == 0
-    weights = learner.handle(ACTOR_A, m.GetWeights(version=0))
-    assert isinstance(weights, m.Weights)
-    assert weights.version == 0
-    assert weights.digest == learner.snapshot.digest
-    assert weights.digest_ok()
-    assert sample(learner, "grpo_fleet_learner_weight_sent_bytes_total") == len(weights.data)
+    header, raw = learner.handle(ACTOR_A, m.GetWeights(version=0, offset=0, length=100))
+    assert isinstance(header, m.WeightsChunk)
+    assert (header.version, header.offset, header.length) == (0, 0, 100)
+    assert header.digest == learner.snapshot.digest == m.blob_digest(learner.snapshot.blob)
+    assert header.total_bytes == len(learner.snapshot.blob)
+    assert bytes(raw) == learner.snapshot.blob[:100]
+    assert sample(learner, "grpo_fleet_learner_weight_sent_bytes_total") == 100
 
 
 def test_a_reply_type_sent_as_a_request_is_an_error(learner):
@@ -494,8 +495,10 @@ def test_train_step_records_metrics_publishes_and_checkpoints(learner):
     assert record["published"] is True
     assert learner.snapshot.version == 1
     assert learner.snapshot.digest != digest_before
-    weights = learner.handle(ACTOR_A, m.GetWeights(version=1))
-    assert weights.version == 1 and weights.digest == learner.snapshot.digest and weights.digest_ok()
+    header, raw = learner.handle(ACTOR_A, m.GetWeights(version=1, length=10**9))
+    assert header.version == 1 and header.digest == learner.snapshot.digest == m.blob_digest(bytes(raw))
+    old_header, _ = learner.handle(ACTOR_A, m.GetWeights(version=0))
+    assert old_header.version == 0, "the previous version stays available to finish a transfer"
     assert learner.buffer == []
     assert not learner.ready_to_train()
 

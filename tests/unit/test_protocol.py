@@ -36,7 +36,8 @@ from grpo_fleet.protocol import (
     Rollouts,
     Shutdown,
     Tensor,
-    Weights,
+    WeightsChunk,
+    blob_digest,
     Welcome,
     decode,
     encode,
@@ -107,7 +108,7 @@ def sample_messages() -> list[BaseModel]:
             policy_version=0, heartbeat_seconds=2.0, pub_address="tcp://127.0.0.1:5556", vocab_size=320,
         ),
         GetWeights(version=3),
-        Weights.build(3, b"\x00\x01safetensors-bytes"),
+        WeightsChunk(version=3, digest=DIGEST, total_bytes=100, offset=0, length=20),
         LeaseRequest(max_groups=4),
         Lease(lease_id="L1", deadline_seconds=60.0, policy_version=3, prompts=[prompt]),
         Lease(lease_id="L2", deadline_seconds=0.0, policy_version=3, prompts=[], retry_after=1.5),
@@ -145,9 +146,16 @@ def test_samples_cover_every_message_type() -> None:
     assert {type(m).__name__ for m in sample_messages()} == set(MESSAGE_TYPES)
 
 
+def bulky(n_bytes: int) -> Lease:
+    """A message carrying `n_bytes` of tensor data (n_bytes a multiple of 4)."""
+    tensor = Tensor.from_raw("int32", [n_bytes // 4], bytes(range(256)) * (n_bytes // 256) + b"\x00" * (n_bytes % 256))
+    prompt = PromptItem(group_id="g", prompt_index=0, prompt_tokens=tensor, fields={})
+    return Lease(lease_id="L", deadline_seconds=1.0, policy_version=0, prompts=[prompt])
+
+
 def test_bytes_travel_as_raw_bin() -> None:
     payload = bytes(range(256)) * 64
-    data = encode(Weights.build(1, payload))
+    data = encode(bulky(len(payload)))
     assert payload in data  # no base64: the raw bytes appear verbatim
     assert len(data) < len(payload) + 200
 
@@ -231,10 +239,11 @@ def test_models_are_frozen_and_closed() -> None:
         GetWeights(version=1, extra=True)  # type: ignore[call-arg]
 
 
-def test_weights_digest_helpers() -> None:
-    w = Weights.build(2, b"abc")
-    assert w.digest_ok()
-    assert not Weights(version=2, digest=DIGEST, format="safetensors", data=b"abc").digest_ok()
+def test_blob_digest_is_blake3_hex() -> None:
+    import blake3
+
+    assert blob_digest(b"abc") == blake3.blake3(b"abc").hexdigest()
+    assert len(blob_digest(b"abc")) == 64 and blob_digest(b"abc") != blob_digest(b"abd")
 
 
 def test_reward_spec_lengths_must_match() -> None:
@@ -290,12 +299,12 @@ def test_validate_rollouts_uint32_above_vocab() -> None:
 
 
 def test_decode_rejects_oversize_before_parsing() -> None:
-    data = encode(Weights.build(1, b"x" * 1000))
+    data = encode(bulky(1000))
     assert reason_of(data, Limits(max_message_bytes=500)) == "too_large"
 
 
 def test_decode_rejects_bin_over_limit() -> None:
-    data = encode(Weights.build(1, b"x" * 1000))
+    data = encode(bulky(1000))
     assert reason_of(data, Limits(max_bin_len=100)) == "too_large"
 
 
@@ -389,9 +398,9 @@ def test_decode_rejects_bad_envelope(obj: object) -> None:
         ("GetWeights", {"version": True}),
         ("GetWeights", {"version": -1}),
         ("GetWeights", [1]),
-        ("Weights", {"version": 1, "digest": DIGEST, "format": "safetensors", "data": "text"}),
-        ("Weights", {"version": 1, "digest": "XYZ", "format": "safetensors", "data": b""}),
-        ("Weights", {"version": 1, "digest": DIGEST, "format": "pickle", "data": b""}),
+        ("WeightsChunk", {"version": 1, "digest": DIGEST, "total_bytes": 1, "offset": 0, "length": "1"}),
+        ("WeightsChunk", {"version": 1, "digest": "XYZ", "total_bytes": 1, "offset": 0, "length": 1}),
+        ("WeightsChunk", {"version": 1, "digest": DIGEST, "total_bytes": 1, "offset": 0, "length": 1, "format": "pickle"}),
         ("Hello", {"actor_id": "", "host": "h", "backend": "b", "versions": {}}),
         ("Hello", {"actor_id": "a", "host": "h", "backend": "b", "versions": {}, "capacity": 0.0}),
         ("Hello", {"actor_id": "a", "host": "h", "backend": "b", "versions": {"k": 1}}),
@@ -502,7 +511,7 @@ def test_dealer_router_exchange(router: zmq.Socket, connect_dealer: Callable[[by
     assert got == {b"actor-a": LeaseRequest(max_groups=2), b"actor-b": valid_rollouts()}
 
     send_message(router, Ack(status="accepted"), identity=b"actor-b")
-    big = Weights.build(1, b"w" * 200_000)  # above the zero-copy threshold
+    big = bulky(200_000)  # above the zero-copy threshold
     send_message(router, big, identity=b"actor-a")
     assert recv_message(b, timeout_s=TIMEOUT_S) == Ack(status="accepted")
     assert recv_message(a, timeout_s=TIMEOUT_S) == big
@@ -563,7 +572,7 @@ def test_router_drops_oversized_frames(ctx: zmq.Context, sockets: list[zmq.Socke
     sockets.append(small)
     dealer = dealer_socket(ctx, bound_endpoint(small), identity=b"big", max_message_bytes=1 << 20)
     sockets.append(dealer)
-    send_message(dealer, Weights.build(1, b"z" * 10_000))
+    send_message(dealer, bulky(10_000))
     assert not small.poll(300, zmq.POLLIN)
 
 

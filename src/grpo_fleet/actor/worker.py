@@ -28,12 +28,15 @@ from grpo_fleet.model import Policy, load_policy, load_weight_blob, model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits, ProtocolError
 from grpo_fleet.protocol.auth import load_keypair
-from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_message, send_message, sub_socket
+from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_message, recv_with_raw, send_message, sub_socket
+from grpo_fleet.protocol.weights import ChunkAssembler, WeightsMismatch
 from grpo_fleet.tasks import UnknownRewardError, score_completion, validate_rewards
 
 log = logging.getLogger("grpo_fleet.actor")
 Reply = TypeVar("Reply")
 MAX_BACKOFF_SECONDS = 10.0
+# Weight chunks requested ahead of the one being hashed (ZeroMQ guide's credit-based transfer).
+CREDIT_WINDOW = 8
 
 
 class LearnerUnavailable(Exception):
@@ -179,11 +182,15 @@ class ActorWorker:
                 continue
             if isinstance(reply, expected):
                 return reply
-            if isinstance(reply, m.Shutdown):
-                raise StopActor(f"learner shut down ({reply.reason})")
-            if isinstance(reply, m.ErrorReply):
-                raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
-            self._check_notices()
+            self._on_stray_reply(reply)
+
+    def _on_stray_reply(self, reply: object) -> None:
+        """Anything but the awaited answer: stop, re-register, or just keep listening."""
+        if isinstance(reply, m.Shutdown):
+            raise StopActor(f"learner shut down ({reply.reason})")
+        if isinstance(reply, m.ErrorReply):
+            raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
+        self._check_notices()
 
     def _check_notices(self) -> None:
         """Drain the PUB channel: remember the newest policy version; Shutdown stops us.
@@ -236,18 +243,63 @@ class ActorWorker:
         log.info("actor %s joined run %s (policy v%d)", self.actor_id, welcome.run_id, welcome.policy_version)
 
     def _sync_weights(self) -> None:
-        weights = self._request(m.GetWeights(version=max(self.version, 0)), m.Weights)
-        if weights.version <= self.version:
+        """Fetch the newest snapshot in chunks and swap it in only if its digest checks out."""
+        try:
+            version, blob, digest = self._fetch_weights(max(self.newest_version, self.version, 0))
+        except WeightsMismatch as exc:
+            self.metrics.weight_syncs.labels(outcome="rejected").inc()
+            log.error("refusing weights: %s; keeping v%d", exc, self.version)
+            return
+        if version <= self.version:
             return
         try:
-            load_weight_blob(self.policy.model, weights.data, weights.digest)
+            load_weight_blob(self.policy.model, blob, digest)
         except ValueError as exc:
             self.metrics.weight_syncs.labels(outcome="rejected").inc()
-            log.error("refusing weights v%d: %s", weights.version, exc)
+            log.error("refusing weights v%d: %s", version, exc)
             return
-        self.version = weights.version
+        self.version = version
+        self.newest_version = max(self.newest_version, version)
         self.metrics.weight_syncs.labels(outcome="loaded").inc()
         self.metrics.policy_version.set(self.version)
+
+    def _fetch_weights(self, version: int) -> tuple[int, bytes, str]:
+        """Pull one version's blob with up to CREDIT_WINDOW chunk requests in flight."""
+        send_message(self._dealer, m.GetWeights(version=version, offset=0, length=0))
+        first, payload = self._await_chunk(offset=0)
+        assembler = ChunkAssembler.from_first(first, chunk_bytes=max(first.length, 1))
+        assembler.next_request()  # the first chunk is already here
+        assembler.add(first, payload)
+        in_flight = 0
+        while not assembler.complete:
+            while in_flight < CREDIT_WINDOW and (request := assembler.next_request()) is not None:
+                send_message(self._dealer, request)
+                in_flight += 1
+            header, payload = self._await_chunk(offset=assembler.received)
+            in_flight -= 1
+            if not assembler.belongs(header):
+                raise WeightsMismatch(f"learner switched to v{header.version} mid-transfer")
+            assembler.add(header, payload)
+        return assembler.version, assembler.blob(), assembler.digest
+
+    def _await_chunk(self, offset: int) -> tuple[m.WeightsChunk, memoryview]:
+        """The chunk starting at `offset`; leftovers of an abandoned transfer are skipped."""
+        deadline = time.monotonic() + self.cfg.request_timeout
+        while time.monotonic() < deadline:
+            try:
+                received = recv_with_raw(self._dealer, timeout_s=0.5, limits=self.limits)
+            except ProtocolError as exc:
+                log.warning("bad reply from learner: %s", exc)
+                continue
+            if received is None:
+                continue
+            msg, raw = received
+            if isinstance(msg, m.WeightsChunk):
+                if raw is not None and msg.offset == offset:
+                    return msg, raw
+                continue
+            self._on_stray_reply(msg)
+        raise LearnerUnavailable("no weight chunk")
 
     # ------------------------------------------------------------------ work
 

@@ -26,6 +26,7 @@ from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.learner.state import group_from_dict, group_to_dict, read_state, truncate_log, write_state
 from grpo_fleet.model import Policy, load_checkpoint_weights, save_checkpoint, trainable_weights, weights_to_bytes
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.weights import Snapshot
 from grpo_fleet.tasks import Task
 
 log = logging.getLogger("grpo_fleet.learner")
@@ -41,15 +42,6 @@ class ActorInfo:
     host: str
     last_seen: float
     principal: str  # the CURVE public key when CURVE is on, else the routing id in hex
-
-
-@dataclass
-class Snapshot:
-    """A published policy version: its weight blob and digest."""
-
-    version: int
-    blob: bytes
-    digest: str
 
 
 class Learner:
@@ -89,6 +81,7 @@ class Learner:
         self.accepted_since_step = 0
         self.zero_variance_since_step = 0
         self.started = time.monotonic()
+        self.snapshots: dict[int, Snapshot] = {}
         self.snapshot = self._make_snapshot()
         self._metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self._ledger_file = open(run_dir / "ledger.jsonl", "a", buffering=1)
@@ -96,8 +89,13 @@ class Learner:
     # ------------------------------------------------------------------ snapshots
 
     def _make_snapshot(self) -> Snapshot:
+        """Serialize the trainable weights once per version; every actor gets these same bytes."""
         blob = weights_to_bytes(trainable_weights(self.policy.model))
-        return Snapshot(version=self.version, blob=blob, digest=m.Weights.build(self.version, blob).digest)
+        snapshot = Snapshot(version=self.version, blob=blob, digest=m.blob_digest(blob))
+        # Keep the previous version too, so an actor mid-transfer can finish it.
+        self.snapshots = {v: s for v, s in self.snapshots.items() if v == self.version - 1}
+        self.snapshots[snapshot.version] = snapshot
+        return snapshot
 
     @property
     def done(self) -> bool:
@@ -160,12 +158,12 @@ class Learner:
             vocab_size=self.policy.vocab_size,
         )
 
-    def _on_get_weights(self, msg: m.GetWeights) -> m.Weights:
-        # Only the newest snapshot is kept: an actor asking for an older one gets
-        # the current version, which is what it wants anyway.
-        snap = self.snapshot
-        self.metrics.weight_bytes_served.inc(len(snap.blob))
-        return m.Weights(version=snap.version, digest=snap.digest, format="safetensors", data=snap.blob)
+    def _on_get_weights(self, msg: m.GetWeights) -> tuple[m.WeightsChunk, memoryview]:
+        """One chunk of the requested version, or of the current one if that version is gone."""
+        snap = self.snapshots.get(msg.version, self.snapshot)
+        header, raw = snap.chunk(msg.offset, msg.length, self.cfg.server.weight_chunk_bytes)
+        self.metrics.weight_bytes_served.inc(header.length)
+        return header, raw
 
     # ------------------------------------------------------------------ leases
 

@@ -152,7 +152,9 @@ class LearnerServer:
             if not self._admitted(routed.identity, routed.principal):
                 continue
             reply = self._answer(routed.identity, routed.message, routed.principal)
-            if reply is not None:
+            if isinstance(reply, tuple):  # a weight chunk: header + raw bytes
+                send_message(self.router, reply[0], identity=routed.identity, raw=reply[1])
+            elif reply is not None:
                 send_message(self.router, reply, identity=routed.identity)
 
     def _admitted(self, identity: bytes, principal: Optional[str]) -> bool:

@@ -12,7 +12,7 @@ learner can report a precise reason and count it.
 
 from __future__ import annotations
 
-import hashlib
+import blake3
 import math
 from typing import Annotated, Literal, Optional, Union
 
@@ -136,23 +136,31 @@ class Welcome(_Strict):
 
 
 class GetWeights(_Strict):
+    """Ask for `length` bytes at `offset` of a version's weight blob (length 0 = the learner's chunk size)."""
+
     version: NonNegInt
+    offset: NonNegInt = 0
+    length: NonNegInt = 0
 
 
-class Weights(_Strict):
+class WeightsChunk(_Strict):
+    """Header of one slice of a weight blob; the bytes travel raw in the next frame.
+
+    Keeping the bytes out of msgpack lets the learner send every actor the same
+    serialized blob with zero-copy sends, in chunks, under the actor's credit window.
+    """
+
     version: NonNegInt
-    digest: Sha256Hex
-    format: Literal["safetensors"]
-    data: bytes
+    digest: Sha256Hex  # BLAKE3-256 of the whole blob
+    total_bytes: NonNegInt
+    offset: NonNegInt
+    length: NonNegInt
+    format: Literal["safetensors"] = "safetensors"
 
-    @classmethod
-    def build(cls, version: int, data: bytes) -> "Weights":
-        """Create a Weights message with its digest computed from `data`."""
-        return cls(version=version, digest=hashlib.sha256(data).hexdigest(), format="safetensors", data=data)
 
-    def digest_ok(self) -> bool:
-        # Not a validator: hashing hundreds of MB on every decode belongs to the caller.
-        return hashlib.sha256(self.data).hexdigest() == self.digest
+def blob_digest(data: bytes) -> str:
+    """BLAKE3-256 hex digest of a weight blob (fast enough to check hundreds of MB per sync)."""
+    return blake3.blake3(data).hexdigest()
 
 
 class LeaseRequest(_Strict):
@@ -233,7 +241,7 @@ class Shutdown(_Strict):
 
 
 Message = Union[
-    Hello, Welcome, GetWeights, Weights, LeaseRequest, Lease,
+    Hello, Welcome, GetWeights, WeightsChunk, LeaseRequest, Lease,
     Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown,
 ]
 
@@ -241,7 +249,7 @@ Message = Union[
 MESSAGE_TYPES: dict[str, type[BaseModel]] = {
     cls.__name__: cls
     for cls in (
-        Hello, Welcome, GetWeights, Weights, LeaseRequest, Lease,
+        Hello, Welcome, GetWeights, WeightsChunk, LeaseRequest, Lease,
         Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown,
     )
 }

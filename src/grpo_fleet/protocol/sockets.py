@@ -117,28 +117,54 @@ def sub_socket(
     return sock
 
 
-def send_message(sock: zmq.Socket, msg: BaseModel, *, identity: Optional[bytes] = None) -> None:
-    """Send one message: [identity, payload] on a ROUTER, [payload] otherwise."""
+def send_message(
+    sock: zmq.Socket, msg: BaseModel, *, identity: Optional[bytes] = None, raw: Optional[memoryview] = None
+) -> None:
+    """Send one message: [identity, payload] on a ROUTER, [payload] otherwise.
+
+    `raw` (weight chunks only) follows as one more frame, sent zero-copy.
+    """
     payload = encode(msg)
-    copy = len(payload) < _ZERO_COPY_THRESHOLD
+    frames: list = [payload]
     if sock.type == zmq.ROUTER:
         if identity is None:
             raise ValueError("a ROUTER needs the peer identity to send to")
-        sock.send_multipart([identity, payload], copy=copy)
+        frames.insert(0, identity)
+    elif identity is not None:
+        raise ValueError("identity is only meaningful on a ROUTER socket")
+    if raw is not None:
+        sock.send_multipart(frames, flags=zmq.SNDMORE, copy=len(payload) < _ZERO_COPY_THRESHOLD)
+        sock.send(raw, copy=len(raw) < _ZERO_COPY_THRESHOLD)
     else:
-        if identity is not None:
-            raise ValueError("identity is only meaningful on a ROUTER socket")
-        sock.send(payload, copy=copy)
+        sock.send_multipart(frames, copy=len(payload) < _ZERO_COPY_THRESHOLD)
 
 
 def recv_message(sock: zmq.Socket, *, timeout_s: float, limits: Limits = DEFAULT_LIMITS) -> Optional[BaseModel]:
     """Receive one message on a DEALER/SUB; None on timeout, ProtocolError on bad input."""
+    received = recv_with_raw(sock, timeout_s=timeout_s, limits=limits)
+    if received is None:
+        return None
+    msg, raw = received
+    if raw is not None:
+        raise ProtocolError("malformed", "unexpected raw frame")
+    return msg
+
+
+def recv_with_raw(
+    sock: zmq.Socket, *, timeout_s: float, limits: Limits = DEFAULT_LIMITS
+) -> Optional[tuple[BaseModel, Optional[memoryview]]]:
+    """Receive a message and, for a WeightsChunk only, its raw bytes frame."""
     if not sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
         return None
     frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-    if len(frames) != 1:
-        raise ProtocolError("malformed", f"expected 1 frame, got {len(frames)}")
-    return decode(frames[0].buffer, limits)
+    if len(frames) not in (1, 2):
+        raise ProtocolError("malformed", f"expected 1 or 2 frames, got {len(frames)}")
+    msg = decode(frames[0].buffer, limits)
+    if len(frames) == 1:
+        return msg, None
+    if type(msg).__name__ != "WeightsChunk" or len(frames[1].buffer) != msg.length:
+        raise ProtocolError("malformed", "a raw frame may only follow a WeightsChunk of that length")
+    return msg, frames[1].buffer
 
 
 def recv_routed(

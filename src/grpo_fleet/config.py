@@ -125,6 +125,7 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     seed: int = Field(0, description="Seed for the learner's RNG (prompt order).")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
+    compile: bool = Field(True, description="Run the update (loss, gradients, clipping, AdamW) under mx.compile.")
 
 
 class ServerConfig(_Section):

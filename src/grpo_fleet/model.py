@@ -101,25 +101,26 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
 
 
 def _lora_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "scale")]
+    return [m for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "lora_b")]
 
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Run the base model (pi_ref) by zeroing every adapter's scale, then restore it.
+    """Run the base model (pi_ref) by swapping every adapter's `lora_b` for zeros, then restore it.
 
-    This is why pi_ref needs no second copy of the weights under LoRA. It must not
-    be used inside an `mx.compile`d function, which would freeze the scale.
+    This is why pi_ref needs no second copy of the weights under LoRA. Arrays are
+    swapped rather than the `scale` attribute because a compiled train step
+    treats attributes as constants (changing one would force a retrace).
     """
     layers = _lora_layers(model)
-    saved = [layer.scale for layer in layers]
+    saved = [layer.lora_b for layer in layers]
     try:
-        for layer in layers:
-            layer.scale = 0.0
+        for layer, value in zip(layers, saved):
+            layer.lora_b = mx.zeros_like(value)
         yield
     finally:
-        for layer, scale in zip(layers, saved):
-            layer.scale = scale
+        for layer, value in zip(layers, saved):
+            layer.lora_b = value
 
 
 def trainable_weights(model: nn.Module) -> dict[str, mx.array]:

@@ -138,7 +138,8 @@ class ActorWorker:
                 sock.close(linger=0)
         self._dealer = self._sub = None
 
-    def _session(self) -> None:
+    def connect(self) -> m.Welcome:
+        """Open the request socket and register with the learner."""
         self._close_sockets()
         self._dealer = dealer_socket(
             self.ctx, self.cfg.connect, identity=self.actor_id.encode(),
@@ -148,7 +149,10 @@ class ActorWorker:
             actor_id=self.actor_id, host=socket.gethostname(), backend=str(mx.default_device()),
             versions={"mlx": mx.__version__, "python": platform.python_version()},
         )
-        welcome = self._request(hello, m.Welcome)
+        return self._request(hello, m.Welcome)
+
+    def _session(self) -> None:
+        welcome = self.connect()
         self._adopt(welcome)
         self._sub = sub_socket(self.ctx, self._notice_address(welcome.pub_address), curve=self.curve)
         self._sync_weights()
@@ -245,7 +249,7 @@ class ActorWorker:
     def _sync_weights(self) -> None:
         """Fetch the newest snapshot in chunks and swap it in only if its digest checks out."""
         try:
-            version, blob, digest = self._fetch_weights(max(self.newest_version, self.version, 0))
+            version, blob, digest = self.fetch_weights(max(self.newest_version, self.version, 0))
         except WeightsMismatch as exc:
             self.metrics.weight_syncs.labels(outcome="rejected").inc()
             log.error("refusing weights: %s; keeping v%d", exc, self.version)
@@ -263,7 +267,7 @@ class ActorWorker:
         self.metrics.weight_syncs.labels(outcome="loaded").inc()
         self.metrics.policy_version.set(self.version)
 
-    def _fetch_weights(self, version: int) -> tuple[int, bytes, str]:
+    def fetch_weights(self, version: int) -> tuple[int, bytes, str]:
         """Pull one version's blob with up to CREDIT_WINDOW chunk requests in flight."""
         send_message(self._dealer, m.GetWeights(version=version, offset=0, length=0))
         first, payload = self._await_chunk(offset=0)

@@ -90,28 +90,26 @@ def machine_description() -> dict:
 BenchFn = Callable[[Report, bool], None]
 
 
-def registry() -> dict[str, BenchFn]:
-    """Benchmark name -> runner(report, quick); imported lazily."""
-    from grpo_fleet.bench import e2e, ingest, rollout, step, weights
+# Benchmark name -> module with `run(report, quick)`, in the order `make bench` runs them.
+BENCHMARKS = ("rollout", "ingest", "weights", "step", "e2e")
 
-    return {
-        "rollout": rollout.run,
-        "ingest": ingest.run,
-        "weights": weights.run,
-        "e2e": e2e.run,
-        "step": step.run,
-    }
+
+def load_benchmark(name: str) -> BenchFn:
+    """Import one benchmark module only when it is asked for."""
+    import importlib
+
+    if name not in BENCHMARKS:
+        raise SystemExit(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
+    return importlib.import_module(f"grpo_fleet.bench.{name}").run
 
 
 def run_benchmarks(names: Optional[list[str]], quick: bool, out: Path) -> Report:
     """Run the chosen benchmarks (all by default), print the table, write results.json."""
     report = Report()
-    available = registry()
-    for name in names or list(available):
-        if name not in available:
-            raise SystemExit(f"unknown benchmark {name!r}; choose from {', '.join(available)}")
+    for name in names or list(BENCHMARKS):
+        runner = load_benchmark(name)
         print(f"== {name}", flush=True)
-        available[name](report, quick)
+        runner(report, quick)
     print("\n" + report.table())
     report.save(out)
     print(f"\nwrote {out}")

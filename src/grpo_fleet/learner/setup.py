@@ -76,6 +76,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     trainer = Trainer(
         policy, cfg.grpo, cfg.optim,
         temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens, ref_model=ref_model,
+        compile=cfg.train.compile,
     )
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))

@@ -62,6 +62,7 @@ class Trainer:
         max_tokens: int,
         ref_model: Optional[nn.Module] = None,
         loss_fn: Optional[Callable[..., tuple[mx.array, dict]]] = None,
+        compile: bool = False,
     ) -> None:
         self.policy = policy
         self.grpo = grpo
@@ -75,6 +76,41 @@ class Trainer:
             learning_rate=optim_cfg.lr, betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
         )
         self.optimizer.init(policy.model.trainable_parameters())
+        self.compiled = compile
+        self._compiled_updates = self._compile_updates() if compile else {}
+
+    def _update(self, batch: TrainBatch, ref: Optional[mx.array]) -> tuple[mx.array, dict, mx.array]:
+        """Loss, gradients, global-norm clipping and one AdamW step."""
+        (loss, stats), grads = self._loss_and_grad(self.policy.model, batch, ref)
+        grads, grad_norm = optim.clip_grad_norm(grads, self.optim_cfg.grad_clip)
+        self.optimizer.update(self.policy.model, grads)
+        return loss, stats, grad_norm
+
+    def _compile_updates(self) -> dict[bool, Callable]:
+        """`_update` under mx.compile, one variant with pi_ref and one without.
+
+        Model, optimizer and RNG state are declared as inputs and outputs so the
+        compiled graph updates them in place. The reference forward stays outside:
+        it toggles the LoRA scale, which a compiled graph would freeze.
+        """
+        state = [self.policy.model.state, self.optimizer.state, mx.random.state]
+
+        def with_ref(inputs, targets, mask, old, advantages, rewards, ref):
+            return self._update(TrainBatch(inputs, targets, mask, old, advantages, rewards, 0), ref)
+
+        def without_ref(inputs, targets, mask, old, advantages, rewards):
+            return self._update(TrainBatch(inputs, targets, mask, old, advantages, rewards, 0), None)
+
+        return {True: mx.compile(with_ref, inputs=state, outputs=state),
+                False: mx.compile(without_ref, inputs=state, outputs=state)}
+
+    def _run_update(self, batch: TrainBatch, ref: Optional[mx.array]) -> tuple[mx.array, dict, mx.array]:
+        if not self.compiled:
+            return self._update(batch, ref)
+        arrays = (batch.inputs, batch.targets, batch.mask, batch.old_logprobs, batch.advantages, batch.rewards)
+        if ref is None:
+            return self._compiled_updates[False](*arrays)
+        return self._compiled_updates[True](*arrays, ref)
 
     def reference_logprobs(self, batch: TrainBatch) -> Optional[mx.array]:
         """pi_ref logprobs: the base with adapters off under LoRA, a frozen copy otherwise."""
@@ -97,9 +133,7 @@ class Trainer:
         ref = self.reference_logprobs(batch)
         totals: dict[str, float] = {}
         for _ in range(self.grpo.ppo_epochs):
-            (loss, stats), grads = self._loss_and_grad(self.policy.model, batch, ref)
-            grads, grad_norm = optim.clip_grad_norm(grads, self.optim_cfg.grad_clip)
-            self.optimizer.update(self.policy.model, grads)
+            loss, stats, grad_norm = self._run_update(batch, ref)
             mx.eval(self.policy.model.trainable_parameters(), self.optimizer.state, loss, stats, grad_norm)
             for key, value in {"loss": loss, "grad_norm": grad_norm, **stats}.items():
                 totals[key] = totals.get(key, 0.0) + float(value) / self.grpo.ppo_epochs

@@ -1,7 +1,8 @@
-"""Shared fixtures: free ports, the tiny model built once per session, and process spawning."""
+"""Shared fixtures: free ports, run configs, the tiny model built once per session, and process spawning."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -9,12 +10,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from grpo_fleet.blas import child_env
-from grpo_fleet.config import TaskConfig, TinyModelConfig
+from grpo_fleet.config import RunConfig, TaskConfig, TinyModelConfig
 from grpo_fleet.learner.setup import tokenizer_corpus
 from grpo_fleet.model import build_tiny_model
 from grpo_fleet.tasks import build_task
@@ -30,6 +31,46 @@ def free_port() -> Callable[[], int]:
             return sock.getsockname()[1]
 
     return pick
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` over `base`; dicts on both sides merge key by key, anything else replaces."""
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@pytest.fixture
+def run_config(tmp_path: Path, free_port: Callable[[], int]) -> Callable[..., tuple[Path, RunConfig]]:
+    """Returns `write(**sections) -> (path, cfg)`: a small, fast learner run config on free loopback ports.
+
+    The defaults are what the integration tests share; each test passes only the sections
+    (or keys) that make it different. The file is JSON, which `--config` accepts as well as
+    TOML, and it is validated here so a typo fails in the test, not in a child process's log.
+    """
+
+    def write(**sections: Any) -> tuple[Path, RunConfig]:
+        defaults: dict[str, Any] = {
+            "run_dir": str(tmp_path / "run"),
+            "model": {"path": "tiny"},
+            "task": {"name": "reverse", "num_train": 200, "num_eval": 8},
+            "generation": {"group_size": 4, "max_tokens": 4},
+            "grpo": {"groups_per_step": 2},
+            "server": {"bind": f"tcp://127.0.0.1:{free_port()}", "pub_bind": f"tcp://127.0.0.1:{free_port()}"},
+            # 0 turns /metrics off; tests that scrape it pass metrics={"port": free_port()}.
+            "metrics": {"port": 0},
+        }
+        data = _deep_merge(defaults, sections)
+        cfg = RunConfig.model_validate(data)
+        path = tmp_path / "run.json"
+        path.write_text(json.dumps(data, indent=2))
+        return path, cfg
+
+    return write
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,6 @@ def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config
     from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
     from grpo_fleet.learner.setup import build_learner, load_resume_config
-    from grpo_fleet.metrics import serve_metrics
-
     overrides = list(args.set or [])
     if args.run_dir or args.resume:
         overrides.append(f"run_dir={_toml_string(args.resume or args.run_dir)}")
@@ -47,7 +45,7 @@ def _learner(args: argparse.Namespace) -> int:
     learner = build_learner(cfg, resume=bool(args.resume))
     server = LearnerServer(learner)
     server.install_signal_handlers()
-    serve_metrics(learner.metrics.registry, cfg.metrics.host, cfg.metrics.port)
+    server.start_metrics()
     server.serve()
     return 0
 

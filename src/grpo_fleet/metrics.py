@@ -6,12 +6,18 @@ name, `_total` on counters, low-cardinality labels only.
 
 from __future__ import annotations
 
+import json
+import threading
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from typing import Callable, Optional
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 PREFIX = "grpo_fleet"
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -41,6 +47,9 @@ class LearnerMetrics:
     weight_bytes_served: Counter
     actors_connected: Gauge
     auth_failures: Counter
+    step_phase_seconds: Histogram
+    weight_publish_seconds: Histogram
+    weight_publish_bytes: Gauge
 
 
 def learner_metrics() -> LearnerMetrics:
@@ -74,6 +83,13 @@ def learner_metrics() -> LearnerMetrics:
         auth_failures=Counter(
             f"{p}_auth_failures", "Refused CURVE handshakes and messages from revoked keys, by reason", ["reason"], registry=r
         ),
+        step_phase_seconds=Histogram(
+            f"{p}_step_phase_seconds", "Wall time of each phase of a learner step", ["phase"], buckets=PHASE_BUCKETS, registry=r
+        ),
+        weight_publish_seconds=Histogram(
+            f"{p}_weight_publish_seconds", "Time to serialize and digest a new policy version", buckets=PHASE_BUCKETS, registry=r
+        ),
+        weight_publish_bytes=Gauge(f"{p}_weight_publish_bytes", "Size of the latest published weight blob", registry=r),
     )
 
 
@@ -90,6 +106,9 @@ class ActorMetrics:
     policy_version: Gauge
     weight_syncs: Counter
     reconnects: Counter
+    policy_lag: Gauge
+    weight_fetch_seconds: Histogram
+    submit_retries: Counter
 
 
 def actor_metrics() -> ActorMetrics:
@@ -106,10 +125,44 @@ def actor_metrics() -> ActorMetrics:
         policy_version=Gauge(f"{p}_policy_version", "Policy version of the loaded snapshot", registry=r),
         weight_syncs=Counter(f"{p}_weight_syncs", "Snapshots loaded, by outcome", ["outcome"], registry=r),
         reconnects=Counter(f"{p}_reconnects", "Times the actor re-registered with the learner", registry=r),
+        policy_lag=Gauge(f"{p}_policy_lag_versions", "Versions between the learner's newest policy and the loaded one", registry=r),
+        weight_fetch_seconds=Histogram(
+            f"{p}_weight_fetch_seconds", "Time to fetch, verify and load a new policy version", buckets=PHASE_BUCKETS, registry=r
+        ),
+        submit_retries=Counter(f"{p}_submit_retries", "Rollout submissions resent after a lost answer or reconnect", registry=r),
     )
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:
-    """Start the /metrics HTTP server in a daemon thread; port 0 disables it."""
-    if port:
-        start_http_server(port, addr=host, registry=registry)
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+        """Scrapes every few seconds would flood the log."""
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+SdSource = Callable[[], list[dict]]
+
+
+def metrics_app(registry: CollectorRegistry, sd_targets: Optional[SdSource] = None) -> Callable:
+    """WSGI app: /metrics (Prometheus text) and, on the learner, /sd (Prometheus HTTP service discovery)."""
+    prometheus = make_wsgi_app(registry)
+
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        if sd_targets is not None and environ.get("PATH_INFO") == "/sd":
+            body = json.dumps(sd_targets()).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        return prometheus(environ, start_response)
+
+    return app
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, sd_targets: Optional[SdSource] = None) -> Optional[int]:
+    """Serve /metrics (and /sd) from a daemon thread; port 0 disables it. Returns the bound port."""
+    if not port:
+        return None
+    server = make_server(host, port, metrics_app(registry, sd_targets), _ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server.server_port

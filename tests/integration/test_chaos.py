@@ -23,40 +23,16 @@ def _steps_done(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _config(tmp_path: Path, free_port) -> tuple[Path, Path, str]:
-    run_dir = tmp_path / "run"
-    bind = f"tcp://127.0.0.1:{free_port()}"
-    config = tmp_path / "chaos.toml"
-    config.write_text(f"""
-run_dir = "{run_dir}"
-[model]
-path = "tiny"
-[task]
-num_train = 300
-num_eval = 8
-[generation]
-group_size = 4
-max_tokens = 4
-[grpo]
-groups_per_step = 2
-[train]
-steps = {STEPS}
-checkpoint_every = 5
-[server]
-bind = "{bind}"
-pub_bind = "tcp://127.0.0.1:{free_port()}"
-lease_seconds = 3.0
-heartbeat_seconds = 0.5
-max_groups_per_lease = 2
-[metrics]
-port = 0
-""")
-    return config, run_dir, bind
-
-
 @pytest.mark.slow
-def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(tmp_path, free_port, spawn):
-    config, run_dir, bind = _config(tmp_path, free_port)
+def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config, spawn):
+    # Short leases and heartbeats so killed actors' work is re-queued within the test;
+    # frequent checkpoints so the killed learner resumes close to where it died.
+    config, cfg = run_config(
+        task={"num_train": 300},
+        train={"steps": STEPS, "checkpoint_every": 5},
+        server={"lease_seconds": 3.0, "heartbeat_seconds": 0.5, "max_groups_per_lease": 2},
+    )
+    run_dir, bind = Path(cfg.run_dir), cfg.server.bind
     rng = random.Random(20261201)
 
     def start_actor(index: int):

@@ -41,44 +41,24 @@ def _wait_exit(proc, timeout: float) -> int:
     return proc.wait(timeout=timeout)
 
 
-def _write_config(path: Path, run_dir: Path, bind: str, pub_bind: str, metrics_port: int, extra: str = "") -> Path:
-    path.write_text(f"""
-run_dir = "{run_dir}"
-[model]
-path = "tiny"
-[generation]
-group_size = 4
-max_tokens = 5
-[task]
-name = "reverse"
-num_train = 100
-num_eval = 8
-[grpo]
-groups_per_step = 2
-beta = 0.04
-[train]
-steps = 12
-sync_every = 2
-checkpoint_every = 5
-[server]
-bind = "{bind}"
-pub_bind = "{pub_bind}"
-lease_seconds = 20.0
-[metrics]
-port = {metrics_port}
-{extra}
-""")
-    return path
+# What both tests here share on top of the run_config defaults: longer completions,
+# a smaller task and leases long enough that no lease expires in a healthy run.
+FLEET = {
+    "generation": {"max_tokens": 5},
+    "task": {"num_train": 100},
+    "grpo": {"beta": 0.04},
+    "server": {"lease_seconds": 20.0},
+}
 
 
-def test_learner_and_two_actors_train_over_tcp(tmp_path, free_port, spawn):
-    run_dir = tmp_path / "run"
-    bind = f"tcp://127.0.0.1:{free_port()}"
+def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
     ports = {"learner": free_port(), "actor0": free_port(), "actor1": free_port()}
-    config = _write_config(tmp_path / "run.toml", run_dir, bind, f"tcp://127.0.0.1:{free_port()}", ports["learner"])
+    config, cfg = run_config(**FLEET, train={"steps": 12, "sync_every": 2, "checkpoint_every": 5},
+                             metrics={"port": ports["learner"]})
+    run_dir = Path(cfg.run_dir)
     learner = spawn("learner", "--config", str(config), name="learner")
     actors = [
-        spawn("actor", "--connect", bind, "--actor-id", f"it-{i}", "--metrics-port", str(ports[f"actor{i}"]),
+        spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"it-{i}", "--metrics-port", str(ports[f"actor{i}"]),
               "--model-dir", str(run_dir), name=f"actor{i}")
         for i in range(2)
     ]
@@ -119,16 +99,16 @@ def _wait_steps(run_dir: Path, count: int, proc, timeout: float = 120.0) -> None
         time.sleep(0.1)
 
 
-def test_sigterm_checkpoints_and_resume_continues_the_run(tmp_path, free_port, spawn):
+def test_sigterm_checkpoints_and_resume_continues_the_run(run_config, spawn):
     import signal
 
-    run_dir = tmp_path / "run"
-    bind = f"tcp://127.0.0.1:{free_port()}"
-    config = _write_config(tmp_path / "run.toml", run_dir, bind, f"tcp://127.0.0.1:{free_port()}", 0)
-    config.write_text(config.read_text().replace("steps = 12", "steps = 100000").replace("checkpoint_every = 5", "checkpoint_every = 100000"))
+    # Steps and checkpoint cadence far out of reach: the run only stops, and only
+    # checkpoints, because of the SIGTERM.
+    config, cfg = run_config(**FLEET, train={"steps": 100000, "sync_every": 2, "checkpoint_every": 100000})
+    run_dir = Path(cfg.run_dir)
     learner = spawn("learner", "--config", str(config), name="learner")
-    actors = [spawn("actor", "--connect", bind, "--actor-id", f"t-{i}", "--metrics-port", "0", "--request-timeout", "3",
-                   "--model-dir", str(run_dir), name=f"a{i}")
+    actors = [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"t-{i}", "--metrics-port", "0",
+                    "--request-timeout", "3", "--model-dir", str(run_dir), name=f"a{i}")
               for i in range(2)]
     _wait_steps(run_dir, 5, learner)
 

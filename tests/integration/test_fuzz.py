@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -100,32 +101,22 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_learner_survives_ten_thousand_hostile_messages(tmp_path, free_port, spawn):
-    run_dir, port, metrics_port = tmp_path / "run", free_port(), free_port()
-    config = tmp_path / "fuzz.toml"
-    config.write_text(f"""
-run_dir = "{run_dir}"
-[model]
-path = "tiny"
-[task]
-num_train = 50
-num_eval = 8
-[generation]
-group_size = 4
-max_tokens = 4
-[server]
-bind = "tcp://127.0.0.1:{port}"
-pub_bind = "tcp://127.0.0.1:{free_port()}"
-max_violations = 1000000
-[metrics]
-port = {metrics_port}
-""")
+def test_learner_survives_ten_thousand_hostile_messages(run_config, free_port, spawn):
+    config, cfg = run_config(
+        task={"num_train": 50},
+        # The learner's own default, not run_config's 2: this test has always run with it.
+        grpo={"groups_per_step": 8},
+        # Every hostile message is a violation; the fuzzer must never be shut out.
+        server={"max_violations": 1000000},
+        metrics={"port": free_port()},
+    )
+    run_dir, metrics_port = Path(cfg.run_dir), cfg.metrics.port
     learner = spawn("learner", "--config", str(config), name="learner")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, b"fuzzer")
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.connect(cfg.server.bind)
     replies: dict[str, int] = {}
     try:
         _wait_until_serving(sock, learner)
@@ -137,7 +128,9 @@ port = {metrics_port}
         def send_one(frames: list[bytes]) -> None:
             sock.send_multipart(frames)
             assert sock.poll(10_000), f"no answer to {frames[0][:40]!r}"
-            reply = decode(sock.recv())
+            # Read the whole reply: a WeightsChunk carries its blob in a second frame, which
+            # must not be mistaken for the answer to the next message.
+            reply = decode(sock.recv_multipart()[0])
             kind = type(reply).__name__ + (f":{reply.status}" if isinstance(reply, m.Ack) else "")
             replies[kind] = replies.get(kind, 0) + 1
             if isinstance(reply, m.Ack) and reply.status != "invalid":

@@ -3,47 +3,33 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlx_lm
 
 from grpo_fleet.model import latest_checkpoint
 
 
-def test_jsonl_chat_template_r1_rewards_with_lora(tmp_path, free_port, spawn):
-    run_dir = tmp_path / "run"
-    bind = f"tcp://127.0.0.1:{free_port()}"
-    config = tmp_path / "gsm8k.toml"
-    config.write_text(f"""
-run_dir = "{run_dir}"
-[model]
-path = "tiny"
-[lora]
-enabled = true
-rank = 4
-[generation]
-group_size = 4
-max_tokens = 16
-[task]
-name = "jsonl"
-train_path = "builtin:gsm8k_mini"
-eval_path = "builtin:gsm8k_mini_eval"
-rewards = ["r1_format", "r1_accuracy", "reverse_positions"]
-reward_weights = [0.5, 1.0, 0.1]
-chat_template = true
-system_prompt = "Answer in <answer></answer>."
-[grpo]
-groups_per_step = 2
-[train]
-steps = 4
-checkpoint_every = 2
-[server]
-bind = "{bind}"
-pub_bind = "tcp://127.0.0.1:{free_port()}"
-[metrics]
-port = 0
-""")
+def test_jsonl_chat_template_r1_rewards_with_lora(run_config, spawn):
+    # num_train/num_eval from the defaults change nothing here: a jsonl task trains on the
+    # whole train file, and the bundled eval file has only 8 examples.
+    config, cfg = run_config(
+        lora={"enabled": True, "rank": 4},
+        generation={"max_tokens": 16},
+        task={
+            "name": "jsonl",
+            "train_path": "builtin:gsm8k_mini",
+            "eval_path": "builtin:gsm8k_mini_eval",
+            "rewards": ["r1_format", "r1_accuracy", "reverse_positions"],
+            "reward_weights": [0.5, 1.0, 0.1],
+            "chat_template": True,
+            "system_prompt": "Answer in <answer></answer>.",
+        },
+        train={"steps": 4, "checkpoint_every": 2},
+    )
+    run_dir = Path(cfg.run_dir)
     learner = spawn("learner", "--config", str(config), name="learner")
-    actor = spawn("actor", "--connect", bind, "--metrics-port", "0", "--model-dir", str(run_dir), name="actor")
+    actor = spawn("actor", "--connect", cfg.server.bind, "--metrics-port", "0", "--model-dir", str(run_dir), name="actor")
     assert learner.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
     assert actor.wait(timeout=30) == 0
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_fleet.blas import child_env
+from grpo_fleet.config import RunConfig
 from grpo_fleet.protocol.auth import add_actor, init_keys, load_keypair, revoke_actor
 
 
@@ -29,78 +30,59 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _config(tmp_path: Path, free_port, keys: Path, steps: int) -> tuple[Path, Path, str, int]:
-    run_dir, bind, metrics_port = tmp_path / "run", f"tcp://127.0.0.1:{free_port()}", free_port()
-    config = tmp_path / "secure.toml"
-    config.write_text(f"""
-run_dir = "{run_dir}"
-[model]
-path = "tiny"
-[task]
-num_train = 200
-num_eval = 8
-[generation]
-group_size = 4
-max_tokens = 4
-[grpo]
-groups_per_step = 2
-[train]
-steps = {steps}
-checkpoint_every = 1000
-[server]
-bind = "{bind}"
-pub_bind = "tcp://127.0.0.1:{free_port()}"
-lease_seconds = 3.0
-heartbeat_seconds = 0.5
-[security]
-keys_dir = "{keys}"
-[metrics]
-port = {metrics_port}
-""")
-    return config, run_dir, bind, metrics_port
+def _config(run_config, free_port, keys: Path, steps: int) -> tuple[Path, RunConfig]:
+    # Short leases so a revoked actor's work goes to others quickly; checkpoints only at the
+    # end or on SIGTERM; /metrics on a real port because the tests read the auth-failure count.
+    return run_config(
+        train={"steps": steps, "checkpoint_every": 1000},
+        server={"lease_seconds": 3.0, "heartbeat_seconds": 0.5},
+        security={"keys_dir": str(keys)},
+        metrics={"port": free_port()},
+    )
 
 
-def _actor(spawn, bind: str, keys: Path, name: str, secret: Path, run_dir: Path):
-    return spawn("actor", "--connect", bind, "--actor-id", name, "--key", str(secret),
+def _actor(spawn, cfg: RunConfig, keys: Path, name: str, secret: Path):
+    return spawn("actor", "--connect", cfg.server.bind, "--actor-id", name, "--key", str(secret),
                  "--learner-key", str(keys / "learner.key"), "--metrics-port", "0", "--request-timeout", "3",
-                 "--model-dir", str(run_dir), name=name)
+                 "--model-dir", cfg.run_dir, name=name)
 
 
-def test_only_the_authorised_key_gets_in(tmp_path, free_port, spawn):
+def test_only_the_authorised_key_gets_in(tmp_path, run_config, free_port, spawn):
     keys = tmp_path / "keys"
     init_keys(keys)
     good = add_actor(keys, "good")
     stranger_dir = tmp_path / "stranger"
     init_keys(stranger_dir)  # a valid keypair the learner has never heard of
-    config, run_dir, bind, metrics_port = _config(tmp_path, free_port, keys, steps=30)
+    config, cfg = _config(run_config, free_port, keys, steps=30)
     learner = spawn("learner", "--config", str(config), name="learner")
-    intruder = _actor(spawn, bind, keys, "intruder", stranger_dir / "learner.key_secret", run_dir)
-    keyless = spawn("actor", "--connect", bind, "--actor-id", "keyless", "--metrics-port", "0",
-                    "--request-timeout", "3", "--model-dir", str(run_dir), name="keyless")
+    intruder = _actor(spawn, cfg, keys, "intruder", stranger_dir / "learner.key_secret")
+    keyless = spawn("actor", "--connect", cfg.server.bind, "--actor-id", "keyless", "--metrics-port", "0",
+                    "--request-timeout", "3", "--model-dir", cfg.run_dir, name="keyless")
     failures = 0.0
     deadline = time.monotonic() + 120
     while failures <= 0 and time.monotonic() < deadline:
-        failures = _metric(metrics_port, "grpo_fleet_learner_auth_failures_total")
+        failures = _metric(cfg.metrics.port, "grpo_fleet_learner_auth_failures_total")
         time.sleep(0.3)
     assert failures > 0, "refused handshakes are counted"
-    honest = _actor(spawn, bind, keys, "good", good, run_dir)
+    honest = _actor(spawn, cfg, keys, "good", good)
     assert learner.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
     assert honest.wait(timeout=30) == 0
 
-    ledger = _lines(run_dir / "ledger.jsonl")
+    ledger = _lines(Path(cfg.run_dir) / "ledger.jsonl")
     good_key = load_keypair(good).public.decode()
     assert ledger and {entry["actor_key"] for entry in ledger} == {good_key}
     assert intruder.poll() is None and keyless.poll() is None, "outsiders never got a Welcome, let alone a Shutdown"
     assert "refused CURVE handshake" in learner.log_path.read_text()
 
 
-def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, free_port, spawn):
+def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, run_config, free_port, spawn):
     keys = tmp_path / "keys"
     init_keys(keys)
     secrets = {name: add_actor(keys, name) for name in ("stays", "goes")}
-    config, run_dir, bind, metrics_port = _config(tmp_path, free_port, keys, steps=100000)
+    config, cfg = _config(run_config, free_port, keys, steps=100000)
+    run_dir = Path(cfg.run_dir)
     learner = spawn("learner", "--config", str(config), name="learner")
-    actors = {name: _actor(spawn, bind, keys, name, secret, run_dir) for name, secret in secrets.items()}
+    actors = {name: _actor(spawn, cfg, keys, name, secret) for name, secret in secrets.items()}
     goes_key = load_keypair(secrets["goes"]).public.decode()
     deadline = time.monotonic() + 120
     while not any(e["actor_key"] == goes_key for e in _lines(run_dir / "ledger.jsonl")):
@@ -109,7 +91,7 @@ def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, free_por
 
     revoke_actor(keys, "goes")
     learner.send_signal(signal.SIGHUP)
-    while _metric(metrics_port, "grpo_fleet_learner_auth_failures_total") <= 0:
+    while _metric(cfg.metrics.port, "grpo_fleet_learner_auth_failures_total") <= 0:
         assert time.monotonic() < deadline and learner.poll() is None
         time.sleep(0.2)
     cutoff = len(_lines(run_dir / "ledger.jsonl"))

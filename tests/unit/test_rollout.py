@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from grpo_fleet.actor.rollout import SamplingSettings, completion_text, encode_prompt, generate_groups
+from grpo_fleet.actor.rollout import SHARED_PREFIX_MIN_TOKENS, SamplingSettings, completion_text, encode_prompt, generate_groups
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
 from grpo_fleet.learner.trainer import policy_logprobs
 from grpo_fleet.model import load_policy
@@ -24,11 +24,8 @@ def _settings(policy, temperature: float, group_size: int = 6, max_tokens: int =
     )
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
-def test_actor_logprobs_match_learner_within_1e4(policy, temperature):
-    mx.random.seed(3)
-    prompts = [encode_prompt(policy.tokenizer, text, chat_template=False) for text in ("123=", "9=", "4567=")]
-    groups = generate_groups(policy.model, prompts, _settings(policy, temperature))
+def _max_logprob_gap(policy, prompts, groups, temperature: float) -> float:
+    """Largest |actor logprob - learner logprob| over every sampled token."""
     accepted = [
         AcceptedGroup(
             group_id=f"g{i}", prompt_index=i, prompt_tokens=np.asarray(prompt, dtype=np.int32),
@@ -40,9 +37,48 @@ def test_actor_logprobs_match_learner_within_1e4(policy, temperature):
     ]
     batch = build_train_batch(accepted)
     learner_side = policy_logprobs(policy.model, batch.inputs, batch.targets, temperature)
-    gap = mx.abs(learner_side - batch.old_logprobs) * batch.mask
-    assert float(mx.max(gap)) < 1e-4
     assert float(batch.mask.sum()) == sum(len(c.tokens) for g in groups for c in g)
+    return float(mx.max(mx.abs(learner_side - batch.old_logprobs) * batch.mask))
+
+
+# min_shared_prefix: 1 shares every prompt's prefill, None prefills G copies of each.
+@pytest.mark.parametrize("min_shared_prefix", [1, None])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
+def test_actor_logprobs_match_learner_within_1e4(policy, temperature, min_shared_prefix):
+    mx.random.seed(3)
+    prompts = [encode_prompt(policy.tokenizer, text, chat_template=False) for text in ("123=", "9=", "4567=")]
+    groups = generate_groups(policy.model, prompts, _settings(policy, temperature), min_shared_prefix=min_shared_prefix)
+    assert _max_logprob_gap(policy, prompts, groups, temperature) < 1e-4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_long_shared_prefix_logprobs_match_learner_within_1e4(policy, temperature):
+    # ~300-token prompts cross the KV cache's 256-slot growth step; different
+    # lengths exercise padding, a repeated prompt deduplication, and the short
+    # last prompt (below SHARED_PREFIX_MIN_TOKENS) takes the G-copies path in
+    # the same batch.
+    mx.random.seed(5)
+    head = "0123456789" * 30
+    texts = (head + "12=", head + "4=", head + "98765=", head + "12=", "7=")
+    prompts = [encode_prompt(policy.tokenizer, text, chat_template=False) for text in texts]
+    assert min(len(p) for p in prompts[:4]) > 256 and len(prompts[4]) < SHARED_PREFIX_MIN_TOKENS
+    groups = generate_groups(policy.model, prompts, _settings(policy, temperature, group_size=4, max_tokens=8))
+    assert [len(g) for g in groups] == [4] * len(prompts)
+    assert _max_logprob_gap(policy, prompts, groups, temperature) < 1e-4
+
+
+def test_group_completions_are_sampled_independently(policy):
+    # Without stop tokens every completion runs 12 tokens over a near-uniform
+    # policy: completions that shared one prefilled cache must still all differ.
+    mx.random.seed(11)
+    prompt = encode_prompt(policy.tokenizer, "0123456789" * 10 + "5=", chat_template=False)
+    assert len(prompt) >= SHARED_PREFIX_MIN_TOKENS
+    settings = SamplingSettings(group_size=8, max_tokens=12, temperature=1.0)
+    groups = generate_groups(policy.model, [prompt, prompt], settings)
+    for group in groups:
+        assert len({tuple(c.tokens) for c in group}) == len(group)
+        assert len({c.tokens[0] for c in group}) > 1
+    assert {tuple(c.tokens) for c in groups[0]}.isdisjoint(tuple(c.tokens) for c in groups[1])
 
 
 def test_groups_have_g_completions_and_keep_eos(policy):

@@ -84,6 +84,7 @@ class ActorWorker:
         self._dealer = None
         self._sub = None
         self._last_heartbeat = 0.0
+        self.metrics_port = 0
         self.curve = self._load_curve(cfg)
 
     @staticmethod
@@ -107,7 +108,7 @@ class ActorWorker:
         """Work until Shutdown or a signal; reconnect with backoff whenever the learner goes away."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        serve_metrics(self.metrics.registry, self.cfg.metrics.host, self.cfg.metrics.port)
+        self.metrics_port = serve_metrics(self.metrics.registry, self.cfg.metrics.host, self.cfg.metrics.port) or 0
         backoff = 0.2
         try:
             while not self.stopping:
@@ -147,7 +148,7 @@ class ActorWorker:
         )
         hello = m.Hello(
             actor_id=self.actor_id, host=socket.gethostname(), backend=str(mx.default_device()),
-            versions={"mlx": mx.__version__, "python": platform.python_version()},
+            versions={"mlx": mx.__version__, "python": platform.python_version()}, metrics_port=self.metrics_port,
         )
         return self._request(hello, m.Welcome)
 
@@ -211,8 +212,10 @@ class ActorWorker:
                 break
             if isinstance(notice, m.Shutdown):
                 raise StopActor(f"learner shut down ({notice.reason})")
-            if isinstance(notice, m.PolicyUpdated):
-                self.newest_version = max(self.newest_version, notice.version)
+            if isinstance(notice, (m.PolicyUpdated, m.Heartbeat)):
+                latest = notice.version if isinstance(notice, m.PolicyUpdated) else notice.policy_version
+                self.newest_version = max(self.newest_version, latest)
+                self.metrics.policy_lag.set(max(0, self.newest_version - self.version))
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -248,6 +251,7 @@ class ActorWorker:
 
     def _sync_weights(self) -> None:
         """Fetch the newest snapshot in chunks and swap it in only if its digest checks out."""
+        started = time.perf_counter()
         try:
             version, blob, digest = self.fetch_weights(max(self.newest_version, self.version, 0))
         except WeightsMismatch as exc:
@@ -265,7 +269,9 @@ class ActorWorker:
         self.version = version
         self.newest_version = max(self.newest_version, version)
         self.metrics.weight_syncs.labels(outcome="loaded").inc()
+        self.metrics.weight_fetch_seconds.observe(time.perf_counter() - started)
         self.metrics.policy_version.set(self.version)
+        self.metrics.policy_lag.set(max(0, self.newest_version - self.version))
 
     def fetch_weights(self, version: int) -> tuple[int, bytes, str]:
         """Pull one version's blob with up to CREDIT_WINDOW chunk requests in flight."""
@@ -312,6 +318,8 @@ class ActorWorker:
         if self.newest_version > self.version:
             self._sync_weights()
         if self.pending is not None:
+            # Still unacknowledged after a lost answer or a reconnect: resend it.
+            self.metrics.submit_retries.inc()
             self._submit(self.pending)
             return
         if self.stopping:

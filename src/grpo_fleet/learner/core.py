@@ -20,6 +20,7 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
+from grpo_fleet.learner.fleet import ActorInfo, TokenRate, actor_from_hello, sd_groups
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
@@ -32,16 +33,6 @@ from grpo_fleet.tasks import Task
 log = logging.getLogger("grpo_fleet.learner")
 # Stored answers kept for replays (at-least-once actors resend after a reconnect).
 ACK_CACHE_SIZE = 4096
-
-
-@dataclass
-class ActorInfo:
-    """What the learner knows about a registered actor."""
-
-    actor_id: str
-    host: str
-    last_seen: float
-    principal: str  # the CURVE public key when CURVE is on, else the routing id in hex
 
 
 class Learner:
@@ -73,6 +64,9 @@ class Learner:
             len(prompt_tokens), seed=cfg.train.seed, lease_seconds=cfg.server.lease_seconds
         )
         self.actors: dict[bytes, ActorInfo] = {}
+        self.rate = TokenRate()
+        self.groups_accepted = 0
+        self.sd_snapshot: list[dict] = []
         self.violations: Counter[bytes] = Counter()
         self.acks: dict[str, m.Ack] = {}
         self.buffer: list[AcceptedGroup] = []
@@ -103,7 +97,9 @@ class Learner:
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, identity: bytes, msg: object, principal: Optional[str] = None) -> Optional[object]:
+    def handle(
+        self, identity: bytes, msg: object, principal: Optional[str] = None, peer_address: str = ""
+    ) -> Optional[object]:
         """Answer one decoded message from `identity` (None = no reply).
 
         `principal` is the authenticated CURVE key; leases are bound to it, so a
@@ -111,7 +107,9 @@ class Learner:
         """
         owner = principal or identity.hex()
         if isinstance(msg, m.Hello):
-            return self._on_hello(identity, owner, msg)
+            return self._on_hello(identity, owner, msg, peer_address)
+        if isinstance(msg, m.StatusRequest):
+            return self.status()
         actor = self.actors.get(identity)
         if actor is None or actor.principal != owner:
             self.metrics.protocol_errors.labels(reason="not_registered").inc()
@@ -119,6 +117,7 @@ class Learner:
             return m.ErrorReply(reason="not_registered", detail="send Hello first")
         actor.last_seen = time.monotonic()
         if isinstance(msg, m.Heartbeat):
+            actor.policy_version = msg.policy_version
             return m.Heartbeat(actor_id=actor.actor_id, policy_version=self.version, sent_at=time.time())
         if isinstance(msg, m.GetWeights):
             return self._on_get_weights(msg)
@@ -130,8 +129,8 @@ class Learner:
         self.record_violation(identity)
         return m.ErrorReply(reason="unexpected_type", detail=f"{type(msg).__name__} is not a request")
 
-    def _on_hello(self, identity: bytes, owner: str, msg: m.Hello) -> m.Welcome:
-        self.actors[identity] = ActorInfo(actor_id=msg.actor_id, host=msg.host, last_seen=time.monotonic(), principal=owner)
+    def _on_hello(self, identity: bytes, owner: str, msg: m.Hello, peer_address: str) -> m.Welcome:
+        self.actors[identity] = actor_from_hello(msg, owner, peer_address)
         log.info("actor %s joined from %s (%s)", msg.actor_id, msg.host, msg.backend)
         self.metrics.actors_connected.set(len(self.actors))
         return self.welcome(msg.actor_id)
@@ -191,6 +190,19 @@ class Learner:
     def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:
         tokens = m.Tensor.from_numpy(self.prompt_tokens[index])
         return m.PromptItem(group_id=group_id, prompt_index=index, prompt_tokens=tokens, fields=self.task.fields(self.task.train[index]))
+
+    def status(self) -> m.Status:
+        """The run at a glance, for `grpo-fleet status`."""
+        now = time.monotonic()
+        return m.Status(
+            run_id=self.run_id, step=self.step, steps_target=self.cfg.train.steps, policy_version=self.version,
+            tokens_per_second=self.rate.per_second(now), groups_accepted=self.groups_accepted,
+            actors=[info.status(now) for info in self.actors.values()],
+        )
+
+    def refresh_service_discovery(self, learner_target: Optional[str]) -> None:
+        """Rebuild the /sd answer; done on the main thread and swapped whole, the HTTP thread only reads it."""
+        self.sd_snapshot = sd_groups(learner_target, list(self.actors.values()))
 
     def drop_actor(self, identity: bytes) -> int:
         """Forget an actor (silent or revoked) and re-queue its leases; returns the lease count."""
@@ -297,6 +309,10 @@ class Learner:
         }) + "\n")
         self.metrics.groups_accepted.inc()
         self.metrics.tokens_accepted.inc(record.num_tokens)
+        self.actors[identity].rate.add(record.num_tokens)
+        self.actors[identity].policy_version = max(self.actors[identity].policy_version, version)
+        self.rate.add(record.num_tokens)
+        self.groups_accepted += 1
         self.metrics.staleness.observe(self.version - version)
         self.metrics.group_reward.observe(float(record.rewards.mean()))
         self.accepted_since_step += 1
@@ -317,20 +333,34 @@ class Learner:
         count = self.cfg.grpo.groups_per_step
         groups, self.buffer = self.buffer[:count], self.buffer[count:]
         batch = build_train_batch(groups, scale_by_std=self.cfg.grpo.scale_by_std)
+        phases = {"data_prep": time.perf_counter() - started}
         trained_on = self.version
         stats = self.trainer.step(batch)
+        phases.update(ref_forward=stats["ref_seconds"], update=stats["update_seconds"])
         self.step += 1
         published = self.step % self.cfg.train.sync_every == 0
         if published:
             self.version += 1
-            self.snapshot = self._make_snapshot()
+            phases["publish"] = self._publish_snapshot()
         record = self._step_record(groups, stats, time.perf_counter() - started, trained_on)
         self._metrics_file.write(json.dumps(record) + "\n")
         self._observe_step(record)
         if self.step % self.cfg.train.checkpoint_every == 0 or self.done:
+            checkpoint_started = time.perf_counter()
             self.checkpoint()
+            phases["checkpoint"] = time.perf_counter() - checkpoint_started
+        for phase, seconds in phases.items():
+            self.metrics.step_phase_seconds.labels(phase=phase).observe(seconds)
         record["published"] = published
         return record
+
+    def _publish_snapshot(self) -> float:
+        started = time.perf_counter()
+        self.snapshot = self._make_snapshot()
+        seconds = time.perf_counter() - started
+        self.metrics.weight_publish_seconds.observe(seconds)
+        self.metrics.weight_publish_bytes.set(len(self.snapshot.blob))
+        return seconds
 
     def _step_record(self, groups: list[AcceptedGroup], stats: dict, seconds: float, trained_on: int) -> dict:
         rewards = np.concatenate([g.rewards for g in groups])

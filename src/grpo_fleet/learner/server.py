@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from typing import Optional
 from urllib.parse import urlparse
@@ -18,6 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.core import Learner
+from grpo_fleet.metrics import serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import KeyRing, is_loopback_endpoint, load_keypair, start_authenticator
 from grpo_fleet.protocol.codec import Limits, ProtocolError
@@ -92,6 +94,7 @@ class LearnerServer:
         self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind), curve=keypair)
         self.monitor = self.router.get_monitor_socket(sum(HANDSHAKE_FAILURES))
         self.reload_requested = False
+        self.metrics_target: Optional[str] = None
         self.endpoint = bound_endpoint(self.router)
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
@@ -108,6 +111,18 @@ class LearnerServer:
         auth = start_authenticator(self.ctx, keyring)
         log.info("CURVE on: %d authorised actor keys in %s", len(keyring._keys), keyring.directory)
         return keyring, auth, keypair
+
+    def start_metrics(self) -> None:
+        """Serve /metrics and the service-discovery list /sd on the metrics port."""
+        cfg = self.learner.cfg
+        port = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
+                             sd_targets=lambda: self.learner.sd_snapshot)
+        if port:
+            host = cfg.metrics.host
+            if host in ("0.0.0.0", "", "::"):
+                host = cfg.server.advertise_host or socket.gethostname()
+            self.metrics_target = f"{host}:{port}"
+            log.info("metrics on http://%s/metrics, service discovery on http://%s/sd", self.metrics_target, self.metrics_target)
 
     def request_stop(self, *_args: object) -> None:
         self.stopping = True
@@ -151,7 +166,7 @@ class LearnerServer:
             routed = recv_routed_from(self.router, self.limits)
             if not self._admitted(routed.identity, routed.principal):
                 continue
-            reply = self._answer(routed.identity, routed.message, routed.principal)
+            reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address)
             if isinstance(reply, tuple):  # a weight chunk: header + raw bytes
                 send_message(self.router, reply[0], identity=routed.identity, raw=reply[1])
             elif reply is not None:
@@ -168,7 +183,9 @@ class LearnerServer:
             return False
         return True
 
-    def _answer(self, identity: bytes, msg: object, principal: Optional[str] = None) -> Optional[object]:
+    def _answer(
+        self, identity: bytes, msg: object, principal: Optional[str] = None, peer_address: str = ""
+    ) -> Optional[object]:
         if self.closing:
             self.told_to_stop.add(identity)
             return m.Shutdown(reason="done")
@@ -177,7 +194,7 @@ class LearnerServer:
             self.learner.record_violation(identity)
             return m.ErrorReply(reason=msg.reason, detail=str(msg)[:500])
         try:
-            return self.learner.handle(identity, msg, principal)
+            return self.learner.handle(identity, msg, principal, peer_address)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling %s", type(msg).__name__)
             self.learner.metrics.protocol_errors.labels(reason="internal").inc()
@@ -193,6 +210,7 @@ class LearnerServer:
         self._reload_allow_list()
         self.learner.expire_leases()
         self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
+        self.learner.refresh_service_discovery(self.metrics_target)
         self._publish(m.Heartbeat(actor_id="learner", policy_version=self.learner.version, sent_at=time.time()))
 
     def _drop_silent_actors(self, cutoff: float) -> None:

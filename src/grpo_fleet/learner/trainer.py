@@ -131,13 +131,14 @@ class Trainer:
         """Train on one batch; returns scalar stats averaged over the epochs."""
         start = time.perf_counter()
         ref = self.reference_logprobs(batch)
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {"ref_seconds": time.perf_counter() - start}
         for _ in range(self.grpo.ppo_epochs):
             loss, stats, grad_norm = self._run_update(batch, ref)
             mx.eval(self.policy.model.trainable_parameters(), self.optimizer.state, loss, stats, grad_norm)
             for key, value in {"loss": loss, "grad_norm": grad_norm, **stats}.items():
                 totals[key] = totals.get(key, 0.0) + float(value) / self.grpo.ppo_epochs
         totals["train_seconds"] = time.perf_counter() - start
+        totals["update_seconds"] = totals["train_seconds"] - totals["ref_seconds"]
         return totals
 
     def save_optimizer(self, path: Path) -> None:
@@ -149,3 +150,6 @@ class Trainer:
         """Restore what `save_optimizer` wrote."""
         loaded: dict[str, Any] = dict(mx.load(str(path)))
         self.optimizer.state = tree_unflatten(list(loaded.items()))
+        if self.compiled:
+            # The compiled update captured the old state tree; trace again against the new one.
+            self._compiled_updates = self._compile_updates()

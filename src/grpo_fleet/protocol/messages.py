@@ -93,6 +93,7 @@ class Hello(_Strict):
     backend: str = Field(max_length=64)
     versions: dict[str, str] = Field(max_length=32)
     capacity: PositiveFloat = 1.0  # tokens/s hint for scheduling
+    metrics_port: int = Field(0, ge=0, le=65535)  # 0 = no /metrics; else listed in the learner's service discovery
 
 
 class GenerationParams(_Strict):
@@ -231,6 +232,29 @@ class ErrorReply(_Strict):
     detail: str = ""
 
 
+class StatusRequest(_Strict):
+    """Ask the learner for a summary of the run (`grpo-fleet status`); allowed without Hello."""
+
+
+class ActorStatus(_Strict):
+    actor_id: str
+    host: str
+    backend: str
+    policy_version: NonNegInt
+    tokens_per_second: NonNegFloat
+    last_seen_seconds: NonNegFloat
+
+
+class Status(_Strict):
+    run_id: str
+    step: NonNegInt
+    steps_target: NonNegInt
+    policy_version: NonNegInt
+    tokens_per_second: NonNegFloat
+    groups_accepted: NonNegInt
+    actors: list[ActorStatus] = Field(max_length=4096)
+
+
 class PolicyUpdated(_Strict):
     version: NonNegInt
     digest: str
@@ -242,7 +266,7 @@ class Shutdown(_Strict):
 
 Message = Union[
     Hello, Welcome, GetWeights, WeightsChunk, LeaseRequest, Lease,
-    Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown,
+    Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown, StatusRequest, Status,
 ]
 
 # Only top-level messages travel in an envelope; component models (Tensor, ...) do not.
@@ -250,7 +274,7 @@ MESSAGE_TYPES: dict[str, type[BaseModel]] = {
     cls.__name__: cls
     for cls in (
         Hello, Welcome, GetWeights, WeightsChunk, LeaseRequest, Lease,
-        Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown,
+        Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown, StatusRequest, Status,
     )
 }
 

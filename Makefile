@@ -7,7 +7,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead.
 OPENBLAS = $$(ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1)
 
-.PHONY: demo test test-fast bench doctor system-deps clean readme
+.PHONY: demo test test-fast test-deps bench doctor system-deps clean readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,13 +25,24 @@ ifeq ($(UNAME),Linux)
 	fi
 endif
 
+# Tests run promtool and a real Prometheus server (Debian's package) when they can.
+test-deps: system-deps
+ifeq ($(UNAME),Linux)
+	@if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's prometheus (for the monitoring tests)"; \
+	  $(SUDO) apt-get update -qq; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+	    || echo "warning: could not install prometheus; those tests will be skipped"; \
+	fi
+endif
+
 demo: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet demo $(DEMO_ARGS)
 
-test: system-deps $(VENV)/.installed
+test: test-deps $(VENV)/.installed
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: system-deps $(VENV)/.installed
+test-fast: test-deps $(VENV)/.installed
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: system-deps $(VENV)/.installed

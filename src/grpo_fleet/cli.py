@@ -124,6 +124,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from grpo_fleet.protocol.client import format_status, request_status
+
+    try:
+        status = request_status(args.connect, key_file=args.key, learner_key_file=args.learner_key, timeout_s=args.timeout)
+    except (TimeoutError, RuntimeError, ValueError) as exc:
+        print(f"grpo-fleet status: {exc}", file=sys.stderr)
+        return 1
+    print(format_status(status))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-fleet", description="Distributed GRPO on MLX over ZeroMQ.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -152,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     actor.add_argument("--learner-key", help="the learner's public key file (learner.key)")
     actor.add_argument("--model-dir", action="append", help="local directory the learner's model may live in; repeatable")
     actor.set_defaults(func=_actor)
+
+    status = sub.add_parser("status", help="the learner's step, version, throughput and actors")
+    status.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
+    status.add_argument("--key", help="a CURVE secret key on the learner's allow-list")
+    status.add_argument("--learner-key", help="the learner's public key file (learner.key)")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    status.set_defaults(func=_status)
 
     keys = sub.add_parser("keys", help="CURVE keys: who may join the fleet")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)

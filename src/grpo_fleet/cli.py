@@ -124,6 +124,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grpo_fleet.plotting import RunDataError, plot_run
+
+    try:
+        out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    except RunDataError as exc:
+        print(f"grpo-fleet plot: {exc}", file=sys.stderr)
+        return 1
+    print(f"curves written to {out}")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from grpo_fleet.protocol.client import format_status, request_status
 
@@ -201,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     bench.add_argument("--out", default="bench/results.json", help="where to write every figure as JSON")
     bench.set_defaults(func=_bench)
+
+    plot = sub.add_parser("plot", help="draw a run's reward, KL, tokens/s and staleness curves into one PNG")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
+    plot.add_argument("--out", metavar="PNG", help="output file (default RUN_DIR/curves.png)")
+    plot.set_defaults(func=_plot)
     return parser
 
 

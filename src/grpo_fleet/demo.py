@@ -127,27 +127,6 @@ def follow(learner: subprocess.Popen, cfg: RunConfig, progress: bool) -> list[di
     return read_metrics(path)
 
 
-def plot_rewards(records: list[dict], before: float, after: float, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in records]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward_mean"] for r in records], label="train reward (batch mean)")
-    ax.axhline(before, color="grey", linestyle="--", label=f"held-out before {before:.2f}")
-    ax.axhline(after, color="green", linestyle="--", label=f"held-out after {after:.2f}")
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(0, 1.05)
-    ax.legend(loc="lower right")
-    ax.set_title("grpo-fleet demo: reverse 3 digits")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-
-
 def held_out_reward(model_or_checkpoint: str, cfg: RunConfig) -> float:
     """Greedy held-out reward of a model directory or a checkpoint."""
     from grpo_fleet.evaluate import evaluate
@@ -194,9 +173,10 @@ def run_demo(options: DemoOptions) -> dict:
 
 
 def summarise(cfg: RunConfig, records: list[dict], before: float, after: float, wall: float, checkpoint: Path) -> dict:
+    from grpo_fleet.plotting import plot_run
+
     run_dir = Path(cfg.run_dir)
-    plot = run_dir / "reward_curve.png"
-    plot_rewards(records, before, after, plot)
+    plot = run_dir / "curves.png"
     summary = {
         "eval_reward_before": before,
         "eval_reward_after": after,
@@ -209,6 +189,8 @@ def summarise(cfg: RunConfig, records: list[dict], before: float, after: float, 
         "ok": bool(records),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if records:
+        plot_run(run_dir, plot)  # after summary.json: it draws the held-out before/after from there
     print(f"held-out reward: {before:.3f} -> {after:.3f} in {summary['steps']} steps, {wall:.0f}s wall")
     print(f"summary {run_dir / 'summary.json'}, plot {plot}, checkpoint {checkpoint}")
     return summary

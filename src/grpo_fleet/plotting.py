@@ -1,0 +1,206 @@
+"""Training curves of a run directory as one PNG: reward, KL, throughput, staleness.
+
+Reads only files the learner and the demo write: RUN_DIR/metrics.jsonl (one line per
+optimizer step, see `Learner._step_record`), and, when present, RUN_DIR/summary.json
+(held-out reward before and after) and RUN_DIR/config.json (`grpo.max_staleness`).
+Works on a run that is still going: an incomplete last line is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+
+DEFAULT_NAME = "curves.png"
+
+
+class RunDataError(ValueError):
+    """RUN_DIR has no usable metrics.jsonl."""
+
+
+def read_step_records(run_dir: Path) -> list[dict]:
+    """The step records of RUN_DIR/metrics.jsonl; a clear error when there are none."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise RunDataError(f"{path} not found: is {run_dir} a grpo-fleet run directory, and has the learner taken a step?")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):  # the learner is writing it right now
+                break
+            raise RunDataError(f"{path}:{number}: not JSON ({exc})") from exc
+    records = [r for r in records if isinstance(r, dict) and "step" in r]
+    if not records:
+        raise RunDataError(f"{path} has no step records yet")
+    return records
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the records that have a finite `key`."""
+    steps, values = [], []
+    for record in records:
+        value = record.get(key)
+        if _finite(value):
+            steps.append(record["step"])
+            values.append(float(value))
+    return steps, values
+
+
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving average (shorter at the start, so the curve begins at step one)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _window(n: int) -> int:
+    return max(1, min(50, n // 30))
+
+
+def throughput(records: list[dict]) -> tuple[list[float], list[float], list[float]]:
+    """(steps, end-to-end tokens/s, trainer tokens/s) per step; NaN where a rate is undefined.
+
+    End to end: the step's `tokens` over the `wall_seconds` elapsed since the previous
+    step, i.e. what the fleet delivers (undefined for the first record, or if the clock
+    did not advance). Trainer: `tokens` over `step_seconds`, the learner's own speed,
+    an upper bound on the first.
+    """
+    steps, fleet, trainer = [], [], []
+    previous_wall: Optional[float] = None
+    for record in records:
+        tokens, step_s, wall = record.get("tokens"), record.get("step_seconds"), record.get("wall_seconds")
+        wall = float(wall) if _finite(wall) else None
+        if _finite(tokens):
+            steps.append(record["step"])
+            delta = wall - previous_wall if wall is not None and previous_wall is not None else 0.0
+            fleet.append(tokens / delta if delta > 0 else math.nan)
+            trainer.append(tokens / step_s if _finite(step_s) and step_s > 0 else math.nan)
+        if wall is not None:
+            previous_wall = wall
+    return steps, fleet, trainer
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _defined(steps: list[float], values: list[float]) -> tuple[list[float], list[float]]:
+    pairs = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _display_name(run_dir: Path) -> str:
+    text = str(run_dir)
+    return text if len(text) <= 48 else "/".join(("...",) + run_dir.parts[-2:])
+
+
+def _curve(ax, steps: list[float], values: list[float], color: str, label: str, window: int) -> None:
+    """Raw values faint, their `window`-step moving average bold."""
+    if not steps:
+        return
+    if window > 1:
+        ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(steps, smooth(values, window), color=color, linewidth=1.8, label=f"{label} ({window}-step mean)")
+    else:
+        ax.plot(steps, values, color=color, linewidth=1.5, marker="." if len(steps) < 30 else None, label=label)
+
+
+def _no_data(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes, color="grey")
+
+
+def plot_run(run_dir: Path, out: Optional[Path] = None) -> Path:
+    """Render RUN_DIR's training curves (2x2: reward, KL, tokens/s, staleness) to a PNG; returns its path.
+
+    `out` defaults to RUN_DIR/curves.png. Raises RunDataError (a ValueError) when
+    RUN_DIR/metrics.jsonl is missing or holds no step records.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    run_dir = Path(run_dir)
+    records = read_step_records(run_dir)
+    records.sort(key=lambda r: r["step"])
+    out = Path(out) if out is not None else run_dir / DEFAULT_NAME
+    summary = _read_json(run_dir / "summary.json")
+    config = _read_json(run_dir / "config.json")
+
+    window = _window(len(records))
+    fig = Figure(figsize=(12, 8), dpi=100)
+    FigureCanvasAgg(fig)
+    (ax_reward, ax_kl), (ax_tps, ax_stale) = fig.subplots(2, 2, sharex=True)
+
+    # Reward, with the held-out evaluation the demo writes to summary.json.
+    steps, rewards = _series(records, "reward_mean")
+    _curve(ax_reward, steps, rewards, "tab:blue", "train reward (batch mean)", window)
+    for key, color, label in (("eval_reward_before", "grey", "held-out before"),
+                              ("eval_reward_after", "tab:green", "held-out after")):
+        value = summary.get(key)
+        if _finite(value):
+            ax_reward.axhline(value, color=color, linestyle="--", linewidth=1.2, label=f"{label} {value:.3f}")
+    ax_reward.set_title("reward")
+    ax_reward.set_ylabel("reward")
+    if rewards and 0.0 <= min(rewards) and max(rewards) <= 1.0:
+        ax_reward.set_ylim(0, 1.05)
+
+    steps, kl = _series(records, "kl")
+    _curve(ax_kl, steps, kl, "tab:red", "KL to pi_ref (k3)", window)
+    ax_kl.set_title("KL divergence to the reference policy")
+    ax_kl.set_ylabel("KL")
+    if not kl:
+        _no_data(ax_kl, "kl")
+
+    steps, fleet, trainer = throughput(records)
+    _curve(ax_tps, *_defined(steps, fleet), "tab:purple", "end to end (tokens / wall time between steps)", window)
+    _curve(ax_tps, *_defined(steps, trainer), "tab:orange", "trainer only (tokens / step time)", window)
+    ax_tps.set_title("completion tokens per second")
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.set_ylim(bottom=0)
+    if not steps:
+        _no_data(ax_tps, "tokens")
+
+    steps, staleness = _series(records, "staleness_mean")
+    _curve(ax_stale, steps, staleness, "tab:brown", "mean staleness of the batch", window)
+    max_staleness = (config.get("grpo") or {}).get("max_staleness")
+    if _finite(max_staleness):
+        ax_stale.axhline(max_staleness, color="black", linestyle=":", linewidth=1.2, label=f"max_staleness {max_staleness}")
+    ax_stale.set_title("staleness (policy versions behind when trained)")
+    ax_stale.set_ylabel("versions")
+    ax_stale.set_ylim(bottom=0)
+    if not staleness:
+        _no_data(ax_stale, "staleness_mean")
+
+    for ax in (ax_reward, ax_kl, ax_tps, ax_stale):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=8)
+    for ax in (ax_tps, ax_stale):
+        ax.set_xlabel("learner step")
+
+    last = records[-1]
+    wall = last.get("wall_seconds")
+    subtitle = f"{len(records)} steps logged, last step {last['step']}, policy v{last.get('policy_version', '?')}"
+    if _finite(wall):
+        subtitle += f", {wall:.0f} s training"
+    fig.suptitle(f"grpo-fleet {_display_name(run_dir)}: {subtitle}")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return out

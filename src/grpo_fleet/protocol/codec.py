@@ -100,22 +100,33 @@ def _unpack(data: Buffer, limits: Limits) -> Any:
 
 
 def _check_tree(obj: Any, max_depth: int) -> None:
-    """Iterative walk: bounded depth, str map keys and plain types only (no recursion to overflow)."""
+    """Iterative walk: bounded depth, str map keys and plain types only (no recursion to overflow).
+
+    Scalars are checked where they are found instead of being pushed on the stack:
+    this walk runs on every message and a Rollouts holds hundreds of them. Exact
+    type checks are enough because msgpack only produces these plain types.
+    """
+    if type(obj) not in (dict, list):
+        if not isinstance(obj, _SCALARS):
+            raise ProtocolError("malformed", f"unexpected value type {type(obj).__name__}")
+        return
     stack = [(obj, 1)]
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, (dict, list)):
-            if depth > max_depth:
-                raise ProtocolError("too_deep", f"nesting deeper than {max_depth}")
-            if isinstance(node, dict):
-                if not all(isinstance(k, str) for k in node):
-                    raise ProtocolError("malformed", "map keys must be strings")
-                children = node.values()
-            else:
-                children = node
-            stack.extend((child, depth + 1) for child in children)
-        elif not isinstance(node, _SCALARS):
-            raise ProtocolError("malformed", f"unexpected value type {type(node).__name__}")
+        if depth > max_depth:
+            raise ProtocolError("too_deep", f"nesting deeper than {max_depth}")
+        if type(node) is dict:
+            if not all(type(key) is str for key in node):
+                raise ProtocolError("malformed", "map keys must be strings")
+            children = node.values()
+        else:
+            children = node
+        for child in children:
+            kind = type(child)
+            if kind is dict or kind is list:
+                stack.append((child, depth + 1))
+            elif not isinstance(child, _SCALARS):
+                raise ProtocolError("malformed", f"unexpected value type {kind.__name__}")
 
 
 def _summarize(exc: ValidationError, limit: int = 3) -> str:

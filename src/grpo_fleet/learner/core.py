@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
 import time
 import uuid
 from collections import Counter
@@ -63,6 +64,8 @@ class Learner:
         self.scheduler = PromptScheduler(
             len(prompt_tokens), seed=cfg.train.seed, lease_seconds=cfg.server.lease_seconds
         )
+        # The I/O thread (handle) and the training thread (train_step) share this state.
+        self.lock = threading.RLock()
         self.actors: dict[bytes, ActorInfo] = {}
         self.rate = TokenRate()
         self.groups_accepted = 0
@@ -82,13 +85,20 @@ class Learner:
 
     # ------------------------------------------------------------------ snapshots
 
-    def _make_snapshot(self) -> Snapshot:
+    def _serialize(self, version: int) -> Snapshot:
         """Serialize the trainable weights once per version; every actor gets these same bytes."""
         blob = weights_to_bytes(trainable_weights(self.policy.model))
-        snapshot = Snapshot(version=self.version, blob=blob, digest=m.blob_digest(blob))
+        return Snapshot(version=version, blob=blob, digest=m.blob_digest(blob))
+
+    def _install_snapshot(self, snapshot: Snapshot) -> None:
         # Keep the previous version too, so an actor mid-transfer can finish it.
-        self.snapshots = {v: s for v, s in self.snapshots.items() if v == self.version - 1}
+        self.snapshots = {v: s for v, s in self.snapshots.items() if v == snapshot.version - 1}
         self.snapshots[snapshot.version] = snapshot
+        self.snapshot = snapshot
+
+    def _make_snapshot(self) -> Snapshot:
+        snapshot = self._serialize(self.version)
+        self._install_snapshot(snapshot)
         return snapshot
 
     @property
@@ -99,6 +109,13 @@ class Learner:
 
     def handle(
         self, identity: bytes, msg: object, principal: Optional[str] = None, peer_address: str = ""
+    ) -> Optional[object]:
+        """Answer one decoded message; serialized against the training thread's bookkeeping."""
+        with self.lock:
+            return self._handle(identity, msg, principal, peer_address)
+
+    def _handle(
+        self, identity: bytes, msg: object, principal: Optional[str], peer_address: str
     ) -> Optional[object]:
         """Answer one decoded message from `identity` (None = no reply).
 
@@ -202,23 +219,26 @@ class Learner:
 
     def refresh_service_discovery(self, learner_target: Optional[str]) -> None:
         """Rebuild the /sd answer; done on the main thread and swapped whole, the HTTP thread only reads it."""
-        self.sd_snapshot = sd_groups(learner_target, list(self.actors.values()))
+        with self.lock:
+            self.sd_snapshot = sd_groups(learner_target, list(self.actors.values()))
 
     def drop_actor(self, identity: bytes) -> int:
         """Forget an actor (silent or revoked) and re-queue its leases; returns the lease count."""
-        info = self.actors.pop(identity, None)
-        if info is None:
-            return 0
-        self.metrics.actors_connected.set(len(self.actors))
-        return self.scheduler.release_actor(info.principal)
+        with self.lock:
+            info = self.actors.pop(identity, None)
+            if info is None:
+                return 0
+            self.metrics.actors_connected.set(len(self.actors))
+            return self.scheduler.release_actor(info.principal)
 
     def expire_leases(self) -> int:
         """Re-queue leases past their deadline; returns how many expired."""
-        expired = self.scheduler.expire()
-        if expired:
-            self.metrics.leases_expired.inc(len(expired))
-            self.metrics.leases_outstanding.set(len(self.scheduler.leases))
-        return len(expired)
+        with self.lock:
+            expired = self.scheduler.expire()
+            if expired:
+                self.metrics.leases_expired.inc(len(expired))
+                self.metrics.leases_outstanding.set(len(self.scheduler.leases))
+            return len(expired)
 
     # ------------------------------------------------------------------ rollouts
 
@@ -325,42 +345,54 @@ class Learner:
     # ------------------------------------------------------------------ training
 
     def ready_to_train(self) -> bool:
-        return not self.done and len(self.buffer) >= self.cfg.grpo.groups_per_step
+        with self.lock:
+            return not self.done and len(self.buffer) >= self.cfg.grpo.groups_per_step
 
     def train_step(self) -> dict:
-        """One optimizer batch from the oldest informative groups; publishes when due."""
+        """One optimizer batch from the oldest informative groups; publishes when due.
+
+        Safe to run on a training thread while another thread calls `handle()`:
+        the state is locked only to take the batch and to record the result, not
+        while the model trains or the new snapshot is serialized.
+        """
         started = time.perf_counter()
-        count = self.cfg.grpo.groups_per_step
-        groups, self.buffer = self.buffer[:count], self.buffer[count:]
+        with self.lock:
+            count = self.cfg.grpo.groups_per_step
+            groups, self.buffer = self.buffer[:count], self.buffer[count:]
+            trained_on = self.version
         batch = build_train_batch(groups, scale_by_std=self.cfg.grpo.scale_by_std)
         phases = {"data_prep": time.perf_counter() - started}
-        trained_on = self.version
         stats = self.trainer.step(batch)
         phases.update(ref_forward=stats["ref_seconds"], update=stats["update_seconds"])
-        self.step += 1
-        published = self.step % self.cfg.train.sync_every == 0
-        if published:
-            self.version += 1
-            phases["publish"] = self._publish_snapshot()
-        record = self._step_record(groups, stats, time.perf_counter() - started, trained_on)
+        step = self.step + 1  # only the training thread moves the step
+        snapshot = None
+        if step % self.cfg.train.sync_every == 0:
+            publish_started = time.perf_counter()
+            snapshot = self._serialize(trained_on + 1)
+            phases["publish"] = time.perf_counter() - publish_started
+        with self.lock:
+            record = self._record_step(step, snapshot, groups, stats, time.perf_counter() - started, trained_on, phases)
+        for phase, seconds in phases.items():
+            self.metrics.step_phase_seconds.labels(phase=phase).observe(seconds)
+        return record
+
+    def _record_step(self, step: int, snapshot: Optional[Snapshot], groups: list[AcceptedGroup], stats: dict,
+                     seconds: float, trained_on: int, phases: dict) -> dict:
+        self.step = step
+        if snapshot is not None:
+            self.version = snapshot.version
+            self._install_snapshot(snapshot)
+            self.metrics.weight_publish_seconds.observe(phases["publish"])
+            self.metrics.weight_publish_bytes.set(len(snapshot.blob))
+        record = self._step_record(groups, stats, seconds, trained_on)
         self._metrics_file.write(json.dumps(record) + "\n")
         self._observe_step(record)
         if self.step % self.cfg.train.checkpoint_every == 0 or self.done:
             checkpoint_started = time.perf_counter()
             self.checkpoint()
             phases["checkpoint"] = time.perf_counter() - checkpoint_started
-        for phase, seconds in phases.items():
-            self.metrics.step_phase_seconds.labels(phase=phase).observe(seconds)
-        record["published"] = published
+        record["published"] = snapshot is not None
         return record
-
-    def _publish_snapshot(self) -> float:
-        started = time.perf_counter()
-        self.snapshot = self._make_snapshot()
-        seconds = time.perf_counter() - started
-        self.metrics.weight_publish_seconds.observe(seconds)
-        self.metrics.weight_publish_bytes.set(len(self.snapshot.blob))
-        return seconds
 
     def _step_record(self, groups: list[AcceptedGroup], stats: dict, seconds: float, trained_on: int) -> dict:
         rewards = np.concatenate([g.rewards for g in groups])
@@ -398,6 +430,10 @@ class Learner:
 
     def checkpoint(self) -> Path:
         """Write weights (mlx-lm format), optimizer and learner state in one atomic swap, then repoint `latest`."""
+        with self.lock:
+            return self._checkpoint()
+
+    def _checkpoint(self) -> Path:
         self._metrics_file.flush()
         self._ledger_file.flush()
         root = self.run_dir / "checkpoints"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import threading
 import time
 from typing import Optional
 from urllib.parse import urlparse
@@ -98,6 +99,8 @@ class LearnerServer:
         self.endpoint = bound_endpoint(self.router)
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
+        self.training_error: Optional[BaseException] = None
+        self._announced_version = learner.version
         self.closing = False
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
@@ -137,16 +140,25 @@ class LearnerServer:
             signal.signal(signal.SIGHUP, self.request_reload)
 
     def serve(self) -> None:
-        """Run until the step target is reached or a stop is requested."""
+        """Run until the step target is reached or a stop is requested.
+
+        Training runs on its own thread so requests are answered while a step
+        computes (MLX releases the GIL in its kernels): actors keep generating and
+        the groups for step n+1 arrive while step n trains.
+        """
         log.info("learner listening on %s (notices on %s)", self.endpoint, self.learner.pub_address)
+        training = threading.Thread(target=self._train_loop, name="train", daemon=True)
+        training.start()
         try:
-            while not self.stopping and not self.learner.done:
-                self._pump(timeout_ms=0 if self.learner.ready_to_train() else 50)
+            while not self.stopping and training.is_alive():
+                self._pump(timeout_ms=20)
                 self._housekeeping()
-                if self.learner.ready_to_train():
-                    record = self.learner.train_step()
-                    if record["published"]:
-                        self._publish(m.PolicyUpdated(version=self.learner.version, digest=self.learner.snapshot.digest))
+                self._announce_new_version()
+            self.stopping = True
+            training.join()
+            if self.training_error is not None:
+                raise self.training_error
+            self._announce_new_version()
             if self.learner.done:
                 self._say_goodbye()
             else:
@@ -154,7 +166,25 @@ class LearnerServer:
                 # carry on with a learner resumed from this checkpoint.
                 self.learner.checkpoint()
         finally:
+            self.stopping = True
+            training.join()
             self.close()
+
+    def _train_loop(self) -> None:
+        try:
+            while not self.stopping and not self.learner.done:
+                if self.learner.ready_to_train():
+                    self.learner.train_step()
+                else:
+                    time.sleep(0.002)
+        except BaseException as exc:  # surfaced by serve() on the main thread
+            self.training_error = exc
+
+    def _announce_new_version(self) -> None:
+        snapshot = self.learner.snapshot
+        if snapshot.version != self._announced_version:
+            self._announced_version = snapshot.version
+            self._publish(m.PolicyUpdated(version=snapshot.version, digest=snapshot.digest))
 
     def _pump(self, timeout_ms: int) -> None:
         """Answer every message that is waiting (bounded, so training is not starved)."""

@@ -76,6 +76,9 @@ class Trainer:
             learning_rate=optim_cfg.lr, betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
         )
         self.optimizer.init(policy.model.trainable_parameters())
+        # Materialize now: lazy arrays belong to the creating thread's stream, and
+        # the learner trains on its own thread.
+        mx.eval(self.optimizer.state)
         self.compiled = compile
         self._compiled_updates = self._compile_updates() if compile else {}
 
@@ -150,6 +153,7 @@ class Trainer:
         """Restore what `save_optimizer` wrote."""
         loaded: dict[str, Any] = dict(mx.load(str(path)))
         self.optimizer.state = tree_unflatten(list(loaded.items()))
+        mx.eval(self.optimizer.state)
         if self.compiled:
             # The compiled update captured the old state tree; trace again against the new one.
             self._compiled_updates = self._compile_updates()

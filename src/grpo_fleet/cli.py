@@ -107,6 +107,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if summary.get("ok", False) else 1
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from grpo_fleet.launch import load_fleet, run_fleet
+
+    try:
+        fleet = load_fleet(args.fleet)
+    except (OSError, ValueError) as exc:  # a missing file, bad TOML, a schema or run-config error
+        print(f"grpo-fleet launch: {args.fleet}: {exc}", file=sys.stderr)
+        return 2
+    return run_fleet(fleet)
+
+
 def _doctor(_args: argparse.Namespace) -> int:
     from grpo_fleet.doctor import report
 
@@ -197,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("name")
     revoke.add_argument("--dir", default="keys")
     keys.set_defaults(func=_keys)
+
+    launch = sub.add_parser("launch", help="the learner here, every actor of a fleet file over ssh, restarted when they die")
+    launch.add_argument("fleet", help="fleet file (TOML): ssh template, [learner], [[actors]]; see deploy/fleet.toml")
+    launch.set_defaults(func=_launch)
 
     demo = sub.add_parser("demo", help="learner + actors on this machine, tiny model, before/after eval")
     demo.add_argument("--actors", type=int, default=2)

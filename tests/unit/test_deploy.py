@@ -89,13 +89,14 @@ def test_prometheus_config() -> None:
     assert sd["refresh_interval"] == "15s"
 
 
-def test_fleet_file() -> None:
-    fleet = tomllib.loads((DEPLOY / "fleet.toml").read_text())
-    assert set(fleet) == {"ssh", "learner", "actors"}
-    assert "{host}" in fleet["ssh"] and "{command}" in fleet["ssh"]
-    assert set(fleet["learner"]) == {"config", "keys"}
-    assert (ROOT / fleet["learner"]["config"]).is_file()
-    assert fleet["actors"]
-    for actor in fleet["actors"]:
-        assert {"host", "key"} <= set(actor) <= {"host", "key", "workdir", "args"}
-        assert isinstance(actor.get("args", []), list) and all(isinstance(a, str) for a in actor.get("args", []))
+def test_fleet_file_loads_as_the_launcher_reads_it() -> None:
+    from grpo_fleet.launch import actor_command, learner_connect, load_fleet
+
+    fleet = load_fleet(DEPLOY / "fleet.toml")
+    assert "{host}" in fleet.ssh and "{command}" in fleet.ssh
+    assert Path(fleet.learner.config).is_file()
+    assert fleet.actors
+    connect = learner_connect(fleet)
+    for actor in fleet.actors:
+        command = actor_command(fleet, actor, connect)
+        assert command.count("--actor-id") == 1 and "--key" in command and "--learner-key" in command

@@ -1,0 +1,237 @@
+"""`grpo-fleet launch`: a real learner and real actors, started through a local stand-in for ssh.
+
+The stand-in ignores the host (except hostC, which it refuses like an unreachable
+Mac, and `stubborn`, which ignores SIGTERM) and runs the command with `sh -c`,
+as sshd runs it with the login shell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+from pydantic import ValidationError
+
+from grpo_fleet.blas import child_env
+from grpo_fleet.launch import actor_command, learner_connect, load_fleet, run_fleet, ssh_argv
+
+FAKE_SSH = """#!/bin/sh
+# Stands in for ssh: $1 is the host, $2 the command a remote shell would run.
+case "$1" in
+  hostC) echo "ssh: connect to host $1 port 22: Connection refused" >&2; exit 255 ;;
+  stubborn) trap '' TERM; echo "ignoring SIGTERM"; sleep 600; exit 0 ;;
+esac
+exec sh -c "$2"
+"""
+LAUNCHER = "import sys; from grpo_fleet.launch import load_fleet, run_fleet; sys.exit(run_fleet(load_fleet(sys.argv[1])))"
+
+
+def _toml(value: Any) -> str:
+    # JSON strings, numbers and string arrays are valid TOML values.
+    return json.dumps(value)
+
+
+def _write_fleet(tmp_path: Path, config: Path, hosts: list[str], actor_args: list[str], **top: Any) -> Path:
+    shim = tmp_path / "fake-ssh"
+    shim.write_text(FAKE_SSH)
+    shim.chmod(0o755)
+    lines = [
+        f"ssh = {_toml(shlex.quote(str(shim)) + ' {host} {command}')}",
+        f"grpo_fleet = {_toml(shlex.quote(sys.executable) + ' -m grpo_fleet')}",
+        *(f"{key} = {_toml(value)}" for key, value in top.items()),
+        "[learner]",
+        f"config = {_toml(str(config))}",
+    ]
+    for host in hosts:
+        lines += ["[[actors]]", f"host = {_toml(host)}", f"args = {_toml(actor_args)}"]
+    path = tmp_path / "fleet.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _metrics_lines(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _prefixed(out: str, prefix: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(prefix)]
+
+
+# --------------------------------------------------------------------------- the fleet file
+
+
+def test_fleet_file_defaults_paths_and_commands(tmp_path: Path, run_config) -> None:
+    config, cfg = run_config(server={"bind": "tcp://0.0.0.0:5555"})
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(
+        '[learner]\nconfig = "run.json"\nkeys = "keys"\n'
+        '[[actors]]\nhost = "mac1"\nworkdir = "~/my repo"\nkey = "a b.key_secret"\nlearner_key = "learner.key"\n'
+        'args = ["--max-groups", "4"]\n'
+        '[[actors]]\nhost = "mac1"\nid = "mac1-b"\n'
+    )
+    fleet = load_fleet(fleet_file)
+    assert fleet.learner.config == str(config) and fleet.learner.keys == str(tmp_path / "keys")
+    assert fleet.restart_backoff_max == 30 and fleet.grpo_fleet == "grpo-fleet"
+    # A wildcard bind is dialled at this machine's name.
+    connect = learner_connect(fleet)
+    assert connect == f"tcp://{socket.gethostname()}:5555"
+
+    command = actor_command(fleet, fleet.actors[0], connect)
+    assert command.startswith("cd ~/'my repo' && grpo-fleet actor ")
+    assert shlex.split(command.split(" && ", 1)[1]) == [
+        "grpo-fleet", "actor", "--connect", connect, "--actor-id", "mac1",
+        "--key", "a b.key_secret", "--learner-key", "learner.key", "--max-groups", "4",
+    ]
+    # The remote command is ONE argument of the local ssh argv.
+    assert ssh_argv(fleet.ssh, "mac1", command) == ["ssh", "-o", "BatchMode=yes", "mac1", command]
+    assert "--actor-id mac1-b" in actor_command(fleet, fleet.actors[1], connect)
+
+    # The learner's run config is read up front: its errors show before anything starts.
+    fleet_file.write_text('[learner]\nconfig = "missing.toml"\n[[actors]]\nhost = "a"\n')
+    with pytest.raises(FileNotFoundError):
+        load_fleet(fleet_file)
+
+
+@pytest.mark.parametrize("body, message", [
+    ('[learner]\nconfig = "x"\n[[actors]]\nhost = "a"\nport = 1\n', "Extra inputs"),
+    ('[learner]\nconfig = "x"\n[[actors]]\nhost = "a"\n[[actors]]\nhost = "a"\n', "unique"),
+    ('[learner]\nconfig = "x"\n[[actors]]\nhost = "a"\nkey = "k"\n', "go together"),
+    ('ssh = "ssh {host}"\n[learner]\nconfig = "x"\n[[actors]]\nhost = "a"\n', "{command}"),
+    ('actors = []\n[learner]\nconfig = "x"\n', "at least 1"),
+])
+def test_fleet_file_errors(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(body)
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        load_fleet(path)
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+def test_launch_trains_to_the_end_with_a_failing_actor(tmp_path: Path, run_config, capsys) -> None:
+    config, cfg = run_config(task={"num_train": 100, "num_eval": 8}, train={"steps": 20})
+    run_dir = Path(cfg.run_dir)
+    fleet = _write_fleet(tmp_path, config, ["hostA", "hostB", "hostC"],
+                         ["--model-dir", str(run_dir), "--metrics-port", "0"], restart_backoff_max=4)
+    stop = threading.Event()
+    watchdog = threading.Timer(120, stop.set)  # a hung run fails the test instead of the session
+    watchdog.start()
+    try:
+        code = run_fleet(load_fleet(fleet), stop_event=stop)
+    finally:
+        watchdog.cancel()
+    out = capsys.readouterr().out
+    assert not stop.is_set(), "the run did not finish in 120 s:\n" + out[-4000:]
+    assert code == 0, out[-4000:]
+    assert _metrics_lines(run_dir) == 20
+
+    assert any("learner listening on" in line for line in _prefixed(out, "[learner] "))
+    for host in ("hostA", "hostB"):
+        assert any(f"actor {host} joined run" in line for line in _prefixed(out, f"[{host}] ")), host
+    assert "[hostC] ssh: connect to host hostC port 22: Connection refused" in out
+
+    # The unreachable host is retried while the learner runs (the delays are checked in the
+    # Ctrl-C test, whose run lasts as long as it needs), never after; the healthy actors left on Shutdown.
+    assert "restarting hostC in 1s" in out
+    after = out.split("[launch] learner exited with code 0", 1)[1]
+    assert "[launch] started" not in after and "SIGKILL" not in out
+
+
+def test_failed_learner_stops_the_actors_and_sigkill_ends_a_stubborn_one(tmp_path: Path, run_config, capsys) -> None:
+    # A wildcard bind without CURVE keys: the learner refuses to start (exit 2) once the actor is up.
+    config, _ = run_config(server={"bind": "tcp://0.0.0.0:5555"})
+    fleet = _write_fleet(tmp_path, config, ["stubborn"], [], stop_timeout=1)
+    started = time.monotonic()
+    code = run_fleet(load_fleet(fleet))
+    out = capsys.readouterr().out
+    assert code == 2, out
+    assert "[learner] grpo-fleet learner: refusing" in out and "[stubborn] ignoring SIGTERM" in out
+    assert "[launch] stubborn still running 1s after SIGTERM; SIGKILL" in out
+    assert time.monotonic() - started < 30
+    pid = int(re.search(r"started stubborn \(start 1, pid (\d+)\)", out).group(1))  # type: ignore[union-attr]
+    assert _group_gone(pid, within=5.0), "the shell's `sleep` outlived SIGKILL"
+
+
+def _group_gone(pgid: int, within: float) -> bool:
+    # Orphans of a killed group are reaped by init a moment later; until then they still count.
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _pgrep(pattern: str) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def _posix_ere(text: str) -> str:
+    return re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", text)
+
+
+def _restart_delays(out: str, host: str) -> list[float]:
+    return [float(d) for d in re.findall(rf"restarting {host} in ([\d.]+)s", out)]
+
+
+def test_restarts_back_off_and_ctrl_c_stops_everything(tmp_path: Path, run_config) -> None:
+    # No periodic checkpoints: the one found at the end must be the one written on the stop.
+    config, cfg = run_config(task={"num_train": 100, "num_eval": 8}, train={"steps": 100000, "checkpoint_every": 100000})
+    run_dir = Path(cfg.run_dir)
+    # Every process of this fleet has tmp_path on its command line: that is how we find leftovers.
+    # A short request timeout: an actor still holding rollouts when the learner is gone gives up soon.
+    fleet = _write_fleet(tmp_path, config, ["hostA", "hostB", "hostC"],
+                         ["--model-dir", str(run_dir), "--metrics-port", "0", "--request-timeout", "5"],
+                         restart_backoff_max=2)
+    ours = _posix_ere(str(tmp_path))
+    lines: list[str] = []
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(fleet)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=child_env(), start_new_session=True,
+    )
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    code: Optional[int] = None
+    try:
+        deadline = time.monotonic() + 90
+        while _metrics_lines(run_dir) < 3 or len(_restart_delays("".join(lines), "hostC")) < 3:
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+            time.sleep(0.2)
+        # Doubling from 1 s, capped at restart_backoff_max.
+        assert _restart_delays("".join(lines), "hostC")[:3] == [1.0, 2.0, 2.0]
+        assert {"[hostA]", "[hostB]"} <= {line.split(" ", 1)[0] for line in lines}
+        assert len(_pgrep(ours)) >= 4  # launcher, learner, two actors (plus their shells)
+
+        launcher.send_signal(signal.SIGINT)  # what Ctrl-C in its terminal delivers
+        code = launcher.wait(timeout=40)
+        gone_by = time.monotonic() + 10
+        while _pgrep(ours) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        assert _pgrep(ours) == [], "processes left behind"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in _pgrep(ours):  # only processes with this test's tmp_path in their command line
+            os.kill(pid, signal.SIGKILL)
+    reader.join(timeout=5)
+    out = "".join(lines)
+    assert code == 0, out[-4000:]
+    assert "[launch] stopping" in out and "SIGKILL" not in out
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] >= 3 and latest["step"] == _metrics_lines(run_dir), "the stop checkpoint holds the last step"

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import plistlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - the package depends on tomli there
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

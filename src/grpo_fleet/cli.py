@@ -165,7 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-fleet", description="Distributed GRPO on MLX over ZeroMQ.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_fleet_commands(sub)
+    _add_tool_commands(sub)
+    return parser
 
+
+def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
+    """The processes of a run: learner, actor, launch, demo."""
     learner = sub.add_parser("learner", help="run the learner (ROUTER server + MLX trainer)")
     learner.add_argument("--config", help="run config TOML (see configs/)")
     learner.add_argument("--run-dir", help="override run_dir")
@@ -190,6 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
     actor.add_argument("--model-dir", action="append", help="local directory the learner's model may live in; repeatable")
     actor.set_defaults(func=_actor)
 
+    launch = sub.add_parser("launch", help="the learner here, every actor of a fleet file over ssh, restarted when they die")
+    launch.add_argument("fleet", help="fleet file (TOML): ssh template, [learner], [[actors]]; see deploy/fleet.toml")
+    launch.set_defaults(func=_launch)
+
+    demo = sub.add_parser("demo", help="learner + actors on this machine, tiny model, before/after eval")
+    demo.add_argument("--actors", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default from the demo config)")
+    demo.add_argument("--run-dir", default="runs/demo")
+    demo.add_argument("--config", help="run config TOML (default configs/demo.toml settings)")
+    demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted config override, repeatable")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(func=_demo)
+
+
+def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
+    """Tools around a run: status, keys, doctor, bench, plot."""
     status = sub.add_parser("status", help="the learner's step, version, throughput and actors")
     status.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
     status.add_argument("--key", help="a CURVE secret key on the learner's allow-list")
@@ -209,19 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("--dir", default="keys")
     keys.set_defaults(func=_keys)
 
-    launch = sub.add_parser("launch", help="the learner here, every actor of a fleet file over ssh, restarted when they die")
-    launch.add_argument("fleet", help="fleet file (TOML): ssh template, [learner], [[actors]]; see deploy/fleet.toml")
-    launch.set_defaults(func=_launch)
-
-    demo = sub.add_parser("demo", help="learner + actors on this machine, tiny model, before/after eval")
-    demo.add_argument("--actors", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=None, help="training steps (default from the demo config)")
-    demo.add_argument("--run-dir", default="runs/demo")
-    demo.add_argument("--config", help="run config TOML (default configs/demo.toml settings)")
-    demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted config override, repeatable")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    demo.set_defaults(func=_demo)
-
     doctor = sub.add_parser("doctor", help="print the MLX backend, the BLAS in use and a matmul GF/s figure")
     doctor.set_defaults(func=_doctor)
 
@@ -235,7 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
     plot.add_argument("--out", metavar="PNG", help="output file (default RUN_DIR/curves.png)")
     plot.set_defaults(func=_plot)
-    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

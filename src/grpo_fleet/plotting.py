@@ -136,64 +136,77 @@ def plot_run(run_dir: Path, out: Optional[Path] = None) -> Path:
     from matplotlib.figure import Figure
 
     run_dir = Path(run_dir)
-    records = read_step_records(run_dir)
-    records.sort(key=lambda r: r["step"])
+    records = sorted(read_step_records(run_dir), key=lambda r: r["step"])
     out = Path(out) if out is not None else run_dir / DEFAULT_NAME
-    summary = _read_json(run_dir / "summary.json")
-    config = _read_json(run_dir / "config.json")
-
     window = _window(len(records))
     fig = Figure(figsize=(12, 8), dpi=100)
     FigureCanvasAgg(fig)
     (ax_reward, ax_kl), (ax_tps, ax_stale) = fig.subplots(2, 2, sharex=True)
+    _plot_reward(ax_reward, records, _read_json(run_dir / "summary.json"), window)
+    _plot_kl(ax_kl, records, window)
+    _plot_throughput(ax_tps, records, window)
+    _plot_staleness(ax_stale, records, _read_json(run_dir / "config.json"), window)
+    _finish(fig, (ax_reward, ax_kl, ax_tps, ax_stale), records, run_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return out
 
-    # Reward, with the held-out evaluation the demo writes to summary.json.
+
+def _plot_reward(ax, records: list[dict], summary: dict, window: int) -> None:
+    """Reward, with the held-out evaluation the demo writes to summary.json."""
     steps, rewards = _series(records, "reward_mean")
-    _curve(ax_reward, steps, rewards, "tab:blue", "train reward (batch mean)", window)
+    _curve(ax, steps, rewards, "tab:blue", "train reward (batch mean)", window)
     for key, color, label in (("eval_reward_before", "grey", "held-out before"),
                               ("eval_reward_after", "tab:green", "held-out after")):
         value = summary.get(key)
         if _finite(value):
-            ax_reward.axhline(value, color=color, linestyle="--", linewidth=1.2, label=f"{label} {value:.3f}")
-    ax_reward.set_title("reward")
-    ax_reward.set_ylabel("reward")
+            ax.axhline(value, color=color, linestyle="--", linewidth=1.2, label=f"{label} {value:.3f}")
+    ax.set_title("reward")
+    ax.set_ylabel("reward")
     if rewards and 0.0 <= min(rewards) and max(rewards) <= 1.0:
-        ax_reward.set_ylim(0, 1.05)
+        ax.set_ylim(0, 1.05)
 
+
+def _plot_kl(ax, records: list[dict], window: int) -> None:
     steps, kl = _series(records, "kl")
-    _curve(ax_kl, steps, kl, "tab:red", "KL to pi_ref (k3)", window)
-    ax_kl.set_title("KL divergence to the reference policy")
-    ax_kl.set_ylabel("KL")
+    _curve(ax, steps, kl, "tab:red", "KL to pi_ref (k3)", window)
+    ax.set_title("KL divergence to the reference policy")
+    ax.set_ylabel("KL")
     if not kl:
-        _no_data(ax_kl, "kl")
+        _no_data(ax, "kl")
 
+
+def _plot_throughput(ax, records: list[dict], window: int) -> None:
     steps, fleet, trainer = throughput(records)
-    _curve(ax_tps, *_defined(steps, fleet), "tab:purple", "end to end (tokens / wall time between steps)", window)
-    _curve(ax_tps, *_defined(steps, trainer), "tab:orange", "trainer only (tokens / step time)", window)
-    ax_tps.set_title("completion tokens per second")
-    ax_tps.set_ylabel("tokens/s")
-    ax_tps.set_ylim(bottom=0)
+    _curve(ax, *_defined(steps, fleet), "tab:purple", "end to end (tokens / wall time between steps)", window)
+    _curve(ax, *_defined(steps, trainer), "tab:orange", "trainer only (tokens / step time)", window)
+    ax.set_title("completion tokens per second")
+    ax.set_ylabel("tokens/s")
+    ax.set_ylim(bottom=0)
     if not steps:
-        _no_data(ax_tps, "tokens")
+        _no_data(ax, "tokens")
 
+
+def _plot_staleness(ax, records: list[dict], config: dict, window: int) -> None:
     steps, staleness = _series(records, "staleness_mean")
-    _curve(ax_stale, steps, staleness, "tab:brown", "mean staleness of the batch", window)
+    _curve(ax, steps, staleness, "tab:brown", "mean staleness of the batch", window)
     max_staleness = (config.get("grpo") or {}).get("max_staleness")
     if _finite(max_staleness):
-        ax_stale.axhline(max_staleness, color="black", linestyle=":", linewidth=1.2, label=f"max_staleness {max_staleness}")
-    ax_stale.set_title("staleness (policy versions behind when trained)")
-    ax_stale.set_ylabel("versions")
-    ax_stale.set_ylim(bottom=0)
+        ax.axhline(max_staleness, color="black", linestyle=":", linewidth=1.2, label=f"max_staleness {max_staleness}")
+    ax.set_title("staleness (policy versions behind when trained)")
+    ax.set_ylabel("versions")
+    ax.set_ylim(bottom=0)
     if not staleness:
-        _no_data(ax_stale, "staleness_mean")
+        _no_data(ax, "staleness_mean")
 
-    for ax in (ax_reward, ax_kl, ax_tps, ax_stale):
+
+def _finish(fig, axes: tuple, records: list[dict], run_dir: Path) -> None:
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)
-    for ax in (ax_tps, ax_stale):
+    for ax in axes[2:]:
         ax.set_xlabel("learner step")
-
     last = records[-1]
     wall = last.get("wall_seconds")
     subtitle = f"{len(records)} steps logged, last step {last['step']}, policy v{last.get('policy_version', '?')}"
@@ -201,6 +214,3 @@ def plot_run(run_dir: Path, out: Optional[Path] = None) -> Path:
         subtitle += f", {wall:.0f} s training"
     fig.suptitle(f"grpo-fleet {_display_name(run_dir)}: {subtitle}")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    return out

@@ -684,3 +684,17 @@ def test_kill_between_staging_and_rename_leaves_previous_checkpoint(make_learner
     assert not (learner.run_dir / "checkpoints" / "step_000001").exists()
     model, tokenizer = mlx_lm.load(str(good))
     assert isinstance(mlx_lm.generate(model, tokenizer, "12=", max_tokens=2), str)
+
+
+def test_rollouts_after_the_final_step_are_not_accepted(make_learner):
+    learner = make_learner(train={"steps": 1, "checkpoint_every": 1})
+    hello(learner)
+    first = lease(learner)
+    late = lease(learner)
+    learner.handle(ACTOR_A, generated_rollouts(learner, first))
+    learner.train_step()
+    assert learner.done
+    before = ledger(learner)
+    ack = learner.handle(ACTOR_A, rollouts_for(late))
+    assert ack.status == "stale" and ack.reason == "run_done"
+    assert ledger(learner) == before, "the ledger matches the final checkpoint"

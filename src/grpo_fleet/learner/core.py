@@ -258,6 +258,10 @@ class Learner:
         stored = self.acks.get(msg.lease_id)
         if stored is not None:
             return stored  # a replay: same answer, no new accounting
+        if self.done:
+            # The final checkpoint is written: accepting more would put groups in
+            # the ledger that no checkpoint or step ever accounts for.
+            return m.Ack(status="stale", reason="run_done", groups={g.group_id: "stale" for g in msg.groups})
         gen = self.cfg.generation
         reason = m.validate_rollouts(msg, group_size=gen.group_size, vocab_size=self.policy.vocab_size, max_tokens=gen.max_tokens)
         if reason is not None:

@@ -135,19 +135,19 @@ def weights_to_bytes(weights: dict[str, mx.array]) -> bytes:
     return buffer.getvalue()
 
 
-def weights_from_bytes(blob: bytes) -> dict[str, mx.array]:
+def weights_from_bytes(blob: bytes | bytearray) -> dict[str, mx.array]:
     """Parse safetensors bytes back into arrays."""
     return dict(mx.load(io.BytesIO(blob), format="safetensors"))
 
 
-def digest_bytes(blob: bytes) -> str:
+def digest_bytes(blob: bytes | bytearray) -> str:
     """BLAKE3-256 hex digest used to check every weight blob before it is swapped in."""
     from grpo_fleet.protocol.messages import blob_digest
 
     return blob_digest(blob)
 
 
-def load_weight_blob(model: nn.Module, blob: bytes, expected_digest: str) -> None:
+def load_weight_blob(model: nn.Module, blob: bytes | bytearray, expected_digest: str) -> None:
     """Swap in a weight blob after checking its digest and that every name and shape exists."""
     if digest_bytes(blob) != expected_digest:
         raise ValueError("weight blob digest mismatch; keeping the current snapshot")

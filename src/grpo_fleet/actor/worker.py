@@ -273,7 +273,7 @@ class ActorWorker:
         self.metrics.policy_version.set(self.version)
         self.metrics.policy_lag.set(max(0, self.newest_version - self.version))
 
-    def fetch_weights(self, version: int) -> tuple[int, bytes, str]:
+    def fetch_weights(self, version: int) -> tuple[int, bytearray, str]:
         """Pull one version's blob with up to CREDIT_WINDOW chunk requests in flight."""
         send_message(self._dealer, m.GetWeights(version=version, offset=0, length=0))
         first, payload = self._await_chunk(offset=0)

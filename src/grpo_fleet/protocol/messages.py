@@ -159,7 +159,7 @@ class WeightsChunk(_Strict):
     format: Literal["safetensors"] = "safetensors"
 
 
-def blob_digest(data: bytes) -> str:
+def blob_digest(data: bytes | bytearray) -> str:
     """BLAKE3-256 hex digest of a weight blob (fast enough to check hundreds of MB per sync)."""
     return blake3.blake3(data).hexdigest()
 

@@ -91,10 +91,10 @@ class ChunkAssembler:
     def complete(self) -> bool:
         return self._received == self.total_bytes
 
-    def blob(self) -> bytes:
-        """The whole blob, after checking its digest."""
+    def blob(self) -> bytearray:
+        """The whole blob, after checking its digest (the assembly buffer itself: no extra copy)."""
         if not self.complete:
             raise WeightsMismatch(f"only {self._received} of {self.total_bytes} bytes arrived")
         if self._hasher.hexdigest() != self.digest:
             raise WeightsMismatch("weight blob digest mismatch")
-        return bytes(self._buffer)
+        return self._buffer

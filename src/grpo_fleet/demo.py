@@ -7,7 +7,6 @@ through mlx_lm, held-out reward measured before and after.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess

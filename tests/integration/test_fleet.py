@@ -8,7 +8,6 @@ import urllib.request
 from pathlib import Path
 
 import mlx_lm
-import pytest
 
 REQUIRED_KEYS = {
     "step", "policy_version", "reward_mean", "loss", "kl", "clip_fraction",

@@ -82,7 +82,8 @@ def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, run_conf
     config, cfg = _config(run_config, free_port, keys, steps=100000)
     run_dir = Path(cfg.run_dir)
     learner = spawn("learner", "--config", str(config), name="learner")
-    actors = {name: _actor(spawn, cfg, keys, name, secret) for name, secret in secrets.items()}
+    for name, secret in secrets.items():
+        _actor(spawn, cfg, keys, name, secret)  # the spawn fixture stops them at the end
     goes_key = load_keypair(secrets["goes"]).public.decode()
     deadline = time.monotonic() + 120
     while not any(e["actor_key"] == goes_key for e in _lines(run_dir / "ledger.jsonl")):

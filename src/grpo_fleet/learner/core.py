@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -25,8 +23,8 @@ from grpo_fleet.learner.fleet import ActorInfo, TokenRate, actor_from_hello, sd_
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
-from grpo_fleet.learner.state import group_from_dict, group_to_dict, read_state, truncate_log, write_state
-from grpo_fleet.model import Policy, load_checkpoint_weights, save_checkpoint, trainable_weights, weights_to_bytes
+from grpo_fleet.learner.persistence import Persistence
+from grpo_fleet.model import Policy, trainable_weights, weights_to_bytes
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.weights import Snapshot
 from grpo_fleet.tasks import Task
@@ -36,7 +34,7 @@ log = logging.getLogger("grpo_fleet.learner")
 ACK_CACHE_SIZE = 4096
 
 
-class Learner:
+class Learner(Persistence):
     """Single source of truth for the run: leases, accepted groups, steps and versions."""
 
     def __init__(
@@ -431,87 +429,6 @@ class Learner:
         mt.clip_fraction.set(record["clip_fraction"])
         mt.zero_variance_fraction.set(record["zero_variance_fraction"])
         mt.step_seconds.observe(record["step_seconds"])
-
-    def checkpoint(self) -> Path:
-        """Write weights (mlx-lm format), optimizer and learner state in one atomic swap, then repoint `latest`."""
-        with self.lock:
-            return self._checkpoint()
-
-    def _checkpoint(self) -> Path:
-        self._metrics_file.flush()
-        self._ledger_file.flush()
-        root = self.run_dir / "checkpoints"
-        path = root / f"step_{self.step:06d}"
-        meta = {"step": self.step, "policy_version": self.version, "run_id": self.run_id}
-        state = self.state_dict()
-
-        def write_extra(staging: Path) -> None:
-            self.trainer.save_optimizer(staging / "optimizer.safetensors")
-            write_state(staging, state)
-
-        save_checkpoint(self.policy, path, extra=meta, write_extra=write_extra)
-        latest = root / "latest.json"
-        tmp = latest.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"path": path.name, **meta}))
-        tmp.replace(latest)
-        self._prune_checkpoints(root, keep=path.name)
-        return path
-
-    def _prune_checkpoints(self, root: Path, keep: str) -> None:
-        # Hidden staging directories are what a kill mid-checkpoint leaves behind.
-        for leftover in root.glob(".step_*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        older = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != keep)
-        for stale in older[: max(0, len(older) - self.cfg.train.keep_checkpoints + 1)]:
-            shutil.rmtree(stale, ignore_errors=True)
-
-    def state_dict(self) -> dict:
-        """Everything besides weights and optimizer that a resume needs."""
-        return {
-            "run_id": self.run_id,
-            "step": self.step,
-            "version": self.version,
-            "buffer": [group_to_dict(g) for g in self.buffer],
-            "acks": {lease_id: ack.model_dump() for lease_id, ack in self.acks.items()},
-            "accepted_since_step": self.accepted_since_step,
-            "zero_variance_since_step": self.zero_variance_since_step,
-            "scheduler": self.scheduler.state_dict(),
-            "ledger_bytes": self._log_size(self._ledger_file),
-            "metrics_bytes": self._log_size(self._metrics_file),
-            "wall_seconds": time.monotonic() - self.started,
-        }
-
-    def forget_uncheckpointed_work(self) -> None:
-        """Resuming a run that died before its first checkpoint: start over, logs included."""
-        truncate_log(self.run_dir / "ledger.jsonl", 0)
-        truncate_log(self.run_dir / "metrics.jsonl", 0)
-
-    @staticmethod
-    def _log_size(handle) -> int:
-        handle.flush()
-        return Path(handle.name).stat().st_size
-
-    def resume(self, checkpoint: Path) -> None:
-        """Continue from a checkpoint: weights, optimizer, leases, finished groups, logs cut back to match."""
-        state = read_state(checkpoint)
-        load_checkpoint_weights(self.policy, checkpoint)
-        self.trainer.load_optimizer(checkpoint / "optimizer.safetensors")
-        self.run_id, self.step, self.version = state["run_id"], state["step"], state["version"]
-        self.buffer = [group_from_dict(g) for g in state["buffer"]]
-        self.acks = {lease_id: m.Ack(**ack) for lease_id, ack in state["acks"].items()}
-        self.accepted_since_step = state["accepted_since_step"]
-        self.zero_variance_since_step = state["zero_variance_since_step"]
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.started = time.monotonic() - state["wall_seconds"]
-        # Groups accepted after this checkpoint are forgotten here and re-queued by
-        # their leases, so the ledger must forget them too to stay exactly-once.
-        self._ledger_file.flush()
-        self._metrics_file.flush()
-        truncate_log(self.run_dir / "ledger.jsonl", state["ledger_bytes"])
-        truncate_log(self.run_dir / "metrics.jsonl", state["metrics_bytes"])
-        self.snapshot = self._make_snapshot()
-        self.metrics.policy_version.set(self.version)
-        log.info("resumed run %s at step %d (policy v%d) from %s", self.run_id, self.step, self.version, checkpoint)
 
     def close(self) -> None:
         self._metrics_file.close()

@@ -159,9 +159,14 @@ def metrics_app(registry: CollectorRegistry, sd_targets: Optional[SdSource] = No
     return app
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int, sd_targets: Optional[SdSource] = None) -> Optional[int]:
-    """Serve /metrics (and /sd) from a daemon thread; port 0 disables it. Returns the bound port."""
-    if not port:
+def serve_metrics(
+    registry: CollectorRegistry, host: str, port: int, sd_targets: Optional[SdSource] = None, *, any_port: bool = False
+) -> Optional[int]:
+    """Serve /metrics (and /sd) from a daemon thread; returns the bound port.
+
+    Port 0 disables it, unless `any_port` asks the OS for a free one.
+    """
+    if not port and not any_port:
         return None
     server = make_server(host, port, metrics_app(registry, sd_targets), _ThreadingWSGIServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()

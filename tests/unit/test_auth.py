@@ -119,3 +119,22 @@ def test_package_never_unpickles_or_evaluates_received_data():
                     offences.append(f"{path.name}:{node.lineno}: {owner.id}.{node.func.attr}()")
     assert offences == []
     assert len(list(PACKAGE.rglob("*.py"))) > 20, "the scan must actually see the package"
+
+
+def test_actor_metrics_fall_back_to_a_free_port_when_taken(free_port):
+    import socket
+    import urllib.request
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    worker = ActorWorker(ActorConfig(metrics=MetricsConfig(host="127.0.0.1", port=port)))
+    try:
+        actual = worker._serve_metrics()
+        assert actual and actual != port
+        with urllib.request.urlopen(f"http://127.0.0.1:{actual}/metrics", timeout=5) as response:
+            assert b"grpo_fleet_actor_tokens_generated_total" in response.read()
+    finally:
+        taken.close()
+        worker.ctx.term()

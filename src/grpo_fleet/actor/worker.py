@@ -108,7 +108,7 @@ class ActorWorker:
         """Work until Shutdown or a signal; reconnect with backoff whenever the learner goes away."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        self.metrics_port = serve_metrics(self.metrics.registry, self.cfg.metrics.host, self.cfg.metrics.port) or 0
+        self.metrics_port = self._serve_metrics()
         backoff = 0.2
         try:
             while not self.stopping:
@@ -127,6 +127,18 @@ class ActorWorker:
         finally:
             self._close_sockets()
             self.ctx.term()
+
+    def _serve_metrics(self) -> int:
+        """Serve /metrics; if the port is taken (a second actor on this Mac), take any free one.
+
+        The learner learns the real port from Hello, so service discovery still finds it.
+        """
+        host, port = self.cfg.metrics.host, self.cfg.metrics.port
+        try:
+            return serve_metrics(self.metrics.registry, host, port) or 0
+        except OSError as exc:
+            log.warning("metrics port %d unavailable (%s); using a free port instead", port, exc)
+            return serve_metrics(self.metrics.registry, host, 0, any_port=True) or 0
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

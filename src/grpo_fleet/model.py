@@ -50,7 +50,8 @@ def default_dtype() -> Optional[str]:
     return None if mx.default_device() == mx.gpu else "float32"
 
 
-def _cast_floating(model: nn.Module, dtype_name: str) -> None:
+def cast_floating(model: nn.Module, dtype_name: str) -> None:
+    """Cast floating-point weights (quantized integer weights stay as they are)."""
     dtype = getattr(mx, dtype_name)
     model.set_dtype(dtype, predicate=lambda current: mx.issubdtype(current, mx.floating))
 
@@ -66,7 +67,7 @@ def load_policy(path: str, *, lora: Optional[LoraConfig] = None, dtype: Optional
     model, tokenizer = mlx_lm.load(path)
     dtype = dtype or default_dtype()
     if dtype:
-        _cast_floating(model, dtype)
+        cast_floating(model, dtype)
     if lora is not None and lora.enabled:
         apply_lora(model, lora)
     else:

@@ -1,0 +1,133 @@
+"""A simulated actor for the ingest benchmark: the wire protocol over a raw DEALER, no model.
+
+It runs in its own spawned process and sends pre-built, valid completions, so
+what the benchmark measures is the learner's side of the rollout path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+GROUPS_PER_LEASE = 4
+REQUEST_TIMEOUT_S = 15.0
+
+
+def completion_arrays(vocab: int, group_size: int, length: int, rng: np.random.Generator) -> list[tuple]:
+    """(tokens, logprobs, reward) for one group: valid ids, negative logprobs, rewards that differ."""
+    rewards = rng.permutation(np.linspace(0.0, 1.0, group_size))  # never all equal: informative
+    return [
+        (
+            rng.integers(0, vocab, size=length, dtype=np.int32),
+            -rng.uniform(0.01, 5.0, size=length).astype(np.float32),
+            float(reward),
+        )
+        for reward in rewards
+    ]
+
+
+def _prebuilt_groups(vocab: int, group_size: int, length: int, seed: int, variants: int = 4) -> list[list]:
+    """A few validated groups of `Completion`s, reused under new group ids so the loop only encodes."""
+    from grpo_fleet.protocol import messages as m
+
+    rng = np.random.default_rng(seed)
+    return [
+        [
+            m.Completion(tokens=m.Tensor.from_numpy(t), logprobs=m.Tensor.from_numpy(lp), reward=r, finish_reason="length")
+            for t, lp, r in completion_arrays(vocab, group_size, length, rng)
+        ]
+        for _ in range(variants)
+    ]
+
+
+def _dealer(ctx: Any, job: dict) -> Any:
+    import zmq
+
+    from grpo_fleet.protocol.auth import load_keypair, make_client
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, job["identity"].encode())
+    if job["curve"] is not None:
+        secret, learner_public = job["curve"]
+        make_client(sock, load_keypair(secret), load_keypair(learner_public).public)
+    sock.connect(job["endpoint"])
+    return sock
+
+
+def _request(sock: Any, payload: bytes, timeout: float) -> tuple[object, float]:
+    """Send one encoded message, wait for the reply; returns (reply, seconds)."""
+    from grpo_fleet.protocol.codec import decode
+
+    sent = time.perf_counter()
+    sock.send(payload)
+    if not sock.poll(int(timeout * 1000)):
+        raise TimeoutError(f"no reply within {timeout} s")
+    reply = decode(sock.recv(copy=False).buffer)
+    return reply, time.perf_counter() - sent
+
+
+def _round(sock: Any, groups: list[list], job: dict, out: dict, timeout: float) -> None:
+    """One LeaseRequest -> Lease -> Rollouts -> Ack cycle; counts it when the Ack lands in the window."""
+    from grpo_fleet.protocol import messages as m
+    from grpo_fleet.protocol.codec import encode
+
+    lease, lease_s = _request(sock, encode(m.LeaseRequest(max_groups=GROUPS_PER_LEASE)), timeout)
+    if not isinstance(lease, m.Lease) or not lease.prompts:
+        out["empty_leases"] += 1
+        time.sleep(getattr(lease, "retry_after", 0.1))
+        return
+    results = [m.GroupResult(group_id=p.group_id, completions=groups[i % len(groups)]) for i, p in enumerate(lease.prompts)]
+    payload = encode(m.Rollouts(lease_id=lease.lease_id, policy_version=lease.policy_version, groups=results))
+    ack, seconds = _request(sock, payload, timeout)
+    if not job["start"] <= time.time() <= job["end"]:
+        return  # warm-up, or past the window: not measured
+    accepted = isinstance(ack, m.Ack) and ack.status == "accepted" and set(ack.groups.values()) == {"accepted"}
+    if not accepted:
+        out["rejected"] += 1
+        return
+    out["latencies_ms"].append(seconds * 1000)
+    out["lease_ms"].append(lease_s * 1000)
+    out["groups"] += len(results)
+    out["tokens"] += sum(c.tokens.shape[0] for g in results for c in g.completions)
+
+
+def session(job: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
+    """One simulated actor: Hello, then rounds until the window closes."""
+    import zmq
+
+    from grpo_fleet.protocol import messages as m
+    from grpo_fleet.protocol.codec import encode
+
+    out: dict = {"tokens": 0, "groups": 0, "latencies_ms": [], "lease_ms": [], "rejected": 0, "empty_leases": 0, "errors": []}
+    ctx = zmq.Context()
+    sock = _dealer(ctx, job)
+    try:
+        hello = m.Hello(actor_id=job["identity"], host="bench", backend="simulated", versions={})
+        welcome, _ = _request(sock, encode(hello), timeout)
+        if not isinstance(welcome, m.Welcome):
+            raise RuntimeError(f"expected Welcome, got {welcome!r}"[:300])
+        gen = welcome.generation
+        groups = _prebuilt_groups(welcome.vocab_size, gen.group_size, gen.max_tokens, seed=zlib.crc32(job["identity"].encode()))
+        while time.time() < job["end"]:
+            _round(sock, groups, job, out, timeout)
+    except Exception as exc:  # reported to the parent, which fails the phase loudly
+        out["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    return out
+
+
+def pool_worker(commands: Any, results: Any) -> None:
+    """Pool process: run one session per job until told to stop (None)."""
+    results.put({"ready": os.getpid()})
+    while True:
+        job = commands.get()
+        if job is None:
+            return
+        results.put(session(job))

@@ -89,7 +89,7 @@ def start_fleet(cfg: RunConfig, config_path: Path, actors: int) -> tuple[subproc
     ports = [free_port() for _ in range(actors)]
     fleet = [
         _spawn(["actor", "--connect", cfg.server.bind, "--actor-id", f"demo-actor-{i}", "--metrics-port", str(port),
-                "--model-dir", str(run_dir)],
+                "--max-groups", str(cfg.server.max_groups_per_lease), "--model-dir", str(run_dir)],
                run_dir / f"actor-{i}.log")
         for i, port in enumerate(ports)
     ]

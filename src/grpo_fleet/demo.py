@@ -110,22 +110,17 @@ def stop(processes: list[subprocess.Popen], timeout: float = 10.0) -> None:
             proc.wait()
 
 
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
 def follow(learner: subprocess.Popen, cfg: RunConfig, progress: bool) -> list[dict]:
     """Wait for the learner to finish, showing a progress bar fed by metrics.jsonl."""
     from tqdm import tqdm
+
+    from grpo_fleet.plotting import load_step_records
 
     path = Path(cfg.run_dir) / "metrics.jsonl"
     bar = tqdm(total=cfg.train.steps, desc="training", unit="step", disable=not progress, file=sys.stdout)
     seen = 0
     while True:
-        records = read_metrics(path)
+        records = load_step_records(path)
         if len(records) > seen:
             bar.update(len(records) - seen)
             seen = len(records)
@@ -135,7 +130,7 @@ def follow(learner: subprocess.Popen, cfg: RunConfig, progress: bool) -> list[di
             break
         time.sleep(0.5)
     bar.close()
-    return read_metrics(path)
+    return load_step_records(path)
 
 
 def held_out_reward(model_or_checkpoint: str, cfg: RunConfig) -> float:

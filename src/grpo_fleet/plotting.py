@@ -20,11 +20,11 @@ class RunDataError(ValueError):
     """RUN_DIR has no usable metrics.jsonl."""
 
 
-def read_step_records(run_dir: Path) -> list[dict]:
-    """The step records of RUN_DIR/metrics.jsonl; a clear error when there are none."""
-    path = Path(run_dir) / "metrics.jsonl"
+def load_step_records(path: Path) -> list[dict]:
+    """The step records of a metrics.jsonl ([] when it is absent); a half-written last line is skipped."""
+    path = Path(path)
     if not path.is_file():
-        raise RunDataError(f"{path} not found: is {run_dir} a grpo-fleet run directory, and has the learner taken a step?")
+        return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     records = []
     for number, line in enumerate(lines, 1):
@@ -34,7 +34,15 @@ def read_step_records(run_dir: Path) -> list[dict]:
             if number == len(lines):  # the learner is writing it right now
                 break
             raise RunDataError(f"{path}:{number}: not JSON ({exc})") from exc
-    records = [r for r in records if isinstance(r, dict) and "step" in r]
+    return [r for r in records if isinstance(r, dict) and "step" in r]
+
+
+def read_step_records(run_dir: Path) -> list[dict]:
+    """The step records of RUN_DIR/metrics.jsonl; a clear error when there are none."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise RunDataError(f"{path} not found: is {run_dir} a grpo-fleet run directory, and has the learner taken a step?")
+    records = load_step_records(path)
     if not records:
         raise RunDataError(f"{path} has no step records yet")
     return records

@@ -77,7 +77,8 @@ class Learner(Persistence):
         self.zero_variance_since_step = 0
         self.started = time.monotonic()
         self.snapshots: dict[int, Snapshot] = {}
-        self.snapshot = self._make_snapshot()
+        self.snapshot: Snapshot
+        self._make_snapshot()
         self._metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self._ledger_file = open(run_dir / "ledger.jsonl", "a", buffering=1)
 
@@ -94,10 +95,9 @@ class Learner(Persistence):
         self.snapshots[snapshot.version] = snapshot
         self.snapshot = snapshot
 
-    def _make_snapshot(self) -> Snapshot:
-        snapshot = self._serialize(self.version)
-        self._install_snapshot(snapshot)
-        return snapshot
+    def _make_snapshot(self) -> None:
+        """Serialize the current weights as the current version (start-up and resume)."""
+        self._install_snapshot(self._serialize(self.version))
 
     @property
     def done(self) -> bool:
@@ -308,7 +308,8 @@ class Learner(Persistence):
         return m.Ack(status=overall, groups=answer)
 
     def _take_group(self, identity: bytes, version: int, prompt_index: int, group: m.GroupResult) -> None:
-        actor_id, owner = self.actors[identity].actor_id, self.actors[identity].principal
+        actor = self.actors[identity]
+        actor_id, owner = actor.actor_id, actor.principal
         record = AcceptedGroup(
             group_id=group.group_id,
             prompt_index=prompt_index,
@@ -331,8 +332,8 @@ class Learner(Persistence):
         }) + "\n")
         self.metrics.groups_accepted.inc()
         self.metrics.tokens_accepted.inc(record.num_tokens)
-        self.actors[identity].rate.add(record.num_tokens)
-        self.actors[identity].policy_version = max(self.actors[identity].policy_version, version)
+        actor.rate.add(record.num_tokens)
+        actor.policy_version = max(actor.policy_version, version)
         self.rate.add(record.num_tokens)
         self.groups_accepted += 1
         self.metrics.staleness.observe(self.version - version)

@@ -99,6 +99,6 @@ class Persistence:
         self._metrics_file.flush()
         truncate_log(self.run_dir / "ledger.jsonl", state["ledger_bytes"])
         truncate_log(self.run_dir / "metrics.jsonl", state["metrics_bytes"])
-        self.snapshot = self._make_snapshot()
+        self._make_snapshot()
         self.metrics.policy_version.set(self.version)
         log.info("resumed run %s at step %d (policy v%d) from %s", self.run_id, self.step, self.version, checkpoint)

@@ -187,7 +187,7 @@ class LearnerServer:
             self._publish(m.PolicyUpdated(version=snapshot.version, digest=snapshot.digest))
 
     def _pump(self, timeout_ms: int) -> None:
-        """Answer every message that is waiting (bounded, so training is not starved)."""
+        """Answer every message that is waiting (bounded, so lease expiry and notices still get their turn)."""
         if not self.router.poll(timeout_ms, zmq.POLLIN):
             return
         for _ in range(256):

@@ -21,6 +21,24 @@ from grpo_fleet.model import build_tiny_model
 from grpo_fleet.tasks import build_task
 
 
+class FakeClock:
+    """A monotonic clock the test advances by hand."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Returns a function giving a TCP port on 127.0.0.1 that is free right now."""

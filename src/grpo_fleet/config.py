@@ -136,6 +136,12 @@ class ServerConfig(_Section):
     advertise_host: Optional[str] = Field(None, description="Host actors should use for the PUB socket; default: the bind host.")
     lease_seconds: float = Field(60.0, gt=0, description="A lease not returned within this is re-queued.")
     max_groups_per_lease: int = Field(4, ge=1, description="Upper bound on prompts in one lease.")
+    lease_target_seconds: Optional[float] = Field(
+        None, gt=0,
+        description="Leases are sized so each actor, at its measured groups/s, returns one in about this long "
+        "(faster actors get more groups). Default: max_staleness learner steps (at least one), so groups come back "
+        "before they go stale.",
+    )
     heartbeat_seconds: float = Field(2.0, gt=0, description="Heartbeat period both ways.")
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Largest accepted message.")
     weight_chunk_bytes: int = Field(4 * 1024 * 1024, ge=4096, description="Size of the chunks weights are served in.")

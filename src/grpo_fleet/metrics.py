@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 PREFIX = "grpo_fleet"
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+LEASE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -41,6 +42,7 @@ class LearnerMetrics:
     leases_issued: Counter
     leases_expired: Counter
     leases_outstanding: Gauge
+    lease_groups: Histogram
     staleness: Histogram
     group_reward: Histogram
     step_seconds: Histogram
@@ -75,6 +77,9 @@ def learner_metrics() -> LearnerMetrics:
         leases_issued=Counter(f"{p}_leases_issued", "Leases handed out", registry=r),
         leases_expired=Counter(f"{p}_leases_expired", "Leases that expired and were re-queued", registry=r),
         leases_outstanding=Gauge(f"{p}_leases_outstanding", "Leases not yet returned", registry=r),
+        lease_groups=Histogram(
+            f"{p}_lease_groups", "Groups per lease, sized to each actor's measured speed", buckets=LEASE_BUCKETS, registry=r
+        ),
         staleness=Histogram(f"{p}_staleness_versions", "Policy versions behind at acceptance", buckets=STALENESS_BUCKETS, registry=r),
         group_reward=Histogram(f"{p}_group_reward", "Mean reward per accepted group", buckets=REWARD_BUCKETS, registry=r),
         step_seconds=Histogram(f"{p}_step_duration_seconds", "Wall time of one optimizer batch", registry=r),

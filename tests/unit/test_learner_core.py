@@ -268,6 +268,32 @@ def test_in_flight_groups_are_capped_at_twice_groups_per_step(learner):
     assert lease(learner, max_groups=4).prompts == []
 
 
+def test_leases_are_sized_to_each_actors_measured_speed(make_learner, clock):
+    """A fast actor gets more groups than a slow one once both returned a lease."""
+    learner = make_learner(grpo={"groups_per_step": 32}, server={"max_groups_per_lease": 16, "lease_target_seconds": 4.0})
+    learner.scheduler.clock = clock
+    hello(learner)
+    hello(learner, ACTOR_B, "actor-b")
+    fast, slow = lease(learner, max_groups=2), lease(learner, ACTOR_B, max_groups=2)
+    assert len(fast.prompts) == len(slow.prompts) == 2  # unmeasured: what they asked for
+    clock.advance(0.5)
+    assert learner.handle(ACTOR_A, rollouts_for(fast)).status == "accepted"  # 4 groups/s
+    clock.advance(1.5)
+    assert learner.handle(ACTOR_B, rollouts_for(slow)).status == "accepted"  # 1 group/s
+    # 4 s at 4 groups/s, capped at 16; 4 s at 1 group/s.
+    assert len(lease(learner, max_groups=16).prompts) == 16
+    assert len(lease(learner, ACTOR_B, max_groups=16).prompts) == 4
+    assert sample(learner, "grpo_fleet_learner_lease_groups_count") == 4
+
+
+def test_refused_lease_retries_about_half_a_step_later(learner):
+    hello(learner)
+    lease(learner, max_groups=2 * GROUPS_PER_STEP)
+    assert lease(learner).retry_after == 0.2  # no step yet: the slow default
+    learner.step_interval.add(0.04)
+    assert lease(learner).retry_after == pytest.approx(0.02)
+
+
 def test_no_leases_once_training_is_done(make_learner):
     learner = make_learner(train={"steps": 1})
     hello(learner)

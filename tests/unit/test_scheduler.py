@@ -11,26 +11,8 @@ from grpo_fleet.learner.scheduler import PromptScheduler
 LEASE_SECONDS = 10.0
 
 
-class FakeClock:
-    """A monotonic clock the test advances by hand."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def make_scheduler(clock: FakeClock):
+def make_scheduler(clock):
     def make(num_prompts: int = 10, seed: int = 0) -> PromptScheduler:
         return PromptScheduler(num_prompts, seed=seed, lease_seconds=LEASE_SECONDS, clock=clock)
 

@@ -26,13 +26,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from grpo_fleet.actor.rollout import (
     SHARED_PREFIX_MIN_TOKENS,
+    GeneratedCompletion,
     SamplingSettings,
     encode_prompt,
     generate_groups,
@@ -170,29 +171,33 @@ def _batched(policy: Policy, case: Case, min_shared_prefix: Optional[int] = SHAR
     return go
 
 
-def _naive(policy: Policy, case: Case) -> Callable[[], int]:
-    """One mlx_lm generation per completion, recording logprobs as an actor must."""
+def naive_completion(model: Any, prompt: list[int], settings: SamplingSettings) -> GeneratedCompletion:
+    """One completion from its own mlx_lm generation, recording logprobs as an actor must.
+
+    The baseline of the rollout benchmark and of the notebook-style loop in the
+    end-to-end benchmark: no batching, no shared prefill.
+    """
     from mlx_lm.generate import generate_step
 
-    sampler, processors = sampler_and_processors(case.settings)
-    stops = set(case.settings.stop_token_ids)
+    sampler, processors = sampler_and_processors(settings)
+    stops = set(settings.stop_token_ids)
+    tokens, logprobs, finish = [], [], "length"
+    for token, row in generate_step(mx.array(prompt), model, max_tokens=settings.max_tokens,
+                                    sampler=sampler, logits_processors=processors):
+        tokens.append(int(token))
+        logprobs.append(row[token])
+        if token in stops:
+            finish = "stop"
+            break
+    mx.eval(logprobs)
+    return GeneratedCompletion(tokens, [float(x) for x in logprobs], finish)
+
+
+def _naive(policy: Policy, case: Case) -> Callable[[], int]:
     jobs = [p for p in case.prompts for _ in range(GROUP_SIZE)][: case.naive_completions]
 
     def go() -> int:
-        count = 0
-        for prompt in jobs:
-            logprobs = []
-            steps = generate_step(
-                mx.array(prompt), policy.model, max_tokens=case.settings.max_tokens,
-                sampler=sampler, logits_processors=processors,
-            )
-            for token, row in steps:
-                logprobs.append(row[token])
-                count += 1
-                if token in stops:
-                    break
-            mx.eval(logprobs)
-        return count
+        return sum(len(naive_completion(policy.model, prompt, case.settings).tokens) for prompt in jobs)
 
     return go
 

@@ -20,6 +20,7 @@ import numpy as np
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
 from grpo_fleet.learner.fleet import ActorInfo, TokenRate, actor_from_hello, sd_groups
+from grpo_fleet.learner.pacing import MovingAverage, lease_size, lease_target_seconds
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
@@ -32,6 +33,8 @@ from grpo_fleet.tasks import Task
 log = logging.getLogger("grpo_fleet.learner")
 # Stored answers kept for replays (at-least-once actors resend after a reconnect).
 ACK_CACHE_SIZE = 4096
+# Bounds on how long an actor refused a lease waits before asking again.
+MIN_RETRY_SECONDS, MAX_RETRY_SECONDS = 0.005, 0.2
 
 
 class Learner(Persistence):
@@ -64,6 +67,8 @@ class Learner(Persistence):
         )
         # The I/O thread (handle) and the training thread (train_step) share this state.
         self.lock = threading.RLock()
+        # The training thread sleeps on this until a batch is buffered.
+        self.batch_ready = threading.Condition(self.lock)
         self.actors: dict[bytes, ActorInfo] = {}
         self.rate = TokenRate()
         self.groups_accepted = 0
@@ -76,6 +81,8 @@ class Learner(Persistence):
         self.accepted_since_step = 0
         self.zero_variance_since_step = 0
         self.started = time.monotonic()
+        self.step_interval = MovingAverage()
+        self._last_step_at: Optional[float] = None
         self.snapshots: dict[int, Snapshot] = {}
         self.snapshot: Snapshot
         self._make_snapshot()
@@ -187,12 +194,15 @@ class Learner(Persistence):
         return max(0, limit - self.scheduler.outstanding_groups - len(self.buffer))
 
     def _on_lease_request(self, identity: bytes, msg: m.LeaseRequest) -> m.Lease:
-        count = min(msg.max_groups, self.cfg.server.max_groups_per_lease, self._lease_capacity())
-        owner = self.actors[identity].principal
-        lease = self.scheduler.issue(owner, count) if count and not self.done else None
+        actor = self.actors[identity]
+        limit = min(self.cfg.server.max_groups_per_lease, self._lease_capacity())
+        count = lease_size(msg.max_groups, limit, actor.groups_per_second.value, self._lease_target())
+        lease = self.scheduler.issue(actor.principal, count) if count and not self.done else None
         if lease is None:
-            return m.Lease(lease_id="", deadline_seconds=0.0, policy_version=self.version, prompts=[], retry_after=0.2)
+            return m.Lease(lease_id="", deadline_seconds=0.0, policy_version=self.version, prompts=[],
+                           retry_after=self._retry_after())
         self.metrics.leases_issued.inc()
+        self.metrics.lease_groups.observe(len(lease.tickets))
         self.metrics.leases_outstanding.set(len(self.scheduler.leases))
         prompts = [self._prompt_item(t.group_id, t.prompt_index) for t in lease.tickets.values()]
         return m.Lease(
@@ -201,6 +211,24 @@ class Learner(Persistence):
             policy_version=self.version,
             prompts=prompts,
         )
+
+    def _lease_target(self) -> Optional[float]:
+        server = self.cfg.server
+        return lease_target_seconds(server.lease_target_seconds, self.cfg.grpo.max_staleness,
+                                    self.step_interval.value, server.lease_seconds)
+
+    def _retry_after(self) -> float:
+        # Capacity frees when the next step takes its batch, about one step from now.
+        if self.done or self.step_interval.value is None:
+            return MAX_RETRY_SECONDS
+        return min(MAX_RETRY_SECONDS, max(MIN_RETRY_SECONDS, 0.5 * self.step_interval.value))
+
+    def _measure_actor(self, actor: ActorInfo, lease_id: str, groups: int) -> None:
+        """Groups per second of a returned lease, from issue to return, for sizing the next ones."""
+        lease = self.scheduler.leases.get(lease_id)
+        if lease is not None and groups:
+            elapsed = max(self.scheduler.clock() - lease.issued_at, 1e-3)
+            actor.groups_per_second.add(groups / elapsed)
 
     def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:
         tokens = m.Tensor.from_numpy(self.prompt_tokens[index])
@@ -272,6 +300,7 @@ class Learner(Persistence):
         bad = sorted({s for s in statuses.values() if s in ("not_your_lease", "not_leased")})
         if bad:
             return self._reject(identity, bad[0])
+        self._measure_actor(self.actors[identity], msg.lease_id, len(msg.groups))
         if self.version - msg.policy_version > self.cfg.grpo.max_staleness:
             return self._store(msg.lease_id, self._stale(msg, statuses), known_lease)
         return self._store(msg.lease_id, self._accept(identity, msg, statuses), known_lease)
@@ -341,6 +370,8 @@ class Learner(Persistence):
         self.accepted_since_step += 1
         if record.is_informative:
             self.buffer.append(record)
+            if len(self.buffer) >= self.cfg.grpo.groups_per_step:
+                self.batch_ready.notify()
         else:
             self.zero_variance_since_step += 1
             self.metrics.groups_zero_variance.inc()
@@ -350,6 +381,11 @@ class Learner(Persistence):
     def ready_to_train(self) -> bool:
         with self.lock:
             return not self.done and len(self.buffer) >= self.cfg.grpo.groups_per_step
+
+    def wait_for_batch(self, timeout: float) -> bool:
+        """Block the training thread until a batch is buffered (or `timeout` passes)."""
+        with self.batch_ready:
+            return self.batch_ready.wait_for(self.ready_to_train, timeout)
 
     def train_step(self) -> dict:
         """One optimizer batch from the oldest informative groups; publishes when due.
@@ -382,6 +418,10 @@ class Learner(Persistence):
     def _record_step(self, step: int, snapshot: Optional[Snapshot], groups: list[AcceptedGroup], stats: dict,
                      seconds: float, trained_on: int, phases: dict) -> dict:
         self.step = step
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self.step_interval.add(now - self._last_step_at)
+        self._last_step_at = now
         if snapshot is not None:
             self.version = snapshot.version
             self._install_snapshot(snapshot)

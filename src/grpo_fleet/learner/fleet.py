@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from grpo_fleet.learner.pacing import MovingAverage
 from grpo_fleet.protocol import messages as m
 
 # Throughput is averaged over this window, so `status` shows current speed, not lifetime speed.
@@ -48,6 +49,8 @@ class ActorInfo:
     metrics_target: Optional[str] = None  # "address:port" Prometheus can scrape
     policy_version: int = 0
     rate: TokenRate = field(default_factory=TokenRate)
+    # Measured from returned leases; sizes its next leases (learner/pacing.py).
+    groups_per_second: MovingAverage = field(default_factory=MovingAverage)
 
     def status(self, now: float) -> m.ActorStatus:
         return m.ActorStatus(

@@ -30,6 +30,7 @@ class LeaseRecord:
     lease_id: str
     actor: str
     deadline: float
+    issued_at: float = 0.0
     tickets: dict[str, GroupTicket] = field(default_factory=dict)
 
 
@@ -84,7 +85,8 @@ class PromptScheduler:
         """Lease up to `max_groups` groups to `actor`; re-queued groups go first."""
         if max_groups < 1:
             return None
-        lease = LeaseRecord(lease_id=uuid.uuid4().hex, actor=actor, deadline=self.clock() + self.lease_seconds)
+        now = self.clock()
+        lease = LeaseRecord(lease_id=uuid.uuid4().hex, actor=actor, deadline=now + self.lease_seconds, issued_at=now)
         for _ in range(max_groups):
             ticket = self._requeued.popleft() if self._requeued else self._next_fresh()
             lease.tickets[ticket.group_id] = ticket
@@ -186,7 +188,7 @@ class PromptScheduler:
         self.leases, self._lease_of_group = {}, {}
         deadline = self.clock() + self.lease_seconds
         for entry in state["leases"]:
-            lease = LeaseRecord(lease_id=entry["lease_id"], actor=entry["actor"], deadline=deadline)
+            lease = LeaseRecord(lease_id=entry["lease_id"], actor=entry["actor"], deadline=deadline, issued_at=self.clock())
             for group_id, index in entry["tickets"]:
                 lease.tickets[group_id] = GroupTicket(group_id, index)
                 self._lease_of_group[group_id] = lease.lease_id

@@ -173,10 +173,8 @@ class LearnerServer:
     def _train_loop(self) -> None:
         try:
             while not self.stopping and not self.learner.done:
-                if self.learner.ready_to_train():
+                if self.learner.wait_for_batch(timeout=0.1):
                     self.learner.train_step()
-                else:
-                    time.sleep(0.002)
         except BaseException as exc:  # surfaced by serve() on the main thread
             self.training_error = exc
 

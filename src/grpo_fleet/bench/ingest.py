@@ -164,10 +164,13 @@ def _learner_config(run_dir: Path, keys: Optional[Path]) -> dict[str, Any]:
     }
 
 
-def _start_learner(root: Path, name: str, keys: Optional[Path] = None) -> Learner:
+def _start_learner(root: Path, name: str, keys: Optional[Path] = None, overrides: Optional[dict] = None) -> Learner:
+    """A real learner process; `overrides` replaces keys of the ingest config's sections."""
     from grpo_fleet.blas import child_env
 
     data = _learner_config(root / name, keys)
+    for section, values in (overrides or {}).items():
+        data[section] = {**data.get(section, {}), **values}
     config = root / f"{name}.json"
     config.write_text(json.dumps(data))
     log_path = root / f"{name}.log"

@@ -76,17 +76,21 @@ def _round(sock: Any, groups: list[list], job: dict, out: dict, timeout: float) 
     from grpo_fleet.protocol import messages as m
     from grpo_fleet.protocol.codec import encode
 
-    lease, lease_s = _request(sock, encode(m.LeaseRequest(max_groups=GROUPS_PER_LEASE)), timeout)
+    lease, lease_s = _request(sock, encode(m.LeaseRequest(max_groups=job.get("max_groups", GROUPS_PER_LEASE))), timeout)
     if not isinstance(lease, m.Lease) or not lease.prompts:
         out["empty_leases"] += 1
         time.sleep(getattr(lease, "retry_after", 0.1))
         return
+    # Stands in for generating on another machine: takes time, not this machine's CPU.
+    time.sleep(job.get("seconds_per_group", 0.0) * len(lease.prompts))
     results = [m.GroupResult(group_id=p.group_id, completions=groups[i % len(groups)]) for i, p in enumerate(lease.prompts)]
     payload = encode(m.Rollouts(lease_id=lease.lease_id, policy_version=lease.policy_version, groups=results))
     ack, seconds = _request(sock, payload, timeout)
     if not job["start"] <= time.time() <= job["end"]:
         return  # warm-up, or past the window: not measured
     accepted = isinstance(ack, m.Ack) and ack.status == "accepted" and set(ack.groups.values()) == {"accepted"}
+    out["lease_sizes"].append(len(results))
+    out["stale_groups"] += sum(status == "stale" for status in getattr(ack, "groups", {}).values())
     if not accepted:
         out["rejected"] += 1
         return
@@ -103,7 +107,8 @@ def session(job: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
     from grpo_fleet.protocol import messages as m
     from grpo_fleet.protocol.codec import encode
 
-    out: dict = {"tokens": 0, "groups": 0, "latencies_ms": [], "lease_ms": [], "rejected": 0, "empty_leases": 0, "errors": []}
+    out: dict = {"tokens": 0, "groups": 0, "latencies_ms": [], "lease_ms": [], "lease_sizes": [], "rejected": 0,
+                 "stale_groups": 0, "empty_leases": 0, "errors": [], "identity": job["identity"]}
     ctx = zmq.Context()
     sock = _dealer(ctx, job)
     try:

@@ -172,7 +172,7 @@ def _clone_cache(cache: list) -> list:
 
 def _drain(generator: Any, uids: list[int], on_step: Optional[Callable[[], None]]) -> dict[int, GeneratedCompletion]:
     tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-    logprobs: dict[int, list[mx.array]] = {uid: [] for uid in uids}
+    logprobs: dict[int, list[float]] = {uid: [] for uid in uids}
     finished: dict[int, GeneratedCompletion] = {}
     while len(finished) < len(uids):
         responses = generator.next_generated()
@@ -180,18 +180,29 @@ def _drain(generator: Any, uids: list[int], on_step: Optional[Callable[[], None]
             on_step()
         if not responses:
             break
-        for response in responses:
+        for response, value in zip(responses, _sampled_logprobs(responses)):
             tokens[response.uid].append(int(response.token))
-            logprobs[response.uid].append(response.logprobs[response.token])
+            logprobs[response.uid].append(value)
             if response.finish_reason is not None:
-                values = mx.stack(logprobs[response.uid]).astype(mx.float32).tolist()
                 finished[response.uid] = GeneratedCompletion(
-                    tokens=tokens[response.uid], logprobs=values, finish_reason=response.finish_reason
+                    tokens=tokens[response.uid], logprobs=logprobs[response.uid], finish_reason=response.finish_reason
                 )
     missing = set(uids) - set(finished)
     if missing:
         raise RuntimeError(f"generation ended without finishing sequences {sorted(missing)[:5]}")
     return finished
+
+
+def _sampled_logprobs(responses: list) -> list[float]:
+    """Each response's logprob of its sampled token, for one decoding step in one evaluation.
+
+    One gather per step instead of an index per token and a small evaluation per
+    finished completion: with short completions that bookkeeping cost as much as
+    the model.
+    """
+    rows = mx.stack([response.logprobs for response in responses])
+    ids = mx.array([int(response.token) for response in responses], dtype=mx.int32)[:, None]
+    return mx.take_along_axis(rows, ids, axis=1)[:, 0].astype(mx.float32).tolist()
 
 
 def completion_text(tokenizer: Any, completion: GeneratedCompletion, eos_ids: set[int]) -> str:

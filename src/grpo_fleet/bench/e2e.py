@@ -182,9 +182,9 @@ def run(report: Report, quick: bool) -> None:
             curves["batched"].append(Curve("batched", seed, loop_curve(cfg, model_path, batched_rollout, target)))
             if seed == seeds[0]:  # ten times slower; one seed settles a ratio this far from 1
                 curves["notebook"].append(Curve("notebook", seed, loop_curve(cfg, model_path, per_completion_rollout, target)))
-            for name in curves:
-                for curve in curves[name][-1:]:
-                    print(f"{name} seed {seed} (step, s, reward):", [(s, round(t, 1), round(r, 3)) for s, t, r in curve.points])
+            for curve in (c for runs in curves.values() for c in runs if c.seed == seed):
+                print(f"{curve.contender} seed {seed} (step, s, reward):",
+                      [(s, round(t, 1), round(r, 3)) for s, t, r in curve.points])
     _report(report, curves, target, before)
 
 

@@ -65,7 +65,8 @@ def run(report: Report, quick: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-bench-rollout-") as tmp:
         tiny = _tiny_policy(Path(tmp) / "tiny")
         for case in _tiny_cases(tiny, quick):
-            _compare_with_naive(report, tiny, case)
+            # Tens of milliseconds a call: more repeats are cheap and steady the best-of.
+            _compare_with_naive(report, tiny, case, repeats=2 if quick else 5)
         big = _big_policy(Path(tmp) / "big")
         params = _parameter_count(big)
         _compare_with_naive(report, big, _big_case(big, quick, params), repeats=1 if quick else 2)

@@ -286,6 +286,19 @@ def test_leases_are_sized_to_each_actors_measured_speed(make_learner, clock):
     assert sample(learner, "grpo_fleet_learner_lease_groups_count") == 4
 
 
+def test_a_prefetched_lease_is_timed_from_the_previous_return(make_learner, clock):
+    """Actors ask for lease n+1 before generating lease n; its wait in hand is not generation time."""
+    learner = make_learner(grpo={"groups_per_step": 32}, server={"max_groups_per_lease": 16})
+    learner.scheduler.clock = clock
+    hello(learner)
+    current, prefetched = lease(learner, max_groups=2), lease(learner, max_groups=2)
+    clock.advance(1.0)
+    assert learner.handle(ACTOR_A, rollouts_for(current)).status == "accepted"
+    clock.advance(1.0)
+    assert learner.handle(ACTOR_A, rollouts_for(prefetched)).status == "accepted"
+    assert learner.actors[ACTOR_A].groups_per_second.value == pytest.approx(2.0)
+
+
 def test_refused_lease_retries_about_half_a_step_later(learner):
     hello(learner)
     lease(learner, max_groups=2 * GROUPS_PER_STEP)

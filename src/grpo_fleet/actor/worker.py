@@ -3,6 +3,12 @@
 All of the actor's socket work happens here. Generation and scoring are plain
 function calls (`rollout.generate_groups`, `tasks.score_completion`). Actors are
 stateless: anything lost with an actor is re-queued by the learner's leases.
+
+Requests are pipelined on the one DEALER socket, so the network never idles the
+model: the next lease is asked for before the current one is generated, and a
+submission is sent without waiting for its Ack, which is read while the next
+lease generates. The learner answers in order; at most one lease request and
+one submission are ever unanswered.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 from urllib.parse import urlparse
 
 import mlx.core as mx
@@ -79,7 +85,9 @@ class ActorWorker:
         self.version = -1
         self.newest_version = -1
         self.welcome: Optional[m.Welcome] = None
-        self.pending: Optional[m.Rollouts] = None
+        self.pending: Optional[m.Rollouts] = None  # sent, Ack not yet read
+        self.next_lease: Optional[m.Lease] = None  # answered, not yet generated
+        self.lease_requested = False  # a LeaseRequest is unanswered
         self.stopping = False
         self._dealer = None
         self._sub = None
@@ -168,11 +176,20 @@ class ActorWorker:
         welcome = self.connect()
         self._adopt(welcome)
         self._sub = sub_socket(self.ctx, self._notice_address(welcome.pub_address), curve=self.curve)
+        # A new socket: answers to the old one's requests are gone.
+        self.lease_requested = False
+        if self.pending is not None:
+            # Unacknowledged after a lost answer or a reconnect: resend it.
+            self.metrics.submit_retries.inc()
+            self._on_reply(self._request(self.pending, m.Ack))
         self._sync_weights()
-        # On SIGTERM, finish delivering what was generated (drain), then stop.
-        while not (self.stopping and self.pending is None):
+        # On SIGTERM, finish delivering what was leased and generated (drain), then stop.
+        while not (self.stopping and self._drained()):
             self._work_once()
         raise StopActor("signal")
+
+    def _drained(self) -> bool:
+        return self.pending is None and self.next_lease is None and not self.lease_requested
 
     def _notice_address(self, pub_address: Optional[str]) -> str:
         # A learner bound to a wildcard advertises it; dial the host we reached it on.
@@ -202,12 +219,40 @@ class ActorWorker:
             self._on_stray_reply(reply)
 
     def _on_stray_reply(self, reply: object) -> None:
-        """Anything but the awaited answer: stop, re-register, or just keep listening."""
+        """Anything but the awaited answer: a pipelined answer, stop, re-register, or keep listening."""
+        if isinstance(reply, (m.Ack, m.Lease)):
+            self._on_reply(reply)
+            return
         if isinstance(reply, m.Shutdown):
             raise StopActor(f"learner shut down ({reply.reason})")
         if isinstance(reply, m.ErrorReply):
             raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
         self._check_notices()
+
+    def _on_reply(self, reply: object) -> None:
+        """Book the answer to a pipelined request: a lease to generate next, or a submission's Ack."""
+        if isinstance(reply, m.Lease):
+            self.next_lease, self.lease_requested = reply, False
+        elif isinstance(reply, m.Ack):
+            self.metrics.acks.labels(status=reply.status).inc()
+            if reply.status == "invalid":
+                log.error("learner rejected lease %s: %s", self.pending.lease_id if self.pending else "?", reply.reason)
+            self.pending = None
+
+    def _await(self, settled: Callable[[], bool]) -> None:
+        """Read answers until `settled()`; no answer within the request timeout means the learner is gone."""
+        deadline = time.monotonic() + self.cfg.request_timeout
+        while not settled():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LearnerUnavailable("no answer to a pipelined request")
+            try:
+                reply = recv_message(self._dealer, timeout_s=min(remaining, 0.5), limits=self.limits)
+            except ProtocolError as exc:
+                log.warning("bad reply from learner: %s", exc)
+                continue
+            if reply is not None:
+                self._on_stray_reply(reply)
 
     def _check_notices(self) -> None:
         """Drain the PUB channel: remember the newest policy version; Shutdown stops us.
@@ -257,7 +302,8 @@ class ActorWorker:
             self.model_key = key
             self.version = -1
         if self.welcome is not None and self.welcome.run_id != welcome.run_id:
-            self.pending = None  # a different run: old rollouts mean nothing there
+            # A different run: old rollouts and leases mean nothing there.
+            self.pending, self.next_lease = None, None
         self.welcome = welcome
         log.info("actor %s joined run %s (policy v%d)", self.actor_id, welcome.run_id, welcome.policy_version)
 
@@ -329,19 +375,33 @@ class ActorWorker:
         self._check_notices()
         if self.newest_version > self.version:
             self._sync_weights()
-        if self.pending is not None:
-            # Still unacknowledged after a lost answer or a reconnect: resend it.
-            self.metrics.submit_retries.inc()
-            self._submit(self.pending)
+        lease = self._take_lease()
+        if lease is None:
             return
-        if self.stopping:
-            return
-        lease = self._request(m.LeaseRequest(max_groups=self.cfg.max_groups), m.Lease)
+        if not self.stopping:
+            self._request_lease()  # answered while this lease generates
+        rollouts = self._rollout(lease)
+        self._await(lambda: self.pending is None)  # the previous Ack is normally long in
+        self.pending = rollouts
+        send_message(self._dealer, rollouts)
+
+    def _request_lease(self) -> None:
+        send_message(self._dealer, m.LeaseRequest(max_groups=self.cfg.max_groups))
+        self.lease_requested = True
+
+    def _take_lease(self) -> Optional[m.Lease]:
+        """The lease to generate now: the prefetched one, or one asked for now; None if there is none."""
+        if self.next_lease is None and not self.lease_requested:
+            if self.stopping:
+                self._await(lambda: self.pending is None)
+                return None
+            self._request_lease()
+        self._await(lambda: self.next_lease is not None)
+        lease, self.next_lease = self.next_lease, None
         if not lease.prompts:
             self._sleep(lease.retry_after)
-            return
-        self.pending = self._rollout(lease)
-        self._submit(self.pending)
+            return None
+        return lease
 
     def _rollout(self, lease: m.Lease) -> m.Rollouts:
         welcome, policy = self.welcome, self.policy
@@ -376,10 +436,3 @@ class ActorWorker:
         self.metrics.groups_generated.inc()
         return m.GroupResult(group_id=item.group_id, completions=wire)
 
-    def _submit(self, rollouts: m.Rollouts) -> None:
-        """At-least-once: the same message is resent after a reconnect until it is acked."""
-        ack = self._request(rollouts, m.Ack)
-        self.metrics.acks.labels(status=ack.status).inc()
-        if ack.status == "invalid":
-            log.error("learner rejected lease %s: %s", rollouts.lease_id, ack.reason)
-        self.pending = None

@@ -224,11 +224,19 @@ class Learner(Persistence):
         return min(MAX_RETRY_SECONDS, max(MIN_RETRY_SECONDS, 0.5 * self.step_interval.value))
 
     def _measure_actor(self, actor: ActorInfo, lease_id: str, groups: int) -> None:
-        """Groups per second of a returned lease, from issue to return, for sizing the next ones."""
+        """Groups per second of a returned lease, for sizing the next ones.
+
+        The clock starts when the lease was issued or when the actor's previous
+        lease came back, whichever is later: actors ask for their next lease
+        before generating the current one, and it waits in hand meanwhile.
+        """
         lease = self.scheduler.leases.get(lease_id)
-        if lease is not None and groups:
-            elapsed = max(self.scheduler.clock() - lease.issued_at, 1e-3)
-            actor.groups_per_second.add(groups / elapsed)
+        if lease is None or not groups:
+            return
+        now = self.scheduler.clock()
+        started = max(lease.issued_at, actor.last_return if actor.last_return is not None else lease.issued_at)
+        actor.groups_per_second.add(groups / max(now - started, 1e-3))
+        actor.last_return = now
 
     def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:
         tokens = m.Tensor.from_numpy(self.prompt_tokens[index])

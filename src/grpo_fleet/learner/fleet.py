@@ -51,6 +51,7 @@ class ActorInfo:
     rate: TokenRate = field(default_factory=TokenRate)
     # Measured from returned leases; sizes its next leases (learner/pacing.py).
     groups_per_second: MovingAverage = field(default_factory=MovingAverage)
+    last_return: Optional[float] = None  # scheduler clock, when its last lease came back
 
     def status(self, now: float) -> m.ActorStatus:
         return m.ActorStatus(

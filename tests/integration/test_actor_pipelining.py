@@ -1,0 +1,37 @@
+"""A real actor pipelines its requests: the next lease is asked for before the current one is submitted."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from grpo_fleet.learner.server import LearnerServer
+from grpo_fleet.learner.setup import build_learner
+
+
+def test_actor_asks_for_its_next_lease_while_generating_the_current_one(run_config, spawn):
+    _, cfg = run_config(train={"steps": 6, "checkpoint_every": 100})
+    learner = build_learner(cfg)
+    requests: list[str] = []
+    handle = learner.handle
+
+    def recording(identity, msg, *args, **kwargs):
+        requests.append(type(msg).__name__)
+        return handle(identity, msg, *args, **kwargs)
+
+    learner.handle = recording
+    server = LearnerServer(learner)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    actor = spawn("actor", "--connect", cfg.server.bind, "--model-dir", str(Path(cfg.run_dir)), name="actor")
+    serving.join(timeout=180)
+    assert not serving.is_alive(), "the run did not finish"
+    assert actor.wait(timeout=30) == 0, actor.log_path.read_text()[-3000:]
+
+    work = [name for name in requests if name in ("LeaseRequest", "Rollouts")]
+    assert work.count("Rollouts") >= 6
+    # Serial would be L R L R ...; pipelined, a second LeaseRequest comes before the
+    # first Rollouts, and every Rollouts after that is preceded by the next request.
+    first = work.index("Rollouts")
+    assert work[:first].count("LeaseRequest") >= 2, work[:12]
+    assert all(work[i - 1] == "LeaseRequest" for i, name in enumerate(work) if name == "Rollouts"), work[:12]

@@ -105,7 +105,11 @@ class GRPOConfig(_Section):
     scale_by_std: bool = Field(True, description="Divide advantages by the group std (off = Dr. GRPO).")
     groups_per_step: int = Field(8, ge=1, description="B: informative groups per optimizer batch.")
     ppo_epochs: int = Field(1, ge=1, description="Optimizer steps taken on each batch.")
-    max_staleness: int = Field(2, ge=0, description="Reject rollouts more than this many versions behind.")
+    max_staleness: int = Field(
+        2, ge=0,
+        description="Reject rollouts sampled more than this many versions behind the policy they arrive at "
+        "(accepted groups then wait their turn in the buffer, usually 1-2 more steps).",
+    )
 
 
 class OptimConfig(_Section):

@@ -200,7 +200,7 @@ def _plot_staleness(ax, records: list[dict], config: dict, window: int) -> None:
     _curve(ax, steps, staleness, "tab:brown", "mean staleness of the batch", window)
     max_staleness = (config.get("grpo") or {}).get("max_staleness")
     if _finite(max_staleness):
-        ax.axhline(max_staleness, color="black", linestyle=":", linewidth=1.2, label=f"max_staleness {max_staleness}")
+        ax.axhline(max_staleness, color="black", linestyle=":", linewidth=1.2, label=f"max_staleness {max_staleness} (checked on arrival)")
     ax.set_title("staleness (policy versions behind when trained)")
     ax.set_ylabel("versions")
     ax.set_ylim(bottom=0)

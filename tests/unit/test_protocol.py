@@ -607,3 +607,17 @@ def test_pub_sub_notice(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
         if got is not None:
             break
     assert got == notice
+
+
+def test_status_table_shows_each_actors_measured_groups_per_second():
+    from grpo_fleet.protocol.client import format_status
+
+    actors = [ActorStatus(actor_id="fast", host="studio", backend="gpu", policy_version=3, tokens_per_second=900.0,
+                          last_seen_seconds=0.2, groups_per_second=4.5),
+              ActorStatus(actor_id="new", host="air", backend="gpu", policy_version=0, tokens_per_second=0.0,
+                          last_seen_seconds=0.1)]
+    table = format_status(Status(run_id="r", step=3, steps_target=10, policy_version=3, tokens_per_second=900.0,
+                                 groups_accepted=7, actors=actors)).splitlines()
+    assert "groups/s" in table[2]
+    assert "4.50" in next(line for line in table if line.startswith("fast"))
+    assert next(line for line in table if line.startswith("new")).split()[-2] == "-"

@@ -57,6 +57,7 @@ class ActorInfo:
         return m.ActorStatus(
             actor_id=self.actor_id, host=self.host, backend=self.backend, policy_version=self.policy_version,
             tokens_per_second=self.rate.per_second(now), last_seen_seconds=max(0.0, now - self.last_seen),
+            groups_per_second=self.groups_per_second.value,
         )
 
 

@@ -48,12 +48,13 @@ def format_status(status: m.Status) -> str:
         f"run {status.run_id}  step {status.step}/{status.steps_target}  policy v{status.policy_version}  "
         f"{status.tokens_per_second:,.0f} tok/s accepted  {status.groups_accepted} groups",
         "",
-        f"{'actor':<24} {'host':<20} {'backend':<16} {'version':>7} {'tok/s':>9} {'last seen':>10}",
+        f"{'actor':<24} {'host':<20} {'backend':<16} {'version':>7} {'tok/s':>9} {'groups/s':>9} {'last seen':>10}",
     ]
     for actor in sorted(status.actors, key=lambda a: a.actor_id):
+        groups = "-" if actor.groups_per_second is None else f"{actor.groups_per_second:.2f}"
         lines.append(
             f"{actor.actor_id[:24]:<24} {actor.host[:20]:<20} {actor.backend[:16]:<16} {actor.policy_version:>7} "
-            f"{actor.tokens_per_second:>9,.0f} {actor.last_seen_seconds:>9.1f}s"
+            f"{actor.tokens_per_second:>9,.0f} {groups:>9} {actor.last_seen_seconds:>9.1f}s"
         )
     if not status.actors:
         lines.append("(no actors connected)")

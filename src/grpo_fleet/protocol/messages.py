@@ -243,6 +243,8 @@ class ActorStatus(_Strict):
     policy_version: NonNegInt
     tokens_per_second: NonNegFloat
     last_seen_seconds: NonNegFloat
+    # Measured from returned leases; what the learner sizes this actor's leases by.
+    groups_per_second: Optional[NonNegFloat] = None
 
 
 class Status(_Strict):

@@ -205,18 +205,20 @@ class ActorWorker:
         """Send and wait for a reply of the expected type, ignoring stray replies."""
         send_message(self._dealer, msg)
         deadline = time.monotonic() + self.cfg.request_timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise LearnerUnavailable(f"no reply to {type(msg).__name__}")
-            try:
-                reply = recv_message(self._dealer, timeout_s=min(remaining, 0.5), limits=self.limits)
-            except ProtocolError as exc:
-                log.warning("bad reply from learner: %s", exc)
-                continue
-            if isinstance(reply, expected):
-                return reply
+        while not isinstance(reply := self._next_reply(deadline, type(msg).__name__), expected):
             self._on_stray_reply(reply)
+        return reply
+
+    def _next_reply(self, deadline: float, what: str) -> Optional[object]:
+        """The learner's next answer, or None if none came within half a second; past `deadline` it is gone."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise LearnerUnavailable(f"no reply to {what}")
+        try:
+            return recv_message(self._dealer, timeout_s=min(remaining, 0.5), limits=self.limits)
+        except ProtocolError as exc:
+            log.warning("bad reply from learner: %s", exc)
+            return None
 
     def _on_stray_reply(self, reply: object) -> None:
         """Anything but the awaited answer: a pipelined answer, stop, re-register, or keep listening."""
@@ -243,14 +245,7 @@ class ActorWorker:
         """Read answers until `settled()`; no answer within the request timeout means the learner is gone."""
         deadline = time.monotonic() + self.cfg.request_timeout
         while not settled():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise LearnerUnavailable("no answer to a pipelined request")
-            try:
-                reply = recv_message(self._dealer, timeout_s=min(remaining, 0.5), limits=self.limits)
-            except ProtocolError as exc:
-                log.warning("bad reply from learner: %s", exc)
-                continue
+            reply = self._next_reply(deadline, "a pipelined request")
             if reply is not None:
                 self._on_stray_reply(reply)
 

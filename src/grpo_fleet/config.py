@@ -84,6 +84,11 @@ class TaskConfig(_Section):
     rewards: list[str] = Field(default_factory=lambda: ["reverse_positions"], description="Reward function names, summed with reward_weights.")
     reward_weights: Optional[list[float]] = Field(None, description="One weight per reward; default all 1.0.")
     chat_template: bool = Field(False, description="Wrap prompts in the tokenizer's chat template.")
+    reward_bound: float = Field(
+        1e4, gt=0, le=1e30,
+        description="Largest |reward| the learner accepts; anything beyond is refused as bad_reward "
+        "(checked in the float32 the rewards are trained in).",
+    )
     system_prompt: Optional[str] = Field(None, description="System message when chat_template is on.")
 
     @model_validator(mode="after")
@@ -149,7 +154,12 @@ class ServerConfig(_Section):
     heartbeat_seconds: float = Field(2.0, gt=0, description="Heartbeat period both ways.")
     max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Largest accepted message.")
     weight_chunk_bytes: int = Field(4 * 1024 * 1024, ge=4096, description="Size of the chunks weights are served in.")
-    max_violations: int = Field(50, ge=1, description="Bad messages after which a peer is ignored for the rest of the run.")
+    max_violations: int = Field(
+        50, ge=1,
+        description="Malformed or hostile messages after which a peer (its CURVE key, else its routing id) is ignored "
+        "for ban_seconds. Stale, duplicate and unregistered-after-restart messages never count.",
+    )
+    ban_seconds: float = Field(600.0, gt=0, description="How long a ban lasts; then the peer's count starts again from 0.")
 
 
 class SecurityConfig(_Section):

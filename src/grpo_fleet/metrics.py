@@ -52,6 +52,10 @@ class LearnerMetrics:
     step_phase_seconds: Histogram
     weight_publish_seconds: Histogram
     weight_publish_bytes: Gauge
+    violations: Counter
+    bans: Counter
+    banned_peers: Gauge
+    skipped_updates: Counter
 
 
 def learner_metrics() -> LearnerMetrics:
@@ -95,6 +99,13 @@ def learner_metrics() -> LearnerMetrics:
             f"{p}_weight_publish_seconds", "Time to serialize and digest a new policy version", buckets=PHASE_BUCKETS, registry=r
         ),
         weight_publish_bytes=Gauge(f"{p}_weight_publish_bytes", "Size of the latest published weight blob", registry=r),
+        violations=Counter(f"{p}_violations", "Malformed or hostile messages counted toward a ban, by reason", ["reason"], registry=r),
+        bans=Counter(f"{p}_bans", "Peers banned after server.max_violations violations", registry=r),
+        banned_peers=Gauge(f"{p}_banned_peers", "Peers banned right now", registry=r),
+        skipped_updates=Counter(
+            f"{p}_skipped_updates", "Batches whose update was not applied (non-finite loss or gradient), by reason",
+            ["reason"], registry=r,
+        ),
     )
 
 

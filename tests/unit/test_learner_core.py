@@ -101,10 +101,11 @@ def crafted_group(group_id: str, rewards: Sequence[float], *, token: int = 7, lo
 
 
 def rollouts_for(lease_msg: m.Lease, rewards: Sequence[float] = INFORMATIVE, *, version: Optional[int] = None,
-                 **group_kwargs) -> m.Rollouts:
+                 incarnation: str = "", **group_kwargs) -> m.Rollouts:
     return m.Rollouts(
         lease_id=lease_msg.lease_id,
         policy_version=lease_msg.policy_version if version is None else version,
+        incarnation=incarnation,
         groups=[crafted_group(p.group_id, rewards, **group_kwargs) for p in lease_msg.prompts],
     )
 
@@ -127,7 +128,8 @@ def generated_rollouts(learner: Learner, lease_msg: m.Lease) -> m.Rollouts:
             for i, c in enumerate(samples)
         ]
         results.append(m.GroupResult(group_id=item.group_id, completions=wire))
-    return m.Rollouts(lease_id=lease_msg.lease_id, policy_version=lease_msg.policy_version, groups=results)
+    return m.Rollouts(lease_id=lease_msg.lease_id, policy_version=lease_msg.policy_version,
+                      incarnation=learner.incarnation, groups=results)
 
 
 def ledger(learner: Learner) -> list[dict]:
@@ -151,7 +153,7 @@ def rejections(learner: Learner, reason: str) -> float:
 
 def fill_buffer(learner: Learner, identity: bytes = ACTOR_A) -> m.Lease:
     lease_msg = lease(learner, identity)
-    ack = learner.handle(identity, rollouts_for(lease_msg))
+    ack = learner.handle(identity, rollouts_for(lease_msg, incarnation=learner.incarnation))
     assert ack.status == "accepted"
     return lease_msg
 
@@ -411,8 +413,17 @@ def _too_long(learner, lease_msg, other):
     return rollouts_for(lease_msg, length=MAX_TOKENS + 1)
 
 
-def _future_version(learner, lease_msg, other):
-    return rollouts_for(lease_msg, version=learner.version + 1)
+def _huge_reward(learner, lease_msg, other):
+    # finite as a float64, inf as the float32 it is trained in
+    return rollouts_for(lease_msg, [0.0, 1.0, 2.0, 1e39])
+
+
+def _reward_beyond_bound(learner, lease_msg, other):
+    return rollouts_for(lease_msg, [0.0, 1.0, 2.0, 2 * learner.cfg.task.reward_bound])
+
+
+def _logprob_below_floor(learner, lease_msg, other):
+    return rollouts_for(lease_msg, logprob=-3e38)
 
 
 def _group_not_in_lease(learner, lease_msg, other):
@@ -431,7 +442,9 @@ INVALID_CASES = [
     (_token_out_of_range, "token_out_of_range", ACTOR_A),
     (_positive_logprob, "bad_logprob", ACTOR_A),
     (_too_long, "too_long", ACTOR_A),
-    (_future_version, "future_version", ACTOR_A),
+    (_huge_reward, "bad_reward", ACTOR_A),
+    (_reward_beyond_bound, "bad_reward", ACTOR_A),
+    (_logprob_below_floor, "bad_logprob", ACTOR_A),
     (_group_not_in_lease, "not_leased", ACTOR_A),
     (_duplicate_group_in_message, "duplicate_group_in_message", ACTOR_A),
     (lambda learner, lease_msg, other: rollouts_for(lease_msg), "not_your_lease", ACTOR_B),
@@ -459,6 +472,7 @@ def test_invalid_rollouts_are_rejected_without_changing_state(learner, build, re
     assert set(learner.scheduler.leases) == leases_before
     assert learner.scheduler.finished == set()
     assert learner.step == 0 and learner.version == 0
+    assert learner.bans.violations(learner.actors[sender].principal) == 1, "hostile input counts toward a ban"
     # An invalid answer is not remembered: the rightful holder can still submit a good result.
     good = learner.handle(ACTOR_A, rollouts_for(lease_msg))
     assert good.status == "accepted"
@@ -636,7 +650,7 @@ def test_resume_restores_state_and_cuts_logs_back_to_the_checkpoint(tiny_model_d
     first.handle(ACTOR_A, generated_rollouts(first, granted))
     first.train_step()  # checkpoint at step 1 (buffer empty, nothing outstanding)
     outstanding = lease(first)  # leased after the checkpoint...
-    first.handle(ACTOR_A, rollouts_for(outstanding, FLAT))  # ...and accepted after it
+    first.handle(ACTOR_A, rollouts_for(outstanding, FLAT, incarnation=first.incarnation))  # ...and accepted after it
     kept = ledger(first)[: GROUPS_PER_STEP]
     assert len(ledger(first)) == 2 * GROUPS_PER_STEP
     first.close()
@@ -659,6 +673,52 @@ def test_resume_restores_state_and_cuts_logs_back_to_the_checkpoint(tiny_model_d
         second.close()
 
 
+def test_resumed_learner_judges_work_by_incarnation_and_shared_history(tiny_model_dir, tmp_path):
+    cfg = run_config(tiny_model_dir, tmp_path / "run", train={"steps": 9, "checkpoint_every": 2})
+    first = build_learner(cfg)
+    old = hello(first)
+    for _ in range(3):  # steps 1-3: checkpoint at step 2 (v2), the previous life goes on to v3
+        fill_buffer(first)
+        first.train_step()
+    assert first.version == 3
+    held = lease(first, max_groups=1)  # leased at v3, after the checkpoint: the resumed life never issued it
+    first.close()
+
+    second = build_learner(cfg, resume=True)
+    try:
+        assert (second.version, second.history_version) == (2, 2)
+        welcome = hello(second)
+        assert welcome.incarnation != old.incarnation and welcome.policy_version == 2
+        # v3 of the previous life: a version this life has not published
+        late = held.model_copy(update={"policy_version": 3})
+        ack = second.handle(ACTOR_A, rollouts_for(late).model_copy(update={"incarnation": old.incarnation}))
+        assert ack.status == "stale"
+        # once this life publishes its own v3, the previous life's v3 still names other weights
+        fill_buffer(second)
+        second.train_step()
+        assert second.version == 3
+        fresh = lease(second, max_groups=1)
+        other_life = rollouts_for(fresh, version=3).model_copy(update={"incarnation": old.incarnation})
+        assert second.handle(ACTOR_A, other_life).reason == "previous_incarnation"
+        # v2 is shared history: sampled before the checkpoint, so good in either life
+        shared = rollouts_for(lease(second, max_groups=1), version=2).model_copy(update={"incarnation": old.incarnation})
+        assert second.handle(ACTOR_A, shared).status == "accepted"
+        assert second.bans.violations(ACTOR_A.hex()) == 0
+    finally:
+        second.close()
+
+
+def test_hello_requeues_the_leases_an_actor_no_longer_holds(learner):
+    hello(learner)
+    kept, lost = lease(learner, max_groups=1), lease(learner, max_groups=1)
+    # the actor reconnects (or restarts) and names only the lease it will still deliver
+    reply = learner.handle(ACTOR_A, m.Hello(actor_id="actor-a", host="h", backend="cpu", versions={},
+                                            holding=[kept.lease_id]))
+    assert isinstance(reply, m.Welcome)
+    assert set(learner.scheduler.leases) == {kept.lease_id}
+    assert [t.group_id for t in learner.scheduler.queued_groups] == [p.group_id for p in lost.prompts]
+
+
 def test_resume_keeps_buffered_groups_and_open_leases(tiny_model_dir, tmp_path):
     cfg = run_config(tiny_model_dir, tmp_path / "run", grpo={"groups_per_step": 4}, train={"steps": 5})
     first = build_learner(cfg)
@@ -672,7 +732,8 @@ def test_resume_keeps_buffered_groups_and_open_leases(tiny_model_dir, tmp_path):
     second = build_learner(cfg, resume=True)
     try:
         assert [g.group_id for g in second.buffer] == [p.group_id for p in buffered.prompts]
-        hello(second)
+        second.handle(ACTOR_A, m.Hello(actor_id="actor-a", host="h", backend="cpu", versions={},
+                                       holding=[still_out.lease_id]))
         ack = second.handle(ACTOR_A, rollouts_for(still_out))
         assert ack.status == "accepted", "an actor's lease survives the learner restart"
         assert second.ready_to_train()
@@ -694,10 +755,36 @@ def test_fresh_start_refuses_a_run_dir_holding_a_run(tiny_model_dir, tmp_path):
 
 def test_peer_sending_garbage_is_cut_off(make_learner):
     learner = make_learner(server={"max_violations": 3})
+    hello(learner, b"pest", "pest")
     for _ in range(3):
-        assert isinstance(learner.handle(b"pest", m.LeaseRequest(max_groups=1)), m.ErrorReply)
-    assert learner.is_banned(b"pest")
-    assert not learner.is_banned(ACTOR_A)
+        assert isinstance(learner.handle(b"pest", m.Welcome.model_construct()), m.ErrorReply)
+    assert learner.is_banned(b"pest".hex())
+    assert not learner.is_banned(ACTOR_A.hex())
+    assert sample(learner, "grpo_fleet_learner_bans_total") == 1
+
+
+def test_requests_before_hello_are_refused_but_never_ban(make_learner):
+    # What every honest actor sends a restarted learner before its next Hello.
+    learner = make_learner(server={"max_violations": 2})
+    for _ in range(5):
+        reply = learner.handle(ACTOR_A, m.LeaseRequest(max_groups=1))
+        assert isinstance(reply, m.ErrorReply) and reply.reason == "not_registered"
+    assert not learner.is_banned(ACTOR_A.hex())
+    assert sample(learner, "grpo_fleet_learner_protocol_errors_total", {"reason": "not_registered"}) == 5
+
+
+def test_rollouts_from_a_version_never_published_are_stale_not_violations(make_learner):
+    # An actor still holding what a learner published before it died and resumed.
+    learner = make_learner(server={"max_violations": 2})
+    welcome = hello(learner)
+    for _ in range(4):
+        granted = lease(learner, max_groups=1)
+        msg = rollouts_for(granted, version=learner.version + 7).model_copy(update={"incarnation": welcome.incarnation})
+        ack = learner.handle(ACTOR_A, msg)
+        assert ack.status == "stale" and ack.reason == "unpublished_version"
+    assert not learner.is_banned(ACTOR_A.hex()) and learner.bans.violations(ACTOR_A.hex()) == 0
+    assert learner.scheduler.outstanding_groups == 0, "the groups went back to the queue"
+    assert ledger(learner) == []
 
 
 def test_kill_between_staging_and_rename_leaves_previous_checkpoint(make_learner, monkeypatch):

@@ -169,6 +169,7 @@ class ActorWorker:
         hello = m.Hello(
             actor_id=self.actor_id, host=socket.gethostname(), backend=str(mx.default_device()),
             versions={"mlx": mx.__version__, "python": platform.python_version()}, metrics_port=self.metrics_port,
+            holding=[work.lease_id for work in (self.pending, self.next_lease) if work is not None and work.lease_id],
         )
         return self._request(hello, m.Welcome)
 
@@ -265,9 +266,14 @@ class ActorWorker:
             if isinstance(notice, m.Shutdown):
                 raise StopActor(f"learner shut down ({notice.reason})")
             if isinstance(notice, (m.PolicyUpdated, m.Heartbeat)):
-                latest = notice.version if isinstance(notice, m.PolicyUpdated) else notice.policy_version
-                self.newest_version = max(self.newest_version, latest)
-                self.metrics.policy_lag.set(max(0, self.newest_version - self.version))
+                self._follow(notice)
+
+    def _follow(self, notice: m.PolicyUpdated | m.Heartbeat) -> None:
+        """Track the learner's version exactly, backwards too; a new learner life means register again."""
+        if self.welcome is not None and notice.incarnation and notice.incarnation != self.welcome.incarnation:
+            raise LearnerUnavailable(f"the learner restarted (incarnation {notice.incarnation})")
+        self.newest_version = notice.version if isinstance(notice, m.PolicyUpdated) else notice.policy_version
+        self.metrics.policy_lag.set(abs(self.newest_version - self.version))
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -296,22 +302,38 @@ class ActorWorker:
             self.policy = load_policy(welcome.model.path, lora=lora, dtype=welcome.model.dtype)
             self.model_key = key
             self.version = -1
-        if self.welcome is not None and self.welcome.run_id != welcome.run_id:
-            # A different run: old rollouts and leases mean nothing there.
-            self.pending, self.next_lease = None, None
+        previous = self.welcome
+        if previous is not None and (previous.run_id, previous.incarnation) != (welcome.run_id, welcome.incarnation):
+            self._forget_previous_learner(previous, welcome)
         self.welcome = welcome
+        self.newest_version = welcome.policy_version
         log.info("actor %s joined run %s (policy v%d)", self.actor_id, welcome.run_id, welcome.policy_version)
+
+    def _forget_previous_learner(self, previous: m.Welcome, welcome: m.Welcome) -> None:
+        """Another run, or this run resumed from a checkpoint, possibly at an older version.
+
+        Our version number may name other weights in the new life, so reload its
+        policy. Work in hand is kept for the same run: the learner judges it
+        (stale if sampled past its checkpoint), and a lease it restored is still
+        good to generate. Another run's leases mean nothing there.
+        """
+        log.warning("learner restarted (run %s incarnation %s -> run %s incarnation %s, policy v%d -> v%d); "
+                    "reloading weights", previous.run_id, previous.incarnation, welcome.run_id, welcome.incarnation,
+                    self.version, welcome.policy_version)
+        if previous.run_id != welcome.run_id:
+            self.pending, self.next_lease = None, None
+        self.version = -1
 
     def _sync_weights(self) -> None:
         """Fetch the newest snapshot in chunks and swap it in only if its digest checks out."""
         started = time.perf_counter()
         try:
-            version, blob, digest = self.fetch_weights(max(self.newest_version, self.version, 0))
+            version, blob, digest = self.fetch_weights(max(self.newest_version, 0))
         except WeightsMismatch as exc:
             self.metrics.weight_syncs.labels(outcome="rejected").inc()
             log.error("refusing weights: %s; keeping v%d", exc, self.version)
             return
-        if version <= self.version:
+        if version == self.version:
             return
         try:
             load_weight_blob(self.policy.model, blob, digest)
@@ -320,11 +342,10 @@ class ActorWorker:
             log.error("refusing weights v%d: %s", version, exc)
             return
         self.version = version
-        self.newest_version = max(self.newest_version, version)
         self.metrics.weight_syncs.labels(outcome="loaded").inc()
         self.metrics.weight_fetch_seconds.observe(time.perf_counter() - started)
         self.metrics.policy_version.set(self.version)
-        self.metrics.policy_lag.set(max(0, self.newest_version - self.version))
+        self.metrics.policy_lag.set(abs(self.newest_version - self.version))
 
     def fetch_weights(self, version: int) -> tuple[int, bytearray, str]:
         """Pull one version's blob with up to CREDIT_WINDOW chunk requests in flight."""
@@ -368,7 +389,7 @@ class ActorWorker:
 
     def _work_once(self) -> None:
         self._check_notices()
-        if self.newest_version > self.version:
+        if self.newest_version != self.version:
             self._sync_weights()
         lease = self._take_lease()
         if lease is None:
@@ -405,13 +426,13 @@ class ActorWorker:
             group_size=gen.group_size, max_tokens=gen.max_tokens, temperature=gen.temperature,
             top_p=gen.top_p, stop_token_ids=sorted(policy.tokenizer.eos_token_ids),
         )
-        version = self.version
+        version, incarnation = self.version, welcome.incarnation
         started = time.perf_counter()
         prompts = [item.prompt_tokens.to_numpy().tolist() for item in lease.prompts]
         groups = generate_groups(policy.model, prompts, settings, on_step=self._heartbeat)
         self.metrics.generation_seconds.observe(time.perf_counter() - started)
         results = [self._score_group(item, completions) for item, completions in zip(lease.prompts, groups)]
-        return m.Rollouts(lease_id=lease.lease_id, policy_version=version, groups=results)
+        return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=incarnation, groups=results)
 
     def _score_group(self, item: m.PromptItem, completions: list) -> m.GroupResult:
         reward = self.welcome.reward

@@ -84,7 +84,8 @@ def _round(sock: Any, groups: list[list], job: dict, out: dict, timeout: float) 
     # Stands in for generating on another machine: takes time, not this machine's CPU.
     time.sleep(job.get("seconds_per_group", 0.0) * len(lease.prompts))
     results = [m.GroupResult(group_id=p.group_id, completions=groups[i % len(groups)]) for i, p in enumerate(lease.prompts)]
-    payload = encode(m.Rollouts(lease_id=lease.lease_id, policy_version=lease.policy_version, groups=results))
+    payload = encode(m.Rollouts(lease_id=lease.lease_id, policy_version=lease.policy_version,
+                                incarnation=job["incarnation"], groups=results))
     ack, seconds = _request(sock, payload, timeout)
     if not job["start"] <= time.time() <= job["end"]:
         return  # warm-up, or past the window: not measured
@@ -117,6 +118,7 @@ def session(job: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
         if not isinstance(welcome, m.Welcome):
             raise RuntimeError(f"expected Welcome, got {welcome!r}"[:300])
         gen = welcome.generation
+        job = {**job, "incarnation": welcome.incarnation}
         groups = _prebuilt_groups(welcome.vocab_size, gen.group_size, gen.max_tokens, seed=zlib.crc32(job["identity"].encode()))
         while time.time() < job["end"]:
             _round(sock, groups, job, out, timeout)

@@ -37,6 +37,7 @@ class AcceptedGroup:
     completions: list[CompletionRecord]
     policy_version: int
     actor_id: str
+    actor_key: str = ""  # the peer key its violations and bans are counted under
 
     @property
     def rewards(self) -> np.ndarray:

@@ -11,13 +11,13 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.bans import Bans, peer_key
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
 from grpo_fleet.learner.fleet import ActorInfo, TokenRate, actor_from_hello, sd_groups
 from grpo_fleet.learner.pacing import MovingAverage, lease_size, lease_target_seconds
@@ -62,6 +62,10 @@ class Learner(Persistence):
         self.run_dir = run_dir
         self.pub_address = pub_address
         self.run_id = uuid.uuid4().hex[:12]
+        # This life of the learner process; see m.Incarnation. Versions up to
+        # history_version were published by earlier lives too, with the same weights.
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.history_version = 0
         self.scheduler = PromptScheduler(
             len(prompt_tokens), seed=cfg.train.seed, lease_seconds=cfg.server.lease_seconds
         )
@@ -73,7 +77,7 @@ class Learner(Persistence):
         self.rate = TokenRate()
         self.groups_accepted = 0
         self.sd_snapshot: list[dict] = []
-        self.violations: Counter[bytes] = Counter()
+        self.bans = Bans(cfg.server.max_violations, cfg.server.ban_seconds)
         self.acks: dict[str, m.Ack] = {}
         self.buffer: list[AcceptedGroup] = []
         self.step = 0
@@ -127,20 +131,22 @@ class Learner(Persistence):
         `principal` is the authenticated CURVE key; leases are bound to it, so a
         peer reusing another actor's routing id cannot act for it.
         """
-        owner = principal or identity.hex()
+        owner = peer_key(identity, principal)
         if isinstance(msg, m.Hello):
             return self._on_hello(identity, owner, msg, peer_address)
         if isinstance(msg, m.StatusRequest):
             return self.status()
         actor = self.actors.get(identity)
         if actor is None or actor.principal != owner:
+            # Not a violation: every honest actor sends a few of these to a
+            # restarted learner before its next Hello, and answering is cheap.
             self.metrics.protocol_errors.labels(reason="not_registered").inc()
-            self.record_violation(identity)
             return m.ErrorReply(reason="not_registered", detail="send Hello first")
         actor.last_seen = time.monotonic()
         if isinstance(msg, m.Heartbeat):
             actor.policy_version = msg.policy_version
-            return m.Heartbeat(actor_id=actor.actor_id, policy_version=self.version, sent_at=time.time())
+            return m.Heartbeat(actor_id=actor.actor_id, policy_version=self.version, sent_at=time.time(),
+                               incarnation=self.incarnation)
         if isinstance(msg, m.GetWeights):
             return self._on_get_weights(msg)
         if isinstance(msg, m.LeaseRequest):
@@ -148,12 +154,19 @@ class Learner(Persistence):
         if isinstance(msg, m.Rollouts):
             return self._on_rollouts(identity, msg)
         self.metrics.protocol_errors.labels(reason="unexpected_type").inc()
-        self.record_violation(identity)
+        self.record_violation(owner, "unexpected_type")
         return m.ErrorReply(reason="unexpected_type", detail=f"{type(msg).__name__} is not a request")
 
     def _on_hello(self, identity: bytes, owner: str, msg: m.Hello, peer_address: str) -> m.Welcome:
         self.actors[identity] = actor_from_hello(msg, owner, peer_address)
         log.info("actor %s joined from %s (%s)", msg.actor_id, msg.host, msg.backend)
+        # A restarted actor, or one reconnecting to a resumed learner, will never
+        # return the leases it does not name; unless its key has another live
+        # session (one key on two Macs), hand them out again now.
+        if sum(info.principal == owner for info in self.actors.values()) == 1:
+            released = self.scheduler.release_actor(owner, keep=frozenset(msg.holding))
+            if released:
+                log.info("actor %s came back without %d of its leases; re-queued them", msg.actor_id, released)
         self.metrics.actors_connected.set(len(self.actors))
         return self.welcome(msg.actor_id)
 
@@ -177,6 +190,7 @@ class Learner(Persistence):
             heartbeat_seconds=cfg.server.heartbeat_seconds,
             pub_address=self.pub_address,
             vocab_size=self.policy.vocab_size,
+            incarnation=self.incarnation,
         )
 
     def _on_get_weights(self, msg: m.GetWeights) -> tuple[m.WeightsChunk, memoryview]:
@@ -277,16 +291,22 @@ class Learner(Persistence):
     # ------------------------------------------------------------------ rollouts
 
     def _reject(self, identity: bytes, reason: str, detail: str = "") -> m.Ack:
+        """Refuse hostile or malformed rollouts; this counts toward the peer's ban."""
         self.metrics.rejections.labels(reason=reason).inc()
-        self.record_violation(identity)
+        self.record_violation(self.actors[identity].principal, reason)
         return m.Ack(status="invalid", reason=reason if not detail else f"{reason}: {detail}")
 
-    def record_violation(self, identity: bytes) -> None:
-        """Count a bad message from a peer; past the limit the server stops listening to it."""
-        self.violations[identity] += 1
+    def record_violation(self, key: str, reason: str) -> None:
+        """Count malformed or hostile input from a peer key (see learner/bans.py for the policy)."""
+        self.metrics.violations.labels(reason=reason).inc()
+        if self.bans.record(key):
+            self.metrics.bans.inc()
+            log.warning("peer %s banned for %.0fs after %d violations (last: %s)", key,
+                        self.bans.ban_seconds, self.bans.max_violations, reason)
+        self.metrics.banned_peers.set(self.bans.banned_count())
 
-    def is_banned(self, identity: bytes) -> bool:
-        return self.violations[identity] >= self.cfg.server.max_violations
+    def is_banned(self, key: str) -> bool:
+        return self.bans.is_banned(key)
 
     def _on_rollouts(self, identity: bytes, msg: m.Rollouts) -> m.Ack:
         stored = self.acks.get(msg.lease_id)
@@ -297,11 +317,10 @@ class Learner(Persistence):
             # the ledger that no checkpoint or step ever accounts for.
             return m.Ack(status="stale", reason="run_done", groups={g.group_id: "stale" for g in msg.groups})
         gen = self.cfg.generation
-        reason = m.validate_rollouts(msg, group_size=gen.group_size, vocab_size=self.policy.vocab_size, max_tokens=gen.max_tokens)
+        reason = m.validate_rollouts(msg, group_size=gen.group_size, vocab_size=self.policy.vocab_size,
+                                     max_tokens=gen.max_tokens, reward_bound=self.cfg.task.reward_bound)
         if reason is not None:
             return self._reject(identity, reason)
-        if msg.policy_version > self.version:
-            return self._reject(identity, "future_version", f"{msg.policy_version} > {self.version}")
         known_lease = msg.lease_id in self.scheduler.leases
         owner = self.actors[identity].principal
         statuses = {g.group_id: self.scheduler.classify(owner, msg.lease_id, g.group_id) for g in msg.groups}
@@ -309,9 +328,26 @@ class Learner(Persistence):
         if bad:
             return self._reject(identity, bad[0])
         self._measure_actor(self.actors[identity], msg.lease_id, len(msg.groups))
-        if self.version - msg.policy_version > self.cfg.grpo.max_staleness:
-            return self._store(msg.lease_id, self._stale(msg, statuses), known_lease)
+        unusable = self._unusable_version(msg)
+        if unusable is not None:
+            return self._store(msg.lease_id, self._stale(msg, statuses, unusable), known_lease)
         return self._store(msg.lease_id, self._accept(identity, msg, statuses), known_lease)
+
+    def _unusable_version(self, msg: m.Rollouts) -> Optional[str]:
+        """Why rollouts cannot train this policy (None = they can); none of these is the actor's fault.
+
+        After a resume, actors may still hold versions the previous life published
+        past its last checkpoint: those numbers either do not exist yet in this
+        life or name other weights, so such work is stale, never a violation.
+        """
+        version = msg.policy_version
+        if version > self.version:
+            return "unpublished_version"
+        if msg.incarnation != self.incarnation and version > self.history_version:
+            return "previous_incarnation"
+        if self.version - version > self.cfg.grpo.max_staleness:
+            return "stale_version"
+        return None
 
     def _store(self, lease_id: str, ack: m.Ack, known_lease: bool) -> m.Ack:
         # Only answers about leases that were open are worth replaying, and the
@@ -323,12 +359,12 @@ class Learner(Persistence):
         self.metrics.leases_outstanding.set(len(self.scheduler.leases))
         return ack
 
-    def _stale(self, msg: m.Rollouts, statuses: dict[str, str]) -> m.Ack:
+    def _stale(self, msg: m.Rollouts, statuses: dict[str, str], reason: str) -> m.Ack:
         for group_id, status in statuses.items():
             if status == "ok":
                 self.scheduler.requeue(msg.lease_id, group_id)
-        self.metrics.rejections.labels(reason="stale_version").inc(len(msg.groups))
-        return m.Ack(status="stale", reason="stale_version", groups={g: "stale" for g in statuses})
+        self.metrics.rejections.labels(reason=reason).inc(len(msg.groups))
+        return m.Ack(status="stale", reason=reason, groups={g: "stale" for g in statuses})
 
     def _accept(self, identity: bytes, msg: m.Rollouts, statuses: dict[str, str]) -> m.Ack:
         answer: dict[str, str] = {}
@@ -362,6 +398,7 @@ class Learner(Persistence):
             ],
             policy_version=version,
             actor_id=actor_id,
+            actor_key=owner,
         )
         self._ledger_file.write(json.dumps({
             "group_id": record.group_id, "prompt_index": prompt_index, "actor_id": actor_id,

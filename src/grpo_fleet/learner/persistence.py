@@ -92,6 +92,9 @@ class Persistence:
         self.accepted_since_step = state["accepted_since_step"]
         self.zero_variance_since_step = state["zero_variance_since_step"]
         self.scheduler.load_state_dict(state["scheduler"])
+        # Versions up to here were published, with these same weights, by the life
+        # that wrote the checkpoint; work sampled from them is still good.
+        self.history_version = self.version
         self.started = time.monotonic() - state["wall_seconds"]
         # Groups accepted after this checkpoint are forgotten here and re-queued by
         # their leases, so the ledger must forget them too to stay exactly-once.
@@ -101,4 +104,5 @@ class Persistence:
         truncate_log(self.run_dir / "metrics.jsonl", state["metrics_bytes"])
         self._make_snapshot()
         self.metrics.policy_version.set(self.version)
-        log.info("resumed run %s at step %d (policy v%d) from %s", self.run_id, self.step, self.version, checkpoint)
+        log.info("resumed run %s at step %d (policy v%d) from %s as incarnation %s",
+                 self.run_id, self.step, self.version, checkpoint, self.incarnation)

@@ -148,9 +148,9 @@ class PromptScheduler:
         for group_id in list(lease.tickets):
             self.requeue(lease_id, group_id)
 
-    def release_actor(self, actor: str) -> int:
-        """Re-queue everything leased to an actor that went away; returns the lease count."""
-        mine = [lease.lease_id for lease in self.leases.values() if lease.actor == actor]
+    def release_actor(self, actor: str, keep: frozenset[str] = frozenset()) -> int:
+        """Re-queue what is leased to an actor that went away, or came back without it; returns the lease count."""
+        mine = [lease.lease_id for lease in self.leases.values() if lease.actor == actor and lease.lease_id not in keep]
         for lease_id in mine:
             self.release(lease_id)
         return len(mine)

@@ -19,6 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.bans import peer_key
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.metrics import serve_metrics
 from grpo_fleet.protocol import messages as m
@@ -182,7 +183,8 @@ class LearnerServer:
         snapshot = self.learner.snapshot
         if snapshot.version != self._announced_version:
             self._announced_version = snapshot.version
-            self._publish(m.PolicyUpdated(version=snapshot.version, digest=snapshot.digest))
+            self._publish(m.PolicyUpdated(version=snapshot.version, digest=snapshot.digest,
+                                          incarnation=self.learner.incarnation))
 
     def _pump(self, timeout_ms: int) -> None:
         """Answer every message that is waiting (bounded, so lease expiry and notices still get their turn)."""
@@ -202,7 +204,7 @@ class LearnerServer:
 
     def _admitted(self, identity: bytes, principal: Optional[str]) -> bool:
         """Drop messages from banned peers and from keys revoked after their handshake."""
-        if self.learner.is_banned(identity):
+        if self.learner.is_banned(peer_key(identity, principal)):
             self.learner.metrics.protocol_errors.labels(reason="banned").inc()
             return False
         if self.keyring is not None and not (principal and self.keyring.allows(principal.encode())):
@@ -219,7 +221,7 @@ class LearnerServer:
             return m.Shutdown(reason="done")
         if isinstance(msg, ProtocolError):
             self.learner.metrics.protocol_errors.labels(reason=msg.reason).inc()
-            self.learner.record_violation(identity)
+            self.learner.record_violation(peer_key(identity, principal), msg.reason)
             return m.ErrorReply(reason=msg.reason, detail=str(msg)[:500])
         try:
             return self.learner.handle(identity, msg, principal, peer_address)
@@ -239,7 +241,8 @@ class LearnerServer:
         self.learner.expire_leases()
         self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
         self.learner.refresh_service_discovery(self.metrics_target)
-        self._publish(m.Heartbeat(actor_id="learner", policy_version=self.learner.version, sent_at=time.time()))
+        self._publish(m.Heartbeat(actor_id="learner", policy_version=self.learner.version, sent_at=time.time(),
+                                  incarnation=self.learner.incarnation))
 
     def _drop_silent_actors(self, cutoff: float) -> None:
         for identity, info in list(self.learner.actors.items()):

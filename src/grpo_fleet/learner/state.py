@@ -21,6 +21,7 @@ def group_to_dict(group: AcceptedGroup) -> dict:
         "prompt_tokens": np.ascontiguousarray(group.prompt_tokens, dtype="<i4").tobytes(),
         "policy_version": group.policy_version,
         "actor_id": group.actor_id,
+        "actor_key": group.actor_key,
         "completions": [
             {
                 "tokens": np.ascontiguousarray(c.tokens, dtype="<i4").tobytes(),
@@ -50,6 +51,7 @@ def group_from_dict(data: dict) -> AcceptedGroup:
         ],
         policy_version=data["policy_version"],
         actor_id=data["actor_id"],
+        actor_key=data.get("actor_key", ""),  # absent in checkpoints written before it existed
     )
 
 

@@ -39,6 +39,13 @@ NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 LoraValue = Union[bool, int, float, str, list[str], None]
+# One life of a learner process: a fresh one on every start and every --resume.
+# Versions up to the one a life resumed at are shared history; newer ones belong
+# to the life that trained them, so the same number can mean other weights.
+Incarnation = Annotated[str, Field(pattern=r"^([0-9a-f]{12})?$")]
+# Sampled-token logprobs a real model can produce: finite, at most 0 (plus float
+# noise), and not below this floor (a token that unlikely is never sampled).
+LOGPROB_FLOOR, LOGPROB_CEILING = -1e4, 1e-4
 
 
 class _Strict(BaseModel):
@@ -94,6 +101,9 @@ class Hello(_Strict):
     versions: dict[str, str] = Field(max_length=32)
     capacity: PositiveFloat = 1.0  # tokens/s hint for scheduling
     metrics_port: int = Field(0, ge=0, le=65535)  # 0 = no /metrics; else listed in the learner's service discovery
+    # Leases this actor still means to deliver (after a reconnect); the learner
+    # re-queues its other ones at once instead of waiting for them to expire.
+    holding: list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = Field(default_factory=list, max_length=8)
 
 
 class GenerationParams(_Strict):
@@ -134,6 +144,7 @@ class Welcome(_Strict):
     heartbeat_seconds: PositiveFloat
     pub_address: Optional[str] = None
     vocab_size: int = Field(ge=1)
+    incarnation: Incarnation = ""  # this life of the learner; a new one means "reload policy_version"
 
 
 class GetWeights(_Strict):
@@ -212,6 +223,8 @@ class GroupResult(_Strict):
 class Rollouts(_Strict):
     lease_id: str
     policy_version: NonNegInt
+    # The learner life whose snapshot sampled these ("" = unknown: trusted only for shared history).
+    incarnation: Incarnation = ""
     groups: list[GroupResult] = Field(min_length=1, max_length=256)
 
 
@@ -225,6 +238,7 @@ class Heartbeat(_Strict):
     actor_id: str = ""
     policy_version: int = 0
     sent_at: float = 0.0  # informational only; clocks are not assumed in sync
+    incarnation: Incarnation = ""  # set by the learner; actors leave it empty
 
 
 class ErrorReply(_Strict):
@@ -260,6 +274,7 @@ class Status(_Strict):
 class PolicyUpdated(_Strict):
     version: NonNegInt
     digest: str
+    incarnation: Incarnation = ""
 
 
 class Shutdown(_Strict):
@@ -281,8 +296,14 @@ MESSAGE_TYPES: dict[str, type[BaseModel]] = {
 }
 
 
-def validate_rollouts(msg: Rollouts, *, group_size: int, vocab_size: int, max_tokens: int) -> Optional[str]:
-    """Run-dependent checks; returns a short reason label or None when the batch is usable."""
+def validate_rollouts(
+    msg: Rollouts, *, group_size: int, vocab_size: int, max_tokens: int, reward_bound: float = 1e4
+) -> Optional[str]:
+    """Run-dependent checks; returns a short reason label or None when the batch is usable.
+
+    Values are checked in the dtype they are trained in: a reward of 1e39 is a
+    finite float64 but inf in float32, so rewards must lie within `reward_bound`.
+    """
     ids = [g.group_id for g in msg.groups]
     if len(set(ids)) != len(ids):
         return "duplicate_group_in_message"
@@ -299,6 +320,9 @@ def validate_rollouts(msg: Rollouts, *, group_size: int, vocab_size: int, max_to
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         return "token_out_of_range"
     logprobs = np.concatenate([c.logprobs.to_numpy() for c in completions])
-    if not np.all(np.isfinite(logprobs)) or np.any(logprobs > 1e-4):
+    if not np.all((logprobs >= LOGPROB_FLOOR) & (logprobs <= LOGPROB_CEILING)):  # NaN fails both
         return "bad_logprob"
+    rewards = np.array([c.reward for c in completions], dtype=np.float64)
+    if not np.all(np.abs(rewards) <= reward_bound):
+        return "bad_reward"
     return None

@@ -1,4 +1,5 @@
-"""Chaos: SIGKILL actors at random moments and the learner once; nothing is lost or counted twice."""
+"""Chaos: SIGKILL the learner at random points past its checkpoint, and actors at random
+moments; the run keeps advancing, no honest actor is banned, nothing is lost or counted twice."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from grpo_fleet.learner.state import read_state
 from grpo_fleet.model import latest_checkpoint
 
 STEPS = 400
+CHECKPOINT_EVERY = 10
+LEARNER_KILLS = 3
 ACTOR_KILLS = 6
+# After a resume the run must pass the step it died at within this long. A
+# learner that refuses its actors' work (the livelock this test was written for)
+# never does; a healthy one needs a few seconds to load plus a few steps.
+RESUME_BOUND_SECONDS = 60.0
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -23,14 +30,44 @@ def _steps_done(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def _checkpointed_step(run_dir: Path) -> int:
+    latest = run_dir / "checkpoints" / "latest.json"
+    return json.loads(latest.read_text())["step"] if latest.exists() else 0
+
+
+def _wait_for_offset(run_dir: Path, learner, offset: int, at_least: int) -> int:
+    """Poll until the run is `offset` steps past a checkpoint (and past `at_least`); returns the step."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert learner.poll() is None, learner.log_path.read_text()[-3000:]
+        done = _steps_done(run_dir)
+        if done >= at_least and done % CHECKPOINT_EVERY == offset and _checkpointed_step(run_dir) == done - offset:
+            return done
+        time.sleep(0.002)
+    raise AssertionError(f"the run never reached {offset} steps past a checkpoint")
+
+
+def _wait_for_progress(run_dir: Path, learner, beyond: int) -> float:
+    """Seconds until the resumed run passes step `beyond`; fails past RESUME_BOUND_SECONDS."""
+    started = time.monotonic()
+    while time.monotonic() - started < RESUME_BOUND_SECONDS:
+        assert learner.poll() is None, learner.log_path.read_text()[-3000:]
+        if _steps_done(run_dir) > beyond:
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(
+        f"stuck after resume: still at step {_steps_done(run_dir)} of the {beyond} it died at, "
+        f"{RESUME_BOUND_SECONDS:.0f}s later\n" + learner.log_path.read_text()[-3000:]
+    )
+
+
 @pytest.mark.slow
 def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config, spawn):
-    # Short leases and heartbeats so killed actors' work is re-queued within the test;
-    # frequent checkpoints so the killed learner resumes close to where it died.
+    # Short leases and heartbeats so killed actors' work is re-queued within the test.
     config, cfg = run_config(
         task={"num_train": 300},
-        train={"steps": STEPS, "checkpoint_every": 5},
-        server={"lease_seconds": 3.0, "heartbeat_seconds": 0.5, "max_groups_per_lease": 2},
+        train={"steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY},
+        server={"lease_seconds": 3.0, "heartbeat_seconds": 0.5, "max_groups_per_lease": 2, "max_violations": 5},
     )
     run_dir, bind = Path(cfg.run_dir), cfg.server.bind
     rng = random.Random(20261201)
@@ -39,30 +76,33 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
         return spawn("actor", "--connect", bind, "--actor-id", f"chaos-{index}", "--metrics-port", "0",
                      "--request-timeout", "3", "--model-dir", str(run_dir), name=f"actor{index}")
 
-    learner = spawn("learner", "--config", str(config), name="learner")
+    learners = [spawn("learner", "--config", str(config), name="learner")]
     actors = [start_actor(i) for i in range(3)]
-    actor_kills, learner_kills = 0, 0
-    # Actor kills around one learner kill, at random moments while training runs.
-    events = ["actor"] * 3 + ["learner"] + ["actor"] * (ACTOR_KILLS - 3)
-    for event in events:
+    # Every resume point past a checkpoint is equally likely; 0 (right after one) included.
+    offsets = rng.sample(range(CHECKPOINT_EVERY), LEARNER_KILLS)
+    recoveries = []
+    for offset in offsets:
+        # The same actors throughout: they hold versions newer than the checkpoint.
+        died_at = _wait_for_offset(run_dir, learners[-1], offset, at_least=_steps_done(run_dir) + CHECKPOINT_EVERY)
+        learners[-1].send_signal(signal.SIGKILL)
+        learners[-1].wait()
+        learners.append(spawn("learner", "--resume", str(run_dir), name="learner-resumed"))
+        recoveries.append(_wait_for_progress(run_dir, learners[-1], beyond=died_at))
+    for _ in range(ACTOR_KILLS):
         time.sleep(rng.uniform(0.3, 1.2))
-        while _steps_done(run_dir) < 10:
-            assert learner.poll() is None, learner.log_path.read_text()[-3000:]
-            time.sleep(0.1)
-        assert learner.poll() is None, "the run ended before the chaos did; raise STEPS"
-        if event == "actor":
-            victim = rng.randrange(len(actors))
-            actors[victim].send_signal(signal.SIGKILL)
-            actors[victim].wait()
-            actors[victim] = start_actor(victim)
-            actor_kills += 1
-        else:
-            learner.send_signal(signal.SIGKILL)
-            learner.wait()
-            learner = spawn("learner", "--resume", str(run_dir), name="learner-resumed")
-            learner_kills += 1
+        assert learners[-1].poll() is None, "the run ended before the chaos did; raise STEPS"
+        victim = rng.randrange(len(actors))
+        actors[victim].send_signal(signal.SIGKILL)
+        actors[victim].wait()
+        actors[victim] = start_actor(victim)
+    learner = learners[-1]
     learner.wait(timeout=420)
     assert learner.returncode == 0, learner.log_path.read_text()[-3000:]
+
+    learner_logs = "".join(proc.log_path.read_text() for proc in learners)
+    assert " banned " not in learner_logs, "an honest actor was banned"
+    for proc in actors:
+        assert "learner rejected lease" not in proc.log_path.read_text(), "an honest actor's work was refused as invalid"
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "the run reaches its step target once"
@@ -82,5 +122,6 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
 
     model, tokenizer = mlx_lm.load(str(checkpoint))
     assert isinstance(mlx_lm.generate(model, tokenizer, "123=", max_tokens=4), str)
-    print(f"chaos: actor kills {actor_kills}, learner kills {learner_kills}, groups accepted {len(ids)}, "
+    print(f"chaos: learner kills at {offsets} steps past a checkpoint, back past the kill in "
+          f"{', '.join(f'{s:.1f}s' for s in recoveries)}; actor kills {ACTOR_KILLS}, groups accepted {len(ids)}, "
           f"duplicates {duplicates}, lost {len(lost)}, handed out {len(handed_out)}")

@@ -320,9 +320,14 @@ def validate_rollouts(
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         return "token_out_of_range"
     logprobs = np.concatenate([c.logprobs.to_numpy() for c in completions])
+    rewards = np.array([c.reward for c in completions], dtype=np.float64)
+    return values_out_of_bounds(logprobs, rewards, reward_bound)
+
+
+def values_out_of_bounds(logprobs: np.ndarray, rewards: np.ndarray, reward_bound: float) -> Optional[str]:
+    """"bad_logprob" or "bad_reward" when a value cannot be trained on in float32, else None."""
     if not np.all((logprobs >= LOGPROB_FLOOR) & (logprobs <= LOGPROB_CEILING)):  # NaN fails both
         return "bad_logprob"
-    rewards = np.array([c.reward for c in completions], dtype=np.float64)
     if not np.all(np.abs(rewards) <= reward_bound):
         return "bad_reward"
     return None

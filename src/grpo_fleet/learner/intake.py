@@ -19,7 +19,8 @@ def suspect_groups(groups: list[AcceptedGroup], reward_bound: float) -> dict[str
     for group in groups:
         # In float32, as trained: a reward of 1e39 is inf here.
         logprobs = np.concatenate([c.logprobs.astype(np.float32) for c in group.completions])
-        reason = values_out_of_bounds(logprobs, group.rewards, reward_bound)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflowing is what we look for
+            reason = values_out_of_bounds(logprobs, group.rewards, reward_bound)
         if reason is not None:
             suspects[group.group_id] = reason
     return suspects

@@ -147,7 +147,16 @@ class ServerConfig(_Section):
         "before they go stale.",
     )
     heartbeat_seconds: float = Field(2.0, gt=0, description="Heartbeat period both ways.")
-    max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Largest accepted message.")
+    max_actors: int = Field(
+        1024, ge=1,
+        description="Most actors registered at once; a Hello beyond it is refused (`too_many_actors`) until one goes "
+        "silent, so throwaway identities cannot grow the learner's memory.",
+    )
+    max_message_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024,
+        description="Upper cap on an accepted message. The learner's real limit is tighter: what the largest "
+        "Rollouts can need (max_groups_per_lease x group_size x max_tokens, plus framing).",
+    )
     weight_chunk_bytes: int = Field(4 * 1024 * 1024, ge=4096, description="Size of the chunks weights are served in.")
     max_violations: int = Field(50, ge=1, description="Bad messages after which a peer is ignored for the rest of the run.")
 

@@ -34,6 +34,7 @@ from grpo_fleet.model import Policy, load_policy, load_weight_blob, model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits, ProtocolError
 from grpo_fleet.protocol.auth import load_keypair
+from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_message, recv_with_raw, send_message, sub_socket
 from grpo_fleet.protocol.weights import ChunkAssembler, WeightsMismatch
 from grpo_fleet.tasks import UnknownRewardError, score_completion, validate_rewards
@@ -123,12 +124,12 @@ class ActorWorker:
                 try:
                     self._session()
                 except LearnerUnavailable as exc:
-                    log.warning("learner unavailable (%s); retrying in %.1fs", exc, backoff)
+                    log.warning("learner unavailable (%s); retrying in %.1fs", shown(exc), backoff)
                     self.metrics.reconnects.inc()
                     self._sleep(backoff)
                     backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
                 except StopActor as exc:
-                    log.info("actor %s stopping: %s", self.actor_id, exc)
+                    log.info("actor %s stopping: %s", self.actor_id, shown(exc))
                     return
                 else:
                     backoff = 0.2
@@ -217,7 +218,7 @@ class ActorWorker:
         try:
             return recv_message(self._dealer, timeout_s=min(remaining, 0.5), limits=self.limits)
         except ProtocolError as exc:
-            log.warning("bad reply from learner: %s", exc)
+            log.warning("bad reply from learner: %s", shown(exc))
             return None
 
     def _on_stray_reply(self, reply: object) -> None:
@@ -238,7 +239,7 @@ class ActorWorker:
         elif isinstance(reply, m.Ack):
             self.metrics.acks.labels(status=reply.status).inc()
             if reply.status == "invalid":
-                log.error("learner rejected lease %s: %s", self.pending.lease_id if self.pending else "?", reply.reason)
+                log.error("learner rejected lease %s: %s", shown(self.pending.lease_id if self.pending else "?"), shown(reply.reason))
             self.pending = None
 
     def _await(self, settled: Callable[[], bool]) -> None:
@@ -300,7 +301,7 @@ class ActorWorker:
             # A different run: old rollouts and leases mean nothing there.
             self.pending, self.next_lease = None, None
         self.welcome = welcome
-        log.info("actor %s joined run %s (policy v%d)", self.actor_id, welcome.run_id, welcome.policy_version)
+        log.info("actor %s joined run %s (policy v%d)", self.actor_id, shown(welcome.run_id), welcome.policy_version)
 
     def _sync_weights(self) -> None:
         """Fetch the newest snapshot in chunks and swap it in only if its digest checks out."""
@@ -309,7 +310,7 @@ class ActorWorker:
             version, blob, digest = self.fetch_weights(max(self.newest_version, self.version, 0))
         except WeightsMismatch as exc:
             self.metrics.weight_syncs.labels(outcome="rejected").inc()
-            log.error("refusing weights: %s; keeping v%d", exc, self.version)
+            log.error("refusing weights: %s; keeping v%d", shown(exc), self.version)
             return
         if version <= self.version:
             return
@@ -317,7 +318,7 @@ class ActorWorker:
             load_weight_blob(self.policy.model, blob, digest)
         except ValueError as exc:
             self.metrics.weight_syncs.labels(outcome="rejected").inc()
-            log.error("refusing weights v%d: %s", version, exc)
+            log.error("refusing weights v%d: %s", version, shown(exc))
             return
         self.version = version
         self.newest_version = max(self.newest_version, version)
@@ -352,7 +353,7 @@ class ActorWorker:
             try:
                 received = recv_with_raw(self._dealer, timeout_s=0.5, limits=self.limits)
             except ProtocolError as exc:
-                log.warning("bad reply from learner: %s", exc)
+                log.warning("bad reply from learner: %s", shown(exc))
                 continue
             if received is None:
                 continue

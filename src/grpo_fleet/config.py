@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grpo_fleet.protocol.messages import ACTOR_ID_PATTERN
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -197,7 +199,10 @@ class ActorConfig(_Section):
     """One actor process. Everything about the run comes from the learner."""
 
     connect: str = Field("tcp://127.0.0.1:5555", description="The learner's ROUTER address.")
-    actor_id: Optional[str] = Field(None, description="Name shown in logs and metrics; default: host-pid.")
+    actor_id: Optional[str] = Field(
+        None, pattern=ACTOR_ID_PATTERN,
+        description="Name shown in logs and metrics (letters, digits and ._:@+-); default: host-pid.",
+    )
     max_groups: int = Field(2, ge=1, description="Prompts asked for per lease.")
     metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig(port=9401))
     model_dirs: list[str] = Field(

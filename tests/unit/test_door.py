@@ -298,3 +298,14 @@ def test_inbound_limits_never_exceed_max_message_bytes() -> None:
     cfg = RunConfig.model_validate({"generation": {"group_size": 1024, "max_tokens": 32768},
                                     "server": {"max_groups_per_lease": 256, "max_message_bytes": 10 * 2**20}})
     assert inbound_limits(cfg).max_message_bytes == 10 * 2**20
+
+
+@pytest.mark.parametrize("actor_id", ["mac 1", "evil\r\nid", "-dash"])
+def test_an_actor_with_an_unsafe_id_fails_at_its_config_not_at_every_hello(actor_id: str) -> None:
+    from pydantic import ValidationError
+
+    from grpo_fleet.config import ActorConfig
+
+    with pytest.raises(ValidationError):
+        ActorConfig(actor_id=actor_id)
+    assert ActorConfig(actor_id="mac-1.local@lab").actor_id == "mac-1.local@lab"

@@ -63,7 +63,8 @@ LoraValue = Union[bool, Int32, FiniteFloat, str, list[str], None]
 # Peer-supplied strings that reach logs, metrics labels and /sd: a safe character
 # set, so no CR, ANSI escape or NUL can be written by a peer. Lease ids are the
 # learner's uuid4 hex ("" for a no-work Lease) and group ids its "g%08d".
-ActorId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")]
+ACTOR_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
+ActorId = Annotated[str, Field(pattern=ACTOR_ID_PATTERN)]
 OptionalActorId = Annotated[str, Field(pattern=r"^([A-Za-z0-9][A-Za-z0-9._:@+-]{0,127})?$")]
 GroupId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 LeaseId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{0,128}$")]

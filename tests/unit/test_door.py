@@ -309,3 +309,13 @@ def test_an_actor_with_an_unsafe_id_fails_at_its_config_not_at_every_hello(actor
     with pytest.raises(ValidationError):
         ActorConfig(actor_id=actor_id)
     assert ActorConfig(actor_id="mac-1.local@lab").actor_id == "mac-1.local@lab"
+
+
+def test_token_rate_keeps_only_its_window_even_if_nobody_asks() -> None:
+    from grpo_fleet.learner.fleet import RATE_WINDOW_SECONDS, TokenRate
+
+    rate = TokenRate()
+    for i in range(10_000):
+        rate.add(10, now=i * 0.1)  # 1000 s of accepted groups, status never requested
+    assert len(rate.events) <= RATE_WINDOW_SECONDS / 0.1 + 1
+    assert rate.per_second(now=1000.0) == pytest.approx(100.0, rel=0.02)

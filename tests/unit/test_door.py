@@ -319,3 +319,12 @@ def test_token_rate_keeps_only_its_window_even_if_nobody_asks() -> None:
         rate.add(10, now=i * 0.1)  # 1000 s of accepted groups, status never requested
     assert len(rate.events) <= RATE_WINDOW_SECONDS / 0.1 + 1
     assert rate.per_second(now=1000.0) == pytest.approx(100.0, rel=0.02)
+
+
+@pytest.mark.parametrize("hostname", ["mac-1.local", "J\u00f6hn\u2019s Mac", "_weird\r\n", ""])
+def test_the_default_actor_id_is_accepted_whatever_the_hostname(monkeypatch, hostname: str) -> None:
+    from grpo_fleet.actor import worker
+
+    monkeypatch.setattr(worker.socket, "gethostname", lambda: hostname)
+    actor_id = worker.default_actor_id()
+    assert decode(envelope("Hello", {**HELLO, "actor_id": actor_id, "host": shown(hostname)[:256]})).actor_id == actor_id

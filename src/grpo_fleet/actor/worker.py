@@ -71,12 +71,18 @@ def model_path_allowed(path: str, model_dirs: list[str]) -> bool:
     return any(resolved == root or root in resolved.parents for root in roots)
 
 
+def default_actor_id() -> str:
+    """host-pid, the hostname cut down to the characters the learner accepts in an actor id."""
+    host = re.sub(f"[^{m.ACTOR_ID_CHARS}]", "-", socket.gethostname()).lstrip("._:@+-") or "actor"
+    return f"{host[:100]}-{os.getpid()}"
+
+
 class ActorWorker:
     """One actor process."""
 
     def __init__(self, cfg: ActorConfig) -> None:
         self.cfg = cfg
-        self.actor_id = cfg.actor_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.actor_id = cfg.actor_id or default_actor_id()
         self.metrics = actor_metrics()
         # The learner is trusted more than actors are: allow large weight blobs.
         self.limits = Limits(max_message_bytes=1 << 30, max_bin_len=1 << 30)
@@ -168,7 +174,8 @@ class ActorWorker:
             max_message_bytes=self.limits.max_message_bytes, curve=self.curve,
         )
         hello = m.Hello(
-            actor_id=self.actor_id, host=socket.gethostname(), backend=str(mx.default_device()),
+            # Escaped: the learner takes printable ASCII only, and a hostname may hold anything.
+            actor_id=self.actor_id, host=shown(socket.gethostname())[:256], backend=str(mx.default_device()),
             versions={"mlx": mx.__version__, "python": platform.python_version()}, metrics_port=self.metrics_port,
         )
         return self._request(hello, m.Welcome)

@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 PROTOCOL_VERSION = 1
 
@@ -63,15 +64,17 @@ LoraValue = Union[bool, Int32, FiniteFloat, str, list[str], None]
 # Peer-supplied strings that reach logs, metrics labels and /sd: a safe character
 # set, so no CR, ANSI escape or NUL can be written by a peer. Lease ids are the
 # learner's uuid4 hex ("" for a no-work Lease) and group ids its "g%08d".
-ACTOR_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
+ACTOR_ID_CHARS = "A-Za-z0-9._:@+-"
+_ACTOR_ID = rf"[A-Za-z0-9][{ACTOR_ID_CHARS}]{{0,127}}"
+ACTOR_ID_PATTERN = rf"^{_ACTOR_ID}$"
 ActorId = Annotated[str, Field(pattern=ACTOR_ID_PATTERN)]
-OptionalActorId = Annotated[str, Field(pattern=r"^([A-Za-z0-9][A-Za-z0-9._:@+-]{0,127})?$")]
+OptionalActorId = Annotated[str, Field(pattern=rf"^({_ACTOR_ID})?$")]
 GroupId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 LeaseId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{0,128}$")]
 RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
 
 
-def printable(max_length: int) -> object:
+def printable(max_length: int) -> FieldInfo:
     """Printable ASCII (space to tilde) of at most `max_length` characters."""
     return Field(pattern=rf"^[\x20-\x7e]{{0,{max_length}}}$")
 

@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grpo_fleet.protocol.messages import ACTOR_ID_PATTERN
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -152,7 +154,16 @@ class ServerConfig(_Section):
         "before they go stale.",
     )
     heartbeat_seconds: float = Field(2.0, gt=0, description="Heartbeat period both ways.")
-    max_message_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Largest accepted message.")
+    max_actors: int = Field(
+        1024, ge=1,
+        description="Most actors registered at once; a Hello beyond it is refused (`too_many_actors`) until one goes "
+        "silent, so throwaway identities cannot grow the learner's memory.",
+    )
+    max_message_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024,
+        description="Upper cap on an accepted message. The learner's real limit is tighter: what the largest "
+        "Rollouts can need (max_groups_per_lease x group_size x max_tokens, plus framing).",
+    )
     weight_chunk_bytes: int = Field(4 * 1024 * 1024, ge=4096, description="Size of the chunks weights are served in.")
     max_violations: int = Field(
         50, ge=1,
@@ -198,7 +209,10 @@ class ActorConfig(_Section):
     """One actor process. Everything about the run comes from the learner."""
 
     connect: str = Field("tcp://127.0.0.1:5555", description="The learner's ROUTER address.")
-    actor_id: Optional[str] = Field(None, description="Name shown in logs and metrics; default: host-pid.")
+    actor_id: Optional[str] = Field(
+        None, pattern=ACTOR_ID_PATTERN,
+        description="Name shown in logs and metrics (letters, digits and ._:@+-); default: host-pid.",
+    )
     max_groups: int = Field(2, ge=1, description="Prompts asked for per lease.")
     metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig(port=9401))
     model_dirs: list[str] = Field(

@@ -1,7 +1,9 @@
 """10,000 malformed or mutated messages against a live learner process.
 
 The learner must stay up, keep its state (step, version, ledger), and answer each
-message with a reply whose error is counted in a metric.
+message with a reply whose error is counted in a metric. Then throwaway identities
+say Hello until `server.max_actors` refuses them. The learner's RSS is printed
+before and after, so memory growth under fuzzing is visible (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import decode, encode
 
 FUZZ_EXAMPLES = 10_000
+# Out of every bound the door declares: int64/uint64 ends, int32 and port edges, float32 overflow.
+HOSTILE_NUMBERS = [-1, -(2**63), 2**63 - 1, 2**64 - 1, 2**31, 2**40 + 1, 65536,
+                   float("nan"), float("inf"), -float("inf"), 1e39, -3e38]
+CONTROL = ["\r\n[ERROR] forged", "\x1b[2J\x1b[31m", "\x00", "\t", "\u202e", " ", "\\"]
+MAX_ACTORS = 8
+THROWAWAY_IDENTITIES = 40
 
 
 def _tensor(values, dtype) -> m.Tensor:
@@ -39,7 +47,25 @@ def _valid_corpus() -> list[bytes]:
         m.GetWeights(version=0),
         m.Heartbeat(actor_id="fuzzer"),
         rollouts,
-    )]
+    )] + [encode(msg) for msg in _replies(completion)]
+
+
+def _replies(completion: m.Completion) -> list:
+    """One of every other message type, so out-of-range numbers reach each of them."""
+    digest = "0" * 64
+    actor = m.ActorStatus(actor_id="a", host="h", backend="cpu", policy_version=1, tokens_per_second=1.0,
+                          last_seen_seconds=0.5, groups_per_second=2.0)
+    prompt = m.PromptItem(group_id="g1", prompt_index=3, prompt_tokens=completion.tokens, fields={})
+    return [
+        m.Welcome(run_id="r", actor_id="a", model=m.ModelRef(path="tiny", digest=digest, lora={"rank": 8, "scale": 2.0}),
+                  generation=m.GenerationParams(group_size=4, max_tokens=4, temperature=1.0, top_p=1.0),
+                  reward=m.RewardSpec(names=["r"], weights=[1.0]), policy_version=0, heartbeat_seconds=2.0, vocab_size=9),
+        m.WeightsChunk(version=0, digest=digest, total_bytes=10, offset=0, length=10),
+        m.Lease(lease_id="L", deadline_seconds=1.0, policy_version=0, prompts=[prompt], retry_after=0.5),
+        m.Status(run_id="r", step=1, steps_target=2, policy_version=1, tokens_per_second=3.0, groups_accepted=4, actors=[actor]),
+        m.PolicyUpdated(version=1, digest=digest),
+        m.Ack(status="accepted"), m.ErrorReply(reason="x"), m.Shutdown(), m.StatusRequest(),
+    ]
 
 
 CORPUS = _valid_corpus()
@@ -53,7 +79,8 @@ json_like = st.recursive(
 @st.composite
 def mutated(draw) -> list[bytes]:
     """Frames for one hostile message: random, mutated, re-typed, or wrongly framed."""
-    kind = draw(st.sampled_from(["random", "flip", "truncate", "splice", "envelope", "frames", "semantic"]))
+    kind = draw(st.sampled_from(["random", "flip", "truncate", "splice", "envelope", "frames", "semantic",
+                                 "numbers", "ids", "counts"]))
     base = bytearray(draw(st.sampled_from(CORPUS)))
     if kind == "random":
         return [draw(st.binary(max_size=600))]
@@ -72,6 +99,8 @@ def mutated(draw) -> list[bytes]:
         return [msgpack.packb({"v": version, "type": name, "body": body}, use_bin_type=True)]
     if kind == "frames":
         return [bytes(base)] * draw(st.integers(2, 4))
+    if kind in HOSTILE_KINDS:
+        return [HOSTILE_KINDS[kind](draw)]
     return [_semantic_violation(draw)]
 
 
@@ -90,6 +119,83 @@ def _semantic_violation(draw) -> bytes:
     return encode(msg)
 
 
+def _number_paths(node: object, path: tuple = ()) -> list[tuple]:
+    """Where the ints and floats (not bools) are in an unpacked body."""
+    if type(node) is dict:
+        return [p for key, child in node.items() for p in _number_paths(child, path + (key,))]
+    if type(node) is list:
+        return [p for i, child in enumerate(node) for p in _number_paths(child, path + (i,))]
+    return [path] if type(node) in (int, float) else []
+
+
+def _set(node: object, path: tuple, value: object) -> None:
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+def _repack(envelope: dict) -> bytes:
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def _hostile_number(draw) -> bytes:
+    """A valid message of any type with one of its numbers out of range."""
+    envelope = msgpack.unpackb(draw(st.sampled_from(WITH_NUMBERS)))
+    _set(envelope["body"], draw(st.sampled_from(_number_paths(envelope["body"]))), draw(st.sampled_from(HOSTILE_NUMBERS)))
+    return _repack(envelope)
+
+
+def _hostile_id(draw) -> bytes:
+    """A Hello, Heartbeat or Rollouts with a control character (or other unsafe text) in an id."""
+    target = draw(st.sampled_from([(0, ("actor_id",)), (0, ("host",)), (0, ("backend",)), (3, ("actor_id",)),
+                                   (4, ("lease_id",)), (4, ("groups", 0, "group_id"))]))
+    envelope = msgpack.unpackb(CORPUS[target[0]])
+    _set(envelope["body"], target[1], "fuzz" + draw(st.sampled_from(CONTROL)) + "id")
+    return _repack(envelope)
+
+
+def _hostile_counts(draw) -> bytes:
+    """A Rollouts with more groups, or more completions in a group, than a lease holds."""
+    # Small enough to pass the byte limit (a larger message is dropped unanswered by libzmq).
+    groups, per_group = draw(st.sampled_from([(5, 4), (17, 4), (257, 1), (1, 5), (1, 9), (1, 300), (4, 5)]))
+    envelope = msgpack.unpackb(CORPUS[4])
+    completion = envelope["body"]["groups"][0]["completions"][0]
+    envelope["body"]["groups"] = [{"group_id": f"g{i:08d}", "completions": [completion] * per_group} for i in range(groups)]
+    return _repack(envelope)
+
+
+HOSTILE_KINDS = {"numbers": _hostile_number, "ids": _hostile_id, "counts": _hostile_counts}
+WITH_NUMBERS = [data for data in CORPUS if _number_paths(msgpack.unpackb(data)["body"])]
+
+
+def _rss_mb(pid: int) -> float:
+    """Resident memory of a process in MiB (Linux /proc; nan elsewhere)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return float("nan")
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 1024
+
+
+def _throwaway_hellos(ctx: zmq.Context, endpoint: str, count: int) -> dict[str, int]:
+    """Hello from `count` fresh identities that never come back; replies by kind."""
+    replies: dict[str, int] = {}
+    for i in range(count):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"throwaway-{i}".encode())
+        sock.connect(endpoint)
+        try:
+            sock.send(encode(m.Hello(actor_id=f"throwaway-{i}", host="h", backend="cpu", versions={})))
+            assert sock.poll(10_000), "no answer to Hello"
+            reply = decode(sock.recv())
+            kind = type(reply).__name__ + (f":{reply.reason}" if isinstance(reply, m.ErrorReply) else "")
+            replies[kind] = replies.get(kind, 0) + 1
+        finally:
+            sock.close()
+    return replies
+
+
 def _scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
@@ -100,6 +206,30 @@ def _scrape(port: int) -> dict[str, float]:
     return totals
 
 
+def _fuzz(sock: zmq.Socket) -> dict[str, int]:
+    """Send FUZZ_EXAMPLES hostile messages, one at a time; replies by kind."""
+    replies: dict[str, int] = {}
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(frames=mutated())
+    def send_one(frames: list[bytes]) -> None:
+        sock.send_multipart(frames)
+        assert sock.poll(10_000), f"no answer to {frames[0][:40]!r}"
+        # Read the whole reply: a WeightsChunk carries its blob in a second frame, which
+        # must not be mistaken for the answer to the next message.
+        reply = decode(sock.recv_multipart()[0])
+        kind = type(reply).__name__ + (f":{reply.status}" if isinstance(reply, m.Ack) else "")
+        replies[kind] = replies.get(kind, 0) + 1
+        if isinstance(reply, m.Ack) and reply.status != "invalid":
+            # stale or duplicate groups are rejections too, counted one per group
+            refused = sum(status != "accepted" for status in reply.groups.values())
+            replies["refused_groups"] = replies.get("refused_groups", 0) + refused
+
+    send_one()
+    return replies
+
+
 @pytest.mark.slow
 def test_learner_survives_ten_thousand_hostile_messages(run_config, free_port, spawn):
     config, cfg = run_config(
@@ -107,43 +237,40 @@ def test_learner_survives_ten_thousand_hostile_messages(run_config, free_port, s
         # The learner's own default, not run_config's 2: this test has always run with it.
         grpo={"groups_per_step": 8},
         # Every hostile message is a violation; the fuzzer must never be shut out.
-        server={"max_violations": 1000000},
+        server={"max_violations": 1000000, "max_actors": MAX_ACTORS},
         metrics={"port": free_port()},
     )
-    run_dir, metrics_port = Path(cfg.run_dir), cfg.metrics.port
     learner = spawn("learner", "--config", str(config), name="learner")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, b"fuzzer")
     sock.connect(cfg.server.bind)
-    replies: dict[str, int] = {}
     try:
         _wait_until_serving(sock, learner)
-        before = _scrape(metrics_port)
-
-        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(frames=mutated())
-        def send_one(frames: list[bytes]) -> None:
-            sock.send_multipart(frames)
-            assert sock.poll(10_000), f"no answer to {frames[0][:40]!r}"
-            # Read the whole reply: a WeightsChunk carries its blob in a second frame, which
-            # must not be mistaken for the answer to the next message.
-            reply = decode(sock.recv_multipart()[0])
-            kind = type(reply).__name__ + (f":{reply.status}" if isinstance(reply, m.Ack) else "")
-            replies[kind] = replies.get(kind, 0) + 1
-            if isinstance(reply, m.Ack) and reply.status != "invalid":
-                # stale or duplicate groups are rejections too, counted one per group
-                refused = sum(status != "accepted" for status in reply.groups.values())
-                replies["refused_groups"] = replies.get("refused_groups", 0) + refused
-
-        send_one()
-        after = _scrape(metrics_port)
+        before, rss = _scrape(cfg.metrics.port), [_rss_mb(learner.pid)]
+        replies = _fuzz(sock)
+        after = _scrape(cfg.metrics.port)
+        rss.append(_rss_mb(learner.pid))
+        hellos = _throwaway_hellos(ctx, cfg.server.bind, THROWAWAY_IDENTITIES)
+        rss.append(_rss_mb(learner.pid))
+        final = _scrape(cfg.metrics.port)
     finally:
         sock.close()
         ctx.term()
+    print(f"learner RSS: {rss[0]:.1f} MiB before, {rss[1]:.1f} MiB after {sum(replies.values())} hostile messages, "
+          f"{rss[2]:.1f} MiB after {THROWAWAY_IDENTITIES} throwaway Hellos; replies {replies}; Hellos {hellos}")
     assert learner.poll() is None, "the learner died"
+    _assert_accounted(before, after, replies, Path(cfg.run_dir))
+    # The fuzzer is registered, so at most MAX_ACTORS - 1 throwaway identities get in.
+    assert hellos.get("Welcome", 0) <= MAX_ACTORS - 1
+    assert hellos.get("ErrorReply:too_many_actors", 0) == THROWAWAY_IDENTITIES - hellos.get("Welcome", 0)
+    too_many = final["grpo_fleet_learner_protocol_errors_total"] - after["grpo_fleet_learner_protocol_errors_total"]
+    assert too_many == hellos["ErrorReply:too_many_actors"]
+
+
+def _assert_accounted(before: dict, after: dict, replies: dict, run_dir: Path) -> None:
+    """Every refusal counted in a metric, and nothing trained, published or put in the ledger."""
     sent = sum(count for kind, count in replies.items() if kind != "refused_groups")
     assert sent >= FUZZ_EXAMPLES
     errors = replies.get("ErrorReply", 0)

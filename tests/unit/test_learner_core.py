@@ -413,12 +413,8 @@ def _too_long(learner, lease_msg, other):
     return rollouts_for(lease_msg, length=MAX_TOKENS + 1)
 
 
-def _huge_reward(learner, lease_msg, other):
-    # finite as a float64, inf as the float32 it is trained in
-    return rollouts_for(lease_msg, [0.0, 1.0, 2.0, 1e39])
-
-
 def _reward_beyond_bound(learner, lease_msg, other):
+    # Within float32 (1e39 is refused at decoding already) but past task.reward_bound.
     return rollouts_for(lease_msg, [0.0, 1.0, 2.0, 2 * learner.cfg.task.reward_bound])
 
 
@@ -442,7 +438,6 @@ INVALID_CASES = [
     (_token_out_of_range, "token_out_of_range", ACTOR_A),
     (_positive_logprob, "bad_logprob", ACTOR_A),
     (_too_long, "too_long", ACTOR_A),
-    (_huge_reward, "bad_reward", ACTOR_A),
     (_reward_beyond_bound, "bad_reward", ACTOR_A),
     (_logprob_below_floor, "bad_logprob", ACTOR_A),
     (_group_not_in_lease, "not_leased", ACTOR_A),
@@ -824,3 +819,51 @@ def test_rollouts_after_the_final_step_are_not_accepted(make_learner):
     ack = learner.handle(ACTOR_A, rollouts_for(late))
     assert ack.status == "stale" and ack.reason == "run_done"
     assert ledger(learner) == before, "the ledger matches the final checkpoint"
+
+
+# ----------------------------------------------------------------- hostile input at the door
+
+HOSTILE_HEARTBEAT_VALUES = [-1, -(2**63), 2**31, 2**63 - 1, 2**64 - 1, float("nan"), float("inf"), -float("inf"), 1e39, -3e38]
+
+
+def _through_the_door(field: str, value: object) -> Optional[m.Heartbeat]:
+    """What the server would pass to `handle` for this Heartbeat: None when the codec refuses it."""
+    import msgpack
+
+    from grpo_fleet.protocol.codec import ProtocolError, decode
+
+    body = {"actor_id": "actor-a", "policy_version": 0, "sent_at": 0.0, field: value}
+    try:
+        return decode(msgpack.packb({"v": m.PROTOCOL_VERSION, "type": "Heartbeat", "body": body}))
+    except ProtocolError:
+        return None
+
+
+def test_status_still_validates_after_hostile_heartbeats(learner):
+    """Issue F.3: one Heartbeat(policy_version=-1) used to make every StatusRequest an internal error."""
+    hello(learner)
+    hello(learner, ACTOR_B, "actor-b")
+    for field in ("policy_version", "sent_at"):
+        for value in HOSTILE_HEARTBEAT_VALUES:
+            msg = _through_the_door(field, value)
+            if msg is not None:
+                assert isinstance(learner.handle(ACTOR_A, msg), m.Heartbeat)
+            # Asked after every single one: any of them alone used to be enough.
+            status = learner.handle(ACTOR_B, m.StatusRequest())
+            assert isinstance(status, m.Status)
+            assert m.Status.model_validate(status.model_dump(), strict=True) == status
+            assert [a.policy_version for a in status.actors] == [0, 0], (field, value)
+
+
+def test_hello_beyond_max_actors_is_refused_and_counted(make_learner):
+    learner = make_learner(server={"max_actors": 2})
+    hello(learner, b"one", "one")
+    hello(learner, b"two", "two")
+    reply = learner.handle(b"three", m.Hello(actor_id="three", host="h", backend="cpu", versions={}))
+    assert isinstance(reply, m.ErrorReply) and reply.reason == "too_many_actors"
+    assert "server.max_actors" in reply.detail
+    assert sample(learner, "grpo_fleet_learner_protocol_errors_total", {"reason": "too_many_actors"}) == 1
+    assert set(learner.actors) == {b"one", b"two"}
+    hello(learner, b"two", "two")  # a registered actor may always say Hello again
+    learner.drop_actor(b"one")
+    hello(learner, b"three", "three")  # room again once one has gone

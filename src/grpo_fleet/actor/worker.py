@@ -34,6 +34,7 @@ from grpo_fleet.model import Policy, load_policy, load_weight_blob, model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits, ProtocolError
 from grpo_fleet.protocol.auth import load_keypair
+from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_message, recv_with_raw, send_message, sub_socket
 from grpo_fleet.protocol.weights import ChunkAssembler, WeightsMismatch
 from grpo_fleet.tasks import UnknownRewardError, score_completion, validate_rewards
@@ -70,12 +71,18 @@ def model_path_allowed(path: str, model_dirs: list[str]) -> bool:
     return any(resolved == root or root in resolved.parents for root in roots)
 
 
+def default_actor_id() -> str:
+    """host-pid, the hostname cut down to the characters the learner accepts in an actor id."""
+    host = re.sub(f"[^{m.ACTOR_ID_CHARS}]", "-", socket.gethostname()).lstrip("._:@+-") or "actor"
+    return f"{host[:100]}-{os.getpid()}"
+
+
 class ActorWorker:
     """One actor process."""
 
     def __init__(self, cfg: ActorConfig) -> None:
         self.cfg = cfg
-        self.actor_id = cfg.actor_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.actor_id = cfg.actor_id or default_actor_id()
         self.metrics = actor_metrics()
         # The learner is trusted more than actors are: allow large weight blobs.
         self.limits = Limits(max_message_bytes=1 << 30, max_bin_len=1 << 30)
@@ -123,12 +130,12 @@ class ActorWorker:
                 try:
                     self._session()
                 except LearnerUnavailable as exc:
-                    log.warning("learner unavailable (%s); retrying in %.1fs", exc, backoff)
+                    log.warning("learner unavailable (%s); retrying in %.1fs", shown(exc), backoff)
                     self.metrics.reconnects.inc()
                     self._sleep(backoff)
                     backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
                 except StopActor as exc:
-                    log.info("actor %s stopping: %s", self.actor_id, exc)
+                    log.info("actor %s stopping: %s", self.actor_id, shown(exc))
                     return
                 else:
                     backoff = 0.2
@@ -167,7 +174,8 @@ class ActorWorker:
             max_message_bytes=self.limits.max_message_bytes, curve=self.curve,
         )
         hello = m.Hello(
-            actor_id=self.actor_id, host=socket.gethostname(), backend=str(mx.default_device()),
+            # Escaped: the learner takes printable ASCII only, and a hostname may hold anything.
+            actor_id=self.actor_id, host=shown(socket.gethostname())[:256], backend=str(mx.default_device()),
             versions={"mlx": mx.__version__, "python": platform.python_version()}, metrics_port=self.metrics_port,
             holding=[work.lease_id for work in (self.pending, self.next_lease) if work is not None and work.lease_id],
         )
@@ -218,7 +226,7 @@ class ActorWorker:
         try:
             return recv_message(self._dealer, timeout_s=min(remaining, 0.5), limits=self.limits)
         except ProtocolError as exc:
-            log.warning("bad reply from learner: %s", exc)
+            log.warning("bad reply from learner: %s", shown(exc))
             return None
 
     def _on_stray_reply(self, reply: object) -> None:
@@ -239,7 +247,7 @@ class ActorWorker:
         elif isinstance(reply, m.Ack):
             self.metrics.acks.labels(status=reply.status).inc()
             if reply.status == "invalid":
-                log.error("learner rejected lease %s: %s", self.pending.lease_id if self.pending else "?", reply.reason)
+                log.error("learner rejected lease %s: %s", shown(self.pending.lease_id if self.pending else "?"), shown(reply.reason))
             self.pending = None
 
     def _await(self, settled: Callable[[], bool]) -> None:
@@ -307,7 +315,7 @@ class ActorWorker:
             self._forget_previous_learner(previous, welcome)
         self.welcome = welcome
         self.newest_version = welcome.policy_version
-        log.info("actor %s joined run %s (policy v%d)", self.actor_id, welcome.run_id, welcome.policy_version)
+        log.info("actor %s joined run %s (policy v%d)", self.actor_id, shown(welcome.run_id), welcome.policy_version)
 
     def _forget_previous_learner(self, previous: m.Welcome, welcome: m.Welcome) -> None:
         """Another run, or this run resumed from a checkpoint, possibly at an older version.
@@ -331,7 +339,7 @@ class ActorWorker:
             version, blob, digest = self.fetch_weights(max(self.newest_version, 0))
         except WeightsMismatch as exc:
             self.metrics.weight_syncs.labels(outcome="rejected").inc()
-            log.error("refusing weights: %s; keeping v%d", exc, self.version)
+            log.error("refusing weights: %s; keeping v%d", shown(exc), self.version)
             return
         if version == self.version:
             return
@@ -339,7 +347,7 @@ class ActorWorker:
             load_weight_blob(self.policy.model, blob, digest)
         except ValueError as exc:
             self.metrics.weight_syncs.labels(outcome="rejected").inc()
-            log.error("refusing weights v%d: %s", version, exc)
+            log.error("refusing weights v%d: %s", version, shown(exc))
             return
         self.version = version
         self.metrics.weight_syncs.labels(outcome="loaded").inc()
@@ -373,7 +381,7 @@ class ActorWorker:
             try:
                 received = recv_with_raw(self._dealer, timeout_s=0.5, limits=self.limits)
             except ProtocolError as exc:
-                log.warning("bad reply from learner: %s", exc)
+                log.warning("bad reply from learner: %s", shown(exc))
                 continue
             if received is None:
                 continue

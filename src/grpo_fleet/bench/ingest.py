@@ -9,7 +9,8 @@ and the ledger. Figures:
 
 * accepted tokens/s and p50/p99 ack latency for 1, 8, 32, 64 actors;
 * the learner's ingest time for one batch next to one `Trainer.step`;
-* CURVE vs plain on the same rollout path (benchmark 6).
+* CURVE vs plain on the same rollout path (benchmark 6);
+* the worst-case loop stall one hostile message causes (`bench/hostile.py`).
 
 On a small machine the actors (and anything else running) share the CPUs with
 the learner, so wall-clock tok/s moves with the load. Each phase therefore also
@@ -447,3 +448,6 @@ def run(report: Report, quick: bool) -> None:
     _report_ingest(report, results)
     _report_plumbing(report, results[CURVE_ACTORS], step_s)
     _report_curve(report, results[CURVE_ACTORS], curve)
+    from grpo_fleet.bench import hostile
+
+    hostile.run(report, quick)  # the worst a single hostile message can hold the loop

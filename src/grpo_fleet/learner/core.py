@@ -27,6 +27,7 @@ from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.learner.persistence import Persistence
 from grpo_fleet.model import Policy, trainable_weights, weights_to_bytes
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.weights import Snapshot
 from grpo_fleet.tasks import Task
 
@@ -157,16 +158,21 @@ class Learner(Persistence):
         self.record_violation(owner, "unexpected_type")
         return m.ErrorReply(reason="unexpected_type", detail=f"{type(msg).__name__} is not a request")
 
-    def _on_hello(self, identity: bytes, owner: str, msg: m.Hello, peer_address: str) -> m.Welcome:
+    def _on_hello(self, identity: bytes, owner: str, msg: m.Hello, peer_address: str) -> m.Welcome | m.ErrorReply:
+        if identity not in self.actors and len(self.actors) >= self.cfg.server.max_actors:
+            # Throwaway identities must not grow the registry; a real actor retries with backoff.
+            self.metrics.protocol_errors.labels(reason="too_many_actors").inc()
+            return m.ErrorReply(reason="too_many_actors", detail=f"{len(self.actors)} actors registered "
+                                "(server.max_actors); retry when one leaves")
         self.actors[identity] = actor_from_hello(msg, owner, peer_address)
-        log.info("actor %s joined from %s (%s)", msg.actor_id, msg.host, msg.backend)
+        log.info("actor %s joined from %s (%s)", shown(msg.actor_id), shown(msg.host), shown(msg.backend))
         # A restarted actor, or one reconnecting to a resumed learner, will never
         # return the leases it does not name; unless its key has another live
         # session (one key on two Macs), hand them out again now.
         if sum(info.principal == owner for info in self.actors.values()) == 1:
             released = self.scheduler.release_actor(owner, keep=frozenset(msg.holding))
             if released:
-                log.info("actor %s came back without %d of its leases; re-queued them", msg.actor_id, released)
+                log.info("actor %s came back without %d of its leases; re-queued them", shown(msg.actor_id), released)
         self.metrics.actors_connected.set(len(self.actors))
         return self.welcome(msg.actor_id)
 

@@ -25,12 +25,19 @@ class TokenRate:
     events: deque = field(default_factory=deque)
 
     def add(self, tokens: int, now: Optional[float] = None) -> None:
-        self.events.append((time.monotonic() if now is None else now, tokens))
+        now = time.monotonic() if now is None else now
+        self.events.append((now, tokens))
+        # Pruned here too, not only when `status` asks: without it a run nobody
+        # watches keeps one event per accepted group for its whole life.
+        self._forget_before(now - RATE_WINDOW_SECONDS)
+
+    def _forget_before(self, cutoff: float) -> None:
+        while self.events and self.events[0][0] < cutoff:
+            self.events.popleft()
 
     def per_second(self, now: Optional[float] = None) -> float:
         now = time.monotonic() if now is None else now
-        while self.events and self.events[0][0] < now - RATE_WINDOW_SECONDS:
-            self.events.popleft()
+        self._forget_before(now - RATE_WINDOW_SECONDS)
         if not self.events:
             return 0.0
         span = max(now - self.events[0][0], 1.0)

@@ -25,6 +25,7 @@ from grpo_fleet.metrics import serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import KeyRing, is_loopback_endpoint, load_keypair, start_authenticator
 from grpo_fleet.protocol.codec import Limits, ProtocolError
+from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.sockets import (
     bound_endpoint,
     make_context,
@@ -40,6 +41,12 @@ log = logging.getLogger("grpo_fleet.learner")
 SILENT_HEARTBEATS = 10
 # After the last step, how long the learner waits for every actor to hear Shutdown.
 SHUTDOWN_GRACE_SECONDS = 10.0
+# msgpack framing around one completion's tensors (keys, dtype, shape, reward) and one
+# group (its id); generous, so an honest Rollouts never comes near the limit.
+COMPLETION_FRAMING_BYTES = 256
+GROUP_FRAMING_BYTES = 512
+# Room for the envelope, and for the largest other request (a Hello).
+MESSAGE_FRAMING_BYTES = 64 * 1024
 
 
 HANDSHAKE_FAILURES = {
@@ -47,6 +54,24 @@ HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_protocol",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_other",
 }
+
+
+def inbound_limits(cfg: RunConfig) -> Limits:
+    """Decode limits for what actors send: no more than the largest lease's Rollouts can need.
+
+    Bytes, groups and completions are all bounded by the lease size, so a hostile
+    message costs the request loop no more than an honest one (the 14 MB, 100k
+    completion Rollouts that held it for seconds is now dropped by libzmq).
+    """
+    server, gen = cfg.server, cfg.generation
+    # A token travels as an int32/uint32 id plus a float32 logprob.
+    per_group = gen.group_size * (8 * gen.max_tokens + COMPLETION_FRAMING_BYTES) + GROUP_FRAMING_BYTES
+    size = min(server.max_message_bytes, MESSAGE_FRAMING_BYTES + server.max_groups_per_lease * per_group)
+    return Limits(
+        max_message_bytes=size, max_bin_len=size,
+        max_array_len=max(256, server.max_groups_per_lease, gen.group_size),
+        max_rollout_groups=server.max_groups_per_lease, max_group_completions=gen.group_size,
+    )
 
 
 class InsecureBindError(RuntimeError):
@@ -88,11 +113,12 @@ class LearnerServer:
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
         cfg = learner.cfg.server
-        self.limits = Limits(max_message_bytes=cfg.max_message_bytes, max_bin_len=cfg.max_message_bytes)
+        self.limits = inbound_limits(learner.cfg)
         check_bind_security(learner.cfg)
         self.ctx = make_context()
         self.keyring, self.auth, keypair = self._start_security(learner.cfg)
-        self.router = router_socket(self.ctx, cfg.bind, max_message_bytes=cfg.max_message_bytes, curve=keypair)
+        # libzmq drops a larger frame before it is buffered in Python.
+        self.router = router_socket(self.ctx, cfg.bind, max_message_bytes=self.limits.max_message_bytes, curve=keypair)
         self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind), curve=keypair)
         self.monitor = self.router.get_monitor_socket(sum(HANDSHAKE_FAILURES))
         self.reload_requested = False
@@ -217,12 +243,13 @@ class LearnerServer:
         self, identity: bytes, msg: object, principal: Optional[str] = None, peer_address: str = ""
     ) -> Optional[object]:
         if self.closing:
-            self.told_to_stop.add(identity)
+            if identity in self.learner.actors:  # only registered actors are waited for; keeps the set bounded
+                self.told_to_stop.add(identity)
             return m.Shutdown(reason="done")
         if isinstance(msg, ProtocolError):
             self.learner.metrics.protocol_errors.labels(reason=msg.reason).inc()
             self.learner.record_violation(peer_key(identity, principal), msg.reason)
-            return m.ErrorReply(reason=msg.reason, detail=str(msg)[:500])
+            return m.ErrorReply(reason=msg.reason, detail=shown(msg, 400))
         try:
             return self.learner.handle(identity, msg, principal, peer_address)
         except Exception as exc:  # a bug must not take the learner down with it
@@ -248,7 +275,7 @@ class LearnerServer:
         for identity, info in list(self.learner.actors.items()):
             if info.last_seen < cutoff:
                 released = self.learner.drop_actor(identity)
-                log.info("actor %s went silent; re-queued %d leases", info.actor_id, released)
+                log.info("actor %s went silent; re-queued %d leases", shown(info.actor_id), released)
 
     def _count_handshake_failures(self) -> None:
         while self.monitor.poll(0):
@@ -256,7 +283,7 @@ class LearnerServer:
             reason = HANDSHAKE_FAILURES.get(event["event"])
             if reason is not None:
                 self.learner.metrics.auth_failures.labels(reason=reason).inc()
-                log.warning("handshake failed on %s (%s)", event["endpoint"].decode(errors="replace"), reason)
+                log.warning("handshake failed on %s (%s)", shown(event["endpoint"].decode(errors="replace")), reason)
 
     def _reload_allow_list(self) -> None:
         """SIGHUP or a change in the authorized/ directory: re-read keys, cut off revoked actors."""
@@ -269,7 +296,7 @@ class LearnerServer:
         for identity, info in list(self.learner.actors.items()):
             if not self.keyring.allows(info.principal.encode()):
                 released = self.learner.drop_actor(identity)
-                log.warning("actor %s (%s) revoked; re-queued %d leases", info.actor_id, info.principal, released)
+                log.warning("actor %s (%s) revoked; re-queued %d leases", shown(info.actor_id), shown(info.principal), released)
 
     def _publish(self, msg: object) -> None:
         send_message(self.pub, msg)

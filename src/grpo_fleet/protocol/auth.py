@@ -28,6 +28,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from grpo_fleet.protocol.logsafe import shown
+
 log = logging.getLogger("grpo_fleet.auth")
 LEARNER_NAME = "learner"
 
@@ -144,7 +146,7 @@ class _LoggingAuthenticator(ThreadAuthenticator):
 def start_authenticator(ctx: zmq.Context, keyring: KeyRing) -> ThreadAuthenticator:
     """ZAP on the same context as the learner's sockets, checking the allow-list."""
     auth = _LoggingAuthenticator(ctx)
-    auth.on_denied = lambda address, reason: log.warning("refused CURVE handshake from %s: %s", address, reason)
+    auth.on_denied = lambda address, reason: log.warning("refused CURVE handshake from %s: %s", shown(address), shown(reason))
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=keyring)
     return auth

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import msgpack
 from pydantic import BaseModel, ValidationError
@@ -39,6 +39,11 @@ class Limits:
     max_array_len: int = 100_000
     max_map_len: int = 1024
     max_depth: int = 16
+    # A Rollouts answers one lease, so the learner refuses more groups (or more
+    # completions per group) than a lease can hold before pydantic walks them:
+    # validating 100k completions held the request loop for seconds. None = no bound.
+    max_rollout_groups: Optional[int] = None
+    max_group_completions: Optional[int] = None
 
 
 DEFAULT_LIMITS = Limits()
@@ -129,6 +134,23 @@ def _check_tree(obj: Any, max_depth: int) -> None:
                 raise ProtocolError("malformed", f"unexpected value type {kind.__name__}")
 
 
+def _check_rollouts_shape(body: Any, limits: Limits) -> None:
+    """Count groups and completions in the unpacked body: O(groups), before any validation."""
+    groups = body.get("groups") if type(body) is dict else None
+    if type(groups) is not list:
+        return  # not shaped like a Rollouts: pydantic gives the precise error
+    if limits.max_rollout_groups is not None and len(groups) > limits.max_rollout_groups:
+        raise ProtocolError("too_large", f"Rollouts: {len(groups)} groups > {limits.max_rollout_groups} per lease")
+    if limits.max_group_completions is None:
+        return
+    for group in groups:
+        completions = group.get("completions") if type(group) is dict else None
+        if type(completions) is list and len(completions) > limits.max_group_completions:
+            raise ProtocolError(
+                "too_large", f"Rollouts: {len(completions)} completions in a group > {limits.max_group_completions}"
+            )
+
+
 def _summarize(exc: ValidationError, limit: int = 3) -> str:
     parts = []
     for err in exc.errors(include_url=False, include_input=False)[:limit]:
@@ -157,6 +179,8 @@ def decode(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> BaseModel:
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ProtocolError("unknown_type", f"unknown message type {str(name)[:64]!r}")
+    if cls.__name__ == "Rollouts":
+        _check_rollouts_shape(envelope["body"], limits)
     try:
         return cls.model_validate(envelope["body"], strict=True)
     except ValidationError as exc:

@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 PROTOCOL_VERSION = 1
 
@@ -32,13 +33,54 @@ _NUMPY_DTYPES: dict[str, np.dtype] = {
 }
 _ITEMSIZE: dict[str, int] = {"int32": 4, "uint32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
 
+# Every number on the wire is bounded, in the dtype it is used in, and the same
+# types serve inbound and outbound messages: a value the learner accepts at the
+# door can never make one of its own replies (Status, Heartbeat) fail to validate.
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_BYTES = 2**40  # byte offsets and lengths: 1 TiB, far above any weight blob
+MAX_COUNT = 2**53  # running totals: exact in a float64 (JSON, Prometheus)
+MAX_SECONDS = float(2**31)  # durations: about 68 years
+MAX_TIMESTAMP = float(2**34)  # unix seconds, year ~2514; finite and non-negative
+
 # Finite floats only: NaN/inf in a config-like field is always a bug or an attack.
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-NonNegInt = Annotated[int, Field(ge=0)]
+# Floats are bounded to float32, the dtype rewards, rates and weights end up in.
+FiniteFloat = Annotated[float, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX, allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, le=FLOAT32_MAX, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, le=FLOAT32_MAX, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+Timestamp = Annotated[float, Field(ge=0, le=MAX_TIMESTAMP, allow_inf_nan=False)]
+# Non-negative int32: tensor dimensions, prompt indices, and policy versions.
+NonNegInt = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Version = NonNegInt
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
+ByteCount = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Port = Annotated[int, Field(ge=0, le=65535)]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-LoraValue = Union[bool, int, float, str, list[str], None]
+LoraValue = Union[bool, Int32, FiniteFloat, str, list[str], None]
+
+# Peer-supplied strings that reach logs, metrics labels and /sd: a safe character
+# set, so no CR, ANSI escape or NUL can be written by a peer. Lease ids are the
+# learner's uuid4 hex ("" for a no-work Lease) and group ids its "g%08d".
+ACTOR_ID_CHARS = "A-Za-z0-9._:@+-"
+_ACTOR_ID = rf"[A-Za-z0-9][{ACTOR_ID_CHARS}]{{0,127}}"
+ACTOR_ID_PATTERN = rf"^{_ACTOR_ID}$"
+ActorId = Annotated[str, Field(pattern=ACTOR_ID_PATTERN)]
+OptionalActorId = Annotated[str, Field(pattern=rf"^({_ACTOR_ID})?$")]
+GroupId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+LeaseId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{0,128}$")]
+RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+
+
+def printable(max_length: int) -> FieldInfo:
+    """Printable ASCII (space to tilde) of at most `max_length` characters."""
+    return Field(pattern=rf"^[\x20-\x7e]{{0,{max_length}}}$")
+
+
+Label = Annotated[str, printable(64)]
+Reason = Annotated[str, printable(4096)]
 # One life of a learner process: a fresh one on every start and every --resume.
 # Versions up to the one a life resumed at are shared history; newer ones belong
 # to the life that trained them, so the same number can mean other weights.
@@ -95,12 +137,12 @@ class Tensor(_Strict):
 
 
 class Hello(_Strict):
-    actor_id: str = Field(min_length=1, max_length=128)
-    host: str = Field(max_length=256)
-    backend: str = Field(max_length=64)
-    versions: dict[str, str] = Field(max_length=32)
+    actor_id: ActorId
+    host: Annotated[str, printable(256)]
+    backend: Label
+    versions: dict[Label, Annotated[str, printable(128)]] = Field(max_length=32)
     capacity: PositiveFloat = 1.0  # tokens/s hint for scheduling
-    metrics_port: int = Field(0, ge=0, le=65535)  # 0 = no /metrics; else listed in the learner's service discovery
+    metrics_port: Port = 0  # 0 = no /metrics; else listed in the learner's service discovery
     # Leases this actor still means to deliver (after a reconnect); the learner
     # re-queues its other ones at once instead of waiting for them to expire.
     holding: list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = Field(default_factory=list, max_length=8)
@@ -135,24 +177,24 @@ class ModelRef(_Strict):
 
 
 class Welcome(_Strict):
-    run_id: str
-    actor_id: str
+    run_id: RunId
+    actor_id: ActorId
     model: ModelRef
     generation: GenerationParams
     reward: RewardSpec
-    policy_version: NonNegInt
-    heartbeat_seconds: PositiveFloat
-    pub_address: Optional[str] = None
-    vocab_size: int = Field(ge=1)
+    policy_version: Version
+    heartbeat_seconds: PositiveSeconds
+    pub_address: Optional[Annotated[str, printable(1024)]] = None
+    vocab_size: int = Field(ge=1, le=INT32_MAX)
     incarnation: Incarnation = ""  # this life of the learner; a new one means "reload policy_version"
 
 
 class GetWeights(_Strict):
     """Ask for `length` bytes at `offset` of a version's weight blob (length 0 = the learner's chunk size)."""
 
-    version: NonNegInt
-    offset: NonNegInt = 0
-    length: NonNegInt = 0
+    version: Version
+    offset: ByteCount = 0
+    length: ByteCount = 0
 
 
 class WeightsChunk(_Strict):
@@ -162,11 +204,11 @@ class WeightsChunk(_Strict):
     serialized blob with zero-copy sends, in chunks, under the actor's credit window.
     """
 
-    version: NonNegInt
+    version: Version
     digest: Sha256Hex  # BLAKE3-256 of the whole blob
-    total_bytes: NonNegInt
-    offset: NonNegInt
-    length: NonNegInt
+    total_bytes: ByteCount
+    offset: ByteCount
+    length: ByteCount
     format: Literal["safetensors"] = "safetensors"
 
 
@@ -180,24 +222,24 @@ class LeaseRequest(_Strict):
 
 
 class PromptItem(_Strict):
-    group_id: str = Field(min_length=1, max_length=128)
+    group_id: GroupId
     prompt_index: NonNegInt
     prompt_tokens: Tensor
     fields: dict[str, str] = Field(max_length=16)
 
 
 class Lease(_Strict):
-    lease_id: str
-    deadline_seconds: NonNegFloat  # relative: actor and learner clocks need not agree
-    policy_version: NonNegInt
+    lease_id: LeaseId
+    deadline_seconds: Seconds  # relative: actor and learner clocks need not agree
+    policy_version: Version
     prompts: list[PromptItem] = Field(max_length=256)  # empty = nothing to do now
-    retry_after: NonNegFloat = 0.5
+    retry_after: Seconds = 0.5
 
 
 class Completion(_Strict):
     tokens: Tensor
     logprobs: Tensor
-    reward: float
+    reward: FiniteFloat
     finish_reason: Literal["stop", "length"]
 
     @model_validator(mode="after")
@@ -216,13 +258,13 @@ class Completion(_Strict):
 
 
 class GroupResult(_Strict):
-    group_id: str = Field(min_length=1, max_length=128)
+    group_id: GroupId
     completions: list[Completion] = Field(min_length=1, max_length=1024)
 
 
 class Rollouts(_Strict):
-    lease_id: str
-    policy_version: NonNegInt
+    lease_id: LeaseId
+    policy_version: Version
     # The learner life whose snapshot sampled these ("" = unknown: trusted only for shared history).
     incarnation: Incarnation = ""
     groups: list[GroupResult] = Field(min_length=1, max_length=256)
@@ -230,20 +272,20 @@ class Rollouts(_Strict):
 
 class Ack(_Strict):
     status: Literal["accepted", "duplicate", "stale", "invalid"]
-    reason: str = ""
-    groups: dict[str, str] = Field(default_factory=dict)  # group_id -> status
+    reason: Reason = ""
+    groups: dict[GroupId, Label] = Field(default_factory=dict)  # group_id -> status
 
 
 class Heartbeat(_Strict):
-    actor_id: str = ""
-    policy_version: int = 0
-    sent_at: float = 0.0  # informational only; clocks are not assumed in sync
+    actor_id: OptionalActorId = ""
+    policy_version: Version = 0
+    sent_at: Timestamp = 0.0  # informational only; clocks are not assumed in sync
     incarnation: Incarnation = ""  # set by the learner; actors leave it empty
 
 
 class ErrorReply(_Strict):
-    reason: str  # short machine label, e.g. "malformed"
-    detail: str = ""
+    reason: Label  # short machine label, e.g. "malformed"
+    detail: Reason = ""
 
 
 class StatusRequest(_Strict):
@@ -251,34 +293,34 @@ class StatusRequest(_Strict):
 
 
 class ActorStatus(_Strict):
-    actor_id: str
-    host: str
-    backend: str
-    policy_version: NonNegInt
+    actor_id: ActorId
+    host: Annotated[str, printable(256)]
+    backend: Label
+    policy_version: Version
     tokens_per_second: NonNegFloat
-    last_seen_seconds: NonNegFloat
+    last_seen_seconds: Seconds
     # Measured from returned leases; what the learner sizes this actor's leases by.
     groups_per_second: Optional[NonNegFloat] = None
 
 
 class Status(_Strict):
-    run_id: str
-    step: NonNegInt
-    steps_target: NonNegInt
-    policy_version: NonNegInt
+    run_id: RunId
+    step: Count
+    steps_target: Count
+    policy_version: Version
     tokens_per_second: NonNegFloat
-    groups_accepted: NonNegInt
+    groups_accepted: Count
     actors: list[ActorStatus] = Field(max_length=4096)
 
 
 class PolicyUpdated(_Strict):
-    version: NonNegInt
+    version: Version
     digest: str
     incarnation: Incarnation = ""
 
 
 class Shutdown(_Strict):
-    reason: str = ""
+    reason: Reason = ""
 
 
 Message = Union[

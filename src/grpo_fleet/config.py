@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from grpo_fleet.protocol.messages import ACTOR_ID_PATTERN
 
@@ -70,7 +70,19 @@ class GenerationConfig(_Section):
     group_size: int = Field(8, ge=2, description="G: completions per prompt.")
     max_tokens: int = Field(8, ge=1, description="Maximum completion length in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; logprobs are of softmax(logits / T).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 disables it.")
+    top_p: float = Field(
+        1.0, gt=0, le=1,
+        description="Must be 1.0 for training: a nucleus (< 1) is a distribution the learner cannot recompute, "
+        "so its logprobs would bias the ratios. Lower the temperature to sharpen instead.",
+    )
+
+    @field_validator("top_p")
+    @classmethod
+    def _no_truncated_sampling(cls, value: float) -> float:
+        if value < 1.0:
+            raise ValueError(f"generation.top_p = {value}: a nucleus is a distribution the learner cannot "
+                             "recompute, so the importance ratios would be biased; use top_p = 1.0 and a lower temperature")
+        return value
 
 
 class TaskConfig(_Section):

@@ -125,6 +125,7 @@ class ActorMetrics:
     policy_lag: Gauge
     weight_fetch_seconds: Histogram
     submit_retries: Counter
+    peak_memory: Gauge
 
 
 def actor_metrics() -> ActorMetrics:
@@ -141,11 +142,12 @@ def actor_metrics() -> ActorMetrics:
         policy_version=Gauge(f"{p}_policy_version", "Policy version of the loaded snapshot", registry=r),
         weight_syncs=Counter(f"{p}_weight_syncs", "Snapshots loaded, by outcome", ["outcome"], registry=r),
         reconnects=Counter(f"{p}_reconnects", "Times the actor re-registered with the learner", registry=r),
-        policy_lag=Gauge(f"{p}_policy_lag_versions", "Versions between the learner's newest policy and the loaded one", registry=r),
+        policy_lag=Gauge(f"{p}_policy_lag_versions", "Versions between the learner's current policy and the loaded one (either way)", registry=r),
         weight_fetch_seconds=Histogram(
             f"{p}_weight_fetch_seconds", "Time to fetch, verify and load a new policy version", buckets=PHASE_BUCKETS, registry=r
         ),
         submit_retries=Counter(f"{p}_submit_retries", "Rollout submissions resent after a lost answer or reconnect", registry=r),
+        peak_memory=Gauge(f"{p}_peak_memory_bytes", "MLX peak memory while generating the last lease", registry=r),
     )
 
 

@@ -113,3 +113,42 @@ def test_chat_template_wraps_prompt(tiny_chat_model_dir):
     text = chat.tokenizer.decode(wrapped)
     assert len(wrapped) > len(plain)
     assert "Think first." in text and text.rstrip().endswith("assistant")
+
+
+@pytest.fixture(scope="module")
+def peaky_bf16_policy(tiny_model_dir):
+    """The tiny model in bf16 with logits as peaky as a real LM's (largest around 18).
+
+    mlx-lm normalises in the model's dtype; in bf16 that alone put actor and
+    learner up to 0.1 nats apart on such logits.
+    """
+    policy = load_policy(str(tiny_model_dir), dtype="bfloat16")
+    norm = policy.model.model.norm  # the final RMSNorm's gain scales the logits and nothing else
+    prompt = mx.array([encode_prompt(policy.tokenizer, "123=", chat_template=False)])
+    peak = float(mx.max(mx.abs(policy.model(prompt).astype(mx.float32))))
+    norm.weight = (norm.weight.astype(mx.float32) * (18.0 / peak)).astype(mx.bfloat16)
+    mx.eval(policy.model.parameters())
+    return policy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.9])
+def test_bf16_actor_logprobs_are_float32_and_match_learner(peaky_bf16_policy, temperature):
+    policy = peaky_bf16_policy
+    assert policy.model.model.embed_tokens.weight.dtype == mx.bfloat16
+    mx.random.seed(7)
+    prompts = [encode_prompt(policy.tokenizer, text, chat_template=False) for text in ("123=", "9=", "4567=")]
+    peak = float(mx.max(mx.abs(policy.model(mx.array([prompts[0]])).astype(mx.float32))))
+    assert 12 < peak < 30, f"logits not peaky enough to show the bf16 gap: {peak}"
+    groups = generate_groups(policy.model, prompts, _settings(policy, temperature, group_size=8, max_tokens=8))
+    assert _max_logprob_gap(policy, prompts, groups, temperature) < 1e-4
+
+
+def test_truncated_sampling_is_refused(policy):
+    from grpo_fleet.actor.rollout import TruncatedSamplingError
+    from grpo_fleet.config import GenerationConfig
+
+    settings = SamplingSettings(group_size=2, max_tokens=2, top_p=0.9)
+    with pytest.raises(TruncatedSamplingError, match="top_p"):
+        generate_groups(policy.model, [[3, 4]], settings)
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationConfig(top_p=0.95)

@@ -4,10 +4,14 @@ Uses mlx-lm's `BatchGenerator` directly because `batch_generate` drops the EOS
 token and its logprob, and the learner needs both to score the stop decision.
 
 Logprob convention (shared with the learner): log_softmax(logits / temperature)
-at the sampled token, under the snapshot that generated it (pi_old). Temperature
-is applied as a logits processor, so the distribution that is sampled from is the
-one whose logprobs are recorded. top_p only truncates sampling; the recorded
-logprob is still that of the tempered, untruncated distribution.
+in float32 at the sampled token, under the snapshot that generated it (pi_old),
+whatever dtype the model computes in. mlx-lm normalises logits in the model's
+dtype, which in bf16 is up to 0.1 nats off a float32 recomputation, so the model
+is wrapped (`Float32Logits`) to hand the sampler float32 logits already divided
+by the temperature: the distribution sampled from is the one whose logprobs are
+recorded, with no per-row logits processors (an extra [B, V] pass per step).
+top_p < 1 is refused: the nucleus is a different distribution from the one the
+learner can recompute, so its ratios would be biased.
 
 Shared prefix: the G completions of a prompt of at least SHARED_PREFIX_MIN_TOKENS
 tokens start from one prefill of that prompt, instead of G prefills of copies that
@@ -30,6 +34,9 @@ import mlx.nn as nn
 # lease slower on the tiny demo model and even on a ~50M model; from 16 tokens
 # it was even on the tiny model and faster on the ~50M one (1.0 s vs 1.8 s).
 SHARED_PREFIX_MIN_TOKENS = 16
+# Long prompts are prefilled this many tokens at a time, which bounds the
+# activations a prefill holds (mlx-lm's default is 2048).
+PREFILL_STEP_TOKENS = 512
 
 
 @dataclass
@@ -54,8 +61,42 @@ class SamplingSettings:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
 
 
+class TruncatedSamplingError(ValueError):
+    """top_p < 1: the recorded logprobs could not be those of the distribution sampled from."""
+
+
+def refuse_truncated_sampling(top_p: float) -> None:
+    if top_p < 1.0:
+        raise TruncatedSamplingError(
+            f"top_p={top_p} samples from the nucleus, a distribution the learner cannot recompute, so the "
+            "importance ratios would be biased; set generation.top_p = 1.0 (lower the temperature to sharpen)"
+        )
+
+
+class Float32Logits:
+    """A model whose logits come out in float32 and divided by the temperature.
+
+    Casting before mlx-lm's normaliser makes the recorded logprobs the float32
+    log_softmax(logits / T) the learner computes. Prefill never reads its
+    logits, so under MLX's lazy evaluation the cast costs nothing there. Every
+    other attribute (layers, make_cache, ...) is the wrapped model's.
+    """
+
+    def __init__(self, model: nn.Module, temperature: float) -> None:
+        self._model = model
+        self._temperature = temperature
+
+    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        logits = self._model(inputs, *args, **kwargs).astype(mx.float32)
+        # Divide (not multiply by 1/T): the learner divides, and the two round differently.
+        return logits if self._temperature in (0.0, 1.0) else logits / self._temperature
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
 def sampler_and_processors(settings: SamplingSettings) -> tuple[Any, list]:
-    """The sampler and logits processors of `settings` (also used by the naive baseline in the benchmark)."""
+    """The sampler and logits processors of `settings`, for mlx-lm's own generate (the benchmark's naive baseline)."""
     from mlx_lm.sample_utils import make_sampler
 
     if settings.temperature == 0:
@@ -76,6 +117,7 @@ def generate_groups(
     completion_batch_size: int = 64,
     on_step: Optional[Callable[[], None]] = None,
     min_shared_prefix: Optional[int] = SHARED_PREFIX_MIN_TOKENS,
+    prefill_step_size: int = PREFILL_STEP_TOKENS,
 ) -> list[list[GeneratedCompletion]]:
     """Sample `group_size` completions for each prompt in one continuous batch.
 
@@ -85,18 +127,20 @@ def generate_groups(
     their whole group; None prefills G copies of every prompt.
     """
     from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
 
-    sampler, processors = sampler_and_processors(settings)
+    refuse_truncated_sampling(settings.top_p)
     size = settings.group_size
     batch_size = min(len(prompts) * size, completion_batch_size)
     generator = BatchGenerator(
-        model,
+        Float32Logits(model, settings.temperature),
         max_tokens=settings.max_tokens,
         stop_tokens=[[int(t)] for t in settings.stop_token_ids],
-        sampler=sampler,
-        logits_processors=processors,
+        # The temperature is already in the logits; T = 0 stays greedy.
+        sampler=make_sampler(temp=0.0 if settings.temperature == 0 else 1.0),
         completion_batch_size=batch_size,
         prefill_batch_size=batch_size,
+        prefill_step_size=prefill_step_size,
     )
     try:
         rows = [list(map(int, p)) for p in prompts]
@@ -196,13 +240,11 @@ def _drain(generator: Any, uids: list[int], on_step: Optional[Callable[[], None]
 def _sampled_logprobs(responses: list) -> list[float]:
     """Each response's logprob of its sampled token, for one decoding step in one evaluation.
 
-    One gather per step instead of an index per token and a small evaluation per
-    finished completion: with short completions that bookkeeping cost as much as
-    the model.
+    One scalar per row, gathered in one evaluation: stacking the rows first
+    would copy a [B, V] array every step (1.2 MB a row at V = 151,936).
     """
-    rows = mx.stack([response.logprobs for response in responses])
-    ids = mx.array([int(response.token) for response in responses], dtype=mx.int32)[:, None]
-    return mx.take_along_axis(rows, ids, axis=1)[:, 0].astype(mx.float32).tolist()
+    picked = [response.logprobs[int(response.token)] for response in responses]
+    return mx.stack(picked).astype(mx.float32).tolist()
 
 
 def completion_text(tokenizer: Any, completion: GeneratedCompletion, eos_ids: set[int]) -> str:

@@ -27,7 +27,13 @@ from urllib.parse import urlparse
 import mlx.core as mx
 import numpy as np
 
-from grpo_fleet.actor.rollout import SamplingSettings, completion_text, generate_groups
+from grpo_fleet.actor.rollout import (
+    SamplingSettings,
+    TruncatedSamplingError,
+    completion_text,
+    generate_groups,
+    refuse_truncated_sampling,
+)
 from grpo_fleet.config import ActorConfig, LoraConfig
 from grpo_fleet.metrics import actor_metrics, serve_metrics
 from grpo_fleet.model import Policy, load_policy, load_weight_blob, model_digest
@@ -297,6 +303,10 @@ class ActorWorker:
             validate_rewards(welcome.reward.names, welcome.reward.weights)
         except UnknownRewardError as exc:
             raise ActorRefused(f"the learner asks for a reward this actor does not have: {exc}") from exc
+        try:
+            refuse_truncated_sampling(welcome.generation.top_p)
+        except TruncatedSamplingError as exc:
+            raise ActorRefused(str(exc)) from exc
         if not model_path_allowed(welcome.model.path, self.cfg.model_dirs):
             raise ActorRefused(
                 f"model path {welcome.model.path!r} is outside the allowed directories "
@@ -435,10 +445,12 @@ class ActorWorker:
             top_p=gen.top_p, stop_token_ids=sorted(policy.tokenizer.eos_token_ids),
         )
         version, incarnation = self.version, welcome.incarnation
+        mx.reset_peak_memory()  # the gauge then shows this lease's peak, not the process's
         started = time.perf_counter()
         prompts = [item.prompt_tokens.to_numpy().tolist() for item in lease.prompts]
         groups = generate_groups(policy.model, prompts, settings, on_step=self._heartbeat)
         self.metrics.generation_seconds.observe(time.perf_counter() - started)
+        self.metrics.peak_memory.set(mx.get_peak_memory())
         results = [self._score_group(item, completions) for item, completions in zip(lease.prompts, groups)]
         return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=incarnation, groups=results)
 

@@ -218,3 +218,12 @@ def test_parse_number() -> None:
 def test_gold_answer_text_takes_text_after_last_marker() -> None:
     assert gold_answer_text("work #### 1 #### 2").strip() == "2"
     assert gold_answer_text("17") == "17"
+
+
+def test_language_consistency_is_the_printable_ascii_share() -> None:
+    from grpo_fleet.tasks.rewards import language_consistency
+
+    assert language_consistency("The answer is 42.\n", {}) == 1.0
+    assert language_consistency("答案是 42", {}) == pytest.approx(3 / 6)
+    assert language_consistency("\x1b[31m", {}) == pytest.approx(4 / 5)
+    assert language_consistency("", {}) == 0.0

@@ -67,6 +67,20 @@ def reverse_positions(completion: str, fields: dict[str, str]) -> float:
     return matches / longest
 
 
+@register_reward("language_consistency")
+def language_consistency(completion: str, fields: dict[str, str]) -> float:
+    """Share of the completion's characters that are printable ASCII (English text, maths, code).
+
+    DeepSeek-R1's language-consistency reward, for English: it penalises
+    drifting into other scripts or byte noise. It also gives a random-weight
+    model graded rewards from its first sample, which is what the real-shape
+    end-to-end test trains on. An empty completion scores 0.
+    """
+    if not completion:
+        return 0.0
+    return sum(" " <= ch <= "~" or ch in "\n\t" for ch in completion) / len(completion)
+
+
 @register_reward("exact_match")
 def exact_match(completion: str, fields: dict[str, str]) -> float:
     """1.0 when the stripped completion equals the stripped answer."""

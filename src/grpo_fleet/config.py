@@ -130,6 +130,21 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="Seed for the learner's RNG (prompt order).")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
     compile: bool = Field(True, description="Run the update (loss, gradients, clipping, AdamW) under mx.compile.")
+    micro_batch_tokens: int = Field(
+        4096, ge=16,
+        description="Padded tokens (rows x bucketed width) per micro-batch; gradients are accumulated over "
+        "micro-batches with the batch-global loss normaliser, so this bounds memory without changing the update. "
+        "Sequences are grouped by length to keep padding small. The demo's batch (64 rows x 16) is one micro-batch.",
+    )
+    logprob_chunk_tokens: int = Field(
+        512, ge=1,
+        description="Completion positions per LM-head chunk: each chunk's [chunk, vocab] fp32 logits are "
+        "recomputed in the backward pass (mx.checkpoint), so logits never exist for the whole batch.",
+    )
+    grad_checkpoint: bool = Field(
+        False, description="Recompute each transformer block in the backward pass (mlx-lm's grad_checkpoint): "
+        "less activation memory for about one more forward of compute."
+    )
 
 
 class ServerConfig(_Section):

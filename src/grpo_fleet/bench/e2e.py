@@ -122,7 +122,9 @@ def loop_curve(cfg: RunConfig, model_path: str, rollout: Rollout, target: float)
     policy = load_policy(model_path, dtype=cfg.model.dtype)
     reference = load_policy(model_path, dtype=cfg.model.dtype).model if cfg.grpo.beta > 0 else None
     trainer = Trainer(policy, cfg.grpo, cfg.optim, temperature=cfg.generation.temperature,
-                      max_tokens=cfg.generation.max_tokens, ref_model=reference, compile=cfg.train.compile)
+                      max_tokens=cfg.generation.max_tokens, ref_model=reference, compile=cfg.train.compile,
+                      micro_batch_tokens=cfg.train.micro_batch_tokens,
+                      logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, grad_checkpoint=cfg.train.grad_checkpoint)
     task = build_task(cfg.task)
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     scheduler = PromptScheduler(len(prompts), seed=cfg.train.seed, lease_seconds=1e9)

@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 
 from grpo_fleet.bench import Figure, Report
 from grpo_fleet.bench.models import model_50m, tiny_model
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
+from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, batch_totals, build_train_batch, split_batch
 from grpo_fleet.learner.trainer import Trainer, default_loss
 from grpo_fleet.model import load_policy
 
@@ -60,30 +59,24 @@ def _trainer(path: Path, lora: bool, compiled: bool) -> Trainer:
 def _phases(trainer: Trainer, groups: list[AcceptedGroup], repeats: int) -> dict[str, float]:
     model, cfg = trainer.policy.model, trainer.grpo
     batch = build_train_batch(groups)
-    ref = trainer.reference_logprobs(batch)
+    micro = split_batch(batch, trainer.micro_batch_tokens)
+    totals = batch_totals(batch)
+    refs = trainer._references(micro)
 
     def forward():
-        loss, _ = default_loss(model, batch, ref, grpo=cfg, temperature=1.0, max_tokens=64)
-        mx.eval(loss)
+        for part, ref in zip(micro, refs):
+            loss, _ = default_loss(model, part, ref, totals, grpo=cfg, temperature=1.0, max_tokens=64,
+                                   chunk_tokens=trainer.chunk_tokens)
+            mx.eval(loss)
 
-    def forward_backward():
-        (loss, _), grads = trainer._loss_and_grad(model, batch, ref)
-        mx.eval(loss, grads)
-
-    (_, _), grads = trainer._loss_and_grad(model, batch, ref)
-    mx.eval(grads)
-
-    def optimizer():
-        clipped, _ = optim.clip_grad_norm(grads, 1.0)
-        trainer.optimizer.update(model, clipped)
-        mx.eval(model.trainable_parameters(), trainer.optimizer.state)
+    gradients = trainer.accumulate(micro, refs, totals)
 
     phases = {
-        "data prep": _mean_ms(lambda: build_train_batch(groups), repeats),
-        "ref forward": _mean_ms(lambda: trainer.reference_logprobs(batch), repeats),
+        "data prep": _mean_ms(lambda: split_batch(build_train_batch(groups), trainer.micro_batch_tokens), repeats),
+        "ref forward": _mean_ms(lambda: trainer._references(micro), repeats),
         "forward": _mean_ms(forward, repeats),
-        "forward+backward": _mean_ms(forward_backward, repeats),
-        "optimizer": _mean_ms(optimizer, repeats),
+        "forward+backward": _mean_ms(lambda: trainer.accumulate(micro, refs, totals), repeats),
+        "optimizer": _mean_ms(lambda: trainer.apply(gradients), repeats),
     }
     phases["backward"] = phases.pop("forward+backward") - phases["forward"]
     return phases

@@ -22,7 +22,7 @@ from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_trai
 from grpo_fleet.learner.fleet import ActorInfo, TokenRate, actor_from_hello, sd_groups
 from grpo_fleet.learner.pacing import MovingAverage, lease_size, lease_target_seconds
 from grpo_fleet.learner.scheduler import PromptScheduler
-from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.learner.trainer import StepStats, Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.learner.persistence import Persistence
 from grpo_fleet.model import Policy, trainable_weights, weights_to_bytes
@@ -410,7 +410,7 @@ class Learner(Persistence):
         batch = build_train_batch(groups, scale_by_std=self.cfg.grpo.scale_by_std)
         phases = {"data_prep": time.perf_counter() - started}
         stats = self.trainer.step(batch)
-        phases.update(ref_forward=stats["ref_seconds"], update=stats["update_seconds"])
+        phases.update(ref_forward=stats.ref_seconds, update=stats.update_seconds)
         step = self.step + 1  # only the training thread moves the step
         snapshot = None
         if step % self.cfg.train.sync_every == 0:
@@ -423,7 +423,7 @@ class Learner(Persistence):
             self.metrics.step_phase_seconds.labels(phase=phase).observe(seconds)
         return record
 
-    def _record_step(self, step: int, snapshot: Optional[Snapshot], groups: list[AcceptedGroup], stats: dict,
+    def _record_step(self, step: int, snapshot: Optional[Snapshot], groups: list[AcceptedGroup], stats: StepStats,
                      seconds: float, trained_on: int, phases: dict) -> dict:
         self.step = step
         now = time.monotonic()
@@ -445,7 +445,7 @@ class Learner(Persistence):
         record["published"] = snapshot is not None
         return record
 
-    def _step_record(self, groups: list[AcceptedGroup], stats: dict, seconds: float, trained_on: int) -> dict:
+    def _step_record(self, groups: list[AcceptedGroup], stats: StepStats, seconds: float, trained_on: int) -> dict:
         rewards = np.concatenate([g.rewards for g in groups])
         zero_var = self.zero_variance_since_step / max(1, self.accepted_since_step)
         self.accepted_since_step = self.zero_variance_since_step = 0
@@ -454,10 +454,12 @@ class Learner(Persistence):
             "policy_version": self.version,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
-            "loss": stats["loss"],
-            "kl": stats["kl"],
-            "clip_fraction": stats["clip_fraction"],
-            "grad_norm": stats["grad_norm"],
+            "loss": stats.loss,
+            "kl": stats.kl,
+            "clip_fraction": stats.clip_fraction,
+            "grad_norm": stats.grad_norm,
+            "skipped": stats.skipped,  # why no update was applied (non-finite loss or gradient), or None
+            "peak_memory_bytes": stats.peak_memory_bytes,
             "groups": len(groups),
             "tokens": int(sum(g.num_tokens for g in groups)),
             # Versions between the snapshot that sampled a group and the policy it trained.

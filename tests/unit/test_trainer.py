@@ -5,14 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch
+from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch, split_batch
+from grpo_fleet.learner.grpo import grpo_loss
 from grpo_fleet.learner.trainer import Trainer, policy_logprobs
-from grpo_fleet.model import Policy, load_policy, trainable_weights
+from grpo_fleet.model import Policy, adapters_disabled, load_policy, trainable_weights
 
 TEMPERATURE = 1.0
 MAX_TOKENS = 4
@@ -238,3 +240,127 @@ def test_compiled_update_matches_eager_update(tiny_model_dir, use_lora):
     (eager, eager_stats), (fast, fast_stats) = finals
     assert all(mx.allclose(eager[k], fast[k], atol=1e-5) for k in eager)
     assert abs(eager_stats.kl - fast_stats.kl) < 1e-5 and eager_stats.kl > 0
+
+
+# ------------------------------------------------------- memory-bounded step
+
+
+def varied_batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> TrainBatch:
+    """Off-policy groups with prompt and completion lengths that differ row to row."""
+    rng = np.random.default_rng(seed)
+    made = []
+    for b in range(groups):
+        prompt = rng.integers(0, 10, int(rng.integers(2, 7))).astype(np.int32)
+        records = []
+        for _ in range(group_size):
+            length = int(rng.integers(1, 8))
+            records.append(CompletionRecord(rng.integers(0, 10, length).astype(np.int32),
+                                            -rng.uniform(1.5, 3.5, length).astype(np.float32), float(rng.random()), "length"))
+        made.append(AcceptedGroup(f"g{b}", b, prompt, records, 0, "a"))
+    return build_train_batch(made)
+
+
+def trainer_for(model_dir: Path, mode: str, *, loss_type: str = "grpo", compiled: bool = False, **memory) -> Trainer:
+    lora = LoraConfig(enabled=True, rank=4) if mode == "lora" else None
+    mx.random.seed(0)  # the same adapter init in every trainer
+    policy = load_policy(str(model_dir), lora=lora)
+    if lora is not None:
+        # Nonzero lora_b, so the adapters' gradients are not trivially zero.
+        policy.model.update(tree_unflatten([(k, mx.random.normal(v.shape, scale=0.05))
+                                            for k, v in tree_flatten(policy.model.trainable_parameters())]))
+    ref = None if lora else load_policy(str(model_dir)).model
+    return Trainer(policy, GRPOConfig(beta=0.04, loss_type=loss_type), OptimConfig(lr=1e-2), temperature=0.7,
+                   max_tokens=8, ref_model=ref, compile=compiled, **memory)
+
+
+def dense_gradients(trainer: Trainer, batch: TrainBatch) -> tuple[float, dict[str, np.ndarray]]:
+    """The old one-shot computation: full [N, L, V] logits, one batch, grpo_loss as is."""
+    model, cfg = trainer.policy.model, trainer.grpo
+    if trainer.policy.lora is not None:
+        with adapters_disabled(model):
+            ref = policy_logprobs(model, batch.inputs, batch.targets, trainer.temperature)
+    else:
+        ref = policy_logprobs(trainer.ref_model, batch.inputs, batch.targets, trainer.temperature)
+
+    def loss(inputs, targets):
+        lp = policy_logprobs(model, inputs, targets, trainer.temperature)
+        return grpo_loss(lp, batch.old_logprobs, batch.advantages, batch.mask, ref_logprobs=mx.stop_gradient(ref),
+                         beta=cfg.beta, loss_type=cfg.loss_type, max_tokens=8)[0]
+
+    value, grads = nn.value_and_grad(model, loss)(batch.inputs, batch.targets)
+    return float(value), {k: np.array(v) for k, v in tree_flatten(grads)}
+
+
+def assert_close_trees(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rel: float) -> None:
+    assert got.keys() == want.keys()
+    scale = np.sqrt(sum(float(np.sum(w.astype(np.float64) ** 2)) for w in want.values()))
+    assert scale > 0
+    for key in want:
+        err = np.linalg.norm((got[key] - want[key]).astype(np.float64))
+        assert err <= rel * max(np.linalg.norm(want[key].astype(np.float64)), 1e-3 * scale), key
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
+def test_accumulated_micro_batch_gradients_equal_the_one_batch_gradient(tiny_model_dir, loss_type, mode, compiled):
+    batch = varied_batch()
+    trainer = trainer_for(tiny_model_dir, mode, loss_type=loss_type, compiled=compiled,
+                          micro_batch_tokens=32, logprob_chunk_tokens=5)
+    micro = split_batch(batch, trainer.micro_batch_tokens)
+    assert len(micro) >= 4  # really accumulated, and chunked (K > 5 per micro-batch)
+    want_loss, want = dense_gradients(trainer, batch)
+
+    got = trainer.gradients(batch)
+    assert float(got.loss) == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)}, want, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, mode):
+    batch = varied_batch(seed=1)
+    one = trainer_for(tiny_model_dir, mode, loss_type="dapo", micro_batch_tokens=4096)
+    many = trainer_for(tiny_model_dir, mode, loss_type="dapo", micro_batch_tokens=16, logprob_chunk_tokens=2)
+    start = {k: np.array(v) for k, v in trainable_weights(one.policy.model).items()}
+    stats_one, stats_many = one.step(batch), many.step(batch)
+    assert stats_one.micro_batches == 1 and stats_many.micro_batches == 12
+    for key in ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean"):
+        assert getattr(stats_many, key) == pytest.approx(getattr(stats_one, key), rel=1e-5, abs=1e-6), key
+    # Adam's first step is about lr * sign(g), so entries with a near-zero gradient may
+    # differ by up to 2 lr; the update as a whole must agree.
+    update = {k: np.array(v) - start[k] for k, v in trainable_weights(one.policy.model).items()}
+    other = {k: np.array(v) - start[k] for k, v in trainable_weights(many.policy.model).items()}
+    diff = np.sqrt(sum(np.sum((other[k] - update[k]) ** 2) for k in update))
+    assert diff <= 1e-3 * np.sqrt(sum(np.sum(u ** 2) for u in update.values()))
+
+
+def snapshot(trainer: Trainer) -> dict[str, np.ndarray]:
+    weights = {f"w.{k}": np.array(v) for k, v in trainable_weights(trainer.policy.model).items()}
+    return {**weights, **{f"opt.{k}": v for k, v in flat_state(trainer).items()}}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("poison, reason", [("nan_old_logprob", "nonfinite_loss"), ("huge_advantage", "nonfinite_grad")])
+def test_nonfinite_step_is_skipped_and_changes_nothing(tiny_model_dir, contrast_completions, poison, reason, compiled):
+    trainer = trainer_for(tiny_model_dir, "full", compiled=compiled)
+    good = on_policy_batch(trainer.policy, *contrast_completions)
+    assert trainer.step(good).skipped is None  # nonzero moments, so "unchanged" means something
+    bad = on_policy_batch(trainer.policy, *contrast_completions)
+    if poison == "nan_old_logprob":
+        old = np.array(bad.old_logprobs)
+        old[0, np.flatnonzero(np.array(bad.mask)[0])[0]] = np.nan
+        bad.old_logprobs = mx.array(old)
+    else:
+        # Opposite advantages cancel in the loss, but their gradients overflow fp32.
+        bad.advantages = mx.array([1e37, -1e37])
+    before = snapshot(trainer)
+
+    stats = trainer.step(bad)
+
+    assert stats.skipped == reason
+    after = snapshot(trainer)
+    assert after.keys() == before.keys()
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+    assert int(trainer.optimizer.state["step"]) == 1
+    assert trainer.step(good).skipped is None  # and the trainer carries on normally

@@ -25,7 +25,7 @@ ACTOR_A = b"actor-a-identity"
 ACTOR_B = b"actor-b-identity"
 STEP_RECORD_KEYS = {
     "step", "policy_version", "reward_mean", "loss", "kl", "clip_fraction",
-    "groups", "tokens", "staleness_mean", "step_seconds",
+    "groups", "tokens", "staleness_mean", "step_seconds", "skipped", "peak_memory_bytes",
 }
 INFORMATIVE = [0.0, 0.25, 0.5, 1.0]
 FLAT = [0.5, 0.5, 0.5, 0.5]
@@ -552,6 +552,7 @@ def test_train_step_records_metrics_publishes_and_checkpoints(learner):
     assert 0.0 <= line["clip_fraction"] <= 1.0
     assert line["kl"] >= 0.0
     assert np.isfinite(line["loss"]) and line["step_seconds"] > 0
+    assert line["skipped"] is None and line["peak_memory_bytes"] > 0
     assert 0.0 <= line["staleness_mean"] <= 1.0
     assert sample(learner, "grpo_fleet_learner_steps_total") == 1
     assert sample(learner, "grpo_fleet_learner_policy_version") == 1

@@ -410,6 +410,10 @@ class Learner(Persistence):
         batch = build_train_batch(groups, scale_by_std=self.cfg.grpo.scale_by_std)
         phases = {"data_prep": time.perf_counter() - started}
         stats = self.trainer.step(batch)
+        if stats.skipped is not None:
+            # The step still counts (its groups are consumed) but the weights did not move.
+            log.warning("step %d applied no update: %s (loss %s, grad norm %s)", self.step + 1, stats.skipped,
+                        stats.loss, stats.grad_norm)
         phases.update(ref_forward=stats.ref_seconds, update=stats.update_seconds)
         step = self.step + 1  # only the training thread moves the step
         snapshot = None

@@ -137,9 +137,10 @@ class TrainConfig(_Section):
         "Sequences are grouped by length to keep padding small. The demo's batch (64 rows x 16) is one micro-batch.",
     )
     logprob_chunk_tokens: int = Field(
-        512, ge=1,
+        256, ge=1,
         description="Completion positions per LM-head chunk: each chunk's [chunk, vocab] fp32 logits are "
-        "recomputed in the backward pass (mx.checkpoint), so logits never exist for the whole batch.",
+        "recomputed in the backward pass (mx.checkpoint), so logits never exist for the whole batch "
+        "(256 x 151,936 fp32 logits are 156 MB).",
     )
     grad_checkpoint: bool = Field(
         False, description="Recompute each transformer block in the backward pass (mlx-lm's grad_checkpoint): "

@@ -95,9 +95,7 @@ def test_lm_head_is_the_embedding_when_tied_and_lm_head_otherwise():
     assert lm_head(untied)[0] is untied.lm_head
 
 
-def test_grad_checkpoint_gives_the_same_gradients():
-    from mlx_lm.models.llama import TransformerBlock
-
+def test_grad_checkpoint_gives_the_same_gradients(restore_llama_blocks):
     batch = build_train_batch(groups(2))
     (part,) = split_batch(batch, 10_000)
 
@@ -107,17 +105,12 @@ def test_grad_checkpoint_gives_the_same_gradients():
     plain_model = llama(True)
     _, plain = nn.value_and_grad(plain_model, loss)(plain_model)
     mx.eval(plain)
-    original = TransformerBlock.__call__
-    try:
-        model = llama(True)
-        enable_grad_checkpoint(model)
-        enable_grad_checkpoint(model)  # idempotent: the class is wrapped once
-        assert TransformerBlock.__call__ is not original
-        _, checkpointed = nn.value_and_grad(model, loss)(model)
-    finally:
-        # mlx-lm patches the class; undo it so the other tests run unpatched.
-        TransformerBlock.__call__ = original
-        if "_grpo_fleet_checkpointed" in TransformerBlock.__dict__:
-            del TransformerBlock._grpo_fleet_checkpointed
+    unpatched = restore_llama_blocks.__call__
+    model = llama(True)
+    enable_grad_checkpoint(model)
+    patched = restore_llama_blocks.__call__
+    enable_grad_checkpoint(model)  # idempotent: the class is wrapped once
+    assert patched is not unpatched and restore_llama_blocks.__call__ is patched
+    _, checkpointed = nn.value_and_grad(model, loss)(model)
     for key, value in dict(tree_flatten(plain)).items():
         assert_close(np.array(dict(tree_flatten(checkpointed))[key]), np.array(value), key)

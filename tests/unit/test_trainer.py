@@ -364,3 +364,17 @@ def test_nonfinite_step_is_skipped_and_changes_nothing(tiny_model_dir, contrast_
         np.testing.assert_array_equal(after[key], before[key], err_msg=key)
     assert int(trainer.optimizer.state["step"]) == 1
     assert trainer.step(good).skipped is None  # and the trainer carries on normally
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_grad_checkpoint_does_not_change_the_gradients(tiny_model_dir, restore_llama_blocks, compiled):
+    batch = varied_batch(seed=2)
+    want = trainer_for(tiny_model_dir, "full", loss_type="gspo", compiled=compiled, micro_batch_tokens=48).gradients(batch)
+    unpatched = restore_llama_blocks.__call__
+    trainer = trainer_for(tiny_model_dir, "full", loss_type="gspo", compiled=compiled, micro_batch_tokens=48,
+                          grad_checkpoint=True)
+    assert restore_llama_blocks.__call__ is not unpatched
+    got = trainer.gradients(batch)
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6)
+    assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)},
+                       {k: np.array(v) for k, v in tree_flatten(want.grads)}, rel=1e-5)

@@ -52,6 +52,8 @@ class LearnerMetrics:
     step_phase_seconds: Histogram
     weight_publish_seconds: Histogram
     weight_publish_bytes: Gauge
+    step_peak_memory: Gauge
+    steps_skipped: Counter
 
 
 def learner_metrics() -> LearnerMetrics:
@@ -95,6 +97,10 @@ def learner_metrics() -> LearnerMetrics:
             f"{p}_weight_publish_seconds", "Time to serialize and digest a new policy version", buckets=PHASE_BUCKETS, registry=r
         ),
         weight_publish_bytes=Gauge(f"{p}_weight_publish_bytes", "Size of the latest published weight blob", registry=r),
+        step_peak_memory=Gauge(f"{p}_step_peak_memory_bytes", "MLX peak memory during the last step", registry=r),
+        steps_skipped=Counter(
+            f"{p}_steps_skipped", "Steps that applied no update (non-finite loss or gradient), by reason", ["reason"], registry=r
+        ),
     )
 
 

@@ -556,6 +556,7 @@ def test_train_step_records_metrics_publishes_and_checkpoints(learner):
     assert 0.0 <= line["staleness_mean"] <= 1.0
     assert sample(learner, "grpo_fleet_learner_steps_total") == 1
     assert sample(learner, "grpo_fleet_learner_policy_version") == 1
+    assert sample(learner, "grpo_fleet_learner_step_peak_memory_bytes") == line["peak_memory_bytes"]
 
     checkpoint = learner.run_dir / "checkpoints" / "step_000001"
     assert (checkpoint / "optimizer.safetensors").is_file()

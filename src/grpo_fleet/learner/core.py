@@ -410,8 +410,10 @@ class Learner(Persistence):
         batch = build_train_batch(groups, scale_by_std=self.cfg.grpo.scale_by_std)
         phases = {"data_prep": time.perf_counter() - started}
         stats = self.trainer.step(batch)
+        self.metrics.step_peak_memory.set(stats.peak_memory_bytes)
         if stats.skipped is not None:
             # The step still counts (its groups are consumed) but the weights did not move.
+            self.metrics.steps_skipped.labels(reason=stats.skipped).inc()
             log.warning("step %d applied no update: %s (loss %s, grad norm %s)", self.step + 1, stats.skipped,
                         stats.loss, stats.grad_norm)
         phases.update(ref_forward=stats.ref_seconds, update=stats.update_seconds)

@@ -139,8 +139,8 @@ class TrainConfig(_Section):
     logprob_chunk_tokens: int = Field(
         256, ge=1,
         description="Completion positions per LM-head chunk: each chunk's [chunk, vocab] fp32 logits are "
-        "recomputed in the backward pass (mx.checkpoint), so logits never exist for the whole batch "
-        "(256 x 151,936 fp32 logits are 156 MB).",
+        "recomputed in the backward pass, and chunks run one after another, so logits never exist for the "
+        "whole batch (256 x 151,936 fp32 logits are 156 MB; a chunk's backward holds about two such buffers).",
     )
     grad_checkpoint: bool = Field(
         False, description="Recompute each transformer block in the backward pass (mlx-lm's grad_checkpoint): "

@@ -3,8 +3,8 @@
 A plain `model(inputs)` materialises `[n, W, V]` fp32 logits (prompt and padding
 included), which at a 151,936-token vocabulary is what runs the learner out of
 memory. Here the transformer body runs once, its hidden states are gathered at
-the completion positions, and the head + logsumexp + gather run chunk by chunk
-under `mx.checkpoint` (`grpo.chunked_logprobs`).
+the completion positions, and the head + logsumexp + gather run chunk by chunk,
+recomputed in the backward pass as `mx.checkpoint` would (`grpo.chunked_logprobs`).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ def lm_head(model: nn.Module) -> tuple[nn.Module, Callable[[nn.Module, mx.array]
 
 
 def _projection(model: nn.Module) -> tuple[Project, Any]:
-    """`project(params, h)` over the head's trainable weights, in mlx-lm's checkpoint style.
+    """`project(params, h)` over the head's trainable weights, in mlx-lm's grad_checkpoint style.
 
     The weights go in as an argument (and are set on the module inside) because
-    `mx.checkpoint` differentiates only with respect to its arguments; a frozen
-    head passes none and is read as a constant.
+    the chunked head's custom gradient is taken only with respect to its
+    arguments; a frozen head passes none and is read as a constant.
     """
     module, apply = lm_head(model)
 

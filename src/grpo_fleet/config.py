@@ -142,10 +142,20 @@ class TrainConfig(_Section):
         "recomputed in the backward pass, and chunks run one after another, so logits never exist for the "
         "whole batch (256 x 151,936 fp32 logits are 156 MB; a chunk's backward holds about two such buffers).",
     )
+    memory_limit_gb: Optional[float] = Field(
+        None, gt=0,
+        description="mx.set_memory_limit for the learner process, in GiB: past it, MLX waits for queued work to finish "
+        "before allocating more, which is what lets the chained logprob chunks free one chunk's logits before "
+        "the next; without it, evaluation may run ahead and hold several. Default: MLX's own limit.",
+    )
     grad_checkpoint: bool = Field(
         False, description="Recompute each transformer block in the backward pass (mlx-lm's grad_checkpoint): "
         "less activation memory for about one more forward of compute."
     )
+
+    @property
+    def memory_limit_bytes(self) -> Optional[int]:
+        return None if self.memory_limit_gb is None else int(self.memory_limit_gb * (1 << 30))
 
 
 class ServerConfig(_Section):

@@ -605,3 +605,27 @@ def test_chunked_logprobs_match_the_reference_for_any_chunk() -> None:
         got = chunked_logprobs(mx.array(hidden), mx.array(targets), lambda p, h: h @ p["w"].T, {"w": mx.array(weight)},
                                temperature=0.6, chunk_size=chunk)
         np.testing.assert_allclose(_np(got), want, atol=ATOL, rtol=RTOL)
+
+
+def test_chunked_logprob_gradient_holds_about_one_chunk_of_logits_under_a_memory_limit() -> None:
+    """The chunks are chained, so once MLX throttles at its memory limit they run one at a time."""
+    from grpo_fleet.learner.grpo import chunked_logprobs
+
+    vocab, dim, k, chunk = 8192, 32, 512, 32
+    weight = mx.random.normal((vocab, dim)) * 0.1
+    hidden, targets = mx.random.normal((k, dim)), mx.random.randint(0, vocab, (k,))
+    mx.eval(weight, hidden, targets)
+    one_chunk = chunk * vocab * 4  # bytes of one chunk's fp32 logits; all K positions would be 16x that
+    grad = mx.grad(lambda h: mx.sum(chunked_logprobs(h, targets, lambda p, x: x @ p["w"].T, {"w": weight},
+                                                     temperature=0.8, chunk_size=chunk)))
+    mx.eval(grad(hidden))
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    previous = mx.set_memory_limit(base + 2 * one_chunk)
+    try:
+        mx.reset_peak_memory()
+        mx.eval(grad(hidden))
+        above = mx.get_peak_memory() - base
+    finally:
+        mx.set_memory_limit(previous)
+    assert above < 4 * one_chunk, above / one_chunk  # unthrottled, about 7 chunks are live at once

@@ -378,3 +378,12 @@ def test_grad_checkpoint_does_not_change_the_gradients(tiny_model_dir, restore_l
     assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6)
     assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)},
                        {k: np.array(v) for k, v in tree_flatten(want.grads)}, rel=1e-5)
+
+
+def test_memory_limit_is_applied_to_mlx(tiny_model_dir):
+    previous = mx.get_memory_limit()
+    try:
+        trainer_for(tiny_model_dir, "lora", memory_limit_bytes=3 << 30)
+        assert mx.get_memory_limit() == 3 << 30
+    finally:
+        mx.set_memory_limit(previous)

@@ -124,7 +124,8 @@ def loop_curve(cfg: RunConfig, model_path: str, rollout: Rollout, target: float)
     trainer = Trainer(policy, cfg.grpo, cfg.optim, temperature=cfg.generation.temperature,
                       max_tokens=cfg.generation.max_tokens, ref_model=reference, compile=cfg.train.compile,
                       micro_batch_tokens=cfg.train.micro_batch_tokens,
-                      logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, grad_checkpoint=cfg.train.grad_checkpoint)
+                      logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, grad_checkpoint=cfg.train.grad_checkpoint,
+                      memory_limit_bytes=cfg.train.memory_limit_bytes)
     task = build_task(cfg.task)
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     scheduler = PromptScheduler(len(prompts), seed=cfg.train.seed, lease_seconds=1e9)

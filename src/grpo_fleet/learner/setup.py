@@ -78,6 +78,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
         temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens, ref_model=ref_model,
         compile=cfg.train.compile, micro_batch_tokens=cfg.train.micro_batch_tokens,
         logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, grad_checkpoint=cfg.train.grad_checkpoint,
+        memory_limit_bytes=cfg.train.memory_limit_bytes,
     )
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))

@@ -115,12 +115,16 @@ class Trainer:
         micro_batch_tokens: int = _TRAIN_DEFAULTS.micro_batch_tokens,
         logprob_chunk_tokens: int = _TRAIN_DEFAULTS.logprob_chunk_tokens,
         grad_checkpoint: bool = _TRAIN_DEFAULTS.grad_checkpoint,
+        memory_limit_bytes: Optional[int] = None,
     ) -> None:
         self.policy, self.grpo, self.optim_cfg = policy, grpo, optim_cfg
         self.temperature, self.ref_model = temperature, ref_model
         self.micro_batch_tokens, self.chunk_tokens = micro_batch_tokens, logprob_chunk_tokens
         if grad_checkpoint:
             enable_grad_checkpoint(policy.model)
+        if memory_limit_bytes is not None:
+            # Process-wide: MLX throttles evaluation past it, so chained chunks really run one at a time.
+            mx.set_memory_limit(memory_limit_bytes)
         bound = partial(loss_fn or default_loss, grpo=grpo, temperature=temperature, max_tokens=max_tokens,
                         chunk_tokens=logprob_chunk_tokens)
         self._value_and_grad = nn.value_and_grad(policy.model, bound)

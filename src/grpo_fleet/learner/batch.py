@@ -117,7 +117,7 @@ class MicroBatch:
     """
 
     inputs: mx.array  # int32 [n, W]
-    positions: mx.array  # int32 [K]; padding slots point at position 0
+    positions: mx.array  # int32 [K]; K is bucketed for shape reuse, and its few padding slots point at position 0, never read
     targets: mx.array  # int32 [K]: the completion token at each position
     layout: mx.array  # int32 [n, T]: index into [K]; masked slots point at 0
     mask: mx.array  # float32 [n, T]: 1 for a real completion token

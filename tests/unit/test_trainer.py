@@ -387,3 +387,14 @@ def test_memory_limit_is_applied_to_mlx(tiny_model_dir):
         assert mx.get_memory_limit() == 3 << 30
     finally:
         mx.set_memory_limit(previous)
+
+
+def test_trainer_from_config_carries_the_memory_settings(tiny_model_dir):
+    from grpo_fleet.config import RunConfig
+    from grpo_fleet.learner.trainer import trainer_from_config
+
+    cfg = RunConfig.model_validate({"train": {"micro_batch_tokens": 64, "logprob_chunk_tokens": 8, "compile": False},
+                                    "generation": {"temperature": 0.7}, "grpo": {"beta": 0.0}})
+    trainer = trainer_from_config(make_policy(tiny_model_dir, "full"), cfg)
+    assert (trainer.micro_batch_tokens, trainer.chunk_tokens, trainer.compiled, trainer.temperature) == (64, 8, False, 0.7)
+    assert trainer.step(varied_batch()).micro_batches == 3  # 12 rows of width 16, 4 per 64 tokens

@@ -26,7 +26,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from grpo_fleet.config import GRPOConfig, OptimConfig, TrainConfig
+from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
 from grpo_fleet.learner.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
 from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint
 from grpo_fleet.learner.grpo import grpo_loss, head_logprobs
@@ -291,3 +291,14 @@ class Trainer:
         if self.compiled:
             # The compiled update captured the old state tree; trace again against the new one.
             self._compiled = self._compile()
+
+
+def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.Module] = None) -> Trainer:
+    """The Trainer a run config describes (objective, optimizer, memory settings)."""
+    train = cfg.train
+    return Trainer(
+        policy, cfg.grpo, cfg.optim, temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
+        ref_model=ref_model, compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
+        logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
+        memory_limit_bytes=train.memory_limit_bytes,
+    )

@@ -134,3 +134,17 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture
+def restore_llama_blocks() -> Iterator[Any]:
+    """mlx-lm's grad_checkpoint patches the llama block class; put it back after the test."""
+    from mlx_lm.models.llama import TransformerBlock
+
+    original = TransformerBlock.__call__
+    try:
+        yield TransformerBlock
+    finally:
+        TransformerBlock.__call__ = original
+        if "_grpo_fleet_checkpointed" in TransformerBlock.__dict__:
+            del TransformerBlock._grpo_fleet_checkpointed

@@ -149,6 +149,32 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="Seed for the learner's RNG (prompt order).")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
     compile: bool = Field(True, description="Run the update (loss, gradients, clipping, AdamW) under mx.compile.")
+    micro_batch_tokens: int = Field(
+        4096, ge=16,
+        description="Padded tokens (rows x bucketed width) per micro-batch; gradients are accumulated over "
+        "micro-batches with the batch-global loss normaliser, so this bounds memory without changing the update. "
+        "Sequences are grouped by length to keep padding small. The demo's batch (64 rows x 16) is one micro-batch.",
+    )
+    logprob_chunk_tokens: int = Field(
+        256, ge=1,
+        description="Completion positions per LM-head chunk: each chunk's [chunk, vocab] fp32 logits are "
+        "recomputed in the backward pass, and chunks run one after another, so logits never exist for the "
+        "whole batch (256 x 151,936 fp32 logits are 156 MB; a chunk's backward holds about two such buffers).",
+    )
+    memory_limit_gb: Optional[float] = Field(
+        None, gt=0,
+        description="mx.set_memory_limit for the learner process, in GiB: past it, MLX waits for queued work to finish "
+        "before allocating more, which is what lets the chained logprob chunks free one chunk's logits before "
+        "the next; without it, evaluation may run ahead and hold several. Default: MLX's own limit.",
+    )
+    grad_checkpoint: bool = Field(
+        False, description="Recompute each transformer block in the backward pass (mlx-lm's grad_checkpoint): "
+        "less activation memory for about one more forward of compute."
+    )
+
+    @property
+    def memory_limit_bytes(self) -> Optional[int]:
+        return None if self.memory_limit_gb is None else int(self.memory_limit_gb * (1 << 30))
 
 
 class ServerConfig(_Section):

@@ -56,6 +56,7 @@ class LearnerMetrics:
     bans: Counter
     banned_peers: Gauge
     skipped_updates: Counter
+    peak_memory: Gauge
 
 
 def learner_metrics() -> LearnerMetrics:
@@ -106,6 +107,7 @@ def learner_metrics() -> LearnerMetrics:
             f"{p}_skipped_updates", "Batches whose update was not applied (non-finite loss or gradient), by reason",
             ["reason"], registry=r,
         ),
+        peak_memory=Gauge(f"{p}_peak_memory_bytes", "MLX peak memory during the last step (reset every step)", registry=r),
     )
 
 

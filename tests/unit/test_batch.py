@@ -10,7 +10,12 @@ from grpo_fleet.learner.batch import (
     AcceptedGroup,
     CompletionRecord,
     TrainBatch,
+    batch_totals,
     build_train_batch,
+    plan_micro_batches,
+    row_lengths,
+    split_batch,
+    unpack_completions,
 )
 
 
@@ -150,3 +155,67 @@ def test_accepted_group_rewards_and_token_count(two_groups):
     assert first.rewards.dtype == np.float32
     assert first.num_tokens == 6
     assert two_groups[1].num_tokens == 7
+
+
+# ------------------------------------------------------------ micro-batches
+
+
+def bucketed(n: int) -> int:
+    return max(LENGTH_BUCKET, -(-n // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+@pytest.mark.parametrize("budget", [16, 40, 100, 10_000])
+def test_micro_batch_plan_covers_every_row_once_within_the_budget(budget):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 60, 37).tolist()
+    plans = plan_micro_batches(lengths, budget)
+    assert sorted(i for plan in plans for i in plan) == list(range(37))
+    for plan in plans:
+        width = bucketed(max(lengths[i] for i in plan))
+        assert len(plan) == 1 or len(plan) * width <= budget
+        # Longest first: the first row sets the width.
+        assert lengths[plan[0]] == max(lengths[i] for i in plan)
+
+
+def test_micro_batch_plan_groups_similar_lengths():
+    lengths = [3, 40, 4, 41, 5, 42]
+    plans = plan_micro_batches(lengths, 3 * 48)
+    assert [sorted(plan) for plan in plans] == [[1, 3, 5], [0, 2, 4]]
+    assert plan_micro_batches(lengths, 10_000) == [[5, 3, 1, 4, 2, 0]]
+    # A row longer than the budget still trains, alone.
+    assert plan_micro_batches([100, 2], 16) == [[0], [1]]
+
+
+def test_row_lengths_end_at_the_last_completion_target(two_groups):
+    batch = build_train_batch(two_groups)
+    expected = [len(p) + len(c.tokens) - 1 for p, c in rows_of(two_groups)]
+    np.testing.assert_array_equal(row_lengths(np.array(batch.mask)), expected)
+
+
+def test_split_batch_packs_exactly_the_completion_tokens(two_groups):
+    batch = build_train_batch(two_groups)
+    inputs, targets, old = np.array(batch.inputs), np.array(batch.targets), np.array(batch.old_logprobs)
+    micro = split_batch(batch, 32)
+    assert len(micro) == 3 and sorted(np.concatenate([m.rows for m in micro]).tolist()) == list(range(6))
+    for part in micro:
+        width = part.inputs.shape[1]
+        mask, layout = np.array(part.mask) != 0, np.array(part.layout)
+        positions, flat_targets = np.array(part.positions), np.array(part.targets)
+        for j, row in enumerate(part.rows):
+            np.testing.assert_array_equal(np.array(part.inputs)[j], inputs[row, :width])
+            comp = rows_of(two_groups)[row][1]
+            slots = layout[j, mask[j]]
+            np.testing.assert_array_equal(flat_targets[slots], comp.tokens)
+            np.testing.assert_array_equal(positions[slots], j * width + part.columns[j, mask[j]])
+            np.testing.assert_array_equal(np.array(part.old_logprobs)[j, mask[j]], old[row][np.array(batch.mask)[row] == 1])
+            np.testing.assert_array_equal(targets[row, part.columns[j, mask[j]]], comp.tokens)
+        np.testing.assert_allclose(np.array(part.advantages), np.array(batch.advantages)[part.rows])
+    assert sum(float(np.array(m.mask).sum()) for m in micro) == float(np.array(batch.mask).sum())
+
+
+def test_unpack_completions_inverts_the_packing_and_totals_count_the_batch(two_groups):
+    batch = build_train_batch(two_groups)
+    micro = split_batch(batch, 32)
+    unpacked = unpack_completions(micro, [m.old_logprobs for m in micro], tuple(batch.mask.shape))
+    np.testing.assert_array_equal(unpacked, np.array(batch.old_logprobs))
+    np.testing.assert_array_equal(np.array(batch_totals(batch)), [13.0, 6.0])

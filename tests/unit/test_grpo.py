@@ -565,3 +565,67 @@ def test_sgd_step_on_linear_policy_with_value_and_grad(rng: np.random.Generator)
     assert math.isfinite(loss.item())
     assert after[0] > before[0]
     assert after[1] < before[1]
+
+
+# ------------------------------------------- micro-batch shares of the loss
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("use_ref", [False, True])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batch_shares_sum_to_the_whole_batch_reference(seed: int, use_ref: bool, loss_type: str) -> None:
+    """With the batch totals, each row slice's loss and stats are additive shares of the batch values."""
+    rng = np.random.default_rng(seed)
+    batch = make_batch(rng, 9, 6, empty_row=True, spread=0.5)
+    kw: dict[str, Any] = dict(beta=0.05 if use_ref else 0.0, epsilon_high=0.28, loss_type=loss_type, max_tokens=6)
+    want, want_stats = ref_grpo_loss(batch["lp"], batch["old"], batch["adv"], batch["mask"],
+                                     ref_logprobs=batch["ref"] if use_ref else None, **kw)
+    totals = mx.array([batch["mask"].sum(), 9.0])
+    order = rng.permutation(9)
+    loss, stats = mx.array(0.0), {key: mx.array(0.0) for key in STAT_KEYS}
+    for rows in np.array_split(order, [2, 3, 7]):
+        part = {k: v[rows] for k, v in batch.items()}
+        share, share_stats = mx_loss(part, use_ref=use_ref, total_tokens=totals[0], total_sequences=totals[1], **kw)
+        loss = loss + share
+        stats = {key: stats[key] + share_stats[key] for key in STAT_KEYS}
+    assert loss.item() == pytest.approx(want, abs=ATOL, rel=RTOL)
+    for key in STAT_KEYS:
+        assert stats[key].item() == pytest.approx(want_stats[key], abs=ATOL, rel=RTOL), key
+
+
+def test_chunked_logprobs_match_the_reference_for_any_chunk() -> None:
+    from grpo_fleet.learner.grpo import chunked_logprobs
+
+    rng = np.random.default_rng(5)
+    hidden = rng.normal(size=(11, 6)).astype(np.float32)
+    weight = rng.normal(size=(13, 6)).astype(np.float32)
+    targets = rng.integers(0, 13, 11).astype(np.int32)
+    want = ref_token_logprobs((hidden @ weight.T / 0.6)[None], targets[None])[0]
+    for chunk in (1, 4, 11, 50):
+        got = chunked_logprobs(mx.array(hidden), mx.array(targets), lambda p, h: h @ p["w"].T, {"w": mx.array(weight)},
+                               temperature=0.6, chunk_size=chunk)
+        np.testing.assert_allclose(_np(got), want, atol=ATOL, rtol=RTOL)
+
+
+def test_chunked_logprob_gradient_holds_about_one_chunk_of_logits_under_a_memory_limit() -> None:
+    """The chunks are chained, so once MLX throttles at its memory limit they run one at a time."""
+    from grpo_fleet.learner.grpo import chunked_logprobs
+
+    vocab, dim, k, chunk = 8192, 32, 512, 32
+    weight = mx.random.normal((vocab, dim)) * 0.1
+    hidden, targets = mx.random.normal((k, dim)), mx.random.randint(0, vocab, (k,))
+    mx.eval(weight, hidden, targets)
+    one_chunk = chunk * vocab * 4  # bytes of one chunk's fp32 logits; all K positions would be 16x that
+    grad = mx.grad(lambda h: mx.sum(chunked_logprobs(h, targets, lambda p, x: x @ p["w"].T, {"w": weight},
+                                                     temperature=0.8, chunk_size=chunk)))
+    mx.eval(grad(hidden))
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    previous = mx.set_memory_limit(base + 2 * one_chunk)
+    try:
+        mx.reset_peak_memory()
+        mx.eval(grad(hidden))
+        above = mx.get_peak_memory() - base
+    finally:
+        mx.set_memory_limit(previous)
+    assert above < 4 * one_chunk, above / one_chunk  # unthrottled, about 7 chunks are live at once

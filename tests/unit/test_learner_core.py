@@ -25,7 +25,7 @@ ACTOR_A = b"actor-a-identity"
 ACTOR_B = b"actor-b-identity"
 STEP_RECORD_KEYS = {
     "step", "policy_version", "reward_mean", "loss", "kl", "clip_fraction",
-    "groups", "tokens", "staleness_mean", "step_seconds",
+    "groups", "tokens", "staleness_mean", "step_seconds", "skipped", "peak_memory_bytes",
 }
 INFORMATIVE = [0.0, 0.25, 0.5, 1.0]
 FLAT = [0.5, 0.5, 0.5, 0.5]
@@ -561,9 +561,11 @@ def test_train_step_records_metrics_publishes_and_checkpoints(learner):
     assert 0.0 <= line["clip_fraction"] <= 1.0
     assert line["kl"] >= 0.0
     assert np.isfinite(line["loss"]) and line["step_seconds"] > 0
+    assert line["skipped"] is None and line["peak_memory_bytes"] > 0
     assert 0.0 <= line["staleness_mean"] <= 1.0
     assert sample(learner, "grpo_fleet_learner_steps_total") == 1
     assert sample(learner, "grpo_fleet_learner_policy_version") == 1
+    assert sample(learner, "grpo_fleet_learner_peak_memory_bytes") == line["peak_memory_bytes"]
 
     checkpoint = learner.run_dir / "checkpoints" / "step_000001"
     assert (checkpoint / "optimizer.safetensors").is_file()
@@ -867,3 +869,26 @@ def test_hello_beyond_max_actors_is_refused_and_counted(make_learner):
     hello(learner, b"two", "two")  # a registered actor may always say Hello again
     learner.drop_actor(b"one")
     hello(learner, b"three", "three")  # room again once one has gone
+
+
+def test_a_poisoned_group_past_the_door_skips_the_update_and_is_charged_to_its_actor(learner):
+    # Defence in depth: a value the door should have refused reaches the trainer anyway.
+    from mlx.utils import tree_flatten
+
+    hello(learner)
+    fill_buffer(learner)
+    poisoned = learner.buffer[0]
+    poisoned.completions[1].logprobs = np.full_like(poisoned.completions[1].logprobs, np.nan)
+    before = {k: np.array(v) for k, v in tree_flatten(learner.policy.model.trainable_parameters())}
+
+    record = learner.train_step()
+
+    assert record["skipped"] == "nonfinite_loss"
+    after = dict(tree_flatten(learner.policy.model.trainable_parameters()))
+    assert all(np.array_equal(before[k], np.array(after[k])) for k in before), "the weights did not move"
+    assert sample(learner, "grpo_fleet_learner_skipped_updates_total", {"reason": "nonfinite_loss"}) == 1
+    assert learner.bans.violations(ACTOR_A.hex()) == 1, "the group's actor is charged"
+    assert sample(learner, "grpo_fleet_learner_violations_total", {"reason": "poisoned_bad_logprob"}) == 1
+    # and training goes on
+    fill_buffer(learner)
+    assert learner.train_step()["skipped"] is None

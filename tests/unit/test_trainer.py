@@ -5,14 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch
+from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch, split_batch
+from grpo_fleet.learner.grpo import grpo_loss
 from grpo_fleet.learner.trainer import Trainer, policy_logprobs
-from grpo_fleet.model import Policy, load_policy, trainable_weights
+from grpo_fleet.model import Policy, adapters_disabled, load_policy, trainable_weights
 
 TEMPERATURE = 1.0
 MAX_TOKENS = 4
@@ -84,7 +86,8 @@ def test_lora_reference_logprobs_are_the_base_model_even_after_training(tiny_mod
     trainer = make_trainer(tiny_model_dir, "lora")
     base = load_policy(str(tiny_model_dir))  # no adapters at all
     batch = on_policy_batch(trainer.policy, *contrast_completions)
-    base_lp = np.array(policy_logprobs(base.model, batch.inputs, batch.targets, TEMPERATURE))
+    # pi_ref is computed at completion positions only, 0 elsewhere.
+    base_lp = np.array(policy_logprobs(base.model, batch.inputs, batch.targets, TEMPERATURE) * batch.mask)
 
     np.testing.assert_allclose(np.array(trainer.reference_logprobs(batch)), base_lp, atol=1e-5)
 
@@ -112,7 +115,7 @@ def test_full_finetune_reference_is_the_frozen_copy(tiny_model_dir, contrast_com
     trainer.step(batch)
     np.testing.assert_allclose(np.array(trainer.reference_logprobs(batch)), start, atol=1e-6)
     moved = np.array(policy_logprobs(trainer.policy.model, batch.inputs, batch.targets, TEMPERATURE))
-    assert np.abs((moved - start) * np.array(batch.mask)).max() > 1e-4
+    assert np.abs(moved * np.array(batch.mask) - start).max() > 1e-4
 
 
 def test_full_finetune_with_beta_needs_a_reference_model(tiny_model_dir, contrast_completions):
@@ -128,7 +131,7 @@ def test_beta_zero_skips_the_reference(tiny_model_dir, contrast_completions):
     batch = on_policy_batch(trainer.policy, *contrast_completions)
     assert trainer.reference_logprobs(batch) is None
     stats = trainer.step(batch)
-    assert stats["kl"] == 0.0
+    assert stats.kl == 0.0
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -145,11 +148,12 @@ def test_step_raises_the_rewarded_completion_and_lowers_the_penalised_one(tiny_m
     assert after[0] > before[0]
     assert after[1] < before[1]
     for key in ("loss", "kl", "clip_fraction", "grad_norm", "train_seconds"):
-        assert np.isfinite(stats[key]), key
+        assert np.isfinite(getattr(stats, key)), key
     # On-policy first step: the ratio is 1, nothing is clipped and pi == pi_ref.
-    assert stats["clip_fraction"] == 0.0
-    assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
-    assert stats["grad_norm"] > 0
+    assert stats.clip_fraction == 0.0
+    assert stats.kl == pytest.approx(0.0, abs=1e-6)
+    assert stats.grad_norm > 0
+    assert stats.skipped is None and stats.micro_batches == 1 and stats.peak_memory_bytes > 0
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -235,4 +239,162 @@ def test_compiled_update_matches_eager_update(tiny_model_dir, use_lora):
         finals.append((dict(tree_flatten(policy.model.trainable_parameters())), stats[-1]))
     (eager, eager_stats), (fast, fast_stats) = finals
     assert all(mx.allclose(eager[k], fast[k], atol=1e-5) for k in eager)
-    assert abs(eager_stats["kl"] - fast_stats["kl"]) < 1e-5 and eager_stats["kl"] > 0
+    assert abs(eager_stats.kl - fast_stats.kl) < 1e-5 and eager_stats.kl > 0
+
+
+# ------------------------------------------------------- memory-bounded step
+
+
+def varied_batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> TrainBatch:
+    """Off-policy groups with prompt and completion lengths that differ row to row."""
+    rng = np.random.default_rng(seed)
+    made = []
+    for b in range(groups):
+        prompt = rng.integers(0, 10, int(rng.integers(2, 7))).astype(np.int32)
+        records = []
+        for _ in range(group_size):
+            length = int(rng.integers(1, 8))
+            records.append(CompletionRecord(rng.integers(0, 10, length).astype(np.int32),
+                                            -rng.uniform(1.5, 3.5, length).astype(np.float32), float(rng.random()), "length"))
+        made.append(AcceptedGroup(f"g{b}", b, prompt, records, 0, "a"))
+    return build_train_batch(made)
+
+
+def trainer_for(model_dir: Path, mode: str, *, loss_type: str = "grpo", compiled: bool = False, **memory) -> Trainer:
+    lora = LoraConfig(enabled=True, rank=4) if mode == "lora" else None
+    mx.random.seed(0)  # the same adapter init in every trainer
+    policy = load_policy(str(model_dir), lora=lora)
+    if lora is not None:
+        # Nonzero lora_b, so the adapters' gradients are not trivially zero.
+        policy.model.update(tree_unflatten([(k, mx.random.normal(v.shape, scale=0.05))
+                                            for k, v in tree_flatten(policy.model.trainable_parameters())]))
+    ref = None if lora else load_policy(str(model_dir)).model
+    return Trainer(policy, GRPOConfig(beta=0.04, loss_type=loss_type), OptimConfig(lr=1e-2), temperature=0.7,
+                   max_tokens=8, ref_model=ref, compile=compiled, **memory)
+
+
+def dense_gradients(trainer: Trainer, batch: TrainBatch) -> tuple[float, dict[str, np.ndarray]]:
+    """The old one-shot computation: full [N, L, V] logits, one batch, grpo_loss as is."""
+    model, cfg = trainer.policy.model, trainer.grpo
+    if trainer.policy.lora is not None:
+        with adapters_disabled(model):
+            ref = policy_logprobs(model, batch.inputs, batch.targets, trainer.temperature)
+    else:
+        ref = policy_logprobs(trainer.ref_model, batch.inputs, batch.targets, trainer.temperature)
+
+    def loss(inputs, targets):
+        lp = policy_logprobs(model, inputs, targets, trainer.temperature)
+        return grpo_loss(lp, batch.old_logprobs, batch.advantages, batch.mask, ref_logprobs=mx.stop_gradient(ref),
+                         beta=cfg.beta, loss_type=cfg.loss_type, max_tokens=8)[0]
+
+    value, grads = nn.value_and_grad(model, loss)(batch.inputs, batch.targets)
+    return float(value), {k: np.array(v) for k, v in tree_flatten(grads)}
+
+
+def assert_close_trees(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rel: float) -> None:
+    assert got.keys() == want.keys()
+    scale = np.sqrt(sum(float(np.sum(w.astype(np.float64) ** 2)) for w in want.values()))
+    assert scale > 0
+    for key in want:
+        err = np.linalg.norm((got[key] - want[key]).astype(np.float64))
+        assert err <= rel * max(np.linalg.norm(want[key].astype(np.float64)), 1e-3 * scale), key
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
+def test_accumulated_micro_batch_gradients_equal_the_one_batch_gradient(tiny_model_dir, loss_type, mode, compiled):
+    batch = varied_batch()
+    trainer = trainer_for(tiny_model_dir, mode, loss_type=loss_type, compiled=compiled,
+                          micro_batch_tokens=32, logprob_chunk_tokens=5)
+    micro = split_batch(batch, trainer.micro_batch_tokens)
+    assert len(micro) >= 4  # really accumulated, and chunked (K > 5 per micro-batch)
+    want_loss, want = dense_gradients(trainer, batch)
+
+    got = trainer.gradients(batch)
+    assert float(got.loss) == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)}, want, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, mode):
+    batch = varied_batch(seed=1)
+    one = trainer_for(tiny_model_dir, mode, loss_type="dapo", micro_batch_tokens=4096)
+    many = trainer_for(tiny_model_dir, mode, loss_type="dapo", micro_batch_tokens=16, logprob_chunk_tokens=2)
+    start = {k: np.array(v) for k, v in trainable_weights(one.policy.model).items()}
+    stats_one, stats_many = one.step(batch), many.step(batch)
+    assert stats_one.micro_batches == 1 and stats_many.micro_batches == 12
+    for key in ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean"):
+        assert getattr(stats_many, key) == pytest.approx(getattr(stats_one, key), rel=1e-5, abs=1e-6), key
+    # Adam's first step is about lr * sign(g), so entries with a near-zero gradient may
+    # differ by up to 2 lr; the update as a whole must agree.
+    update = {k: np.array(v) - start[k] for k, v in trainable_weights(one.policy.model).items()}
+    other = {k: np.array(v) - start[k] for k, v in trainable_weights(many.policy.model).items()}
+    diff = np.sqrt(sum(np.sum((other[k] - update[k]) ** 2) for k in update))
+    assert diff <= 1e-3 * np.sqrt(sum(np.sum(u ** 2) for u in update.values()))
+
+
+def snapshot(trainer: Trainer) -> dict[str, np.ndarray]:
+    weights = {f"w.{k}": np.array(v) for k, v in trainable_weights(trainer.policy.model).items()}
+    return {**weights, **{f"opt.{k}": v for k, v in flat_state(trainer).items()}}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("poison, reason", [("nan_old_logprob", "nonfinite_loss"), ("huge_advantage", "nonfinite_grad")])
+def test_nonfinite_step_is_skipped_and_changes_nothing(tiny_model_dir, contrast_completions, poison, reason, compiled):
+    trainer = trainer_for(tiny_model_dir, "full", compiled=compiled)
+    good = on_policy_batch(trainer.policy, *contrast_completions)
+    assert trainer.step(good).skipped is None  # nonzero moments, so "unchanged" means something
+    bad = on_policy_batch(trainer.policy, *contrast_completions)
+    if poison == "nan_old_logprob":
+        old = np.array(bad.old_logprobs)
+        old[0, np.flatnonzero(np.array(bad.mask)[0])[0]] = np.nan
+        bad.old_logprobs = mx.array(old)
+    else:
+        # Opposite advantages cancel in the loss, but their gradients overflow fp32.
+        bad.advantages = mx.array([1e37, -1e37])
+    before = snapshot(trainer)
+
+    stats = trainer.step(bad)
+
+    assert stats.skipped == reason
+    after = snapshot(trainer)
+    assert after.keys() == before.keys()
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+    assert int(trainer.optimizer.state["step"]) == 1
+    assert trainer.step(good).skipped is None  # and the trainer carries on normally
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_grad_checkpoint_does_not_change_the_gradients(tiny_model_dir, restore_llama_blocks, compiled):
+    batch = varied_batch(seed=2)
+    want = trainer_for(tiny_model_dir, "full", loss_type="gspo", compiled=compiled, micro_batch_tokens=48).gradients(batch)
+    unpatched = restore_llama_blocks.__call__
+    trainer = trainer_for(tiny_model_dir, "full", loss_type="gspo", compiled=compiled, micro_batch_tokens=48,
+                          grad_checkpoint=True)
+    assert restore_llama_blocks.__call__ is not unpatched
+    got = trainer.gradients(batch)
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6)
+    assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)},
+                       {k: np.array(v) for k, v in tree_flatten(want.grads)}, rel=1e-5)
+
+
+def test_memory_limit_is_applied_to_mlx(tiny_model_dir):
+    previous = mx.get_memory_limit()
+    try:
+        trainer_for(tiny_model_dir, "lora", memory_limit_bytes=3 << 30)
+        assert mx.get_memory_limit() == 3 << 30
+    finally:
+        mx.set_memory_limit(previous)
+
+
+def test_trainer_from_config_carries_the_memory_settings(tiny_model_dir):
+    from grpo_fleet.config import RunConfig
+    from grpo_fleet.learner.trainer import trainer_from_config
+
+    cfg = RunConfig.model_validate({"train": {"micro_batch_tokens": 64, "logprob_chunk_tokens": 8, "compile": False},
+                                    "generation": {"temperature": 0.7}, "grpo": {"beta": 0.0}})
+    trainer = trainer_from_config(make_policy(tiny_model_dir, "full"), cfg)
+    assert (trainer.micro_batch_tokens, trainer.chunk_tokens, trainer.compiled, trainer.temperature) == (64, 8, False, 0.7)
+    assert trainer.step(varied_batch()).micro_batches == 3  # 12 rows of width 16, 4 per 64 tokens

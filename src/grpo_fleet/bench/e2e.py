@@ -39,7 +39,7 @@ from grpo_fleet.evaluate import evaluate
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
-from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.learner.trainer import trainer_from_config
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.tasks import Task, build_task
 
@@ -121,8 +121,7 @@ def loop_curve(cfg: RunConfig, model_path: str, rollout: Rollout, target: float)
     launched, paused = time.time(), 0.0
     policy = load_policy(model_path, dtype=cfg.model.dtype)
     reference = load_policy(model_path, dtype=cfg.model.dtype).model if cfg.grpo.beta > 0 else None
-    trainer = Trainer(policy, cfg.grpo, cfg.optim, temperature=cfg.generation.temperature,
-                      max_tokens=cfg.generation.max_tokens, ref_model=reference, compile=cfg.train.compile)
+    trainer = trainer_from_config(policy, cfg, reference)
     task = build_task(cfg.task)
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     scheduler = PromptScheduler(len(prompts), seed=cfg.train.seed, lease_seconds=1e9)

@@ -1,4 +1,5 @@
-"""Turn accepted groups into the padded arrays one GRPO step consumes.
+"""Turn accepted groups into the padded arrays one GRPO step consumes, and split
+those into token-budgeted, length-grouped micro-batches.
 
 Plain data in, plain arrays out: no sockets, no model.
 """
@@ -6,6 +7,7 @@ Plain data in, plain arrays out: no sockets, no model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -103,3 +105,114 @@ def build_train_batch(groups: list[AcceptedGroup], *, scale_by_std: bool = True)
         rewards=rewards,
         num_groups=len(groups),
     )
+
+
+@dataclass
+class MicroBatch:
+    """Some rows of a TrainBatch, with their completion positions packed flat.
+
+    The model body runs on `inputs`; the LM head runs only at `positions` (flat
+    indices `row * W + column` into `inputs`), never at prompt or padding
+    positions. `layout` maps those `[K]` packed logprobs back to one row per
+    completion, `[n, T]`, the shape the loss takes.
+    """
+
+    inputs: mx.array  # int32 [n, W]
+    positions: mx.array  # int32 [K]; K is bucketed for shape reuse, and its few padding slots point at position 0, never read
+    targets: mx.array  # int32 [K]: the completion token at each position
+    layout: mx.array  # int32 [n, T]: index into [K]; masked slots point at 0
+    mask: mx.array  # float32 [n, T]: 1 for a real completion token
+    old_logprobs: mx.array  # float32 [n, T]
+    advantages: mx.array  # float32 [n]
+    rows: Optional[np.ndarray] = None  # [n]: the TrainBatch rows, to scatter results back
+    columns: Optional[np.ndarray] = None  # [n, T]: each slot's column in the TrainBatch
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.inputs.shape[0] * self.inputs.shape[1])
+
+
+def row_lengths(mask: np.ndarray) -> np.ndarray:
+    """Positions each row needs: up to its last completion target (at least 1)."""
+    on = mask != 0
+    last = np.where(on.any(axis=1), on.shape[1] - np.argmax(on[:, ::-1], axis=1), 1)
+    return last.astype(np.int64)
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group row indices so each group's rows x bucketed width stays within `token_budget`.
+
+    Rows go longest first, so a group's width is set by its first row and its
+    rows have similar lengths (little padding). A row longer than the budget
+    gets a group of its own rather than being refused.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    plans: list[list[int]] = []
+    width = 0
+    for index in order:
+        if plans and (len(plans[-1]) + 1) * width <= token_budget:
+            plans[-1].append(index)
+        else:
+            plans.append([index])
+            width = _bucketed(int(lengths[index]))
+    return plans
+
+
+def _packed(rows: list[int], mask: np.ndarray, targets: np.ndarray, old: np.ndarray, width: int) -> dict[str, np.ndarray]:
+    """Flat completion positions of `rows` and the [n, T] layout that indexes them."""
+    cols = [np.flatnonzero(mask[r]) for r in rows]
+    total = sum(len(c) for c in cols)
+    slots = _bucketed(max(len(c) for c in cols))
+    out = {
+        "positions": np.zeros(_bucketed(total), np.int32), "targets": np.zeros(_bucketed(total), np.int32),
+        "layout": np.zeros((len(rows), slots), np.int32), "columns": np.zeros((len(rows), slots), np.int64),
+        "mask": np.zeros((len(rows), slots), np.float32), "old": np.zeros((len(rows), slots), np.float32),
+    }
+    offset = 0
+    for j, (row, col) in enumerate(zip(rows, cols)):
+        count = len(col)
+        out["positions"][offset : offset + count] = j * width + col
+        out["targets"][offset : offset + count] = targets[row, col]
+        out["layout"][j, :count] = offset + np.arange(count)
+        out["columns"][j, :count] = col
+        out["mask"][j, :count] = 1.0
+        out["old"][j, :count] = old[row, col]
+        offset += count
+    return out
+
+
+def split_batch(batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
+    """The batch as length-grouped micro-batches of at most `token_budget` padded tokens."""
+    inputs, targets = np.array(batch.inputs), np.array(batch.targets)
+    mask, old = np.array(batch.mask), np.array(batch.old_logprobs)
+    advantages = np.array(batch.advantages)
+    lengths = row_lengths(mask)
+    micro: list[MicroBatch] = []
+    for rows in plan_micro_batches(lengths, token_budget):
+        width = min(_bucketed(int(lengths[rows[0]])), inputs.shape[1])
+        packed = _packed(rows, mask, targets, old, width)
+        micro.append(MicroBatch(
+            inputs=mx.array(inputs[rows, :width]), positions=mx.array(packed["positions"]),
+            targets=mx.array(packed["targets"]), layout=mx.array(packed["layout"]), mask=mx.array(packed["mask"]),
+            old_logprobs=mx.array(packed["old"]), advantages=mx.array(advantages[rows]),
+            rows=np.asarray(rows), columns=packed["columns"],
+        ))
+    return micro
+
+
+def batch_totals(batch: TrainBatch) -> mx.array:
+    """[completion tokens, sequences] of the whole batch: the loss's global normaliser."""
+    return mx.array([float(mx.sum(batch.mask).item()), float(batch.mask.shape[0])], dtype=mx.float32)
+
+
+def unpack_completions(micro_batches: list[MicroBatch], values: list[mx.array], shape: tuple[int, int]) -> np.ndarray:
+    """Scatter per-micro-batch `[n, T]` values back to the TrainBatch's `[N, L]` grid (0 elsewhere)."""
+    out = np.zeros(shape, dtype=np.float32)
+    for micro, value in zip(micro_batches, values):
+        assert micro.rows is not None and micro.columns is not None
+        on = np.array(micro.mask) != 0
+        rows = np.broadcast_to(micro.rows[:, None], on.shape)
+        out[rows[on], micro.columns[on]] = np.array(value)[on]
+    return out

@@ -19,10 +19,11 @@ import numpy as np
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.bans import Bans, peer_key
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
+from grpo_fleet.learner.intake import suspect_groups
 from grpo_fleet.learner.fleet import ActorInfo, TokenRate, actor_from_hello, sd_groups
 from grpo_fleet.learner.pacing import MovingAverage, lease_size, lease_target_seconds
 from grpo_fleet.learner.scheduler import PromptScheduler
-from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.learner.trainer import StepStats, Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.learner.persistence import Persistence
 from grpo_fleet.model import Policy, trainable_weights, weights_to_bytes
@@ -453,7 +454,10 @@ class Learner(Persistence):
         batch = build_train_batch(groups, scale_by_std=self.cfg.grpo.scale_by_std)
         phases = {"data_prep": time.perf_counter() - started}
         stats = self.trainer.step(batch)
-        phases.update(ref_forward=stats["ref_seconds"], update=stats["update_seconds"])
+        self.metrics.peak_memory.set(stats.peak_memory_bytes)
+        if stats.skipped is not None:
+            self._blame_skipped_update(groups, stats)
+        phases.update(ref_forward=stats.ref_seconds, update=stats.update_seconds)
         step = self.step + 1  # only the training thread moves the step
         snapshot = None
         if step % self.cfg.train.sync_every == 0:
@@ -466,7 +470,28 @@ class Learner(Persistence):
             self.metrics.step_phase_seconds.labels(phase=phase).observe(seconds)
         return record
 
-    def _record_step(self, step: int, snapshot: Optional[Snapshot], groups: list[AcceptedGroup], stats: dict,
+    def _blame_skipped_update(self, groups: list[AcceptedGroup], stats: StepStats) -> None:
+        """A non-finite loss or gradient applied no update; count it and charge the groups that caused it.
+
+        The step still counts (its groups are consumed) but the weights did not
+        move. Groups holding values outside their float32 bounds count toward
+        their actors' bans; if none does, the inputs were clean and nobody is
+        blamed: the fault is the learner's numerics, and the log says so.
+        """
+        assert stats.skipped is not None
+        self.metrics.skipped_updates.labels(reason=stats.skipped).inc()
+        suspects = suspect_groups(groups, self.cfg.task.reward_bound)
+        culprits = sorted({(g.actor_id, g.actor_key) for g in groups if g.group_id in suspects})
+        log.warning("step %d applied no update: %s (loss %s, grad norm %s); %s", self.step + 1, stats.skipped,
+                    stats.loss, stats.grad_norm,
+                    f"out-of-bounds values in {len(suspects)} groups from actors {', '.join(shown(a) for a, _ in culprits)}"
+                    if culprits else "every input was within bounds, so no actor is blamed")
+        with self.lock:
+            for group in groups:
+                if group.group_id in suspects and group.actor_key:
+                    self.record_violation(group.actor_key, f"poisoned_{suspects[group.group_id]}")
+
+    def _record_step(self, step: int, snapshot: Optional[Snapshot], groups: list[AcceptedGroup], stats: StepStats,
                      seconds: float, trained_on: int, phases: dict) -> dict:
         self.step = step
         now = time.monotonic()
@@ -488,7 +513,7 @@ class Learner(Persistence):
         record["published"] = snapshot is not None
         return record
 
-    def _step_record(self, groups: list[AcceptedGroup], stats: dict, seconds: float, trained_on: int) -> dict:
+    def _step_record(self, groups: list[AcceptedGroup], stats: StepStats, seconds: float, trained_on: int) -> dict:
         rewards = np.concatenate([g.rewards for g in groups])
         zero_var = self.zero_variance_since_step / max(1, self.accepted_since_step)
         self.accepted_since_step = self.zero_variance_since_step = 0
@@ -497,10 +522,12 @@ class Learner(Persistence):
             "policy_version": self.version,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
-            "loss": stats["loss"],
-            "kl": stats["kl"],
-            "clip_fraction": stats["clip_fraction"],
-            "grad_norm": stats["grad_norm"],
+            "loss": stats.loss,
+            "kl": stats.kl,
+            "clip_fraction": stats.clip_fraction,
+            "grad_norm": stats.grad_norm,
+            "skipped": stats.skipped,  # why no update was applied (non-finite loss or gradient), or None
+            "peak_memory_bytes": stats.peak_memory_bytes,
             "groups": len(groups),
             "tokens": int(sum(g.num_tokens for g in groups)),
             # Versions between the snapshot that sampled a group and the policy it trained.

@@ -11,9 +11,10 @@ advantages are one scalar per completion, `[B]`.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo")
 
@@ -107,16 +108,36 @@ def masked_mean(x: mx.array, mask: mx.array, axis: Axis = None) -> mx.array:
     return mx.sum(x * m, axis=axis) / mx.maximum(mx.sum(m, axis=axis), 1.0)
 
 
-def _aggregate(x: mx.array, m: mx.array, loss_type: str, max_tokens: Optional[int]) -> mx.array:
-    """Reduce per-token values `[B, T]` to a scalar the way `loss_type` prescribes."""
+def _token_mean(x: mx.array, m: mx.array, total_tokens: Optional[mx.array]) -> mx.array:
+    """Mean over masked tokens; with `total_tokens`, this slice's share of the batch-wide mean."""
+    if total_tokens is None:
+        return masked_mean(x, m)
+    return mx.sum(x * m) / mx.maximum(total_tokens, 1.0)
+
+
+def _aggregate(
+    x: mx.array,
+    m: mx.array,
+    loss_type: str,
+    max_tokens: Optional[int],
+    total_tokens: Optional[mx.array] = None,
+    total_sequences: Optional[mx.array] = None,
+) -> mx.array:
+    """Reduce per-token values `[B, T]` to a scalar the way `loss_type` prescribes.
+
+    With the batch totals given, the result is this micro-batch's additive share
+    of the whole batch's value, so summing the shares over micro-batches gives
+    exactly the one-batch loss (a sequence is never split across micro-batches).
+    """
+    sequences = x.shape[0] if total_sequences is None else total_sequences
     if loss_type in ("grpo", "gspo"):
         # Each completion weighs the same regardless of its length.
-        return mx.mean(masked_mean(x, m, axis=1))
+        return mx.sum(masked_mean(x, m, axis=1)) / sequences
     if loss_type == "dapo":
         # Each token weighs the same across the batch.
-        return masked_mean(x, m)
+        return _token_mean(x, m, total_tokens)
     # dr_grpo: a constant denominator removes the length bias entirely.
-    return mx.sum(x * m) / (x.shape[0] * max_tokens)
+    return mx.sum(x * m) / (sequences * max_tokens)
 
 
 def _check_loss_args(
@@ -169,12 +190,18 @@ def grpo_loss(
     epsilon_high: Optional[float] = None,
     loss_type: str = "grpo",
     max_tokens: Optional[int] = None,
+    total_tokens: Optional[mx.array] = None,
+    total_sequences: Optional[mx.array] = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Clipped-surrogate GRPO loss (to minimise) and detached scalar stats.
 
     Per token: `o = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) - beta * k3`,
     aggregated per `loss_type` ("grpo", "dapo", "dr_grpo", "gspo") and negated.
     Stats: `clip_fraction`, `kl`, `policy_objective`, `ratio_mean`.
+
+    `total_tokens` / `total_sequences` are the whole batch's completion-token and
+    sequence counts when these rows are one micro-batch of it: the loss and every
+    stat are then this micro-batch's share, and the shares sum to the batch value.
     """
     _check_loss_args(
         logprobs, old_logprobs, advantages, mask, ref_logprobs, beta, loss_type, max_tokens
@@ -198,9 +225,9 @@ def grpo_loss(
         k3 = kl_k3(mx.where(on, lp, 0.0), mx.where(on, _as_float(ref_logprobs), 0.0))
         if beta > 0:
             objective = surrogate - beta * k3
-    loss = -_aggregate(objective, m, loss_type, max_tokens)
-
-    stats = _loss_stats(ratio, surrogate, k3, m, epsilon_low, eps_high, loss_type, max_tokens)
+    totals = (total_tokens, total_sequences)
+    loss = -_aggregate(objective, m, loss_type, max_tokens, *totals)
+    stats = _loss_stats(ratio, surrogate, k3, m, (epsilon_low, eps_high), loss_type, max_tokens, totals)
     return loss, stats
 
 
@@ -209,19 +236,100 @@ def _loss_stats(
     surrogate: mx.array,
     k3: Optional[mx.array],
     m: mx.array,
-    epsilon_low: float,
-    epsilon_high: float,
+    epsilons: tuple[float, float],
     loss_type: str,
     max_tokens: Optional[int],
+    totals: tuple[Optional[mx.array], Optional[mx.array]],
 ) -> dict[str, mx.array]:
     """Monitoring scalars, detached so that returning them never changes gradients."""
     ratio = mx.stop_gradient(ratio)
     surrogate = mx.stop_gradient(surrogate)
-    outside = (ratio < 1.0 - epsilon_low) | (ratio > 1.0 + epsilon_high)
-    kl = mx.array(0.0) if k3 is None else masked_mean(mx.stop_gradient(k3), m)
+    tokens = totals[0]
+    outside = (ratio < 1.0 - epsilons[0]) | (ratio > 1.0 + epsilons[1])
+    kl = mx.array(0.0) if k3 is None else _token_mean(mx.stop_gradient(k3), m, tokens)
     return {
-        "clip_fraction": masked_mean(outside.astype(mx.float32), m),
+        "clip_fraction": _token_mean(outside.astype(mx.float32), m, tokens),
         "kl": kl,
-        "policy_objective": _aggregate(surrogate, m, loss_type, max_tokens),
-        "ratio_mean": masked_mean(ratio, m),
+        "policy_objective": _aggregate(surrogate, m, loss_type, max_tokens, *totals),
+        "ratio_mean": _token_mean(ratio, m, tokens),
     }
+
+
+def head_logprobs(logits: mx.array, targets: mx.array, temperature: float) -> mx.array:
+    """Logprobs of `targets` under log_softmax(logits / T) in fp32: the actors' convention."""
+    logits = logits.astype(mx.float32)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logprobs(logits, targets)
+
+
+def _logprob_cotangent(logits: mx.array, targets: mx.array, cotangent: mx.array, temperature: float) -> mx.array:
+    """d loss / d logits for lp = log_softmax(logits / T)[target]: `g * (onehot - softmax) / T`.
+
+    Written out (instead of autodiff through logsumexp and the gather) so one
+    chunk's backward holds about three `[chunk, V]` buffers, not eight.
+    """
+    z = logits.astype(mx.float32)
+    if temperature != 1.0:
+        z = z / temperature
+    soft = mx.softmax(z, axis=-1, precise=True)
+    index = targets.astype(mx.int32)[:, None]
+    at_target = cotangent[:, None] * (1.0 - mx.take_along_axis(soft, index, axis=-1))
+    dz = mx.put_along_axis(-cotangent[:, None] * soft, index, at_target, axis=-1)
+    if temperature != 1.0:
+        dz = dz / temperature
+    return dz.astype(logits.dtype)
+
+
+def chunked_logprobs(
+    hidden: mx.array,
+    targets: mx.array,
+    project: Callable[[Any, mx.array], mx.array],
+    params: Any,
+    *,
+    temperature: float,
+    chunk_size: int,
+) -> mx.array:
+    """Target logprobs `[K]` from hidden states `[K, D]`, `chunk_size` positions at a time.
+
+    `project(params, h)` is the LM head; `params` are its trainable weights (a
+    tree, possibly empty), passed explicitly so they receive gradients. Like
+    `mx.checkpoint`, the backward recomputes each chunk's `[chunk, V]` logits
+    instead of keeping them, and `mx.depends` chains the chunks so they run one
+    after another in both passes: at most one chunk's logits exist at a time.
+    Without the chain, MLX's breadth-first evaluation would hold many at once.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"hidden {hidden.shape} and targets {targets.shape} disagree on K")
+    keys = [key for key, _ in tree_flatten(params)]
+    spans = [(start, min(start + chunk_size, hidden.shape[0])) for start in range(0, hidden.shape[0], chunk_size)]
+    if not spans:
+        return mx.zeros((0,), dtype=mx.float32)
+
+    def logits_of(h: mx.array, *weights: mx.array) -> mx.array:
+        return project(tree_unflatten(list(zip(keys, weights))), h)
+
+    @mx.custom_function
+    def run(h_all: mx.array, t_all: mx.array, *weights: mx.array) -> mx.array:
+        parts: list[mx.array] = []
+        for start, end in spans:
+            h = h_all[start:end] if not parts else mx.depends(h_all[start:end], parts[-1])
+            parts.append(head_logprobs(logits_of(h, *weights), t_all[start:end], temperature))
+        return mx.concatenate(parts)
+
+    @run.vjp
+    def run_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
+        h_all, t_all, *weights = primals
+        d_hidden: list[mx.array] = []
+        d_weights: Optional[list[mx.array]] = None
+        for start, end in spans:
+            h = h_all[start:end] if not d_hidden else mx.depends(h_all[start:end], d_hidden[-1])
+            dz = _logprob_cotangent(logits_of(h, *weights), t_all[start:end], cotangent[start:end], temperature)
+            _, grads = mx.vjp(logits_of, [h, *weights], [dz])
+            d_hidden.append(grads[0])
+            d_weights = grads[1:] if d_weights is None else [a + b for a, b in zip(d_weights, grads[1:])]
+        return (mx.concatenate(d_hidden), mx.zeros_like(t_all), *(d_weights or []))
+
+    return run(hidden, targets, *[value for _, value in tree_flatten(params)])

@@ -12,7 +12,7 @@ import numpy as np
 from grpo_fleet.actor.rollout import encode_prompt
 from grpo_fleet.config import RunConfig, load_run_config
 from grpo_fleet.learner.core import Learner
-from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.learner.trainer import trainer_from_config
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import build_tiny_model, latest_checkpoint, load_policy, model_digest
 from grpo_fleet.tasks import Task, build_task
@@ -73,11 +73,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
         # Full fine-tuning changes every weight, so pi_ref needs its own frozen copy.
         ref_model = load_policy(path, dtype=cfg.model.dtype).model
         ref_model.freeze()
-    trainer = Trainer(
-        policy, cfg.grpo, cfg.optim,
-        temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens, ref_model=ref_model,
-        compile=cfg.train.compile,
-    )
+    trainer = trainer_from_config(policy, cfg, ref_model)
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     learner = Learner(

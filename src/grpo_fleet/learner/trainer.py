@@ -1,4 +1,11 @@
-"""The MLX update: forward the policy (and pi_ref), GRPO loss, clipped AdamW step.
+"""The memory-bounded MLX update: micro-batches, chunked logprobs, accumulation, AdamW.
+
+A step splits the batch into token-budgeted micro-batches (`batch.split_batch`),
+runs pi_ref and then the policy on each, logprobs at completion positions only
+(`forward.completion_logprobs`), and accumulates gradients with the loss's
+batch-global normaliser, so the sum equals the one-batch gradient. Gradients
+and the update are separate: a non-finite loss or gradient norm skips the update
+and leaves weights and optimizer state exactly as they were.
 
 The loss is a parameter (`loss_fn`) so a new objective plugs in without forking
 the trainer; the default wraps `grpo.grpo_loss`.
@@ -6,7 +13,10 @@ the trainer; the default wraps `grpo.grpo_loss`.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -14,64 +24,110 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from grpo_fleet.config import GRPOConfig, OptimConfig
-from grpo_fleet.learner.batch import TrainBatch
-from grpo_fleet.learner.grpo import grpo_loss, token_logprobs
+from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
+from grpo_fleet.learner.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
+from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint
+from grpo_fleet.learner.grpo import grpo_loss, head_logprobs
 from grpo_fleet.model import Policy, adapters_disabled
+
+_TRAIN_DEFAULTS = TrainConfig()
+LossFn = Callable[..., tuple[mx.array, dict]]
 
 
 def policy_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, temperature: float) -> mx.array:
-    """Per-token logprobs under the same convention the actors record: log_softmax(logits / T)."""
-    logits = model(inputs).astype(mx.float32)
-    if temperature != 1.0:
-        logits = logits / temperature
-    return token_logprobs(logits, targets)
+    """Dense per-position logprobs `[N, L]` through the full `[N, L, V]` logits.
+
+    The plain computation, kept for tests and the bench to compare against: the
+    trainer itself never calls it.
+    """
+    return head_logprobs(model(inputs), targets, temperature)
 
 
 def default_loss(
-    model: nn.Module, batch: TrainBatch, ref_logprobs: Optional[mx.array], *, grpo: GRPOConfig, temperature: float, max_tokens: int
+    model: nn.Module, micro: MicroBatch, ref_logprobs: Optional[mx.array], totals: mx.array,
+    *, grpo: GRPOConfig, temperature: float, max_tokens: int, chunk_tokens: int,
 ) -> tuple[mx.array, dict]:
-    """GRPO objective of `batch` under the current weights."""
-    logprobs = policy_logprobs(model, batch.inputs, batch.targets, temperature)
+    """This micro-batch's share of the batch's GRPO objective under the current weights."""
+    logprobs = completion_logprobs(model, micro, temperature=temperature, chunk_tokens=chunk_tokens)
     return grpo_loss(
-        logprobs,
-        batch.old_logprobs,
-        batch.advantages,
-        batch.mask,
-        ref_logprobs=ref_logprobs,
-        beta=grpo.beta,
-        epsilon_low=grpo.epsilon_low,
-        epsilon_high=grpo.epsilon_high,
-        loss_type=grpo.loss_type,
-        max_tokens=max_tokens,
+        logprobs, micro.old_logprobs, micro.advantages, micro.mask,
+        ref_logprobs=ref_logprobs, beta=grpo.beta, epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high,
+        loss_type=grpo.loss_type, max_tokens=max_tokens, total_tokens=totals[0], total_sequences=totals[1],
     )
 
 
+@dataclass
+class Gradients:
+    """Loss, stats and gradients summed over a batch's micro-batches; not yet applied."""
+
+    loss: mx.array
+    stats: dict[str, mx.array]
+    grads: dict
+
+
+@dataclass
+class StepStats:
+    """What one `Trainer.step` did; loss and stats are means over the epochs that ran."""
+
+    loss: float
+    kl: float
+    clip_fraction: float
+    grad_norm: float
+    policy_objective: float
+    ratio_mean: float
+    ref_seconds: float
+    update_seconds: float
+    train_seconds: float
+    peak_memory_bytes: int
+    micro_batches: int
+    epochs: int  # epochs attempted, the skipped one included
+    skipped: Optional[str] = None  # "nonfinite_loss" or "nonfinite_grad": that epoch applied no update
+    extra: dict[str, float] = field(default_factory=dict)  # stats a custom loss_fn adds
+
+
+def _micro_arrays(micro: MicroBatch) -> tuple[mx.array, ...]:
+    """The array fields of a micro-batch, in `MicroBatch`'s order (for compiled calls)."""
+    return (micro.inputs, micro.positions, micro.targets, micro.layout, micro.mask, micro.old_logprobs, micro.advantages)
+
+
+def global_norm(grads: dict) -> mx.array:
+    """L2 norm over every gradient, in fp32 so half-precision squares cannot overflow."""
+    leaves = [g.astype(mx.float32) for _, g in tree_flatten(grads)]
+    return mx.sqrt(sum((mx.sum(g * g) for g in leaves), mx.array(0.0)))
+
+
+def _skip_reason(loss: float, norm: float) -> Optional[str]:
+    if not math.isfinite(loss):
+        return "nonfinite_loss"
+    if not math.isfinite(norm):
+        return "nonfinite_grad"
+    return None
+
+
 class Trainer:
-    """Owns the optimizer and takes `ppo_epochs` clipped AdamW steps per batch."""
+    """Owns the optimizer; each step accumulates micro-batch gradients, then clips and applies them."""
 
     def __init__(
-        self,
-        policy: Policy,
-        grpo: GRPOConfig,
-        optim_cfg: OptimConfig,
-        *,
-        temperature: float,
-        max_tokens: int,
-        ref_model: Optional[nn.Module] = None,
-        loss_fn: Optional[Callable[..., tuple[mx.array, dict]]] = None,
-        compile: bool = False,
+        self, policy: Policy, grpo: GRPOConfig, optim_cfg: OptimConfig, *, temperature: float, max_tokens: int,
+        ref_model: Optional[nn.Module] = None, loss_fn: Optional[LossFn] = None, compile: bool = False,
+        micro_batch_tokens: int = _TRAIN_DEFAULTS.micro_batch_tokens,
+        logprob_chunk_tokens: int = _TRAIN_DEFAULTS.logprob_chunk_tokens,
+        grad_checkpoint: bool = _TRAIN_DEFAULTS.grad_checkpoint,
+        memory_limit_bytes: Optional[int] = None,
     ) -> None:
-        self.policy = policy
-        self.grpo = grpo
-        self.optim_cfg = optim_cfg
-        self.temperature = temperature
-        self.ref_model = ref_model
-        loss = loss_fn or default_loss
-        bound = partial(loss, grpo=grpo, temperature=temperature, max_tokens=max_tokens)
-        self._loss_and_grad = nn.value_and_grad(policy.model, bound)
+        self.policy, self.grpo, self.optim_cfg = policy, grpo, optim_cfg
+        self.temperature, self.ref_model = temperature, ref_model
+        self.micro_batch_tokens, self.chunk_tokens = micro_batch_tokens, logprob_chunk_tokens
+        if grad_checkpoint:
+            enable_grad_checkpoint(policy.model)
+        if memory_limit_bytes is not None:
+            # Process-wide: MLX throttles evaluation past it, so chained chunks really run one at a time.
+            mx.set_memory_limit(memory_limit_bytes)
+        bound = partial(loss_fn or default_loss, grpo=grpo, temperature=temperature, max_tokens=max_tokens,
+                        chunk_tokens=logprob_chunk_tokens)
+        self._value_and_grad = nn.value_and_grad(policy.model, bound)
         self.optimizer = optim.AdamW(
             learning_rate=optim_cfg.lr, betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
         )
@@ -80,69 +136,147 @@ class Trainer:
         # the learner trains on its own thread.
         mx.eval(self.optimizer.state)
         self.compiled = compile
-        self._compiled_updates = self._compile_updates() if compile else {}
+        self._compiled: dict[str, Callable] = self._compile() if compile else {}
 
-    def _update(self, batch: TrainBatch, ref: Optional[mx.array]) -> tuple[mx.array, dict, mx.array]:
-        """Loss, gradients, global-norm clipping and one AdamW step."""
-        (loss, stats), grads = self._loss_and_grad(self.policy.model, batch, ref)
-        grads, grad_norm = optim.clip_grad_norm(grads, self.optim_cfg.grad_clip)
-        self.optimizer.update(self.policy.model, grads)
-        return loss, stats, grad_norm
+    def _grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
+        (loss, stats), grads = self._value_and_grad(self.policy.model, micro, ref, totals)
+        return loss, stats, grads
 
-    def _compile_updates(self) -> dict[bool, Callable]:
-        """`_update` under mx.compile, one variant with pi_ref and one without.
+    def _apply_update(self, grads: dict, scale: mx.array) -> mx.array:
+        self.optimizer.update(self.policy.model, tree_map(lambda g: g * scale, grads))
+        return scale
 
-        Model, optimizer and RNG state are declared as inputs and outputs so the
-        compiled graph updates them in place. The reference forward stays outside:
-        it toggles the LoRA scale, which a compiled graph would freeze.
+    def _compile(self) -> dict[str, Callable]:
+        """Gradients (with and without pi_ref) and the update under mx.compile.
+
+        State is declared as inputs/outputs so the graphs read the live weights and
+        update the optimizer in place. The reference forward stays outside: it
+        swaps LoRA arrays, and compiled graphs freeze attributes such as `scale`.
         """
-        state = [self.policy.model.state, self.optimizer.state, mx.random.state]
+        model = self.policy.model
+        # Weights are outputs too: value_and_grad sets traced arrays on the model while
+        # tracing, and only declared outputs are written back with real ones.
+        reads = [model.state, mx.random.state]
 
-        def with_ref(inputs, targets, mask, old, advantages, rewards, ref):
-            return self._update(TrainBatch(inputs, targets, mask, old, advantages, rewards, 0), ref)
+        def with_ref(totals, ref, *arrays):
+            return self._grads(MicroBatch(*arrays), ref, totals)
 
-        def without_ref(inputs, targets, mask, old, advantages, rewards):
-            return self._update(TrainBatch(inputs, targets, mask, old, advantages, rewards, 0), None)
+        def without_ref(totals, *arrays):
+            return self._grads(MicroBatch(*arrays), None, totals)
 
-        return {True: mx.compile(with_ref, inputs=state, outputs=state),
-                False: mx.compile(without_ref, inputs=state, outputs=state)}
+        updates = [model.state, self.optimizer.state]
+        return {"ref": mx.compile(with_ref, inputs=reads, outputs=reads),
+                "no_ref": mx.compile(without_ref, inputs=reads, outputs=reads),
+                "apply": mx.compile(self._apply_update, inputs=updates, outputs=updates)}
 
-    def _run_update(self, batch: TrainBatch, ref: Optional[mx.array]) -> tuple[mx.array, dict, mx.array]:
+    def _micro_grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
         if not self.compiled:
-            return self._update(batch, ref)
-        arrays = (batch.inputs, batch.targets, batch.mask, batch.old_logprobs, batch.advantages, batch.rewards)
+            return self._grads(micro, ref, totals)
         if ref is None:
-            return self._compiled_updates[False](*arrays)
-        return self._compiled_updates[True](*arrays, ref)
+            return self._compiled["no_ref"](totals, *_micro_arrays(micro))
+        return self._compiled["ref"](totals, ref, *_micro_arrays(micro))
+
+    def accumulate(self, micro_batches: list[MicroBatch], refs: list[Optional[mx.array]], totals: mx.array) -> Gradients:
+        """Sum of the micro-batches' loss shares, stats and gradients (= the one-batch values)."""
+        acc: Any = None
+        for micro, ref in zip(micro_batches, refs):
+            part = self._micro_grads(micro, ref, totals)
+            acc = part if acc is None else tree_map(mx.add, acc, part)
+            # Evaluate per micro-batch: a lazy graph over all of them would hold every activation at once.
+            mx.eval(acc)
+        loss, stats, grads = acc
+        return Gradients(loss=loss, stats=stats, grads=grads)
+
+    def gradients(self, batch: TrainBatch) -> Gradients:
+        """The batch's gradients under the current weights, without applying them."""
+        micro = split_batch(batch, self.micro_batch_tokens)
+        return self.accumulate(micro, self._references(micro), batch_totals(batch))
+
+    def apply(self, gradients: Gradients) -> tuple[float, Optional[str]]:
+        """Clip to `grad_clip` and take one AdamW step, unless loss or norm is not finite.
+
+        Returns (grad norm, skip reason). A skipped update touches neither the
+        weights nor the optimizer state (its step count included).
+        """
+        norm = global_norm(gradients.grads)
+        norm_value = float(norm.item())
+        reason = _skip_reason(float(gradients.loss.item()), norm_value)
+        if reason is not None:
+            return norm_value, reason
+        limit = self.optim_cfg.grad_clip
+        # Same rule as optim.clip_grad_norm: rescale only when the norm exceeds the limit.
+        scale = mx.where(norm < limit, mx.array(1.0), limit / (norm + 1e-6))
+        update = self._compiled["apply"] if self.compiled else self._apply_update
+        update(gradients.grads, scale)
+        mx.eval(self.policy.model.trainable_parameters(), self.optimizer.state)
+        return norm_value, None
+
+    def _reference_context(self) -> tuple[nn.Module, contextlib.AbstractContextManager]:
+        """pi_ref: the base with adapters off under LoRA, a frozen copy otherwise."""
+        if self.policy.lora is not None:
+            return self.policy.model, adapters_disabled(self.policy.model)
+        if self.ref_model is not None:
+            return self.ref_model, contextlib.nullcontext()
+        raise ValueError("beta > 0 with full fine-tuning needs a reference model")
+
+    def _references(self, micro_batches: list[MicroBatch]) -> list[Optional[mx.array]]:
+        """pi_ref logprobs `[n, T]` per micro-batch (None each when beta = 0), evaluated one at a time."""
+        if self.grpo.beta == 0:
+            return [None] * len(micro_batches)
+        model, context = self._reference_context()
+        refs: list[Optional[mx.array]] = []
+        with context:
+            for micro in micro_batches:
+                lp = completion_logprobs(model, micro, temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+                ref = mx.stop_gradient(lp)
+                mx.eval(ref)
+                refs.append(ref)
+        return refs
 
     def reference_logprobs(self, batch: TrainBatch) -> Optional[mx.array]:
-        """pi_ref logprobs: the base with adapters off under LoRA, a frozen copy otherwise."""
-        if self.grpo.beta == 0:
+        """pi_ref logprobs on the batch's `[N, L]` grid: completion positions, 0 elsewhere."""
+        micro = split_batch(batch, self.micro_batch_tokens)
+        refs = self._references(micro)
+        if refs and refs[0] is None:
             return None
-        if self.policy.lora is not None:
-            with adapters_disabled(self.policy.model):
-                ref = policy_logprobs(self.policy.model, batch.inputs, batch.targets, self.temperature)
-        elif self.ref_model is not None:
-            ref = policy_logprobs(self.ref_model, batch.inputs, batch.targets, self.temperature)
-        else:
-            raise ValueError("beta > 0 with full fine-tuning needs a reference model")
-        ref = mx.stop_gradient(ref)
-        mx.eval(ref)
-        return ref
+        return mx.array(unpack_completions(micro, refs, tuple(batch.mask.shape)))
 
-    def step(self, batch: TrainBatch) -> dict[str, float]:
-        """Train on one batch; returns scalar stats averaged over the epochs."""
+    def step(self, batch: TrainBatch) -> StepStats:
+        """Train on one batch: `ppo_epochs` accumulate-then-apply updates, stopping at a skipped one."""
+        mx.reset_peak_memory()
         start = time.perf_counter()
-        ref = self.reference_logprobs(batch)
-        totals: dict[str, float] = {"ref_seconds": time.perf_counter() - start}
-        for _ in range(self.grpo.ppo_epochs):
-            loss, stats, grad_norm = self._run_update(batch, ref)
-            mx.eval(self.policy.model.trainable_parameters(), self.optimizer.state, loss, stats, grad_norm)
-            for key, value in {"loss": loss, "grad_norm": grad_norm, **stats}.items():
-                totals[key] = totals.get(key, 0.0) + float(value) / self.grpo.ppo_epochs
-        totals["train_seconds"] = time.perf_counter() - start
-        totals["update_seconds"] = totals["train_seconds"] - totals["ref_seconds"]
-        return totals
+        micro = split_batch(batch, self.micro_batch_tokens)
+        totals = batch_totals(batch)
+        refs = self._references(micro)
+        ref_seconds = time.perf_counter() - start
+        sums: dict[str, float] = {}
+        epochs, skipped = 0, None
+        while epochs < self.grpo.ppo_epochs and skipped is None:
+            gradients = self.accumulate(micro, refs, totals)
+            grad_norm, skipped = self.apply(gradients)
+            epochs += 1
+            for key, value in {"loss": gradients.loss, "grad_norm": grad_norm, **gradients.stats}.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        train_seconds = time.perf_counter() - start
+        peak = int(mx.get_peak_memory())
+        self._trim_cache(peak)
+        means = {key: value / epochs for key, value in sums.items()}
+        known = {name: means.pop(name, 0.0) for name in
+                 ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean")}
+        return StepStats(**known, ref_seconds=ref_seconds, update_seconds=train_seconds - ref_seconds,
+                         train_seconds=train_seconds, peak_memory_bytes=peak, micro_batches=len(micro),
+                         epochs=epochs, skipped=skipped, extra=means)
+
+    @staticmethod
+    def _trim_cache(peak: int) -> None:
+        """Free MLX's buffer cache when it outgrows this step's peak.
+
+        Micro-batch shapes vary from step to step, so cached buffers of sizes never
+        reused would otherwise pile up; bounding the cache by one step's peak keeps
+        reuse within a step and stops the creep across steps.
+        """
+        if mx.get_cache_memory() > peak:
+            mx.clear_cache()
 
     def save_optimizer(self, path: Path) -> None:
         """Optimizer moments and step, for an exact resume."""
@@ -156,4 +290,15 @@ class Trainer:
         mx.eval(self.optimizer.state)
         if self.compiled:
             # The compiled update captured the old state tree; trace again against the new one.
-            self._compiled_updates = self._compile_updates()
+            self._compiled = self._compile()
+
+
+def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.Module] = None) -> Trainer:
+    """The Trainer a run config describes (objective, optimizer, memory settings)."""
+    train = cfg.train
+    return Trainer(
+        policy, cfg.grpo, cfg.optim, temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
+        ref_model=ref_model, compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
+        logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
+        memory_limit_bytes=train.memory_limit_bytes,
+    )

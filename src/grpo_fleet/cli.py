@@ -19,6 +19,7 @@ def _setup_logging(verbose: bool) -> None:
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config
     from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
+    from grpo_fleet.learner.memory import MemoryBudgetError
     from grpo_fleet.learner.setup import build_learner, load_resume_config
     overrides = list(args.set or [])
     if args.run_dir or args.resume:
@@ -42,7 +43,12 @@ def _learner(args: argparse.Namespace) -> int:
     except InsecureBindError as exc:
         print(f"grpo-fleet learner: {exc}", file=sys.stderr)
         return 2
-    learner = build_learner(cfg, resume=bool(args.resume))
+    try:
+        learner = build_learner(cfg, resume=bool(args.resume))
+    except MemoryBudgetError as exc:
+        logging.getLogger("grpo_fleet.learner").error("%s", exc)  # in learner.log too, not only the console
+        print(f"grpo-fleet learner: {exc}", file=sys.stderr)
+        return 2
     server = LearnerServer(learner)
     server.install_signal_handlers()
     server.start_metrics()

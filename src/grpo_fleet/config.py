@@ -165,11 +165,16 @@ class TrainConfig(_Section):
         None, gt=0,
         description="mx.set_memory_limit for the learner process, in GiB: past it, MLX waits for queued work to finish "
         "before allocating more, which is what lets the chained logprob chunks free one chunk's logits before "
-        "the next; without it, evaluation may run ahead and hold several. Default: MLX's own limit.",
+        "the next; without it, evaluation may run ahead and hold several. Default: 85% of this machine's memory.",
     )
     grad_checkpoint: bool = Field(
         False, description="Recompute each transformer block in the backward pass (mlx-lm's grad_checkpoint): "
         "less activation memory for about one more forward of compute."
+    )
+    memory_check: bool = Field(
+        True, description="At start-up, estimate one step's peak memory (weights, optimizer, activations of a "
+        "micro-batch, logits of a chunk) and refuse to start if it exceeds 85% of this machine's memory, naming "
+        "the settings to lower. The estimate is always logged.",
     )
 
     @property

@@ -1,0 +1,125 @@
+"""How much memory one learner step needs, and whether this machine has it.
+
+A plain estimate from the model's shape and the run's memory settings, checked
+at start-up: a configuration that cannot fit is refused with the setting to
+lower, instead of the kernel killing the learner mid-step with nothing in its
+log. The constants were measured with `mx.get_peak_memory` (see
+tests/unit/test_memory.py, which keeps the estimate an upper bound).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from grpo_fleet.config import RunConfig
+
+GIB = float(1 << 30)
+# Activations kept for the backward pass, per token and transformer block, in
+# units of the model's element size: attention and MLP inputs and outputs
+# (about 16 hidden-wide vectors) plus the MLP's gate, up and activation (about
+# 4 intermediate-wide ones). At Qwen2.5-0.5B's widths in fp32 that is 132 KiB.
+HIDDEN_VECTORS_PER_TOKEN, INTERMEDIATE_VECTORS_PER_TOKEN = 16, 4
+# Per token outside the blocks (embedding output, final norm, the gathered
+# completion states and their gradients): about 32 hidden-wide vectors.
+HIDDEN_VECTORS_OUTSIDE_BLOCKS = 32
+# With grad checkpointing a block's input is kept (2 vectors with its gradient),
+# and recomputing a block holds about three blocks' worth while it runs.
+CHECKPOINTED_BLOCK_VECTORS, RECOMPUTED_BLOCKS = 2, 3
+# Measured peaks ran up to 10% over the sum above; plan with a margin.
+ACTIVATION_MARGIN = 1.25
+# fp32 [chunk, vocab] buffers alive while one LM-head chunk runs its backward
+# (MLX runs up to ~7 chunks side by side when memory is plentiful, but under its
+# memory limit, which the learner sets, they run one at a time).
+LOGIT_BUFFERS = 3
+# Share of the machine's memory a step may plan to use: the OS, the actor on
+# the same Mac, and MLX's cache need the rest.
+USABLE_SHARE = 0.85
+
+
+class MemoryBudgetError(RuntimeError):
+    """The configured learner step cannot fit this machine's memory."""
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Estimated peak bytes of one learner step, by what holds them."""
+
+    weights: int  # every parameter, resident
+    optimizer: int  # gradients plus AdamW's two moments, for the trainable ones
+    activations: int  # what the backward pass of the largest micro-batch keeps
+    logits: int  # one LM-head chunk's fp32 [chunk, vocab] buffers
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer + self.activations + self.logits
+
+    def describe(self) -> str:
+        parts = (("weights", self.weights), ("gradients + optimizer", self.optimizer),
+                 ("activations", self.activations), ("logits", self.logits))
+        return f"{self.total / GIB:.2f} GiB (" + ", ".join(f"{name} {size / GIB:.2f}" for name, size in parts) + ")"
+
+
+def _shape(model: nn.Module) -> tuple[int, int, int, int]:
+    """(hidden, intermediate, layers, vocab) from an mlx-lm model's args."""
+    args: Any = getattr(model, "args", None)
+    hidden = int(getattr(args, "hidden_size", 0))
+    intermediate = int(getattr(args, "intermediate_size", 4 * hidden))
+    layers = int(getattr(args, "num_hidden_layers", len(getattr(model, "layers", []))))
+    vocab = int(getattr(args, "vocab_size", 0))
+    return hidden, intermediate, layers, vocab
+
+
+def _nbytes(params: Any) -> int:
+    return sum(value.nbytes for _, value in tree_flatten(params) if isinstance(value, mx.array))
+
+
+def estimate_step_memory(model: nn.Module, cfg: RunConfig) -> StepMemory:
+    """Peak bytes of `Trainer.step` for this model under `cfg.train`'s micro-batch and chunk sizes."""
+    hidden, intermediate, layers, vocab = _shape(model)
+    element = max((v.dtype.size for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)), default=4)
+    per_block = element * (HIDDEN_VECTORS_PER_TOKEN * hidden + INTERMEDIATE_VECTORS_PER_TOKEN * intermediate)
+    outside = element * HIDDEN_VECTORS_OUTSIDE_BLOCKS * hidden
+    tokens = cfg.train.micro_batch_tokens
+    if cfg.train.grad_checkpoint:
+        per_token = layers * CHECKPOINTED_BLOCK_VECTORS * hidden * element + RECOMPUTED_BLOCKS * per_block + outside
+    else:
+        per_token = layers * per_block + outside
+    activations = int(ACTIVATION_MARGIN * tokens * per_token)
+    chunk = min(cfg.train.logprob_chunk_tokens, tokens)
+    return StepMemory(
+        weights=_nbytes(model.parameters()),
+        optimizer=3 * _nbytes(model.trainable_parameters()),
+        activations=activations,
+        logits=LOGIT_BUFFERS * chunk * vocab * 4,
+    )
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory, or Metal's recommended working set where that is smaller."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info = mx.device_info()
+    working_set = int(info.get("max_recommended_working_set_size", 0) or 0)
+    return min(total, working_set) if working_set else total
+
+
+def usable_bytes(available: int) -> int:
+    return int(USABLE_SHARE * available)
+
+
+def check_step_fits(estimate: StepMemory, available: int) -> None:
+    """Refuse a step that cannot fit, naming the settings that shrink it."""
+    usable = usable_bytes(available)
+    if estimate.total <= usable:
+        return
+    raise MemoryBudgetError(
+        f"one learner step needs about {estimate.describe()}, but this machine has {available / GIB:.1f} GiB "
+        f"({usable / GIB:.1f} GiB usable). Lower train.micro_batch_tokens (activations scale with it), "
+        "set train.grad_checkpoint = true, lower train.logprob_chunk_tokens, or train LoRA adapters instead of "
+        "every weight (lora.enabled = true)."
+    )

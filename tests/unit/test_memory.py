@@ -1,0 +1,96 @@
+"""learner/memory.py: the step's memory estimate stays an upper bound, and a step that cannot fit is refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from grpo_fleet.config import LoraConfig, RunConfig
+from grpo_fleet.learner.batch import build_train_batch
+from grpo_fleet.learner.memory import (
+    MemoryBudgetError,
+    StepMemory,
+    check_step_fits,
+    estimate_step_memory,
+    machine_memory_bytes,
+)
+from grpo_fleet.learner.trainer import trainer_from_config
+
+
+def _run_config(**train) -> RunConfig:
+    return RunConfig.model_validate({"train": {"compile": False, **train},
+                                     "generation": {"group_size": 4, "max_tokens": 48}})
+
+
+def _qwen_block_policy(vocab: int):
+    """One block at Qwen2.5-0.5B's widths with a smaller vocabulary, so the test stays quick."""
+    from mlx_lm.models import qwen2
+
+    from grpo_fleet.model import Policy, apply_lora
+
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=896, num_hidden_layers=1, intermediate_size=4864,
+                           num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=vocab,
+                           rope_theta=1e6, tie_word_embeddings=True)
+    mx.random.seed(0)
+    model = qwen2.Model(args)
+    mx.eval(model.parameters())
+    lora = LoraConfig(rank=8)
+    apply_lora(model, lora)
+    return Policy(model=model, tokenizer=None, path="qwen-block", lora=lora, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("grad_checkpoint", [False, True])
+def test_estimate_bounds_the_measured_peak_of_a_step(grad_checkpoint):
+    from grpo_fleet.bench.step import synthetic_groups
+
+    policy = _qwen_block_policy(vocab=16384)
+    cfg = _run_config(micro_batch_tokens=512, logprob_chunk_tokens=128, grad_checkpoint=grad_checkpoint)
+    trainer = trainer_from_config(policy, cfg)
+    batch = build_train_batch(synthetic_groups(2, 4, 16, 48, 16384))
+    estimate = estimate_step_memory(policy.model, cfg)
+    measured = trainer.step(batch).peak_memory_bytes
+    assert measured <= estimate.total <= 2.5 * measured, (measured, estimate.describe())
+
+
+class _Shape(nn.Module):
+    """Only the shape of Qwen2.5-0.5B (24 blocks), without allocating its weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.args = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, vocab_size=151936)
+
+
+def test_activations_scale_with_the_micro_batch_and_shrink_with_checkpointing():
+    model = _Shape()
+    small, large = (estimate_step_memory(model, _run_config(micro_batch_tokens=n)) for n in (1024, 4096))
+    assert large.activations == pytest.approx(4 * small.activations, rel=1e-6)
+    checkpointed = estimate_step_memory(model, _run_config(micro_batch_tokens=4096, grad_checkpoint=True))
+    assert checkpointed.activations < large.activations / 4
+    assert small.logits == 3 * 256 * 151936 * 4
+
+
+def test_a_step_that_cannot_fit_is_refused_naming_the_settings():
+    need = StepMemory(weights=4 << 30, optimizer=0, activations=20 << 30, logits=1 << 30)
+    with pytest.raises(MemoryBudgetError, match="train.micro_batch_tokens.*grad_checkpoint"):
+        check_step_fits(need, available=16 << 30)
+    check_step_fits(need, available=64 << 30)
+    assert machine_memory_bytes() > 1 << 30
+
+
+def test_the_learner_refuses_to_start_a_step_this_machine_cannot_hold(tiny_model_dir, tmp_path, monkeypatch):
+    import grpo_fleet.learner.setup as setup
+
+    cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "model": {"path": str(tiny_model_dir)},
+                                    "task": {"num_train": 20, "num_eval": 4}, "metrics": {"port": 0}})
+    monkeypatch.setattr(setup, "machine_memory_bytes", lambda: 1 << 20)  # a 1 MiB machine
+    limits: list[int] = []  # MLX's limit is process-wide: record it rather than throttle the rest of the tests
+    monkeypatch.setattr(mx, "set_memory_limit", limits.append)
+    with pytest.raises(MemoryBudgetError, match="this machine has"):
+        setup.build_learner(cfg)
+    assert not (tmp_path / "run" / "ledger.jsonl").exists(), "refused before any state was written"
+    learner = setup.build_learner(cfg.model_copy(update={"train": cfg.train.model_copy(update={"memory_check": False})}))
+    learner.close()
+    assert limits == [int(0.85 * (1 << 20))], "MLX is held to the usable share of the machine"

@@ -165,7 +165,7 @@ class TrainConfig(_Section):
         None, gt=0,
         description="mx.set_memory_limit for the learner process, in GiB: past it, MLX waits for queued work to finish "
         "before allocating more, which is what lets the chained logprob chunks free one chunk's logits before "
-        "the next; without it, evaluation may run ahead and hold several. Default: 85% of this machine's memory.",
+        "the next; without it, evaluation may run ahead and hold several. Default: MLX's own limit.",
     )
     grad_checkpoint: bool = Field(
         False, description="Recompute each transformer block in the backward pass (mlx-lm's grad_checkpoint): "

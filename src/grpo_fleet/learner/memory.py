@@ -33,10 +33,11 @@ HIDDEN_VECTORS_OUTSIDE_BLOCKS = 32
 CHECKPOINTED_BLOCK_VECTORS, RECOMPUTED_BLOCKS = 2, 3
 # Measured peaks ran up to 10% over the sum above; plan with a margin.
 ACTIVATION_MARGIN = 1.25
-# fp32 [chunk, vocab] buffers alive while one LM-head chunk runs its backward
-# (MLX runs up to ~7 chunks side by side when memory is plentiful, but under its
-# memory limit, which the learner sets, they run one at a time).
-LOGIT_BUFFERS = 3
+# fp32 [chunk, vocab] buffers alive in the LM head's backward: about 3 under
+# train.memory_limit_gb (MLX then runs the chunks one at a time), and up to about
+# 8 without, when MLX runs several chunks side by side. (A default limit is not
+# set: at the demo's shape one slowed the step by 35%.)
+LOGIT_BUFFERS_LIMITED, LOGIT_BUFFERS_UNLIMITED = 3, 8
 # Share of the machine's memory a step may plan to use: the OS, the actor on
 # the same Mac, and MLX's cache need the rest.
 USABLE_SHARE = 0.85
@@ -92,11 +93,13 @@ def estimate_step_memory(model: nn.Module, cfg: RunConfig) -> StepMemory:
         per_token = layers * per_block + outside
     activations = int(ACTIVATION_MARGIN * tokens * per_token)
     chunk = min(cfg.train.logprob_chunk_tokens, tokens)
+    chunks = -(-tokens // chunk)
+    buffers = LOGIT_BUFFERS_LIMITED if cfg.train.memory_limit_gb is not None else LOGIT_BUFFERS_UNLIMITED
     return StepMemory(
         weights=_nbytes(model.parameters()),
         optimizer=3 * _nbytes(model.trainable_parameters()),
         activations=activations,
-        logits=LOGIT_BUFFERS * chunk * vocab * 4,
+        logits=min(buffers, 3 * chunks) * chunk * vocab * 4,
     )
 
 

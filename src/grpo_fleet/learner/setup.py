@@ -7,13 +7,12 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.actor.rollout import encode_prompt
 from grpo_fleet.config import RunConfig, load_run_config
 from grpo_fleet.learner.core import Learner
-from grpo_fleet.learner.memory import check_step_fits, estimate_step_memory, machine_memory_bytes, usable_bytes
+from grpo_fleet.learner.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
 from grpo_fleet.learner.trainer import trainer_from_config
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_policy, model_digest
@@ -57,18 +56,12 @@ def tokenize_prompts(tokenizer: object, task: Task, cfg: RunConfig, *, split: st
 
 
 def _check_memory(policy: Policy, cfg: RunConfig) -> None:
-    """Say what a step will need, refuse one that this machine cannot hold, and hold MLX to the usable share.
-
-    With a limit MLX waits for queued work before it allocates past it, so the
-    LM-head chunks then run one at a time instead of several side by side.
-    """
+    """Say what a step will need, and refuse one that this machine cannot hold."""
     estimate = estimate_step_memory(policy.model, cfg)
     available = machine_memory_bytes()
     log.info("one learner step needs about %s; this machine has %.1f GiB", estimate.describe(), available / (1 << 30))
     if cfg.train.memory_check:
         check_step_fits(estimate, available)
-    if cfg.train.memory_limit_gb is None:
-        mx.set_memory_limit(usable_bytes(available))
 
 
 def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional[str] = None) -> Learner:

@@ -1,0 +1,339 @@
+"""Real-shape models: a real architecture at its real size, random weights, built locally.
+
+`model.path = "realshape:qwen2.5-0.5b"` (optionally `?layers=4&bits=4&seed=0`) gives
+Qwen2.5-0.5B-Instruct's exact mlx-lm `qwen2` architecture and its 151,936-id
+vocabulary, with seeded random weights, as the same kind of HF-format directory
+that mlx-community ships (bf16 safetensors, or mlx-lm's own 4-bit quantisation).
+No hub is needed, so memory, speed and wire sizes can be measured at real shapes
+anywhere. Each artefact is built once into a cache directory keyed by everything
+that changes its bytes, and appears there atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import parse_qsl
+
+import blake3
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+log = logging.getLogger("grpo_fleet.realshape")
+
+PREFIX = "realshape:"
+CACHE_ENV = "GRPO_FLEET_MODEL_CACHE"
+# Bumped whenever the builder changes the bytes it writes, so old caches are not reused.
+FORMAT_VERSION = 1
+
+# Qwen2.5-0.5B-Instruct's config.json, as published (the fields mlx-lm's qwen2 reads and the rest).
+QWEN25_05B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+SHAPES: dict[str, dict[str, Any]] = {"qwen2.5-0.5b": QWEN25_05B}
+
+# Qwen2's special tokens at Qwen2's ids (151643..151664).
+QWEN_SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>",
+]
+FIRST_SPECIAL_ID = 151643
+# Qwen2's pre-tokenizer split: contractions, words, single digits, punctuation runs, spaces.
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen2.5-Instruct's template without the tool branches: same text for plain chats.
+QWEN_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class RealShapeSpec:
+    """What a `realshape:` path asks for; everything that changes the bytes on disk."""
+
+    shape: str = "qwen2.5-0.5b"
+    layers: Optional[int] = None  # None: the shape's own depth
+    seed: int = 0
+    bits: Optional[int] = None  # None: bf16, as published; 4 or 8: mlx-lm affine quantisation
+    group_size: int = 64
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers if self.layers is not None else int(SHAPES[self.shape]["num_hidden_layers"])
+
+    def key(self) -> str:
+        """The cache directory name."""
+        weights = "bf16" if self.bits is None else f"q{self.bits}g{self.group_size}"
+        return f"{self.shape}-l{self.num_layers}-s{self.seed}-{weights}-v{FORMAT_VERSION}"
+
+
+def is_realshape(path: str) -> bool:
+    return path.startswith(PREFIX)
+
+
+def parse_spec(path: str) -> RealShapeSpec:
+    """`realshape:SHAPE[?layers=N&seed=S&bits=B&group_size=G]` -> a spec, or ValueError."""
+    if not is_realshape(path):
+        raise ValueError(f"{path!r} is not a {PREFIX} path")
+    shape, _, query = path[len(PREFIX):].partition("?")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown real shape {shape!r}; known: {sorted(SHAPES)}")
+    fields: dict[str, int] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if name not in ("layers", "seed", "bits", "group_size") or name in fields:
+            raise ValueError(f"{path!r}: unknown or repeated option {name!r} (layers, seed, bits, group_size)")
+        fields[name] = int(value)
+    spec = RealShapeSpec(shape=shape, **fields)
+    _check_spec(spec)
+    return spec
+
+
+def _check_spec(spec: RealShapeSpec) -> None:
+    if not 1 <= spec.num_layers <= int(SHAPES[spec.shape]["num_hidden_layers"]):
+        raise ValueError(f"layers must be 1..{SHAPES[spec.shape]['num_hidden_layers']}, not {spec.layers}")
+    if spec.bits not in (None, 2, 3, 4, 5, 6, 8):
+        raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (or absent for bf16), not {spec.bits}")
+    if spec.group_size not in (32, 64, 128):
+        raise ValueError(f"group_size must be 32, 64 or 128, not {spec.group_size}")
+
+
+def default_cache_dir() -> Path:
+    """$GRPO_FLEET_MODEL_CACHE, else ~/.cache/grpo-fleet/models."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "grpo-fleet" / "models")
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character map, in its id order (what Qwen's first 256 ids are)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(rest)}
+    return [chars[b] for b in printable + rest]
+
+
+def _merge_order(alphabet: list[str]) -> list[str]:
+    """Bytes ordered so that merges of space, letters and digits come first (text uses them most)."""
+    space = chr(256 + 32)  # 'Ġ', the byte-level space
+    common = [space, *"etaoinshrdlucmfwypvbgkjqxz", *"ETAOINSHRDLUCMFWYPVBGKJQXZ", *"0123456789", *".,:;!?'\"-()"]
+    return common + [ch for ch in alphabet if ch not in common]
+
+
+def _synthetic_merges(alphabet: list[str], count: int) -> list[tuple[str, str]]:
+    """`count` BPE merges: every byte pair, then pair + byte, in a fixed order (deterministic)."""
+    order = _merge_order(alphabet)
+    merges = [(a, b) for a in order for b in order][:count]
+    pairs = [a + b for a, b in merges]
+    for prefix in pairs:
+        if len(merges) >= count:
+            break
+        merges.extend((prefix, c) for c in order[: count - len(merges)])
+    return merges
+
+
+def build_tokenizer(vocab_size: int) -> Any:
+    """A Qwen2-style byte-level BPE tokenizer whose ids are exactly 0..vocab_size-1, every one a token.
+
+    Regular tokens fill every id but Qwen's special ids (151643..151664), so the
+    special tokens keep Qwen's numbers and nothing in the embedding is unreachable.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _byte_alphabet()
+    merges = _synthetic_merges(alphabet, vocab_size - len(QWEN_SPECIALS) - len(alphabet))
+    regular = alphabet + [a + b for a, b in merges]
+    special_ids = range(FIRST_SPECIAL_ID, FIRST_SPECIAL_ID + len(QWEN_SPECIALS))
+    free_ids = [i for i in range(vocab_size) if i not in special_ids]
+    vocab = dict(zip(regular, free_ids)) | dict(zip(QWEN_SPECIALS, special_ids))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    # The specials are already in the vocabulary, so adding them keeps their ids.
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    return tokenizer
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json the way Qwen2.5-Instruct has them."""
+    build_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "chat_template": QWEN_CHAT_TEMPLATE,
+        "model_max_length": 131072,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "errors": "replace",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def model_config(spec: RealShapeSpec) -> dict[str, Any]:
+    """The shape's published config.json, at the requested depth."""
+    config = dict(SHAPES[spec.shape])
+    config["num_hidden_layers"] = spec.num_layers
+    config["max_window_layers"] = min(int(config.get("max_window_layers", spec.num_layers)), spec.num_layers)
+    return config
+
+
+def _param_key(seed: int, name: str) -> mx.array:
+    """One PRNG key per parameter name, so a shallower model's weights are a prefix of a deeper one's."""
+    return mx.random.key(int.from_bytes(blake3.blake3(f"{seed}:{name}".encode()).digest()[:7], "little"))
+
+
+def _init_value(name: str, like: mx.array, seed: int, std: float) -> mx.array:
+    """HF's init for Qwen2: normal(0, initializer_range) matrices, zero biases, unit norms."""
+    if name.endswith("norm.weight"):
+        return mx.ones(like.shape, dtype=mx.bfloat16)
+    if name.endswith(".bias"):
+        return mx.zeros(like.shape, dtype=mx.bfloat16)
+    return mx.random.normal(like.shape, dtype=mx.bfloat16, scale=std, key=_param_key(seed, name))
+
+
+def init_model(config: dict[str, Any], seed: int) -> nn.Module:
+    """mlx-lm's own model class for the config, with seeded bf16 weights.
+
+    MLX is lazy: the default init of the constructor is replaced before it is
+    ever evaluated, so the full model is never materialised twice.
+    """
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    std = float(config.get("initializer_range", 0.02))
+    weights = [(name, _init_value(name, value, seed, std)) for name, value in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(weights))
+    return model
+
+
+# --------------------------------------------------------------------------- building and caching
+
+
+def _staging(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+    return staging
+
+
+def _publish(staging: Path, final: Path) -> Path:
+    """Rename the finished build into place; a concurrent build that won keeps its copy."""
+    try:
+        os.rename(staging, final)
+    except OSError:
+        if not (final / "config.json").exists():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _build_float(spec: RealShapeSpec, final: Path) -> None:
+    from mlx_lm.utils import save_config, save_model
+
+    staging = _staging(final)
+    try:
+        config = model_config(spec)
+        write_tokenizer(staging, int(config["vocab_size"]))
+        save_model(staging, init_model(config, spec.seed))
+        save_config(config, staging / "config.json")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, final)
+
+
+def _build_quantized(spec: RealShapeSpec, source: Path, final: Path) -> None:
+    """mlx-lm's own converter, as mlx-community's 4-bit models are made (convert wants a new dir)."""
+    from mlx_lm import convert
+
+    staging = _staging(final)
+    try:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            convert(str(source), str(staging / "model"), quantize=True, q_group_size=spec.group_size, q_bits=spec.bits)
+        log.debug("mlx_lm.convert: %s", printed.getvalue().strip())
+        os.rename(staging / "model", staging / "done")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging / "done", final)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def build_realshape(path_or_spec: str | RealShapeSpec, cache_dir: Optional[str | Path] = None) -> Path:
+    """The model directory for a `realshape:` path, built on first use and cached.
+
+    A quantized model is converted from the bf16 one of the same shape, depth and
+    seed (built, and kept, first). A build killed half-way leaves only a hidden
+    staging directory, never a directory under the final name.
+    """
+    spec = parse_spec(path_or_spec) if isinstance(path_or_spec, str) else path_or_spec
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    final = root / spec.key()
+    if (final / "config.json").exists():
+        return final
+    if spec.bits is None:
+        log.info("building real-shape model %s (random weights, seed %d) into %s", spec.key(), spec.seed, final)
+        _build_float(spec, final)
+    else:
+        source = build_realshape(replace(spec, bits=None), root)
+        log.info("quantizing %s to %d bits (group size %d) into %s", source.name, spec.bits, spec.group_size, final)
+        _build_quantized(spec, source, final)
+    return final

@@ -151,3 +151,17 @@ def test_adapters_from_a_dequantised_learner_fit_a_4bit_actor(realshape_q4_model
     load_weight_blob(metal_like.model, blob, digest_bytes(blob))
     with pytest.raises(ValueError, match="quantized"):
         load_policy(str(realshape_q4_model_dir))  # full fine-tuning of a 4-bit model stays refused everywhere
+
+
+def test_doctor_says_cpu_dequantises_with_both_speeds():
+    from grpo_fleet.doctor import quantized_description
+
+    line = quantized_description()
+    assert line.startswith("dequantised to float32 on load") and "4-bit matmul" in line and "fp32" in line
+
+
+def test_build_model_cli_refuses_an_unknown_shape(capsys):
+    from grpo_fleet.cli import main
+
+    assert main(["build-model", "realshape:llama-7b?layers=1"]) == 2
+    assert "unknown real shape" in capsys.readouterr().err

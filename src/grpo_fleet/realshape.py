@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -273,6 +274,18 @@ def _staging(final: Path) -> Path:
     return staging
 
 
+def _sweep_stale(final: Path, older_than_s: float = 6 * 3600) -> None:
+    """Remove staging directories of `final` left by builds killed long ago (a 24-layer one is ~1 GB).
+
+    Only old ones: a younger one may belong to a build still running in another process.
+    """
+    now = time.time()
+    for leftover in final.parent.glob(f".{final.name}.*"):
+        with contextlib.suppress(OSError):
+            if leftover.is_dir() and now - leftover.stat().st_mtime > older_than_s:
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
 def _publish(staging: Path, final: Path) -> Path:
     """Rename the finished build into place; a concurrent build that won keeps its copy."""
     try:
@@ -329,6 +342,7 @@ def build_realshape(path_or_spec: str | RealShapeSpec, cache_dir: Optional[str |
     final = root / spec.key()
     if (final / "config.json").exists():
         return final
+    _sweep_stale(final)
     if spec.bits is None:
         log.info("building real-shape model %s (random weights, seed %d) into %s", spec.key(), spec.seed, final)
         _build_float(spec, final)

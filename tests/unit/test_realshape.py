@@ -3,6 +3,7 @@ mlx-lm, and dequantised for compute on the CPU backend."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,9 @@ def test_cache_reuses_a_build_and_a_failed_build_leaves_nothing(realshape_cache_
         raise KeyboardInterrupt
 
     monkeypatch.setattr("mlx_lm.utils.save_model", killed)
+    stale = tmp_path / ".qwen2.5-0.5b-l2-s0-bf16-v1.dead"  # what a SIGKILLed build leaves behind
+    stale.mkdir()
+    os.utime(stale, (0, 0))
     with pytest.raises(KeyboardInterrupt):
         build_realshape("realshape:qwen2.5-0.5b?layers=2", tmp_path)
     assert list(tmp_path.iterdir()) == []

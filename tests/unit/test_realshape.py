@@ -169,3 +169,19 @@ def test_build_model_cli_refuses_an_unknown_shape(capsys):
 
     assert main(["build-model", "realshape:llama-7b?layers=1"]) == 2
     assert "unknown real shape" in capsys.readouterr().err
+
+
+def test_actor_samples_and_learner_rescores_at_the_real_vocabulary(cpu_learner):
+    from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
+
+    tokenizer, model = cpu_learner.tokenizer, cpu_learner.model
+    prompt = encode_prompt(tokenizer, "Reverse 123.", chat_template=True)
+    settings = SamplingSettings(group_size=2, max_tokens=6, stop_token_ids=tuple(tokenizer.eos_token_ids))
+    for completion in generate_groups(model, [prompt], settings)[0]:
+        assert all(0 <= t < VOCAB for t in completion.tokens)
+        assert isinstance(tokenizer.decode(completion.tokens), str)
+        sequence = mx.array([prompt + completion.tokens])
+        logits = model(sequence[:, :-1])[0, len(prompt) - 1 :].astype(mx.float32)
+        targets = sequence[0, len(prompt) :]
+        rescored = mx.take_along_axis(logits - mx.logsumexp(logits, axis=-1, keepdims=True), targets[:, None], axis=-1)
+        assert mx.allclose(rescored[:, 0], mx.array(completion.logprobs), atol=2e-3).item()

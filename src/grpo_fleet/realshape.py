@@ -16,6 +16,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -113,6 +114,12 @@ class RealShapeSpec:
         return f"{self.shape}-l{self.num_layers}-s{self.seed}-{weights}-v{FORMAT_VERSION}"
 
 
+# The cache directory name (RealShapeSpec.key) read back, so an actor can rebuild what a learner names.
+KEY_PATTERN = re.compile(
+    r"^(?P<shape>.+)-l(?P<layers>\d+)-s(?P<seed>\d+)-(?:bf16|q(?P<bits>\d)g(?P<group_size>\d+))-v(?P<version>\d+)$"
+)
+
+
 def is_realshape(path: str) -> bool:
     return path.startswith(PREFIX)
 
@@ -141,6 +148,35 @@ def _check_spec(spec: RealShapeSpec) -> None:
         raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8 (or absent for bf16), not {spec.bits}")
     if spec.group_size not in (32, 64, 128):
         raise ValueError(f"group_size must be 32, 64 or 128, not {spec.group_size}")
+
+
+def spec_from_key(name: str) -> Optional[RealShapeSpec]:
+    """The spec whose cache directory is called `name`, or None if no current spec is."""
+    match = KEY_PATTERN.match(name)
+    if match is None or int(match["version"]) != FORMAT_VERSION or match["shape"] not in SHAPES:
+        return None
+    bits, group_size = match["bits"], match["group_size"]
+    spec = RealShapeSpec(
+        shape=match["shape"], layers=int(match["layers"]), seed=int(match["seed"]),
+        bits=int(bits) if bits else None, group_size=int(group_size) if group_size else 64,
+    )
+    try:
+        _check_spec(spec)
+    except ValueError:
+        return None
+    return spec if spec.key() == name else None
+
+
+def local_copy(learner_path: str, cache_dir: Optional[str | Path] = None) -> Optional[Path]:
+    """This machine's copy of a real-shape model a learner names by its directory, built if missing.
+
+    The learner sends its own cache path, which means nothing on another Mac; the
+    directory name says everything the build needs. None when it is no real-shape
+    directory. The caller still checks the digest: same spec, same bytes is
+    expected (builds run on the CPU stream everywhere) but not assumed.
+    """
+    spec = spec_from_key(Path(learner_path).name)
+    return None if spec is None else build_realshape(spec, cache_dir)
 
 
 def default_cache_dir() -> Path:
@@ -343,11 +379,13 @@ def build_realshape(path_or_spec: str | RealShapeSpec, cache_dir: Optional[str |
     if (final / "config.json").exists():
         return final
     _sweep_stale(final)
-    if spec.bits is None:
-        log.info("building real-shape model %s (random weights, seed %d) into %s", spec.key(), spec.seed, final)
-        _build_float(spec, final)
-    else:
-        source = build_realshape(replace(spec, bits=None), root)
-        log.info("quantizing %s to %d bits (group size %d) into %s", source.name, spec.bits, spec.group_size, final)
-        _build_quantized(spec, source, final)
+    # On the CPU stream on every machine, so a Mac and a Linux box are meant to write the same bytes.
+    with mx.stream(mx.cpu):
+        if spec.bits is None:
+            log.info("building real-shape model %s (random weights, seed %d) into %s", spec.key(), spec.seed, final)
+            _build_float(spec, final)
+        else:
+            source = build_realshape(replace(spec, bits=None), root)
+            log.info("quantizing %s to %d bits (group size %d) into %s", source.name, spec.bits, spec.group_size, final)
+            _build_quantized(spec, source, final)
     return final

@@ -21,7 +21,6 @@ from grpo_fleet.model import (
 )
 from grpo_fleet.quant import is_quantized
 from grpo_fleet.realshape import (
-    QWEN_SPECIALS,
     RealShapeSpec,
     build_realshape,
     init_model,
@@ -29,6 +28,7 @@ from grpo_fleet.realshape import (
     parse_spec,
     spec_from_key,
 )
+from grpo_fleet.synthetic_tokenizer import QWEN_SPECIALS
 from grpo_fleet.tasks import build_task
 
 VOCAB = 151_936

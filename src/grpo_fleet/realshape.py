@@ -255,12 +255,9 @@ def _build_quantized(spec: RealShapeSpec, source: Path, final: Path) -> None:
         with contextlib.redirect_stdout(printed):
             convert(str(source), str(staging / "model"), quantize=True, q_group_size=spec.group_size, q_bits=spec.bits)
         log.debug("mlx_lm.convert: %s", printed.getvalue().strip())
-        os.rename(staging / "model", staging / "done")
-    except BaseException:
+        _publish(staging / "model", final)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _publish(staging / "done", final)
-    shutil.rmtree(staging, ignore_errors=True)
 
 
 def build_realshape(path_or_spec: str | RealShapeSpec, cache_dir: Optional[str | Path] = None) -> Path:

@@ -18,6 +18,7 @@ from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig, TaskConfig, TinyModelConfig
 from grpo_fleet.learner.setup import tokenizer_corpus
 from grpo_fleet.model import build_tiny_model
+from grpo_fleet.realshape import build_realshape
 from grpo_fleet.tasks import build_task
 
 
@@ -106,6 +107,24 @@ def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         rewards=["r1_format", "r1_accuracy"], chat_template=True,
     ))
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-chat", TinyModelConfig(seed=1), tokenizer_corpus(task))
+
+
+@pytest.fixture(scope="session")
+def realshape_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model cache for `realshape:` paths, shared by the session (each build costs seconds)."""
+    return tmp_path_factory.mktemp("realshape-cache")
+
+
+@pytest.fixture(scope="session")
+def realshape_model_dir(realshape_cache_dir: Path) -> Path:
+    """Qwen2.5-0.5B-Instruct's architecture and full 151,936-id vocabulary at one layer, bf16 (~10 s)."""
+    return build_realshape("realshape:qwen2.5-0.5b?layers=1", realshape_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def realshape_q4_model_dir(realshape_cache_dir: Path, realshape_model_dir: Path) -> Path:
+    """The same model through mlx-lm's 4-bit quantisation, group size 64 (built from the bf16 one)."""
+    return build_realshape("realshape:qwen2.5-0.5b?layers=1&bits=4", realshape_cache_dir)
 
 
 @pytest.fixture

@@ -131,6 +131,22 @@ def _doctor(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_model(args: argparse.Namespace) -> int:
+    import time
+
+    from grpo_fleet.realshape import build_realshape
+
+    start = time.perf_counter()
+    try:
+        path = build_realshape(args.spec, args.cache_dir)
+    except ValueError as exc:
+        print(f"grpo-fleet build-model: {exc}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    print(f"{path}  ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -217,7 +233,7 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
-    """Tools around a run: status, keys, doctor, bench, plot."""
+    """Tools around a run: status, keys, doctor, build-model, bench, plot."""
     status = sub.add_parser("status", help="the learner's step, version, throughput and actors")
     status.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
     status.add_argument("--key", help="a CURVE secret key on the learner's allow-list")
@@ -239,6 +255,11 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
 
     doctor = sub.add_parser("doctor", help="print the MLX backend, the BLAS in use and a matmul GF/s figure")
     doctor.set_defaults(func=_doctor)
+
+    build = sub.add_parser("build-model", help="build (or find) a realshape: model in the cache and print its directory")
+    build.add_argument("spec", help="e.g. realshape:qwen2.5-0.5b or 'realshape:qwen2.5-0.5b?layers=4&bits=4&seed=0'")
+    build.add_argument("--cache-dir", help="model cache (default $GRPO_FLEET_MODEL_CACHE or ~/.cache/grpo-fleet/models)")
+    build.set_defaults(func=_build_model)
 
     bench = sub.add_parser("bench", help="benchmarks: figures next to baselines, as ratios (see bench/RESULTS.md)")
     bench.add_argument("--only", help="comma-separated subset: rollout,ingest,weights,step,mixed,e2e")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from typing import Callable
 
 from grpo_fleet.blas import find_openblas
 
@@ -33,6 +34,37 @@ def matmul_gflops(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size**3 / seconds / 1e9
 
 
+def quantized_matmul_gflops(tokens: int = 64, width: int = 896, out: int = 4864) -> tuple[float, float]:
+    """4-bit (group 64) and fp32 throughput of one MLP-sized projection, as (quantized, float) GF/s."""
+    import mlx.core as mx
+
+    x = mx.random.normal((tokens, width))
+    w = mx.random.normal((out, width))
+    packed, scales, biases = mx.quantize(w, group_size=64, bits=4)
+
+    def rate(compute: Callable[[], object]) -> float:
+        mx.eval(compute())
+        start = time.perf_counter()
+        mx.eval(compute())
+        return 2 * tokens * width * out / (time.perf_counter() - start) / 1e9
+
+    quantized = rate(lambda: mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=64, bits=4))
+    return quantized, rate(lambda: x @ w.T)
+
+
+def quantized_description() -> str:
+    """What loading a quantized model does on this backend, and the speeds that decided it."""
+    import mlx.core as mx
+
+    from grpo_fleet.quant import wants_dequantize
+
+    quantized, dense = quantized_matmul_gflops()
+    speeds = f"4-bit matmul {quantized:.1f} GF/s vs fp32 {dense:.1f} GF/s"
+    if wants_dequantize(None):
+        return f"dequantised to float32 on load ({speeds}; ~7x the 4-bit weight memory)"
+    return f"kept quantized on {mx.default_device()} ({speeds})"
+
+
 def blas_description() -> str:
     """Which BLAS MLX's CPU matmul goes through in this process."""
     if sys.platform == "darwin":
@@ -53,5 +85,6 @@ def report() -> str:
         f"device      {mx.default_device()}",
         f"blas        {blas_description()}",
         f"matmul      {matmul_gflops():.1f} GF/s (fp32, 1024x1024)",
+        f"quantized   {quantized_description()}",
     ]
     return "\n".join(lines)

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from grpo_fleet.config import LoraConfig, TinyModelConfig
+from grpo_fleet.quant import cast_floating, is_quantized, prepare_weights, wants_dequantize
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|pad|>", "<unk>"
@@ -50,29 +51,27 @@ def default_dtype() -> Optional[str]:
     return None if mx.default_device() == mx.gpu else "float32"
 
 
-def cast_floating(model: nn.Module, dtype_name: str) -> None:
-    """Cast floating-point weights (quantized integer weights stay as they are)."""
-    dtype = getattr(mx, dtype_name)
-    model.set_dtype(dtype, predicate=lambda current: mx.issubdtype(current, mx.floating))
-
-
-def load_policy(path: str, *, lora: Optional[LoraConfig] = None, dtype: Optional[str] = None) -> Policy:
+def load_policy(
+    path: str, *, lora: Optional[LoraConfig] = None, dtype: Optional[str] = None, dequantize: Optional[bool] = None
+) -> Policy:
     """Load a model directory or hub id through mlx_lm and make it trainable.
 
     With LoRA the base stays frozen and adapters are added; otherwise every weight
-    is trainable (which a quantized model cannot be).
+    is trainable (which a quantized model cannot be). A quantized model is
+    dequantised for compute when `dequantize` is on (default: on the CPU backend,
+    see `grpo_fleet.quant`); the weights on disk, and so the digest, are unchanged.
     """
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(path)
-    dtype = dtype or default_dtype()
-    if dtype:
-        cast_floating(model, dtype)
-    if lora is not None and lora.enabled:
+    lora = lora if lora is not None and lora.enabled else None
+    if lora is None:
+        # Refused on every backend, so a CPU learner never broadcasts full weights a 4-bit Metal actor can't take.
+        _refuse_quantized_full_finetune(model, path)
+    prepare_weights(model, path, dtype or default_dtype(), wants_dequantize(dequantize))
+    if lora is not None:
         apply_lora(model, lora)
     else:
-        lora = None
-        _refuse_quantized_full_finetune(model, path)
         model.unfreeze()
     model.train(False)
     vocab_size = int(model.args.vocab_size) if hasattr(model, "args") else len(tokenizer.get_vocab())
@@ -80,7 +79,7 @@ def load_policy(path: str, *, lora: Optional[LoraConfig] = None, dtype: Optional
 
 
 def _refuse_quantized_full_finetune(model: nn.Module, path: str) -> None:
-    if any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+    if is_quantized(model):
         raise ValueError(f"{path} is quantized: full fine-tuning is impossible, enable [lora]")
 
 

@@ -37,6 +37,7 @@ from grpo_fleet.actor.rollout import (
 from grpo_fleet.config import ActorConfig, LoraConfig
 from grpo_fleet.metrics import actor_metrics, serve_metrics
 from grpo_fleet.model import Policy, load_policy, load_weight_blob, model_digest
+from grpo_fleet.realshape import local_copy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits, ProtocolError
 from grpo_fleet.protocol.auth import load_keypair
@@ -307,17 +308,13 @@ class ActorWorker:
             refuse_truncated_sampling(welcome.generation.top_p)
         except TruncatedSamplingError as exc:
             raise ActorRefused(str(exc)) from exc
-        if not model_path_allowed(welcome.model.path, self.cfg.model_dirs):
-            raise ActorRefused(
-                f"model path {welcome.model.path!r} is outside the allowed directories "
-                f"{self.cfg.model_dirs or [os.getcwd()]}; pass --model-dir to allow it"
-            )
         key = (welcome.model.path, welcome.model.digest, str(welcome.model.lora), welcome.model.dtype)
         if key != self.model_key:
-            if model_digest(welcome.model.path) != welcome.model.digest:
+            path = self._local_model_path(welcome.model.path)
+            if model_digest(path) != welcome.model.digest:
                 raise ActorRefused(f"local copy of {welcome.model.path} differs from the learner's (digest mismatch)")
             lora = LoraConfig(**welcome.model.lora) if welcome.model.lora else None
-            self.policy = load_policy(welcome.model.path, lora=lora, dtype=welcome.model.dtype)
+            self.policy = load_policy(path, lora=lora, dtype=welcome.model.dtype)
             self.model_key = key
             self.version = -1
         previous = self.welcome
@@ -326,6 +323,19 @@ class ActorWorker:
         self.welcome = welcome
         self.newest_version = welcome.policy_version
         log.info("actor %s joined run %s (policy v%d)", self.actor_id, shown(welcome.run_id), welcome.policy_version)
+
+    def _local_model_path(self, path: str) -> str:
+        """Where to load the learner's model from: a real-shape model is (re)built in this machine's
+        own cache, which needs no --model-dir; any other local path must be allowed."""
+        built = local_copy(path)
+        if built is not None:
+            return str(built)
+        if not model_path_allowed(path, self.cfg.model_dirs):
+            raise ActorRefused(
+                f"model path {path!r} is outside the allowed directories "
+                f"{self.cfg.model_dirs or [os.getcwd()]}; pass --model-dir to allow it"
+            )
+        return path
 
     def _forget_previous_learner(self, previous: m.Welcome, welcome: m.Welcome) -> None:
         """Another run, or this run resumed from a checkpoint, possibly at an older version.

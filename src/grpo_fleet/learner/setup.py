@@ -16,6 +16,7 @@ from grpo_fleet.learner.memory import check_step_fits, estimate_step_memory, mac
 from grpo_fleet.learner.trainer import trainer_from_config
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_policy, model_digest
+from grpo_fleet.realshape import build_realshape, is_realshape
 from grpo_fleet.tasks import Task, build_task
 
 log = logging.getLogger("grpo_fleet.learner")
@@ -35,7 +36,9 @@ def tokenizer_corpus(task: Task) -> list[str]:
 
 
 def resolve_model_path(cfg: RunConfig, task: Task) -> str:
-    """The model directory or hub id to load; builds the tiny model when path = 'tiny'."""
+    """The model directory or hub id to load; builds the tiny or a real-shape model when asked for one."""
+    if is_realshape(cfg.model.path):
+        return str(build_realshape(cfg.model.path, cfg.model.cache_dir).resolve())
     if cfg.model.path != "tiny":
         return cfg.model.path
     target = Path(cfg.run_dir) / "tiny-model"

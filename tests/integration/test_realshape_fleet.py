@@ -1,12 +1,18 @@
 """A real-shape 4-bit model through real processes: the learner resolves `realshape:`, an actor with
-no --model-dir rebuilds (here: finds) it in its own cache, both dequantise on the CPU, rollouts flow."""
+no --model-dir rebuilds (here: finds) it in its own cache, both dequantise on the CPU, and the run
+trains two steps at the full 151,936-token vocabulary over TCP; its adapter loads with mlx_lm."""
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from pathlib import Path
 
+import mlx_lm
 import pytest
+
+from grpo_fleet.model import latest_checkpoint
 
 from grpo_fleet.protocol.client import request_status
 
@@ -18,8 +24,12 @@ def test_actor_joins_a_realshape_4bit_run_and_delivers(run_config, spawn, monkey
     config, cfg = run_config(
         model={"path": "realshape:qwen2.5-0.5b?layers=1&bits=4"},
         lora={"enabled": True, "rank": 4},
-        task={"name": "reverse", "num_train": 50, "num_eval": 4, "chat_template": True},
-        generation={"group_size": 2, "max_tokens": 4},
+        # A random model over 151,936 tokens never writes digits; this reward is graded from its first sample.
+        task={"name": "reverse", "num_train": 50, "num_eval": 4, "chat_template": True,
+              "rewards": ["language_consistency"]},
+        generation={"group_size": 4, "max_tokens": 4},
+        grpo={"groups_per_step": 1},
+        train={"steps": 2, "checkpoint_every": 1000},
     )
     learner = spawn("learner", "--config", str(config), name="learner")
     # No --model-dir: the learner's path is inside a cache the actor was never told about.
@@ -39,3 +49,15 @@ def test_actor_joins_a_realshape_4bit_run_and_delivers(run_config, spawn, monkey
     assert "dequantised to float32" in actor_log and "outside the allowed" not in actor_log
     assert "dequantised to float32" in Path(learner.log_path).read_text()
     assert not list(realshape_cache_dir.glob(".*"))  # nothing was built half-way
+
+    learner.wait(timeout=300)
+    assert learner.returncode == 0, learner.log_path.read_text()[-3000:]
+    records = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["skipped"] is None and math.isfinite(record["loss"])
+        assert record["peak_memory_bytes"] > 151936 * 896 * 4, "the fp32 embedding alone is this big"
+    checkpoint = latest_checkpoint(Path(cfg.run_dir))
+    base = json.loads((checkpoint / "grpo_fleet.json").read_text())["base_model"]
+    model, tokenizer = mlx_lm.load(base, adapter_path=str(checkpoint))
+    assert isinstance(mlx_lm.generate(model, tokenizer, "12=", max_tokens=3), str)

@@ -128,6 +128,28 @@ def realshape_q4_model_dir(realshape_cache_dir: Path, realshape_model_dir: Path)
 
 
 @pytest.fixture
+def peer_socket() -> Iterator[Callable[[str, bytes], Any]]:
+    """Returns connect(endpoint, identity): a raw ZeroMQ DEALER driven by hand (linger 0), closed after the test."""
+    import zmq
+
+    ctx = zmq.Context()
+    sockets: list[Any] = []
+
+    def connect(endpoint: str, identity: bytes) -> Any:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(endpoint)
+        sockets.append(sock)
+        return sock
+
+    yield connect
+    for sock in sockets:
+        sock.close()
+    ctx.term()
+
+
+@pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
     """Start `python -m grpo_fleet ARGS` processes; kills only those it started."""
     started: list[subprocess.Popen] = []

@@ -177,14 +177,11 @@ def _rss_mb(pid: int) -> float:
     return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 1024
 
 
-def _throwaway_hellos(ctx: zmq.Context, endpoint: str, count: int) -> dict[str, int]:
+def _throwaway_hellos(peer_socket, endpoint: str, count: int) -> dict[str, int]:
     """Hello from `count` fresh identities that never come back; replies by kind."""
     replies: dict[str, int] = {}
     for i in range(count):
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, f"throwaway-{i}".encode())
-        sock.connect(endpoint)
+        sock = peer_socket(endpoint, f"throwaway-{i}".encode())
         try:
             sock.send(encode(m.Hello(actor_id=f"throwaway-{i}", host="h", backend="cpu", versions={})))
             assert sock.poll(10_000), "no answer to Hello"
@@ -231,7 +228,7 @@ def _fuzz(sock: zmq.Socket) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_learner_survives_ten_thousand_hostile_messages(run_config, free_port, spawn):
+def test_learner_survives_ten_thousand_hostile_messages(run_config, free_port, spawn, peer_socket):
     config, cfg = run_config(
         task={"num_train": 50},
         # The learner's own default, not run_config's 2: this test has always run with it.
@@ -241,23 +238,15 @@ def test_learner_survives_ten_thousand_hostile_messages(run_config, free_port, s
         metrics={"port": free_port()},
     )
     learner = spawn("learner", "--config", str(config), name="learner")
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, b"fuzzer")
-    sock.connect(cfg.server.bind)
-    try:
-        _wait_until_serving(sock, learner)
-        before, rss = _scrape(cfg.metrics.port), [_rss_mb(learner.pid)]
-        replies = _fuzz(sock)
-        after = _scrape(cfg.metrics.port)
-        rss.append(_rss_mb(learner.pid))
-        hellos = _throwaway_hellos(ctx, cfg.server.bind, THROWAWAY_IDENTITIES)
-        rss.append(_rss_mb(learner.pid))
-        final = _scrape(cfg.metrics.port)
-    finally:
-        sock.close()
-        ctx.term()
+    sock = peer_socket(cfg.server.bind, b"fuzzer")
+    _wait_until_serving(sock, learner)
+    before, rss = _scrape(cfg.metrics.port), [_rss_mb(learner.pid)]
+    replies = _fuzz(sock)
+    after = _scrape(cfg.metrics.port)
+    rss.append(_rss_mb(learner.pid))
+    hellos = _throwaway_hellos(peer_socket, cfg.server.bind, THROWAWAY_IDENTITIES)
+    rss.append(_rss_mb(learner.pid))
+    final = _scrape(cfg.metrics.port)
     print(f"learner RSS: {rss[0]:.1f} MiB before, {rss[1]:.1f} MiB after {sum(replies.values())} hostile messages, "
           f"{rss[2]:.1f} MiB after {THROWAWAY_IDENTITIES} throwaway Hellos; replies {replies}; Hellos {hellos}")
     assert learner.poll() is None, "the learner died"

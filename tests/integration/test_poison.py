@@ -84,8 +84,28 @@ def _assert_finite_checkpoint(run_dir: Path) -> None:
             assert bool(mx.all(mx.isfinite(array.astype(mx.float32))).item()), f"{path.name}:{name} is not finite"
 
 
+def _send_poison(sock: zmq.Socket, group_size: int) -> Counter[tuple[str, str]]:
+    """Each poisoned value on a real lease; asserts each is refused, returns the counts the metrics must show."""
+    expected: Counter[tuple[str, str]] = Counter()
+    for label, reward, logprob, reason in POISON:
+        lease = _request(sock, m.LeaseRequest(max_groups=1))
+        while isinstance(lease, m.Lease) and not lease.prompts:
+            time.sleep(lease.retry_after)
+            lease = _request(sock, m.LeaseRequest(max_groups=1))
+        ack = _request(sock, _poisoned(lease, group_size, reward, logprob))
+        assert isinstance(ack, (m.Ack, m.ErrorReply)), label
+        refused = ack.status == "invalid" if isinstance(ack, m.Ack) else ack.reason == "invalid"
+        assert refused, f"{label}: {ack!r}"
+        if isinstance(ack, m.Ack):
+            assert ack.reason.split(":")[0] == reason, f"{label}: {ack.reason}"
+            expected[("grpo_fleet_learner_rejections_total", reason)] += 1
+        else:  # NaN and inf never get past decoding
+            expected[("grpo_fleet_learner_protocol_errors_total", "invalid")] += 1
+    return expected
+
+
 @pytest.mark.slow
-def test_poisoned_groups_are_refused_and_training_stays_finite(run_config, free_port, spawn):
+def test_poisoned_groups_are_refused_and_training_stays_finite(run_config, free_port, spawn, peer_socket):
     config, cfg = run_config(
         train={"steps": STEPS, "checkpoint_every": 1000},
         # Short leases: the poisoner's refused leases go back to the honest actor soon.
@@ -94,38 +114,16 @@ def test_poisoned_groups_are_refused_and_training_stays_finite(run_config, free_
     )
     run_dir, group_size = Path(cfg.run_dir), cfg.generation.group_size
     learner = spawn("learner", "--config", str(config), name="learner")
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, b"poisoner")
-    sock.connect(cfg.server.bind)
-    expected: Counter[tuple[str, str]] = Counter()
-    try:
-        _wait_until_serving(sock, learner)
-        spawn("actor", "--connect", cfg.server.bind, "--actor-id", "honest", "--metrics-port", "0",
-              "--request-timeout", "5", "--model-dir", str(run_dir), name="honest")
-        for label, reward, logprob, reason in POISON:
-            lease = _request(sock, m.LeaseRequest(max_groups=1))
-            while isinstance(lease, m.Lease) and not lease.prompts:
-                time.sleep(lease.retry_after)
-                lease = _request(sock, m.LeaseRequest(max_groups=1))
-            ack = _request(sock, _poisoned(lease, group_size, reward, logprob))
-            assert isinstance(ack, (m.Ack, m.ErrorReply)), label
-            refused = ack.status == "invalid" if isinstance(ack, m.Ack) else ack.reason == "invalid"
-            assert refused, f"{label}: {ack!r}"
-            if isinstance(ack, m.Ack):
-                assert ack.reason.split(":")[0] == reason, f"{label}: {ack.reason}"
-                expected[("grpo_fleet_learner_rejections_total", reason)] += 1
-            else:  # NaN and inf never get past decoding
-                expected[("grpo_fleet_learner_protocol_errors_total", "invalid")] += 1
-        counted = _scrape(cfg.metrics.port)
-        for key, count in expected.items():
-            assert counted.get(key) == count, f"{key}: counted {counted.get(key)}, refused {count}"
-        learner.wait(timeout=300)
-        assert learner.returncode == 0, learner.log_path.read_text()[-3000:]
-    finally:
-        sock.close()
-        ctx.term()
+    sock = peer_socket(cfg.server.bind, b"poisoner")
+    _wait_until_serving(sock, learner)
+    spawn("actor", "--connect", cfg.server.bind, "--actor-id", "honest", "--metrics-port", "0",
+          "--request-timeout", "5", "--model-dir", str(run_dir), name="honest")
+    expected = _send_poison(sock, group_size)
+    counted = _scrape(cfg.metrics.port)
+    for key, count in expected.items():
+        assert counted.get(key) == count, f"{key}: counted {counted.get(key)}, refused {count}"
+    learner.wait(timeout=300)
+    assert learner.returncode == 0, learner.log_path.read_text()[-3000:]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "training went on to its target"

@@ -10,6 +10,10 @@ from typing import Optional
 
 import numpy as np
 
+# Log importance ratios are clamped to +-20 before exp (exp(20) = 4.9e8): beyond
+# that a ratio only overflows; the same bound as verl's.
+MAX_LOG_RATIO = 20.0
+
 
 def ref_group_advantages(
     rewards: np.ndarray, group_size: int, scale_by_std: bool = True, eps: float = 1e-4
@@ -75,10 +79,10 @@ def ref_grpo_loss(
         sel = m[i] > 0
         if loss_type == "gspo":
             n = m[i].sum()
-            seq = np.exp(((lp[i] - old[i]) * m[i]).sum() / n) if n > 0 else 1.0
+            seq = np.exp(np.clip(((lp[i] - old[i]) * m[i]).sum() / n, -MAX_LOG_RATIO, MAX_LOG_RATIO)) if n > 0 else 1.0
             ratio[i, :] = seq
         else:
-            ratio[i, sel] = np.exp(lp[i, sel] - old[i, sel])
+            ratio[i, sel] = np.exp(np.clip(lp[i, sel] - old[i, sel], -MAX_LOG_RATIO, MAX_LOG_RATIO))
 
     surr = np.minimum(ratio * adv[:, None], np.clip(ratio, 1 - epsilon_low, 1 + eh) * adv[:, None])
     k3 = np.zeros((b, t))

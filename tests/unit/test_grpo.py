@@ -629,3 +629,15 @@ def test_chunked_logprob_gradient_holds_about_one_chunk_of_logits_under_a_memory
     finally:
         mx.set_memory_limit(previous)
     assert above < 4 * one_chunk, above / one_chunk  # unthrottled, about 7 chunks are live at once
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_an_extreme_old_logprob_cannot_overflow_the_loss(loss_type: str) -> None:
+    # Negative advantage, old logprob at the door's floor: exp(-5 - -1e4) is inf in
+    # float32, and the unclipped side of the surrogate would make the loss inf.
+    lp = np.full((2, 3), -5.0)
+    old = lp.copy()
+    old[0, 1] = -1e4
+    batch = {"lp": lp, "old": old, "adv": np.array([-1.0, 1.0]), "mask": np.ones((2, 3)), "ref": lp}
+    got, _, want, _ = run_both(batch, loss_type=loss_type, max_tokens=3)
+    assert math.isfinite(got) and got == pytest.approx(want, rel=1e-5)

@@ -169,13 +169,23 @@ def _check_loss_args(
         raise ValueError(f"advantages shape {advantages.shape} != ({logprobs.shape[0]},)")
 
 
+# Log-ratios are clamped to +-20 before exp (verl does the same): a ratio past
+# e^20 = 4.9e8 carries no signal, and exp of a larger one overflows float32, so
+# one token with a stale or hostile old logprob could make the loss inf.
+MAX_LOG_RATIO = 20.0
+
+
+def _bounded_exp(log_ratio: mx.array) -> mx.array:
+    return mx.exp(mx.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
 def _ratio(log_ratio: mx.array, m: mx.array, loss_type: str) -> mx.array:
     """Importance ratio per token: token-level, or GSPO's broadcast sequence ratio."""
     if loss_type == "gspo":
         # Geometric mean of the token ratios over the completion's own tokens.
-        seq = mx.exp(masked_mean(log_ratio, m, axis=1))
+        seq = _bounded_exp(masked_mean(log_ratio, m, axis=1))
         return mx.broadcast_to(seq[:, None], log_ratio.shape)
-    return mx.exp(log_ratio)
+    return _bounded_exp(log_ratio)
 
 
 def grpo_loss(

@@ -481,10 +481,10 @@ class Learner(Persistence):
         assert stats.skipped is not None
         self.metrics.skipped_updates.labels(reason=stats.skipped).inc()
         suspects = suspect_groups(groups, self.cfg.task.reward_bound)
-        culprits = sorted({(g.actor_id, g.actor_key) for g in groups if g.group_id in suspects})
+        culprits = sorted({shown(g.actor_id) for g in groups if g.group_id in suspects})
         log.warning("step %d applied no update: %s (loss %s, grad norm %s); %s", self.step + 1, stats.skipped,
                     stats.loss, stats.grad_norm,
-                    f"out-of-bounds values in {len(suspects)} groups from actors {', '.join(shown(a) for a, _ in culprits)}"
+                    f"out-of-bounds values in {len(suspects)} groups from actors {', '.join(culprits)}"
                     if culprits else "every input was within bounds, so no actor is blamed")
         with self.lock:
             for group in groups:

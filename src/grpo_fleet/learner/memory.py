@@ -111,13 +111,9 @@ def machine_memory_bytes() -> int:
     return min(total, working_set) if working_set else total
 
 
-def usable_bytes(available: int) -> int:
-    return int(USABLE_SHARE * available)
-
-
 def check_step_fits(estimate: StepMemory, available: int) -> None:
     """Refuse a step that cannot fit, naming the settings that shrink it."""
-    usable = usable_bytes(available)
+    usable = int(USABLE_SHARE * available)
     if estimate.total <= usable:
         return
     raise MemoryBudgetError(

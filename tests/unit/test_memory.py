@@ -93,3 +93,12 @@ def test_the_learner_refuses_to_start_a_step_this_machine_cannot_hold(tiny_model
     assert not (tmp_path / "run" / "ledger.jsonl").exists(), "refused before any state was written"
     learner = setup.build_learner(cfg.model_copy(update={"train": cfg.train.model_copy(update={"memory_check": False})}))
     learner.close()
+
+
+def test_full_fine_tuning_counts_the_frozen_reference_copy(tiny_model_dir):
+    from grpo_fleet.model import load_policy
+
+    model = load_policy(str(tiny_model_dir)).model
+    plain = estimate_step_memory(model, _run_config())
+    with_ref = estimate_step_memory(model, _run_config(), reference_copy=True)
+    assert plain.weights > 0 and with_ref.weights == 2 * plain.weights, "pi_ref is a second copy of the weights"

@@ -80,8 +80,11 @@ def _nbytes(params: Any) -> int:
     return sum(value.nbytes for _, value in tree_flatten(params) if isinstance(value, mx.array))
 
 
-def estimate_step_memory(model: nn.Module, cfg: RunConfig) -> StepMemory:
-    """Peak bytes of `Trainer.step` for this model under `cfg.train`'s micro-batch and chunk sizes."""
+def estimate_step_memory(model: nn.Module, cfg: RunConfig, *, reference_copy: bool = False) -> StepMemory:
+    """Peak bytes of `Trainer.step` for this model under `cfg.train`'s micro-batch and chunk sizes.
+
+    `reference_copy`: pi_ref is a second, frozen copy of the weights (full fine-tuning with beta > 0).
+    """
     hidden, intermediate, layers, vocab = _shape(model)
     element = max((v.dtype.size for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)), default=4)
     per_block = element * (HIDDEN_VECTORS_PER_TOKEN * hidden + INTERMEDIATE_VECTORS_PER_TOKEN * intermediate)
@@ -96,7 +99,7 @@ def estimate_step_memory(model: nn.Module, cfg: RunConfig) -> StepMemory:
     chunks = -(-tokens // chunk)
     buffers = LOGIT_BUFFERS_LIMITED if cfg.train.memory_limit_gb is not None else LOGIT_BUFFERS_UNLIMITED
     return StepMemory(
-        weights=_nbytes(model.parameters()),
+        weights=_nbytes(model.parameters()) * (2 if reference_copy else 1),
         optimizer=3 * _nbytes(model.trainable_parameters()),
         activations=activations,
         logits=min(buffers, 3 * chunks) * chunk * vocab * 4,

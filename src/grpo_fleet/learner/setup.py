@@ -58,9 +58,9 @@ def tokenize_prompts(tokenizer: object, task: Task, cfg: RunConfig, *, split: st
     ]
 
 
-def _check_memory(policy: Policy, cfg: RunConfig) -> None:
-    """Say what a step will need, and refuse one that this machine cannot hold."""
-    estimate = estimate_step_memory(policy.model, cfg)
+def _check_memory(policy: Policy, cfg: RunConfig, *, reference_copy: bool) -> None:
+    """Say what a step will need, and refuse one that this machine cannot hold (before pi_ref is loaded too)."""
+    estimate = estimate_step_memory(policy.model, cfg, reference_copy=reference_copy)
     available = machine_memory_bytes()
     log.info("one learner step needs about %s; this machine has %.1f GiB", estimate.describe(), available / (1 << 30))
     if cfg.train.memory_check:
@@ -82,12 +82,12 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     lora = cfg.lora if cfg.lora.enabled else None
     policy = load_policy(path, lora=lora, dtype=cfg.model.dtype)
     ref_model = None
+    _check_memory(policy, cfg, reference_copy=lora is None and cfg.grpo.beta > 0)
     if lora is None and cfg.grpo.beta > 0:
         # Full fine-tuning changes every weight, so pi_ref needs its own frozen copy.
         ref_model = load_policy(path, dtype=cfg.model.dtype).model
         ref_model.freeze()
     trainer = trainer_from_config(policy, cfg, ref_model)
-    _check_memory(policy, cfg)
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     learner = Learner(

@@ -316,6 +316,22 @@ def test_accumulated_micro_batch_gradients_equal_the_one_batch_gradient(tiny_mod
     assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)}, want, rel=1e-5)
 
 
+def test_compiled_traces_stay_bounded_and_untraced_shapes_run_eager(tiny_model_dir):
+    """Past `max_compiled_shapes` signatures new micro-batch shapes run eager, with the same gradients."""
+    batch = varied_batch()
+    eager = trainer_for(tiny_model_dir, "lora", micro_batch_tokens=80)
+    capped = trainer_for(tiny_model_dir, "lora", compiled=True, micro_batch_tokens=80, max_compiled_shapes=1)
+    micro = split_batch(batch, 80)
+    shapes = {tuple(a.shape for a in (m.inputs, m.positions, m.layout)) for m in micro}
+    assert len(shapes) > 1  # the batch really has more shapes than the cap
+    want, got = eager.gradients(batch), capped.gradients(batch)
+    assert len(capped.compiled_shapes) == 1
+    capped.gradients(batch)  # a second pass traces nothing new
+    assert len(capped.compiled_shapes) == 1
+    assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)},
+                       {k: np.array(v) for k, v in tree_flatten(want.grads)}, rel=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, mode):
     batch = varied_batch(seed=1)

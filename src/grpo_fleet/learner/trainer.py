@@ -106,6 +106,10 @@ def _skip_reason(loss: float, norm: float) -> Optional[str]:
     return None
 
 
+# Compiled traces kept per Trainer (see Trainer._may_trace); each holds a graph, not activations.
+MAX_COMPILED_SHAPES = 32
+
+
 class Trainer:
     """Owns the optimizer; each step accumulates micro-batch gradients, then clips and applies them."""
 
@@ -115,7 +119,7 @@ class Trainer:
         micro_batch_tokens: int = _TRAIN_DEFAULTS.micro_batch_tokens,
         logprob_chunk_tokens: int = _TRAIN_DEFAULTS.logprob_chunk_tokens,
         grad_checkpoint: bool = _TRAIN_DEFAULTS.grad_checkpoint,
-        memory_limit_bytes: Optional[int] = None,
+        memory_limit_bytes: Optional[int] = None, max_compiled_shapes: int = MAX_COMPILED_SHAPES,
     ) -> None:
         self.policy, self.grpo, self.optim_cfg = policy, grpo, optim_cfg
         self.temperature, self.ref_model = temperature, ref_model
@@ -137,6 +141,8 @@ class Trainer:
         mx.eval(self.optimizer.state)
         self.compiled = compile
         self._compiled: dict[str, Callable] = self._compile() if compile else {}
+        self.max_compiled_shapes = max_compiled_shapes
+        self.compiled_shapes: set[tuple] = set()  # micro-batch shape signatures traced so far
 
     def _grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
         (loss, stats), grads = self._value_and_grad(self.policy.model, micro, ref, totals)
@@ -170,11 +176,26 @@ class Trainer:
                 "apply": mx.compile(self._apply_update, inputs=updates, outputs=updates)}
 
     def _micro_grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
-        if not self.compiled:
+        if not self.compiled or not self._may_trace(micro, ref):
             return self._grads(micro, ref, totals)
         if ref is None:
             return self._compiled["no_ref"](totals, *_micro_arrays(micro))
         return self._compiled["ref"](totals, ref, *_micro_arrays(micro))
+
+    def _may_trace(self, micro: MicroBatch, ref: Optional[mx.array]) -> bool:
+        """Whether this micro-batch's shapes run compiled: already traced, or room for one more trace.
+
+        mx.compile traces once per input-shape signature and keeps every graph.
+        Widths are bucketed but row counts are not, so a long run could collect
+        graphs without end; past `max_compiled_shapes` new shapes run eager.
+        """
+        signature = (ref is None, *(array.shape for array in _micro_arrays(micro)))
+        if signature in self.compiled_shapes:
+            return True
+        if len(self.compiled_shapes) >= self.max_compiled_shapes:
+            return False
+        self.compiled_shapes.add(signature)
+        return True
 
     def accumulate(self, micro_batches: list[MicroBatch], refs: list[Optional[mx.array]], totals: mx.array) -> Gradients:
         """Sum of the micro-batches' loss shares, stats and gradients (= the one-batch values)."""
@@ -291,6 +312,7 @@ class Trainer:
         if self.compiled:
             # The compiled update captured the old state tree; trace again against the new one.
             self._compiled = self._compile()
+            self.compiled_shapes.clear()
 
 
 def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.Module] = None) -> Trainer:

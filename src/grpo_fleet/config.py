@@ -155,7 +155,12 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     seed: int = Field(0, description="Seed for the learner's RNG (prompt order).")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
-    compile: bool = Field(True, description="Run the update (loss, gradients, clipping, AdamW) under mx.compile.")
+    compile: bool = Field(
+        False,
+        description="Run the update (loss, gradients, clipping, AdamW) under mx.compile. Off by default: measured "
+        "on the CPU backend it was 1.9x slower at the Qwen config's real shape and 1.08x slower on the demo, with "
+        "more peak memory (bench/RESULTS.md); at most 32 micro-batch shapes are traced, later ones run eager.",
+    )
     micro_batch_tokens: int = Field(
         4096, ge=16,
         description="Padded tokens (rows x bucketed width) per micro-batch; gradients are accumulated over "

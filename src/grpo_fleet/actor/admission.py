@@ -93,7 +93,7 @@ def plan_model(ref: m.ModelRef, model_dirs: list[str], digest: Callable[[str], s
     path = local_model_path(ref.path, model_dirs)
     if digest(path) != ref.digest:
         raise ActorRefused(f"local copy of {ref.path} differs from the learner's (digest mismatch)")
-    lora = LoraConfig(**ref.lora) if ref.lora else None
+    lora = LoraConfig.model_validate(ref.lora) if ref.lora else None
     return ModelPlan(key=model_key(ref), path=path, lora=lora, dtype=ref.dtype)
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 from urllib.parse import urlparse
+
+from pydantic import BaseModel
 
 from grpo_fleet.actor.admission import ActorRefused
 from grpo_fleet.config import ActorConfig
@@ -72,8 +74,9 @@ class LearnerLink:
         # The learner is trusted more than actors are: allow large weight blobs.
         self.limits = Limits(max_message_bytes=1 << 30, max_bin_len=1 << 30)
         self.ctx = make_context()
-        self._dealer = None
-        self._sub = None
+        # zmq sockets from protocol.sockets (zmq itself stays out of this module); None while closed.
+        self._dealer: Any = None
+        self._sub: Any = None
         self._last_heartbeat = 0.0
 
     def open(self, hello: m.Hello) -> m.Welcome:
@@ -101,11 +104,11 @@ class LearnerLink:
         self.close()
         self.ctx.term()
 
-    def send(self, msg: object) -> None:
+    def send(self, msg: BaseModel) -> None:
         """Send without waiting: its answer comes to `on_answer`, or to whoever awaits it."""
         send_message(self._dealer, msg)
 
-    def request(self, msg: object, expected: type[Reply]) -> Reply:
+    def request(self, msg: BaseModel, expected: type[Reply]) -> Reply:
         """Send and wait for a reply of the expected type; other answers are routed as they come."""
         self.send(msg)
         deadline = time.monotonic() + self.timeout

@@ -11,6 +11,7 @@ import time
 from typing import NamedTuple, Protocol
 
 import mlx.nn as nn
+from pydantic import BaseModel
 
 from grpo_fleet.metrics import ActorMetrics
 from grpo_fleet.model import load_weight_blob
@@ -26,7 +27,7 @@ CREDIT_WINDOW = 8
 class ChunkSource(Protocol):
     """What a transfer needs from the link: send a request, await the chunk at an offset."""
 
-    def send(self, msg: object) -> None: ...
+    def send(self, msg: BaseModel) -> None: ...
 
     def await_chunk(self, offset: int) -> tuple[m.WeightsChunk, memoryview]: ...
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Sequence, cast
 
 import numpy as np
 
@@ -29,7 +29,7 @@ def to_completion(completion: GeneratedCompletion, reward: float) -> m.Completio
         tokens=m.Tensor.from_numpy(np.asarray(completion.tokens, dtype=np.int32)),
         logprobs=m.Tensor.from_numpy(np.asarray(completion.logprobs, dtype=np.float32)),
         reward=float(reward),
-        finish_reason=completion.finish_reason,
+        finish_reason=cast(Literal["stop", "length"], completion.finish_reason),  # pydantic checks it
     )
 
 

@@ -141,6 +141,7 @@ class ActorWorker:
             # Unacknowledged after a lost answer or a reconnect: resend it.
             self.metrics.submit_retries.inc()
             self._on_answer(self.link.request(self.inflight.submitted, m.Ack))
+        assert self.policy is not None  # _adopt loaded it
         self.weights.sync(self.link, self.policy.model)
         # On SIGTERM, finish delivering what was leased and generated (drain), then stop.
         while not (self.stopping and self.inflight.drained):
@@ -199,6 +200,7 @@ class ActorWorker:
     def _work_once(self) -> None:
         self.link.poll_notices()
         if self.weights.behind:
+            assert self.policy is not None  # _adopt loaded it
             self.weights.sync(self.link, self.policy.model)
         lease = self._take_lease()
         if lease is None:
@@ -223,6 +225,7 @@ class ActorWorker:
             self._request_lease()
         self.link.await_answers(lambda: self.inflight.next_lease is not None)
         lease = self.inflight.take_lease()
+        assert lease is not None  # await_answers returned: one is booked
         if not lease.prompts:
             self._sleep(lease.retry_after)
             return None
@@ -231,6 +234,7 @@ class ActorWorker:
     def _rollout(self, lease: m.Lease) -> m.Rollouts:
         """Generate the lease's groups under the loaded snapshot and score them."""
         welcome, policy = self.welcome, self.policy
+        assert welcome is not None and policy is not None  # _adopt set both before any lease
         settings = wire.sampling_settings(welcome.generation, policy.tokenizer.eos_token_ids)
         version, incarnation = self.weights.loaded, welcome.incarnation
         mx.reset_peak_memory()  # the gauge then shows this lease's peak, not the process's

@@ -145,6 +145,27 @@ class OptimConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
     grad_clip: float = Field(1.0, gt=0, description="Maximum global gradient norm.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="Learning rate after warm-up: 'constant' at lr, or a 'linear' / 'cosine' decay from lr to min_lr "
+        "over decay_steps (mlx.optimizers schedules). Counted in applied optimizer updates (ppo_epochs per step; "
+        "a skipped update does not count), kept in the optimizer state, so a resumed run continues on it.",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Updates of linear warm-up before the schedule: lr/N, 2*lr/N, ... lr. 0 = none."
+    )
+    decay_steps: Optional[int] = Field(
+        None, ge=1,
+        description="Updates the linear / cosine decay takes after warm-up (then it stays at min_lr). "
+        "Default: train.steps x grpo.ppo_epochs minus warmup_steps.",
+    )
+    min_lr: float = Field(0.0, ge=0, description="Where a linear / cosine decay ends.")
+
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> "OptimConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr = {self.min_lr} is above optim.lr = {self.lr}; a decay must go down")
+        return self
 
 
 class TrainConfig(_Section):

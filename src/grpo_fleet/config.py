@@ -95,9 +95,34 @@ class GenerationConfig(_Section):
 class TaskConfig(_Section):
     """What the policy is trained to do, and how completions are scored."""
 
-    name: Literal["reverse", "jsonl"] = Field("reverse", description="'reverse' (built-in synthetic) or 'jsonl' ({prompt, answer} lines).")
+    name: Literal["reverse", "jsonl", "dataset"] = Field(
+        "reverse",
+        description="'reverse' (built-in synthetic), 'jsonl' ({prompt, answer} lines) or 'dataset' (task.dataset, "
+        "read with Hugging Face `datasets`).",
+    )
     train_path: Optional[str] = Field(None, description="JSONL training file for task 'jsonl'.")
     eval_path: Optional[str] = Field(None, description="JSONL held-out file for task 'jsonl'.")
+    dataset: Optional[str] = Field(
+        None,
+        description="For task 'dataset': a hub id (e.g. openai/gsm8k; downloaded by the learner only) or a local "
+        "JSONL / JSON / parquet / CSV file, a directory of such files, or a `save_to_disk` directory.",
+    )
+    dataset_config: Optional[str] = Field(None, description="The hub dataset's configuration name (GSM8K: 'main').")
+    split: str = Field("train", description="The split trained on (a single local file has only 'train').")
+    eval_split: Optional[str] = Field(
+        None, description="Held-out split (GSM8K: 'test'), first num_eval rows; default: the last num_eval rows of "
+        "`split` (at most half) are held out.",
+    )
+    prompt_column: Optional[str] = Field(
+        None,
+        description="Column with the prompt: text, or a chat-format list of {role, content} messages (always put "
+        "through the chat template). Default: 'prompt', else 'question' (GSM8K).",
+    )
+    answer_column: str = Field(
+        "answer",
+        description="Column with the reference answer; GSM8K's worked solution ending '#### 1,800' is read as 1800. "
+        "Every other column is kept with each example.",
+    )
     digits: int = Field(3, ge=1, le=12, description="Digits per prompt for 'reverse'.")
     num_train: int = Field(800, ge=1, description="Training prompts generated for 'reverse' (train + eval <= 10**digits).")
     num_eval: int = Field(128, ge=1, description="Held-out prompts for evaluation.")
@@ -118,6 +143,10 @@ class TaskConfig(_Section):
             raise ValueError("reward_weights must have one entry per reward")
         if self.name == "jsonl" and not self.train_path:
             raise ValueError("task 'jsonl' needs train_path")
+        if self.name == "dataset" and not self.dataset:
+            raise ValueError("task 'dataset' needs task.dataset (a hub id or a local path)")
+        if self.dataset and self.name != "dataset":
+            raise ValueError(f"task.dataset is set but task.name is {self.name!r}: set task.name = 'dataset' to use it")
         return self
 
 

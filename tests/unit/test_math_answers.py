@@ -80,5 +80,14 @@ def test_cheap_answers_pass_the_screen() -> None:
     assert is_cheap("18")  # math-verify's string form is not sympy
 
 
+def test_screen_refuses_non_finite_exponents_and_arguments() -> None:
+    import sympy
+
+    assert not is_cheap(sympy.Pow(2, sympy.nan, evaluate=False))
+    assert not is_cheap(sympy.Pow(2, sympy.oo, evaluate=False))
+    assert not is_cheap(sympy.factorial(sympy.nan, evaluate=False))
+    assert is_cheap(sympy.Pow(2, sympy.Rational(1, 2), evaluate=False))
+
+
 def test_unreadable_gold_never_matches() -> None:
     assert not answers_match("18", "no number here")

@@ -69,7 +69,7 @@ def is_cheap(expr: Any, budget: float = MAX_MAGNITUDE) -> bool:
         return True  # math-verify's own string form of the answer
     if isinstance(expr, sympy.Pow):
         exponent = expr.exp
-        if not exponent.is_Number or abs(exponent) > budget:
+        if not (exponent.is_Number and _at_most(exponent, budget)):
             return False
         return is_cheap(expr.base, budget / max(1, abs(exponent)))
     if isinstance(expr, (sympy.Function, ExprWithLimits)):
@@ -77,10 +77,15 @@ def is_cheap(expr: Any, budget: float = MAX_MAGNITUDE) -> bool:
     return all(is_cheap(arg, budget) for arg in expr.args)
 
 
+def _at_most(number: sympy.Number, limit: float) -> bool:
+    # is_finite first: comparing NaN raises in sympy, and infinities are not small.
+    return bool(number.is_finite) and bool(abs(number) <= limit)
+
+
 def _is_plain(expr: sympy.Basic) -> bool:
     """Small numbers and symbols joined by + and * (or a tuple of them, as a sum's limits are)."""
     if expr.is_Number:
-        return bool(abs(expr) <= MAX_MAGNITUDE)
+        return _at_most(expr, MAX_MAGNITUDE)
     if isinstance(expr, (sympy.Symbol, sympy.NumberSymbol)):
         return True
     if isinstance(expr, (sympy.Add, sympy.Mul, sympy.Tuple)):

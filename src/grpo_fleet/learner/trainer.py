@@ -30,6 +30,7 @@ from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
 from grpo_fleet.learner.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
 from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint
 from grpo_fleet.learner.grpo import grpo_loss, head_logprobs
+from grpo_fleet.learner.schedule import learning_rate_schedule, with_decay_steps
 from grpo_fleet.model import Policy, adapters_disabled
 
 _TRAIN_DEFAULTS = TrainConfig()
@@ -83,6 +84,7 @@ class StepStats:
     peak_memory_bytes: int
     micro_batches: int
     epochs: int  # epochs attempted, the skipped one included
+    learning_rate: float = 0.0  # the rate of this step's last applied update (the schedule's value)
     skipped: Optional[str] = None  # "nonfinite_loss" or "nonfinite_grad": that epoch applied no update
     extra: dict[str, float] = field(default_factory=dict)  # stats a custom loss_fn adds
 
@@ -133,7 +135,7 @@ class Trainer:
                         chunk_tokens=logprob_chunk_tokens)
         self._value_and_grad = nn.value_and_grad(policy.model, bound)
         self.optimizer = optim.AdamW(
-            learning_rate=optim_cfg.lr, betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+            learning_rate=learning_rate_schedule(optim_cfg), betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
         )
         self.optimizer.init(policy.model.trainable_parameters())
         # Materialize now: lazy arrays belong to the creating thread's stream, and
@@ -286,7 +288,8 @@ class Trainer:
                  ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean")}
         return StepStats(**known, ref_seconds=ref_seconds, update_seconds=train_seconds - ref_seconds,
                          train_seconds=train_seconds, peak_memory_bytes=peak, micro_batches=len(micro),
-                         epochs=epochs, skipped=skipped, extra=means)
+                         epochs=epochs, learning_rate=float(self.optimizer.learning_rate.item()), skipped=skipped,
+                         extra=means)
 
     @staticmethod
     def _trim_cache(peak: int) -> None:
@@ -319,7 +322,7 @@ def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.M
     """The Trainer a run config describes (objective, optimizer, memory settings)."""
     train = cfg.train
     return Trainer(
-        policy, cfg.grpo, cfg.optim, temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
+        policy, cfg.grpo, with_decay_steps(cfg), temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
         ref_model=ref_model, compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
         logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
         memory_limit_bytes=train.memory_limit_bytes,

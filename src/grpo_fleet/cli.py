@@ -17,21 +17,21 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _learner(args: argparse.Namespace) -> int:
-    from grpo_fleet.config import load_run_config
+    from grpo_fleet.config import load_run_config, toml_string
     from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
     from grpo_fleet.learner.memory import MemoryBudgetError
     from grpo_fleet.learner.setup import build_learner, load_resume_config
     overrides = list(args.set or [])
     if args.run_dir or args.resume:
-        overrides.append(f"run_dir={_toml_string(args.resume or args.run_dir)}")
+        overrides.append(f"run_dir={toml_string(args.resume or args.run_dir)}")
     if args.bind:
-        overrides.append(f"server.bind={_toml_string(args.bind)}")
+        overrides.append(f"server.bind={toml_string(args.bind)}")
     if args.metrics_port is not None:
         overrides.append(f"metrics.port={args.metrics_port}")
     if args.metrics_host:
-        overrides.append(f"metrics.host={_toml_string(args.metrics_host)}")
+        overrides.append(f"metrics.host={toml_string(args.metrics_host)}")
     if args.keys:
-        overrides.append(f"security.keys_dir={_toml_string(args.keys)}")
+        overrides.append(f"security.keys_dir={toml_string(args.keys)}")
     if args.insecure:
         overrides.append("security.insecure=true")
     if args.resume:
@@ -54,10 +54,6 @@ def _learner(args: argparse.Namespace) -> int:
     server.start_metrics()
     server.serve()
     return 0
-
-
-def _toml_string(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _actor(args: argparse.Namespace) -> int:

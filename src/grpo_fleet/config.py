@@ -278,6 +278,11 @@ class ActorConfig(_Section):
     request_timeout: float = Field(30.0, gt=0, description="Seconds to wait for a learner reply before reconnecting.")
 
 
+def toml_string(text: str) -> str:
+    """`text` as a TOML basic string, for building `key=value` overrides from user input (paths, endpoints)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split 'a.b.c=value' into a key path and a TOML-parsed value (bare words stay strings)."""
     if "=" not in text:

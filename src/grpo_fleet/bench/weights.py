@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,25 +19,20 @@ from pathlib import Path
 from grpo_fleet.bench import Figure, Report
 from grpo_fleet.bench.models import model_50m
 from grpo_fleet.blas import child_env
+from grpo_fleet.protocol.endpoints import loopback_endpoint
 
 CTX = mp.get_context("spawn")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_learner(model_dir: Path, root: Path, lora: bool) -> tuple[subprocess.Popen, str]:
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = loopback_endpoint()
     config = {
         "run_dir": str(root / ("run-lora" if lora else "run-full")),
         "model": {"path": str(model_dir)},
         "lora": {"enabled": lora, "rank": 8},
         "grpo": {"beta": 0.0},
         "task": {"num_train": 100, "num_eval": 8},
-        "server": {"bind": bind, "pub_bind": f"tcp://127.0.0.1:{_free_port()}", "max_message_bytes": 1 << 30},
+        "server": {"bind": bind, "pub_bind": loopback_endpoint(), "max_message_bytes": 1 << 30},
         "metrics": {"port": 0},
     }
     path = root / ("lora.json" if lora else "full.json")

@@ -14,7 +14,6 @@ it claims. The allow-list can be reloaded while the learner runs.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import shutil
@@ -22,7 +21,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
-from urllib.parse import urlparse
 
 import zmq
 import zmq.auth
@@ -165,16 +163,3 @@ def make_client(sock: zmq.Socket, keypair: Keypair, server_public: bytes) -> Non
     sock.curve_publickey = keypair.public
     sock.curve_serverkey = server_public
 
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """True for tcp://127.x / localhost / [::1] and for ipc/inproc endpoints."""
-    parsed = urlparse(endpoint)
-    if parsed.scheme in ("ipc", "inproc"):
-        return True
-    host = (parsed.hostname or "").strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a wildcard (*) or an interface name reaches the network

@@ -2,7 +2,7 @@
 
 A real `grpo-fleet learner` process (tiny model, configured never to train) is
 fed by simulated actors: separate spawned processes that speak the wire
-protocol over a raw DEALER and send pre-built, valid completions. What is
+protocol through `protocol.client` and send pre-built, valid completions. What is
 measured is everything between the actor's socket and the learner's buffer:
 framing, msgpack, pydantic validation, `validate_rollouts`, lease bookkeeping
 and the ledger. Figures:

@@ -88,6 +88,18 @@ def load_keypair(path: str | Path) -> Keypair:
     return Keypair(public=public, secret=secret)
 
 
+def client_curve(key_file: Optional[str | Path], learner_key_file: Optional[str | Path]) -> Optional[tuple[Keypair, bytes]]:
+    """(own keypair, learner public key) for a CURVE client, or None when neither file is given."""
+    if not key_file and not learner_key_file:
+        return None
+    if not (key_file and learner_key_file):
+        raise ValueError("CURVE needs both --key (this actor's secret key) and --learner-key (learner.key)")
+    keypair = load_keypair(key_file)
+    if keypair.secret is None:
+        raise ValueError(f"{key_file} holds no secret key; pass the NAME.key_secret file")
+    return keypair, load_keypair(learner_key_file).public
+
+
 class KeyRing:
     """The allow-list, swapped atomically on reload so the ZAP thread always sees a whole set."""
 

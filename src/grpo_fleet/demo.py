@@ -129,12 +129,14 @@ def follow(learner: subprocess.Popen, cfg: RunConfig, progress: bool) -> list[di
 def held_out_reward(model_or_checkpoint: str, cfg: RunConfig) -> float:
     """Greedy held-out reward of a model directory or a checkpoint."""
     from grpo_fleet.evaluate import evaluate
-    from grpo_fleet.model import cast_floating, default_dtype, load_checkpoint
+    from grpo_fleet.model import default_dtype, load_checkpoint
+    from grpo_fleet.quant import cast_floating
     from grpo_fleet.tasks import build_task
 
     model, tokenizer = load_checkpoint(model_or_checkpoint)
-    if default_dtype():
-        cast_floating(model, default_dtype())
+    dtype = default_dtype()
+    if dtype:
+        cast_floating(model, dtype)
     return evaluate(model, tokenizer, build_task(cfg.task), cfg)
 
 

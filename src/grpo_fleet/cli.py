@@ -21,8 +21,8 @@ def _setup_logging(verbose: bool) -> None:
 
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config, toml_string
-    from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
     from grpo_fleet.learner.memory import MemoryBudgetError
+    from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
     from grpo_fleet.learner.setup import build_learner, load_resume_config
     overrides = list(args.set or [])
     if args.run_dir or args.resume:
@@ -233,10 +233,12 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
     actor = sub.add_parser("actor", help="run an actor; everything else comes from the learner")
     actor.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
     actor.add_argument("--actor-id", help="name in logs and metrics (default host-pid)")
-    actor.add_argument("--max-groups", type=int, default=_FromConfig("max_groups"), help="prompts per lease (default %(default)s)")
+    actor.add_argument("--max-groups", type=int, default=_FromConfig("max_groups"),
+                       help="prompts per lease (default %(default)s)")
     actor.add_argument("--request-timeout", type=float, default=_FromConfig("request_timeout"),
                        help="seconds without a reply before reconnecting (default %(default)s)")
-    actor.add_argument("--metrics-host", default=_FromConfig("metrics.host"), help="bind address of /metrics (default %(default)s)")
+    actor.add_argument("--metrics-host", default=_FromConfig("metrics.host"),
+                       help="bind address of /metrics (default %(default)s)")
     actor.add_argument("--metrics-port", type=int, default=_FromConfig("metrics.port"),
                        help="port of /metrics, 0 disables (default %(default)s)")
     actor.add_argument("--key", help="this actor's CURVE secret key file (from `keys add-actor`)")

@@ -116,8 +116,12 @@ class FleetConfig(_Section):
     )
     learner: LearnerSpec = Field(description="The learner run on this machine.")
     actors: list[ActorSpec] = Field(min_length=1, description="One entry per actor process.")
-    restart_backoff_max: float = Field(30.0, ge=FIRST_BACKOFF_SECONDS, description="Longest wait, in seconds, before restarting an actor.")
-    stop_timeout: float = Field(30.0, gt=0, description="Seconds processes get after SIGTERM (the learner checkpoints) before SIGKILL.")
+    restart_backoff_max: float = Field(
+        30.0, ge=FIRST_BACKOFF_SECONDS, description="Longest wait, in seconds, before restarting an actor."
+    )
+    stop_timeout: float = Field(
+        30.0, gt=0, description="Seconds processes get after SIGTERM (the learner checkpoints) before SIGKILL."
+    )
 
     @field_validator("ssh")
     @classmethod

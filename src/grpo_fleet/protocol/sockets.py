@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from grpo_fleet.protocol.auth import Keypair
 
 from grpo_fleet.protocol.codec import DEFAULT_LIMITS, Limits, ProtocolError, decode, encode
+from grpo_fleet.protocol.messages import WeightsChunk
 
 # Below this size copying is cheaper than zmq's zero-copy bookkeeping.
 _ZERO_COPY_THRESHOLD = 64 * 1024
@@ -32,7 +33,7 @@ def make_context() -> zmq.Context:
 
 def bound_endpoint(sock: zmq.Socket) -> str:
     """The endpoint actually bound, e.g. the real port after binding to ':0'."""
-    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def router_socket(
@@ -136,7 +137,7 @@ def send_message(
         raise ValueError("identity is only meaningful on a ROUTER socket")
     if raw is not None:
         sock.send_multipart(frames, flags=zmq.SNDMORE, copy=len(payload) < _ZERO_COPY_THRESHOLD)
-        sock.send(raw, copy=len(raw) < _ZERO_COPY_THRESHOLD)
+        sock.send(raw, 0, copy=len(raw) < _ZERO_COPY_THRESHOLD)
     else:
         sock.send_multipart(frames, copy=len(payload) < _ZERO_COPY_THRESHOLD)
 
@@ -164,7 +165,7 @@ def recv_with_raw(
     msg = decode(frames[0].buffer, limits)
     if len(frames) == 1:
         return msg, None
-    if type(msg).__name__ != "WeightsChunk" or len(frames[1].buffer) != msg.length:
+    if not isinstance(msg, WeightsChunk) or len(frames[1].buffer) != msg.length:
         raise ProtocolError("malformed", "a raw frame may only follow a WeightsChunk of that length")
     return msg, frames[1].buffer
 
@@ -208,7 +209,7 @@ def _metadata(frame: zmq.Frame) -> tuple[Optional[str], str]:
     except (zmq.ZMQError, KeyError):
         address = "?"
     # Without CURVE, ZAP is not involved and there is no authenticated user.
-    return (user_id or None), address
+    return (str(user_id) if user_id else None), str(address)
 
 
 # ---------------------------------------------------------------- raw frames, for benchmarks and hostile peers

@@ -1,4 +1,4 @@
-"""Wire protocol between the learner and its actors: messages, codec, sockets."""
+"""Wire protocol between the learner and its actors: messages, codec, sockets, endpoints, the request/reply client."""
 
 from grpo_fleet.protocol.codec import (
     DEFAULT_LIMITS,

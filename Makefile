@@ -7,12 +7,12 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead.
 OPENBLAS = $$(ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1)
 
-.PHONY: demo test test-fast test-deps bench doctor system-deps clean readme
+.PHONY: demo test test-fast test-deps lint bench doctor system-deps clean readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,dev]'
 	touch $@
 
 system-deps:
@@ -39,7 +39,12 @@ endif
 demo: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet demo $(DEMO_ARGS)
 
-test: test-deps $(VENV)/.installed
+# Style (ruff) and types (mypy with the pydantic plugin); settings in pyproject.toml.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+
+test: test-deps $(VENV)/.installed lint
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: test-deps $(VENV)/.installed
@@ -52,7 +57,7 @@ doctor: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet doctor
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs .pytest_cache .hypothesis .mypy_cache .ruff_cache
 
 readme: $(VENV)/.installed
 	$(PY) -c "from grpo_fleet.config import refresh_readme; refresh_readme('README.md')"

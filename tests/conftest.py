@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig, TaskConfig, TinyModelConfig
 from grpo_fleet.learner.setup import tokenizer_corpus
 from grpo_fleet.model import build_tiny_model
+from grpo_fleet.protocol.endpoints import free_port as _free_port
 from grpo_fleet.realshape import build_realshape
 from grpo_fleet.tasks import build_task
 
@@ -43,13 +43,7 @@ def clock() -> FakeClock:
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Returns a function giving a TCP port on 127.0.0.1 that is free right now."""
-
-    def pick() -> int:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
-
-    return pick
+    return _free_port
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from grpo_fleet.config import ActorConfig
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -17,21 +20,21 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _learner(args: argparse.Namespace) -> int:
-    from grpo_fleet.config import load_run_config
-    from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
+    from grpo_fleet.config import load_run_config, toml_string
     from grpo_fleet.learner.memory import MemoryBudgetError
+    from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
     from grpo_fleet.learner.setup import build_learner, load_resume_config
     overrides = list(args.set or [])
     if args.run_dir or args.resume:
-        overrides.append(f"run_dir={_toml_string(args.resume or args.run_dir)}")
+        overrides.append(f"run_dir={toml_string(args.resume or args.run_dir)}")
     if args.bind:
-        overrides.append(f"server.bind={_toml_string(args.bind)}")
+        overrides.append(f"server.bind={toml_string(args.bind)}")
     if args.metrics_port is not None:
         overrides.append(f"metrics.port={args.metrics_port}")
     if args.metrics_host:
-        overrides.append(f"metrics.host={_toml_string(args.metrics_host)}")
+        overrides.append(f"metrics.host={toml_string(args.metrics_host)}")
     if args.keys:
-        overrides.append(f"security.keys_dir={_toml_string(args.keys)}")
+        overrides.append(f"security.keys_dir={toml_string(args.keys)}")
     if args.insecure:
         overrides.append("security.insecure=true")
     if args.resume:
@@ -56,26 +59,47 @@ def _learner(args: argparse.Namespace) -> int:
     return 0
 
 
-def _toml_string(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+class _FromConfig:
+    """The default of an actor flag: left to ActorConfig, whose field default `--help` shows.
+
+    The config module is imported only when the help text is printed, so parsing stays light.
+    """
+
+    def __init__(self, field: str) -> None:
+        self.field = field  # dotted, e.g. "metrics.port"
+
+    def __str__(self) -> str:
+        from grpo_fleet.config import ActorConfig
+
+        value: object = ActorConfig()
+        for part in self.field.split("."):
+            value = getattr(value, part)
+        return str(value)
+
+
+def actor_config(args: argparse.Namespace) -> "ActorConfig":
+    """The ActorConfig of `grpo-fleet actor ARGS`: the flags given, the model's defaults for the rest."""
+    from grpo_fleet.config import ActorConfig
+
+    def given(value: object) -> object:
+        return None if isinstance(value, _FromConfig) else value
+
+    fields = {"connect": args.connect, "actor_id": args.actor_id, "max_groups": given(args.max_groups),
+              "request_timeout": given(args.request_timeout), "model_dirs": args.model_dir,
+              "key_file": args.key, "learner_key_file": args.learner_key}
+    data: dict[str, object] = {key: value for key, value in fields.items() if value is not None}
+    metrics = {key: value for key, value in (("host", given(args.metrics_host)), ("port", given(args.metrics_port)))
+               if value is not None}
+    if metrics:
+        # Over the actor's own metrics default (port 9401), not MetricsConfig's (the learner's 9400).
+        data["metrics"] = {**ActorConfig().metrics.model_dump(), **metrics}
+    return ActorConfig.model_validate(data)
 
 
 def _actor(args: argparse.Namespace) -> int:
-    from grpo_fleet.actor.worker import ActorWorker
-    from grpo_fleet.config import ActorConfig, MetricsConfig
+    from grpo_fleet.actor.worker import ActorRefused, ActorWorker
 
-    from grpo_fleet.actor.worker import ActorRefused
-
-    cfg = ActorConfig(
-        connect=args.connect,
-        actor_id=args.actor_id,
-        max_groups=args.max_groups,
-        request_timeout=args.request_timeout,
-        metrics=MetricsConfig(host=args.metrics_host, port=args.metrics_port),
-        model_dirs=list(args.model_dir or []),
-        key_file=args.key,
-        learner_key_file=args.learner_key,
-    )
+    cfg = actor_config(args)
     try:
         ActorWorker(cfg).run()
     except ActorRefused as exc:
@@ -209,10 +233,14 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
     actor = sub.add_parser("actor", help="run an actor; everything else comes from the learner")
     actor.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
     actor.add_argument("--actor-id", help="name in logs and metrics (default host-pid)")
-    actor.add_argument("--max-groups", type=int, default=2, help="prompts per lease")
-    actor.add_argument("--request-timeout", type=float, default=30.0, help="seconds without a reply before reconnecting")
-    actor.add_argument("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
-    actor.add_argument("--metrics-port", type=int, default=9401, help="port of /metrics (0 disables)")
+    actor.add_argument("--max-groups", type=int, default=_FromConfig("max_groups"),
+                       help="prompts per lease (default %(default)s)")
+    actor.add_argument("--request-timeout", type=float, default=_FromConfig("request_timeout"),
+                       help="seconds without a reply before reconnecting (default %(default)s)")
+    actor.add_argument("--metrics-host", default=_FromConfig("metrics.host"),
+                       help="bind address of /metrics (default %(default)s)")
+    actor.add_argument("--metrics-port", type=int, default=_FromConfig("metrics.port"),
+                       help="port of /metrics, 0 disables (default %(default)s)")
     actor.add_argument("--key", help="this actor's CURVE secret key file (from `keys add-actor`)")
     actor.add_argument("--learner-key", help="the learner's public key file (learner.key)")
     actor.add_argument("--model-dir", action="append", help="local directory the learner's model may live in; repeatable")

@@ -34,7 +34,9 @@ class TinyModelConfig(_Section):
     num_layers: int = Field(2, description="Transformer blocks.")
     num_heads: int = Field(4, description="Attention heads (and KV heads).")
     intermediate_size: int = Field(128, description="MLP width.")
-    vocab_size: int = Field(320, description="Upper bound on the tokenizer vocabulary (the task's characters + BPE merges + specials).")
+    vocab_size: int = Field(
+        320, description="Upper bound on the tokenizer vocabulary (the task's characters + BPE merges + specials)."
+    )
 
 
 class ModelConfig(_Section):
@@ -68,7 +70,9 @@ class LoraConfig(_Section):
     scale: float = Field(20.0, gt=0, description="Adapter output scale (mlx-lm's `scale`, not alpha).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Adapter dropout.")
     num_layers: int = Field(-1, description="How many of the last blocks get adapters; -1 means all.")
-    keys: Optional[list[str]] = Field(None, description="Module names to adapt, e.g. ['self_attn.q_proj']; default: mlx-lm's choice.")
+    keys: Optional[list[str]] = Field(
+        None, description="Module names to adapt, e.g. ['self_attn.q_proj']; default: mlx-lm's choice."
+    )
 
 
 class GenerationConfig(_Section):
@@ -127,7 +131,9 @@ class TaskConfig(_Section):
     num_train: int = Field(800, ge=1, description="Training prompts generated for 'reverse' (train + eval <= 10**digits).")
     num_eval: int = Field(128, ge=1, description="Held-out prompts for evaluation.")
     seed: int = Field(0, description="Seed for synthetic prompts and dataset shuffling.")
-    rewards: list[str] = Field(default_factory=lambda: ["reverse_positions"], description="Reward function names, summed with reward_weights.")
+    rewards: list[str] = Field(
+        default_factory=lambda: ["reverse_positions"], description="Reward function names, summed with reward_weights."
+    )
     reward_weights: Optional[list[float]] = Field(None, description="One weight per reward; default all 1.0.")
     chat_template: bool = Field(False, description="Wrap prompts in the tokenizer's chat template.")
     reward_bound: float = Field(
@@ -321,11 +327,17 @@ class ActorConfig(_Section):
     max_groups: int = Field(2, ge=1, description="Prompts asked for per lease.")
     metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig(port=9401))
     model_dirs: list[str] = Field(
-        default_factory=list, description="Local directories the learner's model path may point into (hub ids are always allowed)."
+        default_factory=list,
+        description="Local directories the learner's model path may point into (hub ids are always allowed).",
     )
     key_file: Optional[str] = Field(None, description="This actor's CURVE secret key file (NAME.key_secret).")
     learner_key_file: Optional[str] = Field(None, description="The learner's public key file (learner.key).")
     request_timeout: float = Field(30.0, gt=0, description="Seconds to wait for a learner reply before reconnecting.")
+
+
+def toml_string(text: str) -> str:
+    """`text` as a TOML basic string, for building `key=value` overrides from user input (paths, endpoints)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from grpo_fleet.blas import child_env
-from grpo_fleet.config import RunConfig, apply_overrides, load_run_config
+from grpo_fleet.config import RunConfig, apply_overrides, load_run_config, toml_string
+from grpo_fleet.protocol.endpoints import free_port, loopback_endpoint
 
 # The demo's defaults: small enough for 2 CPU cores, tuned so learning is visible
 # within a few minutes (lr >= 5e-4 collapsed the tiny model; beta 0.04 keeps groups informative).
@@ -42,21 +42,14 @@ class DemoOptions:
     overrides: list[str] = field(default_factory=list)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def demo_config(options: DemoOptions) -> RunConfig:
     """Demo defaults, then the user's config file, then --set overrides and flags."""
     base = DEMO_SETTINGS if options.config is None else {}
     cfg = load_run_config(options.config, []) if options.config else None
     data = base if cfg is None else cfg.model_dump(mode="json")
-    port = free_port()
-    flags = [f'run_dir="{Path(options.run_dir).resolve()}"', f'server.bind="tcp://127.0.0.1:{port}"',
-             f'server.pub_bind="tcp://127.0.0.1:{free_port()}"', f"metrics.port={free_port()}"]
+    flags = [f"run_dir={toml_string(str(Path(options.run_dir).resolve()))}",
+             f"server.bind={toml_string(loopback_endpoint())}", f"server.pub_bind={toml_string(loopback_endpoint())}",
+             f"metrics.port={free_port()}"]
     if options.steps is not None:
         flags.append(f"train.steps={options.steps}")
     return RunConfig.model_validate(apply_overrides(data, options.overrides + flags))
@@ -136,12 +129,14 @@ def follow(learner: subprocess.Popen, cfg: RunConfig, progress: bool) -> list[di
 def held_out_reward(model_or_checkpoint: str, cfg: RunConfig) -> float:
     """Greedy held-out reward of a model directory or a checkpoint."""
     from grpo_fleet.evaluate import evaluate
-    from grpo_fleet.model import cast_floating, default_dtype, load_checkpoint
+    from grpo_fleet.model import default_dtype, load_checkpoint
+    from grpo_fleet.quant import cast_floating
     from grpo_fleet.tasks import build_task
 
     model, tokenizer = load_checkpoint(model_or_checkpoint)
-    if default_dtype():
-        cast_floating(model, default_dtype())
+    dtype = default_dtype()
+    if dtype:
+        cast_floating(model, dtype)
     return evaluate(model, tokenizer, build_task(cfg.task), cfg)
 
 

@@ -65,6 +65,13 @@ def quantized_description() -> str:
     return f"kept quantized on {mx.default_device()} ({speeds})"
 
 
+def mlx_version() -> str:
+    """The MLX version this process runs (mx.__version__, which MLX's type stubs leave out)."""
+    import mlx.core as mx
+
+    return str(getattr(mx, "__version__", "unknown"))
+
+
 def blas_description() -> str:
     """Which BLAS MLX's CPU matmul goes through in this process."""
     if sys.platform == "darwin":
@@ -81,7 +88,7 @@ def report() -> str:
 
     lines = [
         f"python      {platform.python_version()} on {platform.system()} {platform.machine()}",
-        f"mlx         {mx.__version__}",
+        f"mlx         {mlx_version()}",
         f"device      {mx.default_device()}",
         f"blas        {blas_description()}",
         f"matmul      {matmul_gflops():.1f} GF/s (fp32, 1024x1024)",

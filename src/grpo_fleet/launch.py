@@ -36,12 +36,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator, Optional
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from grpo_fleet.blas import child_env
-from grpo_fleet.config import load_run_config
+from grpo_fleet.config import load_run_config, toml_string
+from grpo_fleet.protocol.endpoints import dialable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -58,7 +58,6 @@ ACTOR_GRACE_SECONDS = 5.0
 # On a stop, actors get SIGTERM first and this long to deliver what they hold while the learner still listens.
 ACTOR_DRAIN_SECONDS = 5.0
 POLL_SECONDS = 0.2
-WILDCARD_HOSTS = {"", "0.0.0.0", "*", "::"}
 
 
 # --------------------------------------------------------------------------- fleet file
@@ -117,8 +116,12 @@ class FleetConfig(_Section):
     )
     learner: LearnerSpec = Field(description="The learner run on this machine.")
     actors: list[ActorSpec] = Field(min_length=1, description="One entry per actor process.")
-    restart_backoff_max: float = Field(30.0, ge=FIRST_BACKOFF_SECONDS, description="Longest wait, in seconds, before restarting an actor.")
-    stop_timeout: float = Field(30.0, gt=0, description="Seconds processes get after SIGTERM (the learner checkpoints) before SIGKILL.")
+    restart_backoff_max: float = Field(
+        30.0, ge=FIRST_BACKOFF_SECONDS, description="Longest wait, in seconds, before restarting an actor."
+    )
+    stop_timeout: float = Field(
+        30.0, gt=0, description="Seconds processes get after SIGTERM (the learner checkpoints) before SIGKILL."
+    )
 
     @field_validator("ssh")
     @classmethod
@@ -198,13 +201,7 @@ def learner_connect(cfg: FleetConfig) -> str:
     """Where actors dial: `learner.connect`, or the learner's bind with a wildcard made reachable."""
     if cfg.learner.connect:
         return cfg.learner.connect
-    parts = urlsplit(_learner_bind(cfg.learner))
-    host = parts.hostname or ""
-    if host in WILDCARD_HOSTS:
-        host = socket.gethostname()
-    elif ":" in host:
-        host = f"[{host}]"  # an IPv6 literal
-    return f"{parts.scheme}://{host}:{parts.port}"
+    return dialable(_learner_bind(cfg.learner), socket.gethostname())
 
 
 def _learner_bind(learner: LearnerSpec) -> str:
@@ -213,12 +210,8 @@ def _learner_bind(learner: LearnerSpec) -> str:
     flags.add_argument("--bind")
     flags.add_argument("--set", action="append", default=[])
     known, _ = flags.parse_known_args(learner.args)
-    overrides = list(known.set) + ([f"server.bind={_toml_string(known.bind)}"] if known.bind else [])
+    overrides = list(known.set) + ([f"server.bind={toml_string(known.bind)}"] if known.bind else [])
     return load_run_config(learner.config, overrides).server.bind
-
-
-def _toml_string(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 # --------------------------------------------------------------------------- processes

@@ -78,14 +78,16 @@ def learner_metrics() -> LearnerMetrics:
         groups_accepted=Counter(f"{p}_groups_accepted", "Groups accepted", registry=r),
         groups_zero_variance=Counter(f"{p}_groups_zero_variance", "Accepted groups skipped for zero variance", registry=r),
         rejections=Counter(f"{p}_rejections", "Rollout groups rejected, by reason", ["reason"], registry=r),
-        protocol_errors=Counter(f"{p}_protocol_errors", "Messages that failed to decode or validate, by reason", ["reason"], registry=r),
+        protocol_errors=Counter(f"{p}_protocol_errors", "Messages that failed to decode or validate, by reason", ["reason"],
+                                registry=r),
         leases_issued=Counter(f"{p}_leases_issued", "Leases handed out", registry=r),
         leases_expired=Counter(f"{p}_leases_expired", "Leases that expired and were re-queued", registry=r),
         leases_outstanding=Gauge(f"{p}_leases_outstanding", "Leases not yet returned", registry=r),
         lease_groups=Histogram(
             f"{p}_lease_groups", "Groups per lease, sized to each actor's measured speed", buckets=LEASE_BUCKETS, registry=r
         ),
-        staleness=Histogram(f"{p}_staleness_versions", "Policy versions behind at acceptance", buckets=STALENESS_BUCKETS, registry=r),
+        staleness=Histogram(f"{p}_staleness_versions", "Policy versions behind at acceptance", buckets=STALENESS_BUCKETS,
+                            registry=r),
         group_reward=Histogram(f"{p}_group_reward", "Mean reward per accepted group", buckets=REWARD_BUCKETS, registry=r),
         step_seconds=Histogram(f"{p}_step_duration_seconds", "Wall time of one optimizer batch", registry=r),
         weight_bytes_served=Counter(f"{p}_weight_sent_bytes", "Weight bytes sent to actors", registry=r),
@@ -100,7 +102,8 @@ def learner_metrics() -> LearnerMetrics:
             f"{p}_weight_publish_seconds", "Time to serialize and digest a new policy version", buckets=PHASE_BUCKETS, registry=r
         ),
         weight_publish_bytes=Gauge(f"{p}_weight_publish_bytes", "Size of the latest published weight blob", registry=r),
-        violations=Counter(f"{p}_violations", "Malformed or hostile messages counted toward a ban, by reason", ["reason"], registry=r),
+        violations=Counter(f"{p}_violations", "Malformed or hostile messages counted toward a ban, by reason", ["reason"],
+                           registry=r),
         bans=Counter(f"{p}_bans", "Peers banned after server.max_violations violations", registry=r),
         banned_peers=Gauge(f"{p}_banned_peers", "Peers banned right now", registry=r),
         skipped_updates=Counter(
@@ -144,7 +147,8 @@ def actor_metrics() -> ActorMetrics:
         policy_version=Gauge(f"{p}_policy_version", "Policy version of the loaded snapshot", registry=r),
         weight_syncs=Counter(f"{p}_weight_syncs", "Snapshots loaded, by outcome", ["outcome"], registry=r),
         reconnects=Counter(f"{p}_reconnects", "Times the actor re-registered with the learner", registry=r),
-        policy_lag=Gauge(f"{p}_policy_lag_versions", "Versions between the learner's current policy and the loaded one (either way)", registry=r),
+        policy_lag=Gauge(f"{p}_policy_lag_versions",
+                         "Versions between the learner's current policy and the loaded one (either way)", registry=r),
         weight_fetch_seconds=Histogram(
             f"{p}_weight_fetch_seconds", "Time to fetch, verify and load a new policy version", buckets=PHASE_BUCKETS, registry=r
         ),

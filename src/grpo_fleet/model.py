@@ -8,7 +8,6 @@ not) takes exactly the same path as the tiny one.
 from __future__ import annotations
 
 import contextlib
-import blake3
 import io
 import json
 import os
@@ -16,14 +15,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
+import blake3
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_reduce
 
 from grpo_fleet.config import LoraConfig, TinyModelConfig
-from grpo_fleet.quant import cast_floating, is_quantized, prepare_weights, wants_dequantize
+from grpo_fleet.digest import blob_digest
+from grpo_fleet.quant import is_quantized, prepare_weights, wants_dequantize
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|pad|>", "<unk>"
@@ -46,6 +47,11 @@ class Policy:
     vocab_size: int
 
 
+def parameter_count(model: nn.Module) -> int:
+    """Elements in every parameter (a quantized layer counts its packed weights, scales and biases)."""
+    return int(tree_reduce(lambda total, leaf: total + leaf.size, model.parameters(), 0))
+
+
 def default_dtype() -> Optional[str]:
     """fp32 on the CPU backend (bf16 matmul is slow there); keep the model's dtype on a GPU."""
     return None if mx.default_device() == mx.gpu else "float32"
@@ -61,9 +67,7 @@ def load_policy(
     dequantised for compute when `dequantize` is on (default: on the CPU backend,
     see `grpo_fleet.quant`); the weights on disk, and so the digest, are unchanged.
     """
-    import mlx_lm
-
-    model, tokenizer = mlx_lm.load(path)
+    model, tokenizer = _mlx_lm_load(path)
     lora = lora if lora is not None and lora.enabled else None
     if lora is None:
         # Refused on every backend, so a CPU learner never broadcasts full weights a 4-bit Metal actor can't take.
@@ -137,13 +141,16 @@ def weights_to_bytes(weights: dict[str, mx.array]) -> bytes:
 
 def weights_from_bytes(blob: bytes | bytearray) -> dict[str, mx.array]:
     """Parse safetensors bytes back into arrays."""
-    return dict(mx.load(io.BytesIO(blob), format="safetensors"))
+    return _safetensors(io.BytesIO(blob))
+
+
+def _safetensors(source: str | io.BytesIO) -> dict[str, mx.array]:
+    """The arrays of a safetensors file (mx.load's declared result also covers other formats)."""
+    return cast(dict[str, mx.array], mx.load(source, format="safetensors"))
 
 
 def digest_bytes(blob: bytes | bytearray) -> str:
     """BLAKE3-256 hex digest used to check every weight blob before it is swapped in."""
-    from grpo_fleet.protocol.messages import blob_digest
-
     return blob_digest(blob)
 
 
@@ -341,15 +348,21 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig, corpus: list[str
     return final
 
 
-def load_checkpoint(checkpoint: str | Path) -> tuple[nn.Module, Any]:
-    """Load a checkpoint written by `save_checkpoint` through mlx_lm, as a user would."""
+def _mlx_lm_load(path: str, adapter_path: Optional[str] = None) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) from `mlx_lm.load`, whose declared result is a 2- or 3-tuple by flag."""
     import mlx_lm
 
+    loaded = mlx_lm.load(path, adapter_path=adapter_path)
+    return loaded[0], loaded[1]
+
+
+def load_checkpoint(checkpoint: str | Path) -> tuple[nn.Module, Any]:
+    """Load a checkpoint written by `save_checkpoint` through mlx_lm, as a user would."""
     checkpoint = Path(checkpoint)
     if (checkpoint / "adapters.safetensors").exists():
         base = json.loads((checkpoint / "grpo_fleet.json").read_text())["base_model"]
-        return mlx_lm.load(base, adapter_path=str(checkpoint))
-    return mlx_lm.load(str(checkpoint))
+        return _mlx_lm_load(base, adapter_path=str(checkpoint))
+    return _mlx_lm_load(str(checkpoint))
 
 
 def load_checkpoint_weights(policy: Policy, checkpoint: str | Path) -> None:
@@ -360,7 +373,7 @@ def load_checkpoint_weights(policy: Policy, checkpoint: str | Path) -> None:
     if not files:
         raise FileNotFoundError(f"no weights in checkpoint {checkpoint}")
     for file in files:
-        policy.model.load_weights(list(mx.load(str(file)).items()), strict=False)
+        policy.model.load_weights(list(_safetensors(str(file)).items()), strict=False)
     mx.eval(policy.model.parameters())
 
 

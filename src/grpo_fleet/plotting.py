@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TypeGuard
 
 DEFAULT_NAME = "curves.png"
 
@@ -105,7 +105,7 @@ def throughput(records: list[dict]) -> tuple[list[float], list[float], list[floa
     return steps, fleet, trainer
 
 
-def _finite(value: object) -> bool:
+def _finite(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -200,7 +200,8 @@ def _plot_staleness(ax, records: list[dict], config: dict, window: int) -> None:
     _curve(ax, steps, staleness, "tab:brown", "mean staleness of the batch", window)
     max_staleness = (config.get("grpo") or {}).get("max_staleness")
     if _finite(max_staleness):
-        ax.axhline(max_staleness, color="black", linestyle=":", linewidth=1.2, label=f"max_staleness {max_staleness} (checked on arrival)")
+        ax.axhline(max_staleness, color="black", linestyle=":", linewidth=1.2,
+                   label=f"max_staleness {max_staleness} (checked on arrival)")
     ax.set_title("staleness (policy versions behind when trained)")
     ax.set_ylabel("versions")
     ax.set_ylim(bottom=0)

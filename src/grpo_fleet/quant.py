@@ -16,7 +16,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_reduce
 
 log = logging.getLogger("grpo_fleet.model")
 
@@ -39,7 +39,7 @@ def is_quantized(model: nn.Module) -> bool:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter, packed weights, scales and biases included."""
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return int(tree_reduce(lambda total, leaf: total + leaf.nbytes, model.parameters(), 0))
 
 
 def prepare_weights(model: nn.Module, path: str, dtype: Optional[str], dequantize: bool) -> None:

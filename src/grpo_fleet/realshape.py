@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 from urllib.parse import parse_qsl
 
 import blake3
@@ -192,7 +192,9 @@ def init_model(config: dict[str, Any], seed: int) -> nn.Module:
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     std = float(config.get("initializer_range", 0.02))
-    weights = [(name, _init_value(name, value, seed, std)) for name, value in tree_flatten(model.parameters())]
+    # A list without `destination`: the stub's dict alternative never happens here.
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    weights = [(name, _init_value(name, value, seed, std)) for name, value in flat]
     model.update(tree_unflatten(weights))
     return model
 

@@ -57,7 +57,8 @@ def _poisoned(lease: m.Lease, group_size: int, reward: float, logprob: float) ->
             reward=value, finish_reason="length",
         )
     groups = [m.GroupResult.model_construct(group_id=p.group_id,
-                            completions=[completion(reward, logprob)] + [completion(float(i), -1.0) for i in range(1, group_size)])
+                            completions=[completion(reward, logprob)]
+                            + [completion(float(i), -1.0) for i in range(1, group_size)])
               for p in lease.prompts]
     return m.Rollouts.model_construct(lease_id=lease.lease_id, policy_version=lease.policy_version, incarnation="",
                                       groups=groups)

@@ -13,7 +13,6 @@ import mlx_lm
 import pytest
 
 from grpo_fleet.model import latest_checkpoint
-
 from grpo_fleet.protocol.client import request_status
 
 

@@ -1,4 +1,4 @@
-"""Keys on disk, the reloadable allow-list, loopback detection, and an actor's key files (what it refuses: test_admission)."""
+"""Keys on disk, the reloadable allow-list, and an actor's key files (what it refuses: test_admission)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from grpo_fleet.actor.admission import ActorRefused
 from grpo_fleet.actor.worker import ActorWorker, serve_actor_metrics
 from grpo_fleet.config import ActorConfig, MetricsConfig
-from grpo_fleet.protocol.auth import KeyRing, add_actor, init_keys, is_loopback_endpoint, load_keypair, revoke_actor
+from grpo_fleet.protocol.auth import KeyRing, add_actor, init_keys, load_keypair, revoke_actor
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "grpo_fleet"
 
@@ -50,16 +50,6 @@ def test_keyring_reloads_when_the_allow_list_changes(tmp_path):
     assert ring.reload_if_changed()
     assert not ring.allows(key_a)
     assert not revoke_actor(keys, "a")
-
-
-@pytest.mark.parametrize("endpoint, loopback", [
-    ("tcp://127.0.0.1:5555", True), ("tcp://localhost:5555", True), ("tcp://[::1]:5555", True),
-    ("tcp://127.1.2.3:1", True), ("ipc:///tmp/x", True),
-    ("tcp://0.0.0.0:5555", False), ("tcp://*:5555", False), ("tcp://192.168.1.10:5555", False),
-    ("tcp://eth0:5555", False),
-])
-def test_loopback_detection(endpoint, loopback):
-    assert is_loopback_endpoint(endpoint) is loopback
 
 
 def test_actor_needs_both_curve_key_files(tmp_path):

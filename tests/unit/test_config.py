@@ -15,6 +15,7 @@ from grpo_fleet.config import (
     apply_overrides,
     load_run_config,
     parse_override,
+    toml_string,
 )
 from grpo_fleet.tasks import validate_rewards
 
@@ -244,3 +245,8 @@ def test_repository_configs_load_and_validate(config_path: Path):
     assert isinstance(cfg, RunConfig)
     # Reward names must exist, not just parse.
     validate_rewards(cfg.task.rewards, cfg.task.reward_weights)
+
+
+@pytest.mark.parametrize("text", ["runs/demo", 'a "quoted" dir', "C:\\runs\\x", "tcp://0.0.0.0:5555"])
+def test_toml_string_survives_an_override_round_trip(text):
+    assert parse_override(f"run_dir={toml_string(text)}") == (["run_dir"], text)

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from test_protocol import sample_messages
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.server import inbound_limits
 from grpo_fleet.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Limits, ProtocolError, decode, encode
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
-from test_protocol import sample_messages
 
 HOSTILE_NUMBERS = [-1, -(2**63), 2**63 - 1, 2**64 - 1, math.nan, math.inf, -math.inf, 1e39, -3e38]
 Path = tuple[Union[str, int], ...]

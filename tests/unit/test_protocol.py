@@ -18,6 +18,7 @@ from grpo_fleet.protocol import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
+    ActorStatus,
     Completion,
     ErrorReply,
     GenerationParams,
@@ -35,13 +36,12 @@ from grpo_fleet.protocol import (
     RewardSpec,
     Rollouts,
     Shutdown,
+    Status,
+    StatusRequest,
     Tensor,
     WeightsChunk,
-    StatusRequest,
-    Status,
-    ActorStatus,
-    blob_digest,
     Welcome,
+    blob_digest,
     decode,
     encode,
     validate_rollouts,
@@ -52,7 +52,7 @@ from grpo_fleet.protocol.sockets import (
     make_context,
     pub_socket,
     recv_message,
-    recv_routed,
+    recv_routed_from,
     router_socket,
     send_message,
     sub_socket,
@@ -502,7 +502,8 @@ def connect_dealer(ctx: zmq.Context, sockets: list[zmq.Socket], router: zmq.Sock
 
 def routed(router: zmq.Socket) -> tuple[bytes, BaseModel | ProtocolError]:
     assert router.poll(int(TIMEOUT_S * 1000), zmq.POLLIN), "router received nothing"
-    return recv_routed(router)
+    got = recv_routed_from(router)
+    return got.identity, got.message
 
 
 def test_router_binds_random_port(router: zmq.Socket) -> None:

@@ -17,9 +17,15 @@ from grpo_fleet.actor.rollout import encode_prompt
 from grpo_fleet.config import LoraConfig, RunConfig
 from grpo_fleet.learner.setup import resolve_model_path
 from grpo_fleet.model import (
-    Policy, cast_floating, digest_bytes, load_policy, load_weight_blob, model_digest, trainable_weights, weights_to_bytes,
+    Policy,
+    digest_bytes,
+    load_policy,
+    load_weight_blob,
+    model_digest,
+    trainable_weights,
+    weights_to_bytes,
 )
-from grpo_fleet.quant import is_quantized
+from grpo_fleet.quant import cast_floating, is_quantized
 from grpo_fleet.realshape import (
     RealShapeSpec,
     build_realshape,

@@ -29,7 +29,8 @@ def _max_logprob_gap(policy, prompts, groups, temperature: float) -> float:
     accepted = [
         AcceptedGroup(
             group_id=f"g{i}", prompt_index=i, prompt_tokens=np.asarray(prompt, dtype=np.int32),
-            completions=[CompletionRecord(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32), float(j), c.finish_reason)
+            completions=[CompletionRecord(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32), float(j),
+                                          c.finish_reason)
                          for j, c in enumerate(group)],
             policy_version=0, actor_id="test",
         )

@@ -258,7 +258,8 @@ def test_compiled_update_matches_eager_update(tiny_model_dir, use_lora):
     rng = np.random.default_rng(0)
     groups = [
         AcceptedGroup(f"g{b}", b, rng.integers(0, 10, 4).astype(np.int32), [
-            CompletionRecord(rng.integers(0, 10, 5).astype(np.int32), -rng.random(5).astype(np.float32), float(rng.random()), "length")
+            CompletionRecord(rng.integers(0, 10, 5).astype(np.int32), -rng.random(5).astype(np.float32), float(rng.random()),
+                             "length")
             for _ in range(4)], 0, "a")
         for b in range(3)
     ]

@@ -22,6 +22,7 @@ from grpo_fleet.config import ActorConfig
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import Keypair, load_keypair
 from grpo_fleet.protocol.codec import Limits, ProtocolError
+from grpo_fleet.protocol.endpoints import is_wildcard_host
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_message, recv_with_raw, send_message, sub_socket
 
@@ -57,7 +58,7 @@ def notice_address(pub_address: Optional[str], connect: str) -> str:
     """Where to subscribe: a learner bound to a wildcard advertises it; dial the host we reached it on."""
     parsed = urlparse(pub_address or "")
     host = parsed.hostname
-    if host in (None, "0.0.0.0", "*", "::"):
+    if is_wildcard_host(host):
         host = urlparse(connect).hostname
     return f"tcp://{host}:{parsed.port}"
 

@@ -74,14 +74,14 @@ def machine_description() -> dict:
     """What the figures were measured on."""
     import mlx.core as mx
 
-    from grpo_fleet.doctor import blas_description
+    from grpo_fleet.doctor import blas_description, mlx_version
 
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "mlx": mx.__version__,
+        "mlx": mlx_version(),
         "device": str(mx.default_device()),
         "blas": blas_description(),
     }

@@ -69,7 +69,9 @@ def batched_rollout(policy: Policy, prompts: list[list[int]], settings: Sampling
     return generate_groups(policy.model, prompts, settings)
 
 
-def per_completion_rollout(policy: Policy, prompts: list[list[int]], settings: SamplingSettings) -> list[list[GeneratedCompletion]]:
+def per_completion_rollout(
+    policy: Policy, prompts: list[list[int]], settings: SamplingSettings
+) -> list[list[GeneratedCompletion]]:
     return [[naive_completion(policy.model, prompt, settings) for _ in range(settings.group_size)] for prompt in prompts]
 
 
@@ -126,12 +128,15 @@ def loop_curve(cfg: RunConfig, model_path: str, rollout: Rollout, target: float)
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     scheduler = PromptScheduler(len(prompts), seed=cfg.train.seed, lease_seconds=1e9)
     gen = cfg.generation
-    settings = SamplingSettings(gen.group_size, gen.max_tokens, gen.temperature, gen.top_p, sorted(policy.tokenizer.eos_token_ids))
+    settings = SamplingSettings(gen.group_size, gen.max_tokens, gen.temperature, gen.top_p,
+                                sorted(policy.tokenizer.eos_token_ids))
     curve: list[Point] = []
     for step in range(1, cfg.train.steps + 1):
         batch: list[AcceptedGroup] = []
         while len(batch) < cfg.grpo.groups_per_step:
             lease = scheduler.issue("loop", cfg.grpo.groups_per_step - len(batch))
+            if lease is None:  # nothing is ever left out on a lease, so this means no prompts at all
+                raise RuntimeError("the prompt scheduler issued nothing")
             groups = _sampled_groups(policy, prompts, list(lease.tickets.values()), settings, task, rollout)
             for group in groups:
                 scheduler.finish(lease.lease_id, group.group_id)
@@ -151,7 +156,8 @@ def loop_curve(cfg: RunConfig, model_path: str, rollout: Rollout, target: float)
 
 def _median_time(curves: list[Curve], target: float) -> Optional[float]:
     times = [c.time_to(target) for c in curves]
-    return statistics.median(times) if times and None not in times else None
+    reached = [t for t in times if t is not None]
+    return statistics.median(reached) if times and len(reached) == len(times) else None
 
 
 def _describe(curves: list[Curve], target: float) -> str:

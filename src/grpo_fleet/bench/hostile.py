@@ -58,61 +58,55 @@ def hostile_messages() -> dict[str, bytes]:
 
 
 def _registered(ctx: Any, endpoint: str, name: str) -> Any:
-    from grpo_fleet.bench.simulated_actor import _dealer, _request
+    from grpo_fleet.bench.simulated_actor import connect
     from grpo_fleet.protocol import messages as m
-    from grpo_fleet.protocol.codec import encode
 
-    sock = _dealer(ctx, {"identity": name, "endpoint": endpoint, "curve": None})
-    _request(sock, encode(m.Hello(actor_id=name, host="bench", backend="hostile", versions={})), ANSWER_TIMEOUT_S)
-    return sock
+    client = connect({"identity": name, "endpoint": endpoint, "curve": None}, ctx)
+    client.request(m.Hello(actor_id=name, host="bench", backend="hostile", versions={}), ANSWER_TIMEOUT_S)
+    return client
 
 
-def _stall(hostile: Any, monitor: Any, probe: Any, payload: bytes) -> tuple[float, bool]:
+def _stall(hostile: Any, watch: Any, probe: Any, payload: bytes) -> tuple[float, bool]:
     """(seconds until the learner is free again, whether it answered the hostile message).
 
     libzmq drops a frame over MAXMSGSIZE by closing that connection, which the
     hostile socket's monitor reports; then the stall is what a request behind it waits.
     """
-    import zmq
-    from zmq.utils.monitor import recv_monitor_message
-
-    from grpo_fleet.bench.simulated_actor import _request
+    from grpo_fleet.bench.simulated_actor import timed_request
     from grpo_fleet.protocol import messages as m
     from grpo_fleet.protocol.codec import encode
+    from grpo_fleet.protocol.sockets import recv_frames, send_frames, wait_readable
 
-    poller = zmq.Poller()
-    poller.register(hostile, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
     sent = time.perf_counter()
-    hostile.send(payload, copy=False)
+    send_frames(hostile.socket, [payload])
     while time.perf_counter() - sent < ANSWER_TIMEOUT_S:
-        ready = dict(poller.poll(100))
-        if hostile in ready:
-            hostile.recv()
+        ready = wait_readable([hostile.socket, watch.monitor], 0.1)
+        if hostile.socket in ready:
+            recv_frames(hostile.socket, timeout_s=0)
             return time.perf_counter() - sent, True
-        if monitor in ready and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
-            _, probe_s = _request(probe, encode(m.Heartbeat(actor_id="probe")), ANSWER_TIMEOUT_S)
+        if watch.monitor in ready and watch.disconnected():
+            _, probe_s = timed_request(probe, encode(m.Heartbeat(actor_id="probe")), ANSWER_TIMEOUT_S)
             return probe_s, False
     raise TimeoutError(f"no answer and no disconnect within {ANSWER_TIMEOUT_S} s")
 
 
 def measure(endpoint: str, repeats: int) -> dict[str, dict]:
     """Worst stall per hostile message over `repeats` sends."""
-    import zmq
+    from grpo_fleet.protocol.sockets import DisconnectWatch, make_context
 
-    ctx = zmq.Context()
+    ctx = make_context()
     hostile, probe = _registered(ctx, endpoint, "hostile"), _registered(ctx, endpoint, "probe")
-    monitor = hostile.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    watch = DisconnectWatch(hostile.socket)
     results: dict[str, dict] = {}
     try:
         for name, payload in hostile_messages().items():
-            runs = [_stall(hostile, monitor, probe, payload) for _ in range(repeats)]
+            runs = [_stall(hostile, watch, probe, payload) for _ in range(repeats)]
             results[name] = {"seconds": max(s for s, _ in runs), "answered": all(a for _, a in runs),
                              "bytes": len(payload)}
     finally:
-        hostile.disable_monitor()
-        for sock in (monitor, hostile, probe):
-            sock.close(linger=0)
+        watch.close()
+        hostile.close()
+        probe.close()
         ctx.term()
     return results
 

@@ -2,7 +2,7 @@
 
 A real `grpo-fleet learner` process (tiny model, configured never to train) is
 fed by simulated actors: separate spawned processes that speak the wire
-protocol over a raw DEALER and send pre-built, valid completions. What is
+protocol through `protocol.client` and send pre-built, valid completions. What is
 measured is everything between the actor's socket and the learner's buffer:
 framing, msgpack, pydantic validation, `validate_rollouts`, lease bookkeeping
 and the ledger. Figures:
@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,14 @@ from typing import Any, Optional
 import numpy as np
 
 from grpo_fleet.bench import Figure, Report
-from grpo_fleet.bench.simulated_actor import GROUPS_PER_LEASE, REQUEST_TIMEOUT_S, completion_arrays, pool_worker, session
+from grpo_fleet.bench.simulated_actor import (
+    GROUPS_PER_LEASE,
+    REQUEST_TIMEOUT_S,
+    completion_arrays,
+    pool_worker,
+    session,
+)
+from grpo_fleet.protocol.endpoints import loopback_endpoint
 
 # Shapes of the simulated work: G completions of MAX_TOKENS tokens per group,
 # GROUPS_PER_LEASE groups per Rollouts message (about 33 KB of tensors each).
@@ -141,12 +147,6 @@ class Ingest:
 # ---------------------------------------------------------------- learner process
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _learner_config(run_dir: Path, keys: Optional[Path]) -> dict[str, Any]:
     return {
         "run_dir": str(run_dir),
@@ -154,8 +154,8 @@ def _learner_config(run_dir: Path, keys: Optional[Path]) -> dict[str, Any]:
         "generation": {"group_size": GROUP_SIZE, "max_tokens": MAX_TOKENS},
         "grpo": {"groups_per_step": NEVER_TRAIN_GROUPS},
         "server": {
-            "bind": f"tcp://127.0.0.1:{_free_port()}",
-            "pub_bind": f"tcp://127.0.0.1:{_free_port()}",
+            "bind": loopback_endpoint(),
+            "pub_bind": loopback_endpoint(),
             "max_groups_per_lease": 256,
             # A bug in the simulated actors should show up as counted rejections, not a ban.
             "max_violations": 10**9,

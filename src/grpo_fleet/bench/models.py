@@ -25,11 +25,3 @@ def tiny_model(root: Path) -> Path:
 def model_50m(root: Path) -> Path:
     """The ~50M-parameter benchmark model, same architecture family and tokenizer recipe."""
     return build_tiny_model(root / "model-50m", MODEL_50M, reverse_corpus())
-
-
-def parameter_count(path: Path) -> int:
-    from mlx.utils import tree_flatten
-
-    from grpo_fleet.model import load_policy
-
-    return sum(v.size for _, v in tree_flatten(load_policy(str(path)).model.parameters()))

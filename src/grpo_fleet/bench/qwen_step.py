@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
@@ -97,7 +98,8 @@ def _actor_lease(report: Report, shape: Shape, dtype: str, completion_tokens: in
     prompt = np.random.default_rng(0).integers(0, policy.vocab_size, shape.prompt_tokens).tolist()
     settings = SamplingSettings(group_size=GROUP_SIZE, max_tokens=completion_tokens, temperature=0.9)
     weights = mx.get_active_memory() / GIB
-    peak, seconds = _peak_and_seconds(lambda: generate_groups(policy.model, [prompt], settings))
+    # partial, not a lambda: the `del policy` below must not leave a closure over a deleted name.
+    peak, seconds = _peak_and_seconds(partial(generate_groups, policy.model, [prompt], settings))
     label = f"{_label(shape)}, actor lease of G={GROUP_SIZE} x {completion_tokens} tokens, {dtype}"
     report.add(Figure("qwen_step", f"{label}: peak memory", peak, "GiB", goal="<= 2 GB",
                       notes=f"weights alone {weights:.3f} GiB"))
@@ -129,7 +131,7 @@ def _run_once(fn: Callable[[Trainer, TrainBatch], object], shape: Shape, batch: 
     trainer = qwen_config_trainer(shape.layers, shape.completion_tokens, grad_checkpoint=grad_checkpoint,
                                   compile=compile)
     try:
-        return _peak_and_seconds(lambda: fn(trainer, batch))
+        return _peak_and_seconds(partial(fn, trainer, batch))
     finally:
         del trainer
         mx.clear_cache()

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from grpo_fleet.actor.rollout import (
     SHARED_PREFIX_MIN_TOKENS,
@@ -41,7 +40,7 @@ from grpo_fleet.actor.rollout import (
 )
 from grpo_fleet.bench import Figure, Report
 from grpo_fleet.config import TaskConfig, TinyModelConfig
-from grpo_fleet.model import Policy, build_tiny_model, load_policy
+from grpo_fleet.model import Policy, build_tiny_model, load_policy, parameter_count
 
 GROUP_SIZE = 8
 NAIVE_NAME = "naive mlx_lm.generate loop"
@@ -68,7 +67,7 @@ def run(report: Report, quick: bool) -> None:
             # Tens of milliseconds a call: more repeats are cheap and steady the best-of.
             _compare_with_naive(report, tiny, case, repeats=2 if quick else 5)
         big = _big_policy(Path(tmp) / "big")
-        params = _parameter_count(big)
+        params = parameter_count(big.model)
         _compare_with_naive(report, big, _big_case(big, quick, params), repeats=1 if quick else 2)
         _compare_prefill(report, big, quick, params)
 
@@ -103,10 +102,6 @@ def _synthetic_text(words: int, seed: int) -> str:
 def _big_policy(out: Path) -> Policy:
     corpus = [_synthetic_text(40, seed) for seed in range(400)]
     return load_policy(str(build_tiny_model(out, BIG_MODEL, corpus)))
-
-
-def _parameter_count(policy: Policy) -> int:
-    return sum(v.size for _, v in tree_flatten(policy.model.parameters()))
 
 
 def _text_prompts(policy: Policy, count: int, length: int, seed: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""A simulated actor for the ingest benchmark: the wire protocol over a raw DEALER, no model.
+"""A simulated actor for the ingest benchmark: the wire protocol through `protocol.client`, no model.
 
 It runs in its own spawned process and sends pre-built, valid completions, so
 what the benchmark measures is the learner's side of the rollout path.
@@ -9,9 +9,12 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from grpo_fleet.protocol.client import Client
 
 GROUPS_PER_LEASE = 4
 REQUEST_TIMEOUT_S = 15.0
@@ -44,39 +47,28 @@ def _prebuilt_groups(vocab: int, group_size: int, length: int, seed: int, varian
     ]
 
 
-def _dealer(ctx: Any, job: dict) -> Any:
-    import zmq
+def connect(job: dict, ctx: Any = None) -> "Client":
+    """A client of the learner at job["endpoint"] as job["identity"], with CURVE when job["curve"] names key files."""
+    from grpo_fleet.protocol.auth import client_curve
+    from grpo_fleet.protocol.client import Client
 
-    from grpo_fleet.protocol.auth import load_keypair, make_client
-
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, job["identity"].encode())
-    if job["curve"] is not None:
-        secret, learner_public = job["curve"]
-        make_client(sock, load_keypair(secret), load_keypair(learner_public).public)
-    sock.connect(job["endpoint"])
-    return sock
+    curve = client_curve(*job["curve"]) if job["curve"] is not None else None
+    return Client(job["endpoint"], identity=job["identity"], curve=curve, ctx=ctx)
 
 
-def _request(sock: Any, payload: bytes, timeout: float) -> tuple[object, float]:
+def timed_request(client: "Client", payload: bytes, timeout: float) -> tuple[Any, float]:
     """Send one encoded message, wait for the reply; returns (reply, seconds)."""
-    from grpo_fleet.protocol.codec import decode
-
     sent = time.perf_counter()
-    sock.send(payload)
-    if not sock.poll(int(timeout * 1000)):
-        raise TimeoutError(f"no reply within {timeout} s")
-    reply = decode(sock.recv(copy=False).buffer)
+    reply = client.request_encoded(payload, timeout)
     return reply, time.perf_counter() - sent
 
 
-def _round(sock: Any, groups: list[list], job: dict, out: dict, timeout: float) -> None:
+def _round(client: "Client", groups: list[list], job: dict, out: dict, timeout: float) -> None:
     """One LeaseRequest -> Lease -> Rollouts -> Ack cycle; counts it when the Ack lands in the window."""
     from grpo_fleet.protocol import messages as m
     from grpo_fleet.protocol.codec import encode
 
-    lease, lease_s = _request(sock, encode(m.LeaseRequest(max_groups=job.get("max_groups", GROUPS_PER_LEASE))), timeout)
+    lease, lease_s = timed_request(client, encode(m.LeaseRequest(max_groups=job.get("max_groups", GROUPS_PER_LEASE))), timeout)
     if not isinstance(lease, m.Lease) or not lease.prompts:
         out["empty_leases"] += 1
         time.sleep(getattr(lease, "retry_after", 0.1))
@@ -86,7 +78,7 @@ def _round(sock: Any, groups: list[list], job: dict, out: dict, timeout: float) 
     results = [m.GroupResult(group_id=p.group_id, completions=groups[i % len(groups)]) for i, p in enumerate(lease.prompts)]
     payload = encode(m.Rollouts(lease_id=lease.lease_id, policy_version=lease.policy_version,
                                 incarnation=job["incarnation"], groups=results))
-    ack, seconds = _request(sock, payload, timeout)
+    ack, seconds = timed_request(client, payload, timeout)
     if not job["start"] <= time.time() <= job["end"]:
         return  # warm-up, or past the window: not measured
     accepted = isinstance(ack, m.Ack) and ack.status == "accepted" and set(ack.groups.values()) == {"accepted"}
@@ -103,30 +95,26 @@ def _round(sock: Any, groups: list[list], job: dict, out: dict, timeout: float) 
 
 def session(job: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
     """One simulated actor: Hello, then rounds until the window closes."""
-    import zmq
-
     from grpo_fleet.protocol import messages as m
     from grpo_fleet.protocol.codec import encode
 
     out: dict = {"tokens": 0, "groups": 0, "latencies_ms": [], "lease_ms": [], "lease_sizes": [], "rejected": 0,
                  "stale_groups": 0, "empty_leases": 0, "errors": [], "identity": job["identity"]}
-    ctx = zmq.Context()
-    sock = _dealer(ctx, job)
+    client = connect(job)
     try:
         hello = m.Hello(actor_id=job["identity"], host="bench", backend="simulated", versions={})
-        welcome, _ = _request(sock, encode(hello), timeout)
+        welcome, _ = timed_request(client, encode(hello), timeout)
         if not isinstance(welcome, m.Welcome):
             raise RuntimeError(f"expected Welcome, got {welcome!r}"[:300])
         gen = welcome.generation
         job = {**job, "incarnation": welcome.incarnation}
         groups = _prebuilt_groups(welcome.vocab_size, gen.group_size, gen.max_tokens, seed=zlib.crc32(job["identity"].encode()))
         while time.time() < job["end"]:
-            _round(sock, groups, job, out, timeout)
+            _round(client, groups, job, out, timeout)
     except Exception as exc:  # reported to the parent, which fails the phase loudly
         out["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
     finally:
-        sock.close(linger=0)
-        ctx.term()
+        client.close()
     return out
 
 

@@ -24,7 +24,12 @@ from grpo_fleet.bench import Figure, Report
 from grpo_fleet.bench.models import model_50m, tiny_model
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
 from grpo_fleet.learner.batch import (
-    AcceptedGroup, CompletionRecord, TrainBatch, batch_totals, build_train_batch, split_batch,
+    AcceptedGroup,
+    CompletionRecord,
+    TrainBatch,
+    batch_totals,
+    build_train_batch,
+    split_batch,
 )
 from grpo_fleet.learner.grpo import grpo_loss
 from grpo_fleet.learner.trainer import Trainer, default_loss, policy_logprobs

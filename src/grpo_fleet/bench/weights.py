@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,25 +19,24 @@ from pathlib import Path
 from grpo_fleet.bench import Figure, Report
 from grpo_fleet.bench.models import model_50m
 from grpo_fleet.blas import child_env
+from grpo_fleet.protocol.endpoints import loopback_endpoint
 
 CTX = mp.get_context("spawn")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# The learner's message cap and the raw baseline's, above the 50M model's full weights in fp32.
+MAX_WEIGHTS_BYTES = 1 << 30
+RAW_REQUEST_BYTES = 1 << 10  # the baseline's requests are the three bytes b"get"
+TRANSFER_TIMEOUT_S = 600
 
 
 def _start_learner(model_dir: Path, root: Path, lora: bool) -> tuple[subprocess.Popen, str]:
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = loopback_endpoint()
     config = {
         "run_dir": str(root / ("run-lora" if lora else "run-full")),
         "model": {"path": str(model_dir)},
         "lora": {"enabled": lora, "rank": 8},
         "grpo": {"beta": 0.0},
         "task": {"num_train": 100, "num_eval": 8},
-        "server": {"bind": bind, "pub_bind": f"tcp://127.0.0.1:{_free_port()}", "max_message_bytes": 1 << 30},
+        "server": {"bind": bind, "pub_bind": loopback_endpoint(), "max_message_bytes": MAX_WEIGHTS_BYTES},
         "metrics": {"port": 0},
     }
     path = root / ("lora.json" if lora else "full.json")
@@ -64,34 +62,32 @@ def _fleet_actor(endpoint: str, index: int, go, results) -> None:
 
 
 def _raw_server(endpoint_queue, size: int, stop) -> None:
-    """Baseline: a ROUTER that answers each request with the same bytes, zero-copy."""
-    import zmq
+    """Baseline: a ROUTER that answers each request with the same bytes, zero-copy, nothing decoded."""
+    from grpo_fleet.protocol.sockets import bound_endpoint, make_context, recv_frames, router_socket, send_frames
 
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    ctx = make_context()
+    router = router_socket(ctx, "tcp://127.0.0.1:0", max_message_bytes=RAW_REQUEST_BYTES)
     blob = bytes(size)
-    endpoint_queue.put(f"tcp://127.0.0.1:{port}")
+    endpoint_queue.put(bound_endpoint(router))
     while not stop.is_set():
-        if router.poll(100):
-            identity, _ = router.recv_multipart()
-            router.send_multipart([identity, blob], copy=False)
-    router.close(0)
+        frames = recv_frames(router, timeout_s=0.1)
+        if frames is not None:
+            send_frames(router, [frames[0], blob])
+    router.close(linger=0)
     ctx.term()
 
 
 def _raw_actor(endpoint: str, index: int, go, results) -> None:
-    import zmq
+    from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_frames, send_frames
 
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(endpoint)
+    ctx = make_context()
+    dealer = dealer_socket(ctx, endpoint, identity=None, max_message_bytes=MAX_WEIGHTS_BYTES)
     results.put(("ready", index, 0.0, 0))
     go.wait()
-    dealer.send(b"get")
-    frame = dealer.recv(copy=False)
-    results.put(("done", index, time.time(), len(frame.buffer)))
-    dealer.close(0)
+    send_frames(dealer, [b"get"])
+    frames = recv_frames(dealer, timeout_s=TRANSFER_TIMEOUT_S)
+    results.put(("done", index, time.time(), len(frames[0]) if frames else 0))
+    dealer.close(linger=0)
     ctx.term()
 
 
@@ -106,7 +102,7 @@ def _distribute(target, endpoint: str, actors: int) -> tuple[float, int]:
             results.get(timeout=300)
         started = time.time()
         go.set()
-        finished = [results.get(timeout=600) for _ in range(actors)]
+        finished = [results.get(timeout=TRANSFER_TIMEOUT_S) for _ in range(actors)]
         return max(t for _, _, t, _ in finished) - started, finished[0][3]
     finally:
         for proc in procs:

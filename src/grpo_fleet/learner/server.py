@@ -11,7 +11,6 @@ import socket
 import threading
 import time
 from typing import Optional
-from urllib.parse import urlparse
 
 from pathlib import Path
 
@@ -23,7 +22,8 @@ from grpo_fleet.learner.bans import peer_key
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.metrics import serve_metrics
 from grpo_fleet.protocol import messages as m
-from grpo_fleet.protocol.auth import KeyRing, is_loopback_endpoint, load_keypair, start_authenticator
+from grpo_fleet.protocol.auth import KeyRing, load_keypair, start_authenticator
+from grpo_fleet.protocol.endpoints import advertised, is_loopback_endpoint, is_wildcard_host, pub_endpoint_for
 from grpo_fleet.protocol.codec import Limits, ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.sockets import (
@@ -93,20 +93,6 @@ def check_bind_security(cfg: RunConfig) -> None:
     log.warning("!!! INSECURE: learner listening on %s without CURVE; any peer can join !!!", ", ".join(exposed))
 
 
-def pub_endpoint_for(bind: str) -> str:
-    """Default PUB address: the ROUTER's host with the next port (or a random port)."""
-    parsed = urlparse(bind)
-    port = parsed.port or 0
-    return f"tcp://{parsed.hostname}:{port + 1 if port else 0}"
-
-
-def advertised(endpoint: str, advertise_host: Optional[str]) -> str:
-    """The PUB endpoint as actors should dial it (a wildcard bind is replaced by the advertised host)."""
-    parsed = urlparse(endpoint)
-    host = advertise_host or parsed.hostname
-    return f"tcp://{host}:{parsed.port}"
-
-
 class LearnerServer:
     """Owns the sockets; pumps messages into `Learner` and trains when a batch is ready."""
 
@@ -149,7 +135,7 @@ class LearnerServer:
                              sd_targets=lambda: self.learner.sd_snapshot)
         if port:
             host = cfg.metrics.host
-            if host in ("0.0.0.0", "", "::"):
+            if is_wildcard_host(host):
                 host = cfg.server.advertise_host or socket.gethostname()
             self.metrics_target = f"{host}:{port}"
             log.info("metrics on http://%s/metrics, service discovery on http://%s/sd", self.metrics_target, self.metrics_target)

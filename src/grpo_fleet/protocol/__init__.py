@@ -1,4 +1,4 @@
-"""Wire protocol between the learner and its actors: messages, codec, sockets."""
+"""Wire protocol between the learner and its actors: messages, codec, sockets, endpoints, the request/reply client."""
 
 from grpo_fleet.protocol.codec import (
     DEFAULT_LIMITS,
@@ -12,6 +12,7 @@ from grpo_fleet.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
+    ActorStatus,
     Completion,
     ErrorReply,
     GenerationParams,
@@ -30,11 +31,10 @@ from grpo_fleet.protocol.messages import (
     Shutdown,
     Status,
     StatusRequest,
-    ActorStatus,
     Tensor,
     WeightsChunk,
-    blob_digest,
     Welcome,
+    blob_digest,
     validate_rollouts,
 )
 

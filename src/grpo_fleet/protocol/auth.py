@@ -14,7 +14,6 @@ it claims. The allow-list can be reloaded while the learner runs.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import shutil
@@ -22,7 +21,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
-from urllib.parse import urlparse
 
 import zmq
 import zmq.auth
@@ -88,6 +86,18 @@ def load_keypair(path: str | Path) -> Keypair:
     """Read a .key (public only) or .key_secret (both halves) file."""
     public, secret = zmq.auth.load_certificate(str(path))
     return Keypair(public=public, secret=secret)
+
+
+def client_curve(key_file: Optional[str | Path], learner_key_file: Optional[str | Path]) -> Optional[tuple[Keypair, bytes]]:
+    """(own keypair, learner public key) for a CURVE client, or None when neither file is given."""
+    if not key_file and not learner_key_file:
+        return None
+    if not (key_file and learner_key_file):
+        raise ValueError("CURVE needs both --key (this actor's secret key) and --learner-key (learner.key)")
+    keypair = load_keypair(key_file)
+    if keypair.secret is None:
+        raise ValueError(f"{key_file} holds no secret key; pass the NAME.key_secret file")
+    return keypair, load_keypair(learner_key_file).public
 
 
 class KeyRing:
@@ -165,16 +175,3 @@ def make_client(sock: zmq.Socket, keypair: Keypair, server_public: bytes) -> Non
     sock.curve_publickey = keypair.public
     sock.curve_serverkey = server_public
 
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """True for tcp://127.x / localhost / [::1] and for ipc/inproc endpoints."""
-    parsed = urlparse(endpoint)
-    if parsed.scheme in ("ipc", "inproc"):
-        return True
-    host = (parsed.hostname or "").strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a wildcard (*) or an interface name reaches the network

@@ -12,7 +12,6 @@ learner can report a precise reason and count it.
 
 from __future__ import annotations
 
-import blake3
 import math
 from typing import Annotated, Literal, Optional, Union
 
@@ -20,12 +19,14 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
+from grpo_fleet.digest import blob_digest as blob_digest  # re-exported: part of the wire vocabulary
+
 PROTOCOL_VERSION = 1
 
 TensorDType = Literal["int32", "uint32", "float32", "float16", "bfloat16"]
 
 # Little-endian is fixed on the wire so hosts of either byte order agree.
-_NUMPY_DTYPES: dict[str, np.dtype] = {
+_NUMPY_DTYPES: dict[TensorDType, np.dtype] = {
     "int32": np.dtype("<i4"),
     "uint32": np.dtype("<u4"),
     "float32": np.dtype("<f4"),
@@ -210,11 +211,6 @@ class WeightsChunk(_Strict):
     offset: ByteCount
     length: ByteCount
     format: Literal["safetensors"] = "safetensors"
-
-
-def blob_digest(data: bytes | bytearray) -> str:
-    """BLAKE3-256 hex digest of a weight blob (fast enough to check hundreds of MB per sync)."""
-    return blake3.blake3(data).hexdigest()
 
 
 class LeaseRequest(_Strict):

@@ -1,23 +1,26 @@
 """ZeroMQ socket setup and framed send/receive of protocol messages.
 
-Apart from the learner and actor event loops, this is the only module that
-touches zmq. Every socket has linger=0 so a shutdown never hangs on undelivered
-messages, and MAXMSGSIZE where peers are untrusted so libzmq drops an
-oversized frame before it is ever buffered in Python.
+With auth.py (CURVE) this is where protocol/ touches zmq; outside protocol/
+only the learner and actor event loops do (tests/unit/test_layering.py).
+Every socket has linger=0 so a shutdown never hangs on undelivered messages,
+and MAXMSGSIZE where peers are untrusted so libzmq drops an oversized frame
+before it is ever buffered in Python.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import zmq
 from pydantic import BaseModel
+from zmq.utils.monitor import recv_monitor_message
 
 if TYPE_CHECKING:
     from grpo_fleet.protocol.auth import Keypair
 
 from grpo_fleet.protocol.codec import DEFAULT_LIMITS, Limits, ProtocolError, decode, encode
+from grpo_fleet.protocol.messages import WeightsChunk
 
 # Below this size copying is cheaper than zmq's zero-copy bookkeeping.
 _ZERO_COPY_THRESHOLD = 64 * 1024
@@ -30,7 +33,7 @@ def make_context() -> zmq.Context:
 
 def bound_endpoint(sock: zmq.Socket) -> str:
     """The endpoint actually bound, e.g. the real port after binding to ':0'."""
-    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def router_socket(
@@ -134,7 +137,7 @@ def send_message(
         raise ValueError("identity is only meaningful on a ROUTER socket")
     if raw is not None:
         sock.send_multipart(frames, flags=zmq.SNDMORE, copy=len(payload) < _ZERO_COPY_THRESHOLD)
-        sock.send(raw, copy=len(raw) < _ZERO_COPY_THRESHOLD)
+        sock.send(raw, 0, copy=len(raw) < _ZERO_COPY_THRESHOLD)
     else:
         sock.send_multipart(frames, copy=len(payload) < _ZERO_COPY_THRESHOLD)
 
@@ -162,21 +165,9 @@ def recv_with_raw(
     msg = decode(frames[0].buffer, limits)
     if len(frames) == 1:
         return msg, None
-    if type(msg).__name__ != "WeightsChunk" or len(frames[1].buffer) != msg.length:
+    if not isinstance(msg, WeightsChunk) or len(frames[1].buffer) != msg.length:
         raise ProtocolError("malformed", "a raw frame may only follow a WeightsChunk of that length")
     return msg, frames[1].buffer
-
-
-def recv_routed(
-    sock: zmq.Socket, limits: Limits = DEFAULT_LIMITS
-) -> tuple[bytes, Union[BaseModel, ProtocolError]]:
-    """Receive one [identity, payload] message on the ROUTER.
-
-    Blocks: call it after a poll says the socket is readable. Decode failures are
-    returned, not raised, so the caller can reply to that identity and count the reason.
-    """
-    routed = recv_routed_from(sock, limits)
-    return routed.identity, routed.message
 
 
 @dataclass(frozen=True)
@@ -190,7 +181,12 @@ class Routed:
 
 
 def recv_routed_from(sock: zmq.Socket, limits: Limits = DEFAULT_LIMITS) -> Routed:
-    """Like `recv_routed`, plus the authenticated principal and peer address from libzmq's metadata."""
+    """Receive one [identity, payload] message on the ROUTER, with the sender's principal and address.
+
+    Blocks: call it after a poll says the socket is readable. Decode failures are
+    returned, not raised, so the caller can reply to that identity and count the reason.
+    The principal and address come from libzmq's metadata on the last frame.
+    """
     frames = sock.recv_multipart(copy=False)
     identity = frames[0].bytes
     principal, address = _metadata(frames[-1])
@@ -213,4 +209,48 @@ def _metadata(frame: zmq.Frame) -> tuple[Optional[str], str]:
     except (zmq.ZMQError, KeyError):
         address = "?"
     # Without CURVE, ZAP is not involved and there is no authenticated user.
-    return (user_id or None), address
+    return (str(user_id) if user_id else None), str(address)
+
+
+# ---------------------------------------------------------------- raw frames, for benchmarks and hostile peers
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[Union[bytes, memoryview]]) -> None:
+    """Send frames exactly as given, not encoded: a pre-built payload, a raw baseline, a hostile message."""
+    size = sum(len(frame) for frame in frames)
+    sock.send_multipart(list(frames), copy=size < _ZERO_COPY_THRESHOLD)
+
+
+def recv_frames(sock: zmq.Socket, *, timeout_s: float) -> Optional[list[memoryview]]:
+    """The raw frames of one message, not decoded; None on timeout."""
+    if not sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+        return None
+    return [frame.buffer for frame in sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)]
+
+
+def wait_readable(socks: Sequence[zmq.Socket], timeout_s: float) -> list[zmq.Socket]:
+    """Those of `socks` with a message waiting, after at most `timeout_s`."""
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    ready = dict(poller.poll(max(0, int(timeout_s * 1000))))
+    return [sock for sock in socks if sock in ready]
+
+
+class DisconnectWatch:
+    """Tells when libzmq drops a socket's connection, e.g. after a frame over the peer's MAXMSGSIZE."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def disconnected(self) -> bool:
+        """True when a disconnect was reported since the last call (never blocks)."""
+        seen = False
+        while self.monitor.poll(0, zmq.POLLIN):
+            seen |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return seen
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)

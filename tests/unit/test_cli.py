@@ -1,0 +1,38 @@
+"""The CLI's actor flags: unset ones take ActorConfig's defaults, and --help shows those."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_fleet.cli import actor_config, build_parser
+from grpo_fleet.config import ActorConfig
+
+
+def _actor(*flags: str) -> ActorConfig:
+    return actor_config(build_parser().parse_args(["actor", "--connect", "tcp://10.0.0.7:5555", *flags]))
+
+
+def test_an_actor_without_flags_is_the_config_models_default():
+    assert _actor() == ActorConfig(connect="tcp://10.0.0.7:5555")
+
+
+def test_one_metrics_flag_keeps_the_actors_other_metrics_default():
+    cfg = _actor("--metrics-host", "0.0.0.0")
+    assert (cfg.metrics.host, cfg.metrics.port) == ("0.0.0.0", ActorConfig().metrics.port)
+
+
+def test_given_flags_reach_the_config():
+    cfg = _actor("--max-groups", "4", "--request-timeout", "3", "--metrics-port", "0", "--model-dir", "a",
+                 "--model-dir", "b", "--actor-id", "mac-1", "--key", "k.key_secret", "--learner-key", "learner.key")
+    assert (cfg.max_groups, cfg.request_timeout, cfg.metrics.port, cfg.model_dirs) == (4, 3.0, 0, ["a", "b"])
+    assert (cfg.actor_id, cfg.key_file, cfg.learner_key_file) == ("mac-1", "k.key_secret", "learner.key")
+
+
+def test_help_shows_the_config_models_defaults(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["actor", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    defaults = ActorConfig()
+    assert f"prompts per lease (default {defaults.max_groups})" in text
+    assert f"(default {defaults.request_timeout})" in text
+    assert f"0 disables (default {defaults.metrics.port})" in text

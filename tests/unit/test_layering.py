@@ -1,0 +1,80 @@
+"""The house's layering rules, read from the source with `ast`: who may import zmq, and who may import whom."""
+
+from __future__ import annotations
+
+import ast
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "grpo_fleet"
+
+# DESIGN.md: networking lives only in protocol/ and the two event loops (the actor's link is part of its loop).
+ZMQ_ALLOWED = ("protocol/*", "learner/server.py", "actor/worker.py", "actor/link.py")
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Every module `source` imports, at any depth (lazy imports inside functions too), made absolute.
+
+    `package` is the dotted package the module lives in, for relative imports. A
+    `from pkg import name` counts as importing `pkg` and `pkg.name` (name may be a module).
+    """
+    parts = package.split(".")
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _imports(names: set[str], prefix: str) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for name in names)
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """'learner/server.py' -> the modules it imports, for every module of grpo_fleet."""
+    table = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        package = ".".join(["grpo_fleet", *relative.parent.parts])
+        table[relative.as_posix()] = imported_modules(path.read_text(), package)
+    return table
+
+
+def _offenders(rooms: str, forbidden: str) -> list[str]:
+    return [name for name, names in _package_imports().items() if fnmatch(name, rooms) and _imports(names, forbidden)]
+
+
+def test_the_walk_sees_lazy_relative_and_from_imports():
+    source = "import os\ndef f():\n    import zmq.auth\nfrom . import codec\nfrom ..learner import core\n"
+    names = imported_modules(source, "grpo_fleet.protocol")
+    assert {"os", "zmq.auth", "grpo_fleet.protocol.codec", "grpo_fleet.learner.core"} <= names
+    assert _imports(names, "zmq") and _imports(names, "grpo_fleet.learner") and not _imports(names, "zmq_extra")
+
+
+def test_the_walk_reads_the_whole_package():
+    table = _package_imports()
+    assert "protocol/sockets.py" in table and _imports(table["protocol/sockets.py"], "zmq")
+
+
+def test_only_protocol_and_the_two_loops_import_zmq():
+    offenders = [
+        name for name, names in _package_imports().items()
+        if _imports(names, "zmq") and not any(fnmatch(name, allowed) for allowed in ZMQ_ALLOWED)
+    ]
+    assert not offenders, f"open sockets through grpo_fleet.protocol instead: {offenders}"
+
+
+def test_the_model_does_not_know_the_wire():
+    assert not _offenders("model.py", "grpo_fleet.protocol")
+
+
+@pytest.mark.xfail(strict=False, reason="learner/setup.py still imports actor.rollout; issue 12 moves that")
+def test_the_learner_does_not_import_the_actor():
+    assert not _offenders("learner/*", "grpo_fleet.actor")

@@ -33,7 +33,9 @@ def completion(content: str) -> str:
 def errors(reward) -> tuple[int, int]:
     """(false negatives, false positives) of a reward over ANSWER_TABLE."""
     scores = [(reward(completion(content), {"answer": gold}), correct) for content, gold, correct in ANSWER_TABLE]
-    return sum(score == 0.0 and correct for score, correct in scores), sum(score == 1.0 and not correct for score, correct in scores)
+    misses = sum(score == 0.0 and correct for score, correct in scores)
+    wrong = sum(score == 1.0 and not correct for score, correct in scores)
+    return misses, wrong
 
 
 @pytest.mark.parametrize(("content", "gold", "correct"), ANSWER_TABLE)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -135,7 +135,7 @@ def generate_groups(
     size = settings.group_size
     batch_size = min(len(prompts) * size, completion_batch_size)
     generator = BatchGenerator(
-        Float32Logits(model, settings.temperature),
+        cast(nn.Module, Float32Logits(model, settings.temperature)),  # duck-typed: calls it, reads its layers
         max_tokens=settings.max_tokens,
         stop_tokens=[[int(t)] for t in settings.stop_token_ids],
         # The temperature is already in the logits; T = 0 stays greedy.
@@ -157,7 +157,9 @@ def generate_groups(
     return [flat[i : i + size] for i in range(0, len(flat), size)]
 
 
-def _insert_groups(generator: Any, prompts: list[list[int]], group_size: int, prefilled: dict[tuple[int, ...], list]) -> list[int]:
+def _insert_groups(
+    generator: Any, prompts: list[list[int]], group_size: int, prefilled: dict[tuple[int, ...], list]
+) -> list[int]:
     """Queue G sequences per prompt, in prompt order; uids come back in the same order.
 
     A prompt whose prompt[:-1] was prefilled starts its G sequences from copies
@@ -256,7 +258,7 @@ def _sampled_logprobs(responses: list) -> list[float]:
         picked = mx.take_along_axis(rows, mx.array(ids, dtype=mx.int32)[:, None], axis=1)[:, 0]
     else:
         picked = mx.stack([response.logprobs[token] for response, token in zip(responses, ids)])
-    return picked.astype(mx.float32).tolist()
+    return cast(list[float], picked.astype(mx.float32).tolist())  # a 1-D array's tolist is a list of floats
 
 
 def completion_text(tokenizer: Any, completion: GeneratedCompletion, eos_ids: set[int]) -> str:

@@ -26,6 +26,7 @@ from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rollout import GeneratedCompletion, completion_text, generate_groups
 from grpo_fleet.actor.weights_sync import FetchedWeights, WeightsSync, fetch_weights
 from grpo_fleet.config import ActorConfig, MetricsConfig
+from grpo_fleet.doctor import mlx_version
 from grpo_fleet.metrics import ActorMetrics, actor_metrics, serve_metrics
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.protocol import messages as m
@@ -123,7 +124,7 @@ class ActorWorker:
         hello = m.Hello(
             # Escaped: the learner takes printable ASCII only, and a hostname may hold anything.
             actor_id=self.actor_id, host=shown(socket.gethostname())[:256], backend=str(mx.default_device()),
-            versions={"mlx": mx.__version__, "python": platform.python_version()}, metrics_port=self.metrics_port,
+            versions={"mlx": mlx_version(), "python": platform.python_version()}, metrics_port=self.metrics_port,
             holding=self.inflight.holding(),
         )
         return self.link.open(hello)

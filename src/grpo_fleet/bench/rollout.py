@@ -81,7 +81,7 @@ def _reverse_task_texts() -> tuple[list[str], list[str]]:
     from grpo_fleet.tasks import build_task
 
     task = build_task(TaskConfig(name="reverse", digits=3, num_train=800, num_eval=128))
-    return tokenizer_corpus(task), [ex.prompt for ex in task.train]
+    return tokenizer_corpus(task), [ex.prompt for ex in task.train if isinstance(ex.prompt, str)]
 
 
 def _tiny_policy(out: Path) -> Policy:

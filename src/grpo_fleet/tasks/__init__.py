@@ -167,9 +167,11 @@ def _dataset_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:
     if not cfg.dataset:
         raise ValueError("task 'dataset' needs task.dataset (a hub id or a local path)")
 
+    dataset = cfg.dataset
+
     def examples(split: str) -> list[Example]:
-        rows = load_split(cfg.dataset, split, config=cfg.dataset_config)
-        source = f"{cfg.dataset} split {split!r}"
+        rows = load_split(dataset, split, config=cfg.dataset_config)
+        source = f"{dataset} split {split!r}"
         prompt_column = prompt_column_of(rows.column_names, cfg.prompt_column, source)
         require_column(rows.column_names, cfg.answer_column, "task.answer_column", source)
         return examples_from_rows(rows, prompt_column=prompt_column, answer_column=cfg.answer_column, source=source)

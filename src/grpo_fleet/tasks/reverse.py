@@ -81,7 +81,7 @@ def make_reverse_splits(
             f"but only {space} {digits}-digit prompts exist; lower num_train/num_eval or raise digits"
         )
     eval_examples = make_reverse_examples(num_eval, digits, seed)
-    eval_prompts = {example.prompt for example in eval_examples}
+    eval_prompts = {example.prompt for example in eval_examples if isinstance(example.prompt, str)}
     train_examples = make_reverse_examples(num_train, digits, seed + 1, exclude=eval_prompts)
     return train_examples, eval_examples
 
@@ -96,5 +96,5 @@ def reverse_tokenizer_corpus(digits: int = 3, size: int = 512, seed: int = 0) ->
     for _ in range(size):
         number_text = "".join(rng.choice("0123456789") for _ in range(digits))
         example = reverse_example(number_text)
-        lines.append(example.prompt + example.answer)
+        lines.append(f"{example.prompt}{example.answer}")
     return lines

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from grpo_fleet.actor.worker import ActorWorker, serve_actor_metrics
 from grpo_fleet.blas import child_env
+from grpo_fleet.config import ActorConfig, MetricsConfig
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -127,3 +129,22 @@ def test_real_prometheus_discovers_and_scrapes_the_fleet(run_config, spawn, free
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
+
+
+def test_actor_metrics_fall_back_to_a_free_port_when_taken():
+    import socket
+    import urllib.request
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    worker = ActorWorker(ActorConfig(metrics=MetricsConfig(host="127.0.0.1", port=port)))
+    try:
+        actual = serve_actor_metrics(worker.metrics, worker.cfg.metrics)
+        assert actual and actual != port
+        with urllib.request.urlopen(f"http://127.0.0.1:{actual}/metrics", timeout=5) as response:
+            assert b"grpo_fleet_actor_tokens_generated_total" in response.read()
+    finally:
+        taken.close()
+        worker.link.shut()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from grpo_fleet.actor.admission import ActorRefused
-from grpo_fleet.actor.worker import ActorWorker, serve_actor_metrics
+from grpo_fleet.actor.worker import ActorWorker
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.protocol.auth import KeyRing, add_actor, init_keys, load_keypair, revoke_actor
 
@@ -79,20 +79,3 @@ def test_package_never_unpickles_or_evaluates_received_data():
     assert len(list(PACKAGE.rglob("*.py"))) > 20, "the scan must actually see the package"
 
 
-def test_actor_metrics_fall_back_to_a_free_port_when_taken(free_port):
-    import socket
-    import urllib.request
-
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    port = taken.getsockname()[1]
-    worker = ActorWorker(ActorConfig(metrics=MetricsConfig(host="127.0.0.1", port=port)))
-    try:
-        actual = serve_actor_metrics(worker.metrics, worker.cfg.metrics)
-        assert actual and actual != port
-        with urllib.request.urlopen(f"http://127.0.0.1:{actual}/metrics", timeout=5) as response:
-            assert b"grpo_fleet_actor_tokens_generated_total" in response.read()
-    finally:
-        taken.close()
-        worker.link.shut()

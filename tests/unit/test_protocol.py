@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable, Iterator
+from typing import Callable
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
@@ -46,17 +45,7 @@ from grpo_fleet.protocol import (
     encode,
     validate_rollouts,
 )
-from grpo_fleet.protocol.sockets import (
-    bound_endpoint,
-    dealer_socket,
-    make_context,
-    pub_socket,
-    recv_message,
-    recv_routed_from,
-    router_socket,
-    send_message,
-    sub_socket,
-)
+from wire_samples import bulky
 
 DIGEST = hashlib.sha256(b"weights").hexdigest()
 VOCAB = 100
@@ -151,13 +140,6 @@ def test_round_trip_every_message_type(msg: BaseModel) -> None:
 
 def test_samples_cover_every_message_type() -> None:
     assert {type(m).__name__ for m in sample_messages()} == set(MESSAGE_TYPES)
-
-
-def bulky(n_bytes: int) -> Lease:
-    """A message carrying `n_bytes` of tensor data (n_bytes a multiple of 4)."""
-    tensor = Tensor.from_raw("int32", [n_bytes // 4], bytes(range(256)) * (n_bytes // 256) + b"\x00" * (n_bytes % 256))
-    prompt = PromptItem(group_id="g", prompt_index=0, prompt_tokens=tensor, fields={})
-    return Lease(lease_id="L", deadline_seconds=1.0, policy_version=0, prompts=[prompt])
 
 
 def test_bytes_travel_as_raw_bin() -> None:
@@ -460,154 +442,6 @@ def test_decode_mutated_message_only_raises_protocol_error(edits: list[tuple[int
         decode(bytes(data))
     except ProtocolError:
         pass
-
-
-# ---------------------------------------------------------------- sockets
-
-TIMEOUT_S = 3.0
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = make_context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def sockets() -> Iterator[list[zmq.Socket]]:
-    """Collects sockets a test creates and closes them with linger=0, even on failure."""
-    opened: list[zmq.Socket] = []
-    yield opened
-    for sock in opened:
-        sock.close(linger=0)
-
-
-@pytest.fixture
-def router(ctx: zmq.Context, sockets: list[zmq.Socket]) -> zmq.Socket:
-    sock = router_socket(ctx, "tcp://127.0.0.1:0", max_message_bytes=1 << 20)
-    sockets.append(sock)
-    return sock
-
-
-@pytest.fixture
-def connect_dealer(ctx: zmq.Context, sockets: list[zmq.Socket], router: zmq.Socket) -> Callable[[bytes], zmq.Socket]:
-    def make(identity: bytes) -> zmq.Socket:
-        sock = dealer_socket(ctx, bound_endpoint(router), identity=identity, max_message_bytes=1 << 20)
-        sockets.append(sock)
-        return sock
-
-    return make
-
-
-def routed(router: zmq.Socket) -> tuple[bytes, BaseModel | ProtocolError]:
-    assert router.poll(int(TIMEOUT_S * 1000), zmq.POLLIN), "router received nothing"
-    got = recv_routed_from(router)
-    return got.identity, got.message
-
-
-def test_router_binds_random_port(router: zmq.Socket) -> None:
-    endpoint = bound_endpoint(router)
-    assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
-
-
-def test_dealer_router_exchange(router: zmq.Socket, connect_dealer: Callable[[bytes], zmq.Socket]) -> None:
-    a, b = connect_dealer(b"actor-a"), connect_dealer(b"actor-b")
-    send_message(a, LeaseRequest(max_groups=2))
-    send_message(b, valid_rollouts())
-    got = dict(routed(router) for _ in range(2))
-    assert got == {b"actor-a": LeaseRequest(max_groups=2), b"actor-b": valid_rollouts()}
-
-    send_message(router, Ack(status="accepted"), identity=b"actor-b")
-    big = bulky(200_000)  # above the zero-copy threshold
-    send_message(router, big, identity=b"actor-a")
-    assert recv_message(b, timeout_s=TIMEOUT_S) == Ack(status="accepted")
-    assert recv_message(a, timeout_s=TIMEOUT_S) == big
-    assert recv_message(a, timeout_s=0.05) is None
-
-
-def test_router_answers_garbage_with_error_reply(
-    router: zmq.Socket, connect_dealer: Callable[[bytes], zmq.Socket]
-) -> None:
-    dealer = connect_dealer(b"bad-actor")
-    dealer.send(b"\xc1not msgpack")
-    identity, result = routed(router)
-    assert identity == b"bad-actor"
-    assert isinstance(result, ProtocolError) and result.reason == "malformed"
-    send_message(router, ErrorReply(reason=result.reason, detail=str(result)), identity=identity)
-    reply = recv_message(dealer, timeout_s=TIMEOUT_S)
-    assert isinstance(reply, ErrorReply) and reply.reason == "malformed"
-
-
-def test_three_frames_to_router_is_bad_frames(
-    router: zmq.Socket, connect_dealer: Callable[[bytes], zmq.Socket]
-) -> None:
-    dealer = connect_dealer(b"framer")
-    dealer.send_multipart([encode(Heartbeat()), b"x", b"y"])
-    identity, result = routed(router)
-    assert identity == b"framer"
-    assert isinstance(result, ProtocolError) and result.reason == "bad_frames"
-
-
-def test_multi_frame_reply_to_dealer_is_malformed(
-    router: zmq.Socket, connect_dealer: Callable[[bytes], zmq.Socket]
-) -> None:
-    dealer = connect_dealer(b"d")
-    send_message(dealer, Heartbeat())
-    routed(router)
-    router.send_multipart([b"d", encode(Heartbeat()), b"extra"])
-    with pytest.raises(ProtocolError) as info:
-        recv_message(dealer, timeout_s=TIMEOUT_S)
-    assert info.value.reason == "malformed"
-
-
-def test_router_handover_to_reconnected_identity(
-    router: zmq.Socket, connect_dealer: Callable[[bytes], zmq.Socket]
-) -> None:
-    old = connect_dealer(b"same")
-    send_message(old, Heartbeat(actor_id="old"))
-    assert routed(router)[1] == Heartbeat(actor_id="old")
-    new = connect_dealer(b"same")
-    send_message(new, Heartbeat(actor_id="new"))
-    assert routed(router)[1] == Heartbeat(actor_id="new")
-    send_message(router, Shutdown(reason="x"), identity=b"same")
-    assert recv_message(new, timeout_s=TIMEOUT_S) == Shutdown(reason="x")
-    assert recv_message(old, timeout_s=0.05) is None
-
-
-def test_router_drops_oversized_frames(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
-    small = router_socket(ctx, "tcp://127.0.0.1:0", max_message_bytes=2048)
-    sockets.append(small)
-    dealer = dealer_socket(ctx, bound_endpoint(small), identity=b"big", max_message_bytes=1 << 20)
-    sockets.append(dealer)
-    send_message(dealer, bulky(10_000))
-    assert not small.poll(300, zmq.POLLIN)
-
-
-def test_send_message_checks_identity_use(
-    router: zmq.Socket, connect_dealer: Callable[[bytes], zmq.Socket]
-) -> None:
-    with pytest.raises(ValueError):
-        send_message(router, Heartbeat())
-    with pytest.raises(ValueError):
-        send_message(connect_dealer(b"x"), Heartbeat(), identity=b"x")
-    with pytest.raises(ValueError):
-        connect_dealer(b"\x00reserved")
-
-
-def test_pub_sub_notice(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
-    pub = pub_socket(ctx, "tcp://127.0.0.1:0")
-    sockets.append(pub)
-    sub = sub_socket(ctx, bound_endpoint(pub))
-    sockets.append(sub)
-    notice = PolicyUpdated(version=5, digest=DIGEST)
-    # PUB drops messages until the subscription has propagated (slow joiner): resend until seen.
-    for _ in range(60):
-        send_message(pub, notice)
-        got = recv_message(sub, timeout_s=0.05)
-        if got is not None:
-            break
-    assert got == notice
 
 
 def test_status_table_shows_each_actors_measured_groups_per_second():

@@ -1,0 +1,42 @@
+"""Unit tests are pure: no sockets, no processes. This fixture makes that a rule rather than a habit."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+import zmq
+
+
+def _refuse(what: str) -> Any:
+    def refused(*_args: Any, **_kwargs: Any) -> NoReturn:
+        raise AssertionError(f"a unit test tried to {what}; tests that need it belong in tests/integration/")
+
+    return refused
+
+
+@pytest.fixture(autouse=True)
+def no_sockets_or_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bind/connect, not socket creation: mlx-lm and asyncio make socketpairs that never leave the process.
+    monkeypatch.setattr(socket.socket, "bind", _refuse("bind a socket"))
+    monkeypatch.setattr(socket.socket, "connect", _refuse("connect a socket"))
+    monkeypatch.setattr(zmq.Socket, "bind", _refuse("bind a ZeroMQ socket"))
+    monkeypatch.setattr(zmq.Socket, "connect", _refuse("connect a ZeroMQ socket"))
+    monkeypatch.setattr(subprocess.Popen, "__init__", _probes_only(subprocess.Popen.__init__))
+
+
+# Read-only system probes the standard library and the doctor run (platform.processor() runs uname).
+PROBES = {"uname", "ldconfig", "sysctl", "nproc"}
+
+
+def _probes_only(start: Any) -> Any:
+    def guarded(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        program = args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]
+        if Path(str(program)).name not in PROBES:
+            _refuse(f"start a process ({program})")()
+        start(self, args, *rest, **kwargs)
+
+    return guarded

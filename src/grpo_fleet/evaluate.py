@@ -7,9 +7,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from grpo_fleet.actor.rollout import SamplingSettings, completion_text, encode_prompt, generate_groups
+from grpo_fleet.actor.rollout import SamplingSettings, completion_text, generate_groups
 from grpo_fleet.config import RunConfig
 from grpo_fleet.tasks import Task
+from grpo_fleet.tasks.prompts import encode_prompt
 
 
 def evaluate(model: nn.Module, tokenizer: Any, task: Task, cfg: RunConfig, *, batch_size: int = 64) -> float:

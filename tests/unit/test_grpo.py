@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from grpo_reference import (
     ref_group_advantages,
-    ref_group_is_informative,
     ref_grpo_loss,
     ref_kl_k3,
     ref_token_logprobs,
@@ -22,7 +21,6 @@ from hypothesis import strategies as st
 
 from grpo_fleet.learner.grpo import (
     group_advantages,
-    group_is_informative,
     grpo_loss,
     kl_k3,
     masked_mean,
@@ -159,33 +157,11 @@ def test_group_functions_reject_bad_group_size(n: int, group_size: int) -> None:
     rewards = mx.zeros((n,))
     with pytest.raises(ValueError):
         group_advantages(rewards, group_size)
-    with pytest.raises(ValueError):
-        group_is_informative(rewards, group_size)
 
 
 def test_group_advantages_rejects_2d_rewards() -> None:
     with pytest.raises(ValueError):
         group_advantages(mx.zeros((2, 4)), 4)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_group_is_informative_matches_reference(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    group_size = int(rng.integers(1, 6))
-    rewards = rng.integers(0, 2, size=8 * group_size).astype(np.float32)
-    rewards[:group_size] = 1.0
-    got = group_is_informative(mx.array(rewards), group_size)
-    assert got.dtype == mx.bool_
-    assert got.shape == (8,)
-    np.testing.assert_array_equal(np.array(got), ref_group_is_informative(rewards, group_size))
-    assert not bool(got[0].item())
-
-
-def test_group_is_informative_consistent_with_advantages(rng: np.random.Generator) -> None:
-    rewards = mx.array(rng.integers(0, 3, size=40).astype(np.float32))
-    informative = np.array(group_is_informative(rewards, 4))
-    adv = _np(group_advantages(rewards, 4)).reshape(10, 4)
-    np.testing.assert_array_equal(np.any(adv != 0.0, axis=1), informative)
 
 
 # ----------------------------------------------------- token log-probs, k3

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import mlx_lm
 import pytest
 
-from grpo_fleet.actor.rollout import encode_prompt
+from grpo_fleet.tasks.prompts import encode_prompt
 from grpo_fleet.config import LoraConfig, RunConfig
 from grpo_fleet.learner.setup import resolve_model_path
 from grpo_fleet.model import (

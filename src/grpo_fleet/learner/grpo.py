@@ -65,16 +65,6 @@ def group_advantages(
     return mx.where(flat, mx.zeros_like(centered), centered).reshape(-1)
 
 
-def group_is_informative(rewards: mx.array, group_size: int) -> mx.array:
-    """Bool `[N / group_size]`: True where a group's rewards are not all equal.
-
-    Zero-variance groups have all-zero advantages and so contribute no policy
-    gradient; dynamic sampling drops them.
-    """
-    g = _grouped(rewards, group_size)
-    return mx.max(g, axis=1) != mx.min(g, axis=1)
-
-
 def token_logprobs(logits: mx.array, targets: mx.array) -> mx.array:
     """Log-probability of each target token, `[B, T]`, from aligned `[B, T, V]` logits.
 

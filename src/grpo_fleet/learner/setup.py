@@ -9,7 +9,6 @@ from typing import Optional
 
 import numpy as np
 
-from grpo_fleet.actor.rollout import encode_prompt
 from grpo_fleet.config import RunConfig, load_run_config
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
@@ -18,6 +17,7 @@ from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_policy, model_digest
 from grpo_fleet.realshape import build_realshape, is_realshape
 from grpo_fleet.tasks import Task, build_task
+from grpo_fleet.tasks.prompts import encode_prompt
 
 log = logging.getLogger("grpo_fleet.learner")
 

@@ -1,6 +1,7 @@
 """The learner's event loop: a ROUTER for requests, a PUB for notices.
 
-All socket work for the learner happens here; decisions are made by `Learner`.
+All socket work for the learner happens here; decisions are made by `Learner`,
+which answers each message with a typed `Reply` this loop sends as it is.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from urllib.parse import urlparse
 from pathlib import Path
 
 import zmq
+from pydantic import BaseModel
 from zmq.utils.monitor import recv_monitor_message
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.bans import peer_key
 from grpo_fleet.learner.core import Learner
+from grpo_fleet.learner.replies import Reply
 from grpo_fleet.metrics import serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import KeyRing, is_loopback_endpoint, load_keypair, start_authenticator
@@ -127,7 +130,7 @@ class LearnerServer:
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
         self.training_error: Optional[BaseException] = None
-        self._announced_version = learner.version
+        self._announced_version = learner.state.version
         self.closing = False
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
@@ -146,7 +149,7 @@ class LearnerServer:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
         cfg = self.learner.cfg
         port = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
-                             sd_targets=lambda: self.learner.sd_snapshot)
+                             sd_targets=lambda: self.learner.registry.sd_snapshot)
         if port:
             host = cfg.metrics.host
             if host in ("0.0.0.0", "", "::"):
@@ -186,7 +189,7 @@ class LearnerServer:
             if self.training_error is not None:
                 raise self.training_error
             self._announce_new_version()
-            if self.learner.done:
+            if self.learner.state.done:
                 self._say_goodbye()
             else:
                 # Stopped early (signal): save everything; actors keep retrying and
@@ -199,18 +202,18 @@ class LearnerServer:
 
     def _train_loop(self) -> None:
         try:
-            while not self.stopping and not self.learner.done:
+            while not self.stopping and not self.learner.state.done:
                 if self.learner.wait_for_batch(timeout=0.1):
                     self.learner.train_step()
         except BaseException as exc:  # surfaced by serve() on the main thread
             self.training_error = exc
 
     def _announce_new_version(self) -> None:
-        snapshot = self.learner.snapshot
+        snapshot = self.learner.snapshots.current
         if snapshot.version != self._announced_version:
             self._announced_version = snapshot.version
             self._publish(m.PolicyUpdated(version=snapshot.version, digest=snapshot.digest,
-                                          incarnation=self.learner.incarnation))
+                                          incarnation=self.learner.state.incarnation))
 
     def _pump(self, timeout_ms: int) -> None:
         """Answer every message that is waiting (bounded, so lease expiry and notices still get their turn)."""
@@ -223,14 +226,11 @@ class LearnerServer:
             if not self._admitted(routed.identity, routed.principal):
                 continue
             reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address)
-            if isinstance(reply, tuple):  # a weight chunk: header + raw bytes
-                send_message(self.router, reply[0], identity=routed.identity, raw=reply[1])
-            elif reply is not None:
-                send_message(self.router, reply, identity=routed.identity)
+            send_message(self.router, reply.message, identity=routed.identity, raw=reply.raw)
 
     def _admitted(self, identity: bytes, principal: Optional[str]) -> bool:
         """Drop messages from banned peers and from keys revoked after their handshake."""
-        if self.learner.is_banned(peer_key(identity, principal)):
+        if self.learner.registry.is_banned(peer_key(identity, principal)):
             self.learner.metrics.protocol_errors.labels(reason="banned").inc()
             return False
         if self.keyring is not None and not (principal and self.keyring.allows(principal.encode())):
@@ -240,22 +240,18 @@ class LearnerServer:
         return True
 
     def _answer(
-        self, identity: bytes, msg: object, principal: Optional[str] = None, peer_address: str = ""
-    ) -> Optional[object]:
+        self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None, peer_address: str = ""
+    ) -> Reply:
         if self.closing:
-            if identity in self.learner.actors:  # only registered actors are waited for; keeps the set bounded
+            if identity in self.learner.registry.actors:  # only registered actors are waited for; keeps the set bounded
                 self.told_to_stop.add(identity)
-            return m.Shutdown(reason="done")
-        if isinstance(msg, ProtocolError):
-            self.learner.metrics.protocol_errors.labels(reason=msg.reason).inc()
-            self.learner.record_violation(peer_key(identity, principal), msg.reason)
-            return m.ErrorReply(reason=msg.reason, detail=shown(msg, 400))
+            return Reply(m.Shutdown(reason="done"))
         try:
             return self.learner.handle(identity, msg, principal, peer_address)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling %s", type(msg).__name__)
             self.learner.metrics.protocol_errors.labels(reason="internal").inc()
-            return m.ErrorReply(reason="internal", detail=type(exc).__name__)
+            return Reply(m.ErrorReply(reason="internal", detail=type(exc).__name__))
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -268,11 +264,12 @@ class LearnerServer:
         self.learner.expire_leases()
         self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
         self.learner.refresh_service_discovery(self.metrics_target)
-        self._publish(m.Heartbeat(actor_id="learner", policy_version=self.learner.version, sent_at=time.time(),
-                                  incarnation=self.learner.incarnation))
+        state = self.learner.state
+        self._publish(m.Heartbeat(actor_id="learner", policy_version=state.version, sent_at=time.time(),
+                                  incarnation=state.incarnation))
 
     def _drop_silent_actors(self, cutoff: float) -> None:
-        for identity, info in list(self.learner.actors.items()):
+        for identity, info in list(self.learner.registry.actors.items()):
             if info.last_seen < cutoff:
                 released = self.learner.drop_actor(identity)
                 log.info("actor %s went silent; re-queued %d leases", shown(info.actor_id), released)
@@ -293,12 +290,12 @@ class LearnerServer:
         self.reload_requested = False
         if not changed:
             return
-        for identity, info in list(self.learner.actors.items()):
+        for identity, info in list(self.learner.registry.actors.items()):
             if not self.keyring.allows(info.principal.encode()):
                 released = self.learner.drop_actor(identity)
                 log.warning("actor %s (%s) revoked; re-queued %d leases", shown(info.actor_id), shown(info.principal), released)
 
-    def _publish(self, msg: object) -> None:
+    def _publish(self, msg: BaseModel) -> None:
         send_message(self.pub, msg)
 
     def _say_goodbye(self) -> None:
@@ -309,7 +306,7 @@ class LearnerServer:
         """
         self.closing = True
         deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
-        while time.monotonic() < deadline and set(self.learner.actors) - self.told_to_stop:
+        while time.monotonic() < deadline and set(self.learner.registry.actors) - self.told_to_stop:
             self._publish(m.Shutdown(reason="done"))
             self._pump(timeout_ms=100)
 

@@ -1,10 +1,10 @@
-"""Tests for grpo_fleet.learner.pacing: lease sizing from measured actor speed."""
+"""Tests for grpo_fleet.learner.leasing: lease sizing from measured actor speed, in-flight capacity, retry-after."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo_fleet.learner.pacing import DEADLINE_SHARE, MovingAverage, lease_size, lease_target_seconds
+from grpo_fleet.learner.leasing import DEADLINE_SHARE, MovingAverage, lease_size, lease_target_seconds
 
 
 def test_moving_average_starts_at_the_first_sample_then_follows_new_ones():

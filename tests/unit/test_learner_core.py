@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -792,6 +793,55 @@ def test_rollouts_from_a_version_never_published_are_stale_not_violations(make_l
     assert not learner.registry.is_banned(ACTOR_A.hex()) and learner.registry.bans.violations(ACTOR_A.hex()) == 0
     assert learner.state.scheduler.outstanding_groups == 0, "the groups went back to the queue"
     assert ledger(learner) == []
+
+
+def _in_a_thread(call: Callable[[], object], timeout: float = 10.0) -> object:
+    """`call()` on another thread; fails (instead of hanging) if it cannot finish, e.g. for want of the lock."""
+    results: list[object] = []
+    worker = threading.Thread(target=lambda: results.append(call()), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert results, f"no answer within {timeout}s: the learner's lock is held"
+    return results[0]
+
+
+def test_requests_are_answered_while_a_step_writes_its_checkpoint(make_learner, monkeypatch):
+    """The step's checkpoint copies the state under the lock and writes it outside, so the ROUTER loop never stalls."""
+    from grpo_fleet.learner import persistence
+
+    learner = make_learner(train={"steps": 5, "checkpoint_every": 1})
+    hello(learner)
+    fill_buffer(learner)
+    writing, release = threading.Event(), threading.Event()
+    write_state = persistence.write_state
+
+    def blocked_write(directory, data):
+        writing.set()
+        assert release.wait(60), "the test never let the writer go on"
+        return write_state(directory, data)
+
+    monkeypatch.setattr(persistence, "write_state", blocked_write)
+    training = threading.Thread(target=learner.train_step, daemon=True)
+    training.start()
+    try:
+        assert writing.wait(120), "the step never reached its checkpoint"
+        # The training thread is stuck inside the write; every kind of request is still answered.
+        assert isinstance(_in_a_thread(lambda: ask(learner, ACTOR_A, m.Heartbeat())), m.Heartbeat)
+        assert isinstance(_in_a_thread(lambda: ask(learner, ACTOR_B, m.StatusRequest())), m.Status)
+        during = _in_a_thread(lambda: ask(learner, ACTOR_A, m.LeaseRequest(max_groups=GROUPS_PER_STEP)))
+        assert isinstance(during, m.Lease) and during.prompts and during.policy_version == 1
+        ack = _in_a_thread(lambda: ask(learner, ACTOR_A, rollouts_for(during, incarnation=learner.state.incarnation)))
+        assert ack.status == "accepted"
+    finally:
+        release.set()
+        training.join(120)
+    assert not training.is_alive()
+    # The checkpoint is the state at the end of the step: the work done during the write is not in it.
+    saved = persistence.read_state(learner.run_dir / "checkpoints" / "step_000001")
+    assert saved["step"] == 1 and saved["buffer"] == []
+    assert saved["ledger_bytes"] < (learner.run_dir / "ledger.jsonl").stat().st_size
+    assert [g for lease in saved["scheduler"]["leases"] for g, _ in lease["tickets"]] == []
+    assert not set(saved["scheduler"]["finished"]) & {p.group_id for p in during.prompts}
 
 
 def test_kill_between_staging_and_rename_leaves_previous_checkpoint(make_learner, monkeypatch):

@@ -19,6 +19,7 @@ from grpo_fleet.learner.replies import Reply
 from grpo_fleet.learner.setup import build_learner
 from grpo_fleet.model import model_digest
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.reasons import RejectReason
 
 GROUP_SIZE = 4
 MAX_TOKENS = 4
@@ -342,7 +343,7 @@ def test_expired_leases_are_requeued_and_their_results_come_back_stale(learner):
     ack = ask(learner, ACTOR_A, rollouts_for(lease_msg))
     assert ack.status == "stale"
     assert set(ack.groups.values()) == {"stale"}
-    assert rejections(learner, "stale_lease") == len(ids)
+    assert rejections(learner, RejectReason.STALE_LEASE) == len(ids)
     assert ledger(learner) == [] and learner.state.buffer == []
     # The same groups are leased again, to anyone.
     hello(learner, ACTOR_B, "actor-b")
@@ -403,7 +404,7 @@ def test_a_finished_group_resubmitted_under_another_lease_is_a_duplicate(learner
     ack = ask(learner, ACTOR_A, forged)
     assert ack.groups == {done.prompts[0].group_id: "duplicate", other.prompts[0].group_id: "accepted"}
     assert ack.status == "accepted"
-    assert rejections(learner, "duplicate") == 1
+    assert rejections(learner, RejectReason.DUPLICATE) == 1
     assert [line["group_id"] for line in ledger(learner)].count(done.prompts[0].group_id) == 1
 
 
@@ -444,19 +445,19 @@ def _duplicate_group_in_message(learner, lease_msg, other):
 
 
 INVALID_CASES = [
-    (_wrong_group_size, "bad_group_size", ACTOR_A),
-    (_token_out_of_range, "token_out_of_range", ACTOR_A),
-    (_positive_logprob, "bad_logprob", ACTOR_A),
-    (_too_long, "too_long", ACTOR_A),
-    (_reward_beyond_bound, "bad_reward", ACTOR_A),
-    (_logprob_below_floor, "bad_logprob", ACTOR_A),
-    (_group_not_in_lease, "not_leased", ACTOR_A),
-    (_duplicate_group_in_message, "duplicate_group_in_message", ACTOR_A),
-    (lambda learner, lease_msg, other: rollouts_for(lease_msg), "not_your_lease", ACTOR_B),
+    (_wrong_group_size, RejectReason.BAD_GROUP_SIZE, ACTOR_A),
+    (_token_out_of_range, RejectReason.TOKEN_OUT_OF_RANGE, ACTOR_A),
+    (_positive_logprob, RejectReason.BAD_LOGPROB, ACTOR_A),
+    (_too_long, RejectReason.TOO_LONG, ACTOR_A),
+    (_reward_beyond_bound, RejectReason.BAD_REWARD, ACTOR_A),
+    (_logprob_below_floor, RejectReason.BAD_LOGPROB, ACTOR_A),
+    (_group_not_in_lease, RejectReason.NOT_LEASED, ACTOR_A),
+    (_duplicate_group_in_message, RejectReason.DUPLICATE_GROUP_IN_MESSAGE, ACTOR_A),
+    (lambda learner, lease_msg, other: rollouts_for(lease_msg), RejectReason.NOT_YOUR_LEASE, ACTOR_B),
 ]
 
 
-@pytest.mark.parametrize(("build", "reason", "sender"), INVALID_CASES, ids=[c[1] for c in INVALID_CASES])
+@pytest.mark.parametrize(("build", "reason", "sender"), INVALID_CASES, ids=[c[1].value for c in INVALID_CASES])
 def test_invalid_rollouts_are_rejected_without_changing_state(learner, build, reason, sender):
     hello(learner, ACTOR_A, "actor-a")
     hello(learner, ACTOR_B, "actor-b")
@@ -469,7 +470,7 @@ def test_invalid_rollouts_are_rejected_without_changing_state(learner, build, re
 
     assert isinstance(ack, m.Ack)
     assert ack.status == "invalid"
-    assert ack.reason.split(":")[0] == reason
+    assert ack.reason == reason
     assert rejections(learner, reason) == 1
     assert ledger(learner) == []
     assert learner.state.buffer == []
@@ -512,9 +513,9 @@ def test_results_too_far_behind_are_stale_and_requeued(learner):
 
     ack = ask(learner, ACTOR_A, rollouts_for(lease_msg, version=0))
     assert ack.status == "stale"
-    assert ack.reason == "stale_version"
+    assert ack.reason == RejectReason.STALE_VERSION
     assert ack.groups == {gid: "stale" for gid in ids}
-    assert rejections(learner, "stale_version") == len(ids)
+    assert rejections(learner, RejectReason.STALE_VERSION) == len(ids)
     assert ledger(learner) == [] and learner.state.buffer == []
     assert learner.state.scheduler.outstanding_groups == 0
     assert [t.group_id for t in learner.state.scheduler.queued_groups] == ids
@@ -707,7 +708,7 @@ def test_resumed_learner_judges_work_by_incarnation_and_shared_history(tiny_mode
         assert second.state.version == 3
         fresh = lease(second, max_groups=1)
         other_life = rollouts_for(fresh, version=3).model_copy(update={"incarnation": old.incarnation})
-        assert ask(second, ACTOR_A, other_life).reason == "previous_incarnation"
+        assert ask(second, ACTOR_A, other_life).reason == RejectReason.PREVIOUS_INCARNATION
         # v2 is shared history: sampled before the checkpoint, so good in either life
         shared = rollouts_for(lease(second, max_groups=1), version=2).model_copy(update={"incarnation": old.incarnation})
         assert ask(second, ACTOR_A, shared).status == "accepted"
@@ -789,7 +790,7 @@ def test_rollouts_from_a_version_never_published_are_stale_not_violations(make_l
         granted = lease(learner, max_groups=1)
         msg = rollouts_for(granted, version=learner.state.version + 7).model_copy(update={"incarnation": welcome.incarnation})
         ack = ask(learner, ACTOR_A, msg)
-        assert ack.status == "stale" and ack.reason == "unpublished_version"
+        assert ack.status == "stale" and ack.reason == RejectReason.UNPUBLISHED_VERSION
     assert not learner.registry.is_banned(ACTOR_A.hex()) and learner.registry.bans.violations(ACTOR_A.hex()) == 0
     assert learner.state.scheduler.outstanding_groups == 0, "the groups went back to the queue"
     assert ledger(learner) == []
@@ -879,7 +880,7 @@ def test_rollouts_after_the_final_step_are_not_accepted(make_learner):
     assert learner.state.done
     before = ledger(learner)
     ack = ask(learner, ACTOR_A, rollouts_for(late))
-    assert ack.status == "stale" and ack.reason == "run_done"
+    assert ack.status == "stale" and ack.reason == RejectReason.RUN_DONE
     assert ledger(learner) == before, "the ledger matches the final checkpoint"
 
 

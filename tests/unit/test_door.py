@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.server import inbound_limits
+from grpo_fleet.learner.intake import inbound_limits
 from grpo_fleet.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Limits, ProtocolError, decode, encode
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown

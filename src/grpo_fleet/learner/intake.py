@@ -1,4 +1,4 @@
-"""Rollouts in: validate, classify, judge staleness, take accepted groups, replay stored answers.
+"""Rollouts in: size limits, validate, classify, judge staleness, take accepted groups, replay answers.
 
 Plain data and NumPy, no model. The door (`messages.validate_rollouts`) refuses
 values that cannot be trained on; `suspect_groups` is the second line of defence,
@@ -20,6 +20,7 @@ from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.runlog import LedgerEntry, RunLog
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.codec import Limits
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.reasons import RejectReason
 
@@ -32,6 +33,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("grpo_fleet.learner")
 # Stored answers kept for replays (at-least-once actors resend after a reconnect).
 ACK_CACHE_SIZE = 4096
+# msgpack framing around one completion's tensors (keys, dtype, shape, reward) and one
+# group (its id); generous, so an honest Rollouts never comes near the limit.
+COMPLETION_FRAMING_BYTES = 256
+GROUP_FRAMING_BYTES = 512
+# Room for the envelope, and for the largest other request (a Hello).
+MESSAGE_FRAMING_BYTES = 64 * 1024
+
+
+def inbound_limits(cfg: RunConfig) -> Limits:
+    """Decode limits for what actors send: no more than the largest lease's Rollouts can need.
+
+    Bytes, groups and completions are all bounded by the lease size, so a hostile
+    message costs the request loop no more than an honest one (the 14 MB, 100k
+    completion Rollouts that held it for seconds is now dropped by libzmq).
+    """
+    server, gen = cfg.server, cfg.generation
+    # A token travels as an int32/uint32 id plus a float32 logprob.
+    per_group = gen.group_size * (8 * gen.max_tokens + COMPLETION_FRAMING_BYTES) + GROUP_FRAMING_BYTES
+    size = min(server.max_message_bytes, MESSAGE_FRAMING_BYTES + server.max_groups_per_lease * per_group)
+    return Limits(
+        max_message_bytes=size, max_bin_len=size,
+        max_array_len=max(256, server.max_groups_per_lease, gen.group_size),
+        max_rollout_groups=server.max_groups_per_lease, max_group_completions=gen.group_size,
+    )
 
 
 class AckCache:

@@ -18,16 +18,18 @@ from pathlib import Path
 
 import zmq
 from pydantic import BaseModel
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.bans import peer_key
 from grpo_fleet.learner.core import Learner
+from grpo_fleet.learner.intake import inbound_limits
 from grpo_fleet.learner.replies import Reply
 from grpo_fleet.metrics import serve_metrics
 from grpo_fleet.protocol import messages as m
-from grpo_fleet.protocol.auth import KeyRing, is_loopback_endpoint, load_keypair, start_authenticator
-from grpo_fleet.protocol.codec import Limits, ProtocolError
+from grpo_fleet.protocol.auth import Keypair, KeyRing, is_loopback_endpoint, load_keypair, start_authenticator
+from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.sockets import (
     bound_endpoint,
@@ -44,37 +46,13 @@ log = logging.getLogger("grpo_fleet.learner")
 SILENT_HEARTBEATS = 10
 # After the last step, how long the learner waits for every actor to hear Shutdown.
 SHUTDOWN_GRACE_SECONDS = 10.0
-# msgpack framing around one completion's tensors (keys, dtype, shape, reward) and one
-# group (its id); generous, so an honest Rollouts never comes near the limit.
-COMPLETION_FRAMING_BYTES = 256
-GROUP_FRAMING_BYTES = 512
-# Room for the envelope, and for the largest other request (a Hello).
-MESSAGE_FRAMING_BYTES = 64 * 1024
 
 
-HANDSHAKE_FAILURES = {
+HANDSHAKE_FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_auth",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_protocol",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_other",
 }
-
-
-def inbound_limits(cfg: RunConfig) -> Limits:
-    """Decode limits for what actors send: no more than the largest lease's Rollouts can need.
-
-    Bytes, groups and completions are all bounded by the lease size, so a hostile
-    message costs the request loop no more than an honest one (the 14 MB, 100k
-    completion Rollouts that held it for seconds is now dropped by libzmq).
-    """
-    server, gen = cfg.server, cfg.generation
-    # A token travels as an int32/uint32 id plus a float32 logprob.
-    per_group = gen.group_size * (8 * gen.max_tokens + COMPLETION_FRAMING_BYTES) + GROUP_FRAMING_BYTES
-    size = min(server.max_message_bytes, MESSAGE_FRAMING_BYTES + server.max_groups_per_lease * per_group)
-    return Limits(
-        max_message_bytes=size, max_bin_len=size,
-        max_array_len=max(256, server.max_groups_per_lease, gen.group_size),
-        max_rollout_groups=server.max_groups_per_lease, max_group_completions=gen.group_size,
-    )
 
 
 class InsecureBindError(RuntimeError):
@@ -110,6 +88,70 @@ def advertised(endpoint: str, advertise_host: Optional[str]) -> str:
     return f"tcp://{host}:{parsed.port}"
 
 
+class Doorman:
+    """Who may talk to the learner: CURVE's allow-list (reloaded live), failed handshakes, banned and revoked keys."""
+
+    def __init__(self, ctx: zmq.Context, cfg: RunConfig, learner: Learner) -> None:
+        self.learner = learner
+        self.keyring: Optional[KeyRing] = None
+        self.keypair: Optional[Keypair] = None
+        self.auth: Optional[ThreadAuthenticator] = None
+        self.monitor: Optional[zmq.Socket] = None
+        self.reload_requested = False
+        if cfg.security.keys_dir:
+            keys = Path(cfg.security.keys_dir)
+            self.keypair = load_keypair(keys / "learner.key_secret")
+            self.keyring = KeyRing(keys / "authorized")
+            self.auth = start_authenticator(ctx, self.keyring)
+            log.info("CURVE on: %d authorised actor keys in %s", len(self.keyring._keys), self.keyring.directory)
+
+    def watch(self, router: zmq.Socket) -> None:
+        """Count the router's failed handshakes (they never reach the loop as messages)."""
+        self.monitor = router.get_monitor_socket(sum(HANDSHAKE_FAILURES))
+
+    def request_reload(self, *_args: object) -> None:
+        self.reload_requested = True
+
+    def admits(self, identity: bytes, principal: Optional[str]) -> bool:
+        """Drop messages from banned peers and from keys revoked after their handshake."""
+        if self.learner.registry.is_banned(peer_key(identity, principal)):
+            self.learner.metrics.protocol_errors.labels(reason="banned").inc()
+            return False
+        if self.keyring is not None and not (principal and self.keyring.allows(principal.encode())):
+            self.learner.metrics.auth_failures.labels(reason="revoked").inc()
+            self.learner.drop_actor(identity)
+            return False
+        return True
+
+    def count_handshake_failures(self) -> None:
+        while self.monitor is not None and self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            reason = HANDSHAKE_FAILURES.get(event["event"])
+            if reason is not None:
+                self.learner.metrics.auth_failures.labels(reason=reason).inc()
+                log.warning("handshake failed on %s (%s)", shown(event["endpoint"].decode(errors="replace")), reason)
+
+    def reload_allow_list(self) -> None:
+        """SIGHUP or a change in the authorized/ directory: re-read keys, cut off revoked actors."""
+        if self.keyring is None:
+            return
+        changed = self.keyring.reload() if self.reload_requested else self.keyring.reload_if_changed()
+        self.reload_requested = False
+        if not changed:
+            return
+        for identity, info in list(self.learner.registry.actors.items()):
+            if not self.keyring.allows(info.principal.encode()):
+                released = self.learner.drop_actor(identity)
+                log.warning("actor %s (%s) revoked; re-queued %d leases", shown(info.actor_id), shown(info.principal), released)
+
+    def close(self, router: zmq.Socket) -> None:
+        if self.monitor is not None:
+            router.disable_monitor()
+            self.monitor.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+
+
 class LearnerServer:
     """Owns the sockets; pumps messages into `Learner` and trains when a batch is ready."""
 
@@ -119,12 +161,12 @@ class LearnerServer:
         self.limits = inbound_limits(learner.cfg)
         check_bind_security(learner.cfg)
         self.ctx = make_context()
-        self.keyring, self.auth, keypair = self._start_security(learner.cfg)
+        self.door = Doorman(self.ctx, learner.cfg, learner)
+        keypair = self.door.keypair
         # libzmq drops a larger frame before it is buffered in Python.
         self.router = router_socket(self.ctx, cfg.bind, max_message_bytes=self.limits.max_message_bytes, curve=keypair)
         self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind), curve=keypair)
-        self.monitor = self.router.get_monitor_socket(sum(HANDSHAKE_FAILURES))
-        self.reload_requested = False
+        self.door.watch(self.router)
         self.metrics_target: Optional[str] = None
         self.endpoint = bound_endpoint(self.router)
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
@@ -134,16 +176,6 @@ class LearnerServer:
         self.closing = False
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
-
-    def _start_security(self, cfg: RunConfig) -> tuple:
-        if not cfg.security.keys_dir:
-            return None, None, None
-        keys = Path(cfg.security.keys_dir)
-        keypair = load_keypair(keys / "learner.key_secret")
-        keyring = KeyRing(keys / "authorized")
-        auth = start_authenticator(self.ctx, keyring)
-        log.info("CURVE on: %d authorised actor keys in %s", len(keyring._keys), keyring.directory)
-        return keyring, auth, keypair
 
     def start_metrics(self) -> None:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
@@ -160,14 +192,11 @@ class LearnerServer:
     def request_stop(self, *_args: object) -> None:
         self.stopping = True
 
-    def request_reload(self, *_args: object) -> None:
-        self.reload_requested = True
-
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         if hasattr(signal, "SIGHUP"):
-            signal.signal(signal.SIGHUP, self.request_reload)
+            signal.signal(signal.SIGHUP, self.door.request_reload)
 
     def serve(self) -> None:
         """Run until the step target is reached or a stop is requested.
@@ -223,21 +252,10 @@ class LearnerServer:
             if not self.router.poll(0, zmq.POLLIN):
                 return
             routed = recv_routed_from(self.router, self.limits)
-            if not self._admitted(routed.identity, routed.principal):
+            if not self.door.admits(routed.identity, routed.principal):
                 continue
             reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address)
             send_message(self.router, reply.message, identity=routed.identity, raw=reply.raw)
-
-    def _admitted(self, identity: bytes, principal: Optional[str]) -> bool:
-        """Drop messages from banned peers and from keys revoked after their handshake."""
-        if self.learner.registry.is_banned(peer_key(identity, principal)):
-            self.learner.metrics.protocol_errors.labels(reason="banned").inc()
-            return False
-        if self.keyring is not None and not (principal and self.keyring.allows(principal.encode())):
-            self.learner.metrics.auth_failures.labels(reason="revoked").inc()
-            self.learner.drop_actor(identity)
-            return False
-        return True
 
     def _answer(
         self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None, peer_address: str = ""
@@ -259,8 +277,8 @@ class LearnerServer:
         if now - self._last_housekeeping < min(0.5, period):
             return
         self._last_housekeeping = now
-        self._count_handshake_failures()
-        self._reload_allow_list()
+        self.door.count_handshake_failures()
+        self.door.reload_allow_list()
         self.learner.expire_leases()
         self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
         self.learner.refresh_service_discovery(self.metrics_target)
@@ -273,27 +291,6 @@ class LearnerServer:
             if info.last_seen < cutoff:
                 released = self.learner.drop_actor(identity)
                 log.info("actor %s went silent; re-queued %d leases", shown(info.actor_id), released)
-
-    def _count_handshake_failures(self) -> None:
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            reason = HANDSHAKE_FAILURES.get(event["event"])
-            if reason is not None:
-                self.learner.metrics.auth_failures.labels(reason=reason).inc()
-                log.warning("handshake failed on %s (%s)", shown(event["endpoint"].decode(errors="replace")), reason)
-
-    def _reload_allow_list(self) -> None:
-        """SIGHUP or a change in the authorized/ directory: re-read keys, cut off revoked actors."""
-        if self.keyring is None:
-            return
-        changed = self.keyring.reload() if self.reload_requested else self.keyring.reload_if_changed()
-        self.reload_requested = False
-        if not changed:
-            return
-        for identity, info in list(self.learner.registry.actors.items()):
-            if not self.keyring.allows(info.principal.encode()):
-                released = self.learner.drop_actor(identity)
-                log.warning("actor %s (%s) revoked; re-queued %d leases", shown(info.actor_id), shown(info.principal), released)
 
     def _publish(self, msg: BaseModel) -> None:
         send_message(self.pub, msg)
@@ -311,10 +308,7 @@ class LearnerServer:
             self._pump(timeout_ms=100)
 
     def close(self) -> None:
-        self.router.disable_monitor()
-        self.monitor.close(linger=0)
-        if self.auth is not None:
-            self.auth.stop()
+        self.door.close(self.router)
         self.router.close(linger=0)
         self.pub.close(linger=0)
         self.ctx.term()

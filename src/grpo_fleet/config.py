@@ -95,9 +95,34 @@ class GenerationConfig(_Section):
 class TaskConfig(_Section):
     """What the policy is trained to do, and how completions are scored."""
 
-    name: Literal["reverse", "jsonl"] = Field("reverse", description="'reverse' (built-in synthetic) or 'jsonl' ({prompt, answer} lines).")
+    name: Literal["reverse", "jsonl", "dataset"] = Field(
+        "reverse",
+        description="'reverse' (built-in synthetic), 'jsonl' ({prompt, answer} lines) or 'dataset' (task.dataset, "
+        "read with Hugging Face `datasets`).",
+    )
     train_path: Optional[str] = Field(None, description="JSONL training file for task 'jsonl'.")
     eval_path: Optional[str] = Field(None, description="JSONL held-out file for task 'jsonl'.")
+    dataset: Optional[str] = Field(
+        None,
+        description="For task 'dataset': a hub id (e.g. openai/gsm8k; downloaded by the learner only) or a local "
+        "JSONL / JSON / parquet / CSV file, a directory of such files, or a `save_to_disk` directory.",
+    )
+    dataset_config: Optional[str] = Field(None, description="The hub dataset's configuration name (GSM8K: 'main').")
+    split: str = Field("train", description="The split trained on (a single local file has only 'train').")
+    eval_split: Optional[str] = Field(
+        None, description="Held-out split (GSM8K: 'test'), first num_eval rows; default: the last num_eval rows of "
+        "`split` (at most half) are held out.",
+    )
+    prompt_column: Optional[str] = Field(
+        None,
+        description="Column with the prompt: text, or a chat-format list of {role, content} messages (always put "
+        "through the chat template). Default: 'prompt', else 'question' (GSM8K).",
+    )
+    answer_column: str = Field(
+        "answer",
+        description="Column with the reference answer; GSM8K's worked solution ending '#### 1,800' is read as 1800. "
+        "Every other column is kept with each example.",
+    )
     digits: int = Field(3, ge=1, le=12, description="Digits per prompt for 'reverse'.")
     num_train: int = Field(800, ge=1, description="Training prompts generated for 'reverse' (train + eval <= 10**digits).")
     num_eval: int = Field(128, ge=1, description="Held-out prompts for evaluation.")
@@ -118,6 +143,10 @@ class TaskConfig(_Section):
             raise ValueError("reward_weights must have one entry per reward")
         if self.name == "jsonl" and not self.train_path:
             raise ValueError("task 'jsonl' needs train_path")
+        if self.name == "dataset" and not self.dataset:
+            raise ValueError("task 'dataset' needs task.dataset (a hub id or a local path)")
+        if self.dataset and self.name != "dataset":
+            raise ValueError(f"task.dataset is set but task.name is {self.name!r}: set task.name = 'dataset' to use it")
         return self
 
 
@@ -145,6 +174,27 @@ class OptimConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
     grad_clip: float = Field(1.0, gt=0, description="Maximum global gradient norm.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="Learning rate after warm-up: 'constant' at lr, or a 'linear' / 'cosine' decay from lr to min_lr "
+        "over decay_steps (mlx.optimizers schedules). Counted in applied optimizer updates (ppo_epochs per step; "
+        "a skipped update does not count), kept in the optimizer state, so a resumed run continues on it.",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Updates of linear warm-up before the schedule: lr/N, 2*lr/N, ... lr. 0 = none."
+    )
+    decay_steps: Optional[int] = Field(
+        None, ge=1,
+        description="Updates the linear / cosine decay takes after warm-up (then it stays at min_lr). "
+        "Default: train.steps x grpo.ppo_epochs minus warmup_steps.",
+    )
+    min_lr: float = Field(0.0, ge=0, description="Where a linear / cosine decay ends.")
+
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> "OptimConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr = {self.min_lr} is above optim.lr = {self.lr}; a decay must go down")
+        return self
 
 
 class TrainConfig(_Section):
@@ -155,7 +205,12 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     seed: int = Field(0, description="Seed for the learner's RNG (prompt order).")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
-    compile: bool = Field(True, description="Run the update (loss, gradients, clipping, AdamW) under mx.compile.")
+    compile: bool = Field(
+        False,
+        description="Run the update (loss, gradients, clipping, AdamW) under mx.compile. Off by default: measured "
+        "on the CPU backend it was 1.9x slower at the Qwen config's real shape and 1.08x slower on the demo, with "
+        "more peak memory (bench/RESULTS.md); at most 32 micro-batch shapes are traced, later ones run eager.",
+    )
     micro_batch_tokens: int = Field(
         4096, ge=16,
         description="Padded tokens (rows x bucketed width) per micro-batch; gradients are accumulated over "

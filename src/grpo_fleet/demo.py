@@ -192,11 +192,14 @@ def summarise(cfg: RunConfig, records: list[dict], before: float, after: float, 
         "train_seconds": records[-1]["wall_seconds"] if records else 0.0,
         "checkpoint": str(checkpoint),
         "plot": str(plot),
-        "ok": bool(records),
+        # The demo's claim is that the fleet learns: no steps, or no rise in held-out reward, is a failure.
+        "ok": bool(records) and after > before,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if records:
         plot_run(run_dir, plot)  # after summary.json: it draws the held-out before/after from there
     print(f"held-out reward: {before:.3f} -> {after:.3f} in {summary['steps']} steps, {wall:.0f}s wall")
     print(f"summary {run_dir / 'summary.json'}, plot {plot}, checkpoint {checkpoint}")
+    if not summary["ok"]:
+        print("the held-out reward did not rise: the demo did not show learning (too few steps?)")
     return summary

@@ -221,4 +221,4 @@ def test_actor_rebuilds_the_learners_realshape_model_in_its_own_cache(realshape_
         worker._adopt(welcome(model_digest(str(realshape_model_dir))))
         assert worker.policy is not None and worker.policy.path == str(realshape_model_dir)
     finally:
-        worker.ctx.term()
+        worker.link.shut()

@@ -15,6 +15,7 @@ from grpo_fleet.tasks.rewards import (
     gold_answer_text,
     parse_number,
     r1_accuracy,
+    r1_accuracy_strict,
     r1_format,
     register_reward,
     reverse_positions,
@@ -29,7 +30,7 @@ def fields(answer: str) -> dict[str, str]:
 
 
 def test_builtin_rewards_are_registered() -> None:
-    assert {"reverse_positions", "exact_match", "r1_format", "r1_accuracy"} <= set(REWARDS)
+    assert {"reverse_positions", "exact_match", "r1_format", "r1_accuracy", "r1_accuracy_strict"} <= set(REWARDS)
     assert get_reward("exact_match") is exact_match
 
 
@@ -186,13 +187,20 @@ def test_r1_accuracy_uses_last_answer_tag() -> None:
         "<answer>43</answer>",
         "<answer></answer>",
         "<answer>forty-two</answer>",
-        "<answer>41 or 42</answer>",
+        "<answer>42 or 41</answer>",
         "<answer>42",
         "<think>42</think>",
     ],
 )
 def test_r1_accuracy_rejects(completion: str) -> None:
     assert r1_accuracy(completion, fields("#### 42")) == 0.0
+
+
+def test_r1_accuracy_reads_the_last_of_several_numbers_as_math_verify_does() -> None:
+    assert r1_accuracy("<answer>41 or 42</answer>", fields("#### 42")) == 1.0
+    assert r1_accuracy("<answer>42 or 41</answer>", fields("#### 42")) == 0.0
+    # The strict rule refuses any answer with more than one number.
+    assert r1_accuracy_strict("<answer>41 or 42</answer>", fields("#### 42")) == 0.0
 
 
 def test_r1_accuracy_unparseable_gold_scores_zero() -> None:
@@ -218,6 +226,7 @@ def test_parse_number() -> None:
 def test_gold_answer_text_takes_text_after_last_marker() -> None:
     assert gold_answer_text("work #### 1 #### 2").strip() == "2"
     assert gold_answer_text("17") == "17"
+    assert gold_answer_text("20 * 90 = 1800\n#### 1,800").strip() == "1800"
 
 
 def test_language_consistency_is_the_printable_ascii_share() -> None:

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch, split_batch
 from grpo_fleet.learner.grpo import grpo_loss
+from grpo_fleet.learner.schedule import learning_rate_schedule
 from grpo_fleet.learner.trainer import Trainer, policy_logprobs
 from grpo_fleet.model import Policy, adapters_disabled, load_policy, trainable_weights
 
@@ -25,7 +26,10 @@ def make_policy(model_dir: Path, mode: str) -> Policy:
     return load_policy(str(model_dir), lora=lora)
 
 
-def make_trainer(model_dir: Path, mode: str, *, ppo_epochs: int = 1, lr: float = 1e-3, beta: float = 0.04) -> Trainer:
+def make_trainer(
+    model_dir: Path, mode: str, *, ppo_epochs: int = 1, lr: float = 1e-3, beta: float = 0.04,
+    optim_cfg: OptimConfig | None = None, compile: bool = False,
+) -> Trainer:
     policy = make_policy(model_dir, mode)
     ref_model = None
     if mode == "full" and beta > 0:
@@ -34,10 +38,11 @@ def make_trainer(model_dir: Path, mode: str, *, ppo_epochs: int = 1, lr: float =
     return Trainer(
         policy,
         GRPOConfig(beta=beta, groups_per_step=1, ppo_epochs=ppo_epochs),
-        OptimConfig(lr=lr),
+        optim_cfg or OptimConfig(lr=lr),
         temperature=TEMPERATURE,
         max_tokens=MAX_TOKENS,
         ref_model=ref_model,
+        compile=compile,
     )
 
 
@@ -216,6 +221,37 @@ def test_loaded_optimizer_resumes_exactly(tiny_model_dir, contrast_completions, 
     assert int(resumed.optimizer.state["step"]) == 2
 
 
+def test_step_stats_report_the_constant_learning_rate(tiny_model_dir, contrast_completions):
+    trainer = make_trainer(tiny_model_dir, "lora", lr=3e-4)
+    stats = trainer.step(on_policy_batch(trainer.policy, *contrast_completions))
+    assert stats.learning_rate == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_resumed_trainer_continues_the_schedule_at_the_same_rate(tiny_model_dir, contrast_completions, tmp_path, compile):
+    """Optimizer state saved after 2 updates and loaded into a fresh trainer gives the uninterrupted rates and weights."""
+    cfg = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, decay_steps=4, min_lr=1e-4)
+    expected = [float(learning_rate_schedule(cfg)(mx.array(k, mx.uint64))) for k in range(6)]
+    original = make_trainer(tiny_model_dir, "lora", optim_cfg=cfg, compile=compile)
+    batch = on_policy_batch(original.policy, *contrast_completions)
+    first = [original.step(batch).learning_rate for _ in range(2)]
+    weights = {k: mx.array(np.array(v)) for k, v in trainable_weights(original.policy.model).items()}
+    original.save_optimizer(tmp_path / "optimizer.safetensors")
+
+    resumed = make_trainer(tiny_model_dir, "lora", optim_cfg=cfg, compile=compile)
+    resumed.policy.model.load_weights(list(weights.items()), strict=False)
+    resumed.load_optimizer(tmp_path / "optimizer.safetensors")
+    uninterrupted = [original.step(batch).learning_rate for _ in range(4)]
+    continued = [resumed.step(batch).learning_rate for _ in range(4)]
+
+    assert first + uninterrupted == pytest.approx(expected)
+    assert continued == pytest.approx(uninterrupted, rel=0, abs=0)
+    assert int(resumed.optimizer.state["step"]) == 6
+    want, got = trainable_weights(original.policy.model), trainable_weights(resumed.policy.model)
+    for key in want:
+        np.testing.assert_allclose(np.array(got[key]), np.array(want[key]), rtol=1e-5, atol=1e-7, err_msg=key)
+
+
 @pytest.mark.parametrize("use_lora", [True, False])
 def test_compiled_update_matches_eager_update(tiny_model_dir, use_lora):
     """mx.compile must not change the numbers, including pi_ref under LoRA (adapters swapped, not rescaled)."""
@@ -314,6 +350,22 @@ def test_accumulated_micro_batch_gradients_equal_the_one_batch_gradient(tiny_mod
     got = trainer.gradients(batch)
     assert float(got.loss) == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
     assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)}, want, rel=1e-5)
+
+
+def test_compiled_traces_stay_bounded_and_untraced_shapes_run_eager(tiny_model_dir):
+    """Past `max_compiled_shapes` signatures new micro-batch shapes run eager, with the same gradients."""
+    batch = varied_batch()
+    eager = trainer_for(tiny_model_dir, "lora", micro_batch_tokens=80)
+    capped = trainer_for(tiny_model_dir, "lora", compiled=True, micro_batch_tokens=80, max_compiled_shapes=1)
+    micro = split_batch(batch, 80)
+    shapes = {tuple(a.shape for a in (m.inputs, m.positions, m.layout)) for m in micro}
+    assert len(shapes) > 1  # the batch really has more shapes than the cap
+    want, got = eager.gradients(batch), capped.gradients(batch)
+    assert len(capped.compiled_shapes) == 1
+    capped.gradients(batch)  # a second pass traces nothing new
+    assert len(capped.compiled_shapes) == 1
+    assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)},
+                       {k: np.array(v) for k, v in tree_flatten(want.grads)}, rel=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])

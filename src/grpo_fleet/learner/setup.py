@@ -18,7 +18,7 @@ from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_policy, model_digest
 from grpo_fleet.realshape import build_realshape, is_realshape
 from grpo_fleet.tasks import Task, build_task
-from grpo_fleet.tasks.prompts import encode_prompt
+from grpo_fleet.tasks.prompts import check_prompt_lengths, context_length, encode_prompt
 
 log = logging.getLogger("grpo_fleet.learner")
 
@@ -90,6 +90,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
         ref_model.freeze()
     trainer = trainer_from_config(policy, cfg, ref_model)
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
+    check_prompt_lengths(prompts, max_new_tokens=cfg.generation.max_tokens, context=context_length(policy.model))
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     learner = Learner(
         cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address

@@ -31,6 +31,7 @@ from grpo_fleet.learner.batch import MicroBatch, TrainBatch, batch_totals, split
 from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint
 from grpo_fleet.learner.grpo import grpo_loss
 from grpo_fleet.learner.logprobs import head_logprobs
+from grpo_fleet.learner.schedule import learning_rate_schedule, with_decay_steps
 from grpo_fleet.model import Policy, adapters_disabled
 
 _TRAIN_DEFAULTS = TrainConfig()
@@ -84,6 +85,7 @@ class StepStats:
     peak_memory_bytes: int
     micro_batches: int
     epochs: int  # epochs attempted, the skipped one included
+    learning_rate: float = 0.0  # the rate of this step's last applied update (the schedule's value)
     skipped: Optional[str] = None  # "nonfinite_loss" or "nonfinite_grad": that epoch applied no update
     extra: dict[str, float] = field(default_factory=dict)  # stats a custom loss_fn adds
 
@@ -107,6 +109,10 @@ def _skip_reason(loss: float, norm: float) -> Optional[str]:
     return None
 
 
+# Compiled traces kept per Trainer (see Trainer._may_trace); each holds a graph, not activations.
+MAX_COMPILED_SHAPES = 32
+
+
 class Trainer:
     """Owns the optimizer; each step accumulates micro-batch gradients, then clips and applies them."""
 
@@ -116,7 +122,7 @@ class Trainer:
         micro_batch_tokens: int = _TRAIN_DEFAULTS.micro_batch_tokens,
         logprob_chunk_tokens: int = _TRAIN_DEFAULTS.logprob_chunk_tokens,
         grad_checkpoint: bool = _TRAIN_DEFAULTS.grad_checkpoint,
-        memory_limit_bytes: Optional[int] = None,
+        memory_limit_bytes: Optional[int] = None, max_compiled_shapes: int = MAX_COMPILED_SHAPES,
     ) -> None:
         self.policy, self.grpo, self.optim_cfg = policy, grpo, optim_cfg
         self.temperature, self.ref_model = temperature, ref_model
@@ -130,7 +136,7 @@ class Trainer:
                         chunk_tokens=logprob_chunk_tokens)
         self._value_and_grad = nn.value_and_grad(policy.model, bound)
         self.optimizer = optim.AdamW(
-            learning_rate=optim_cfg.lr, betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+            learning_rate=learning_rate_schedule(optim_cfg), betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
         )
         self.optimizer.init(policy.model.trainable_parameters())
         # Materialize now: lazy arrays belong to the creating thread's stream, and
@@ -138,6 +144,8 @@ class Trainer:
         mx.eval(self.optimizer.state)
         self.compiled = compile
         self._compiled: dict[str, Callable] = self._compile() if compile else {}
+        self.max_compiled_shapes = max_compiled_shapes
+        self.compiled_shapes: set[tuple] = set()  # micro-batch shape signatures traced so far
 
     def _grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
         (loss, stats), grads = self._value_and_grad(self.policy.model, micro, ref, totals)
@@ -171,11 +179,26 @@ class Trainer:
                 "apply": mx.compile(self._apply_update, inputs=updates, outputs=updates)}
 
     def _micro_grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
-        if not self.compiled:
+        if not self.compiled or not self._may_trace(micro, ref):
             return self._grads(micro, ref, totals)
         if ref is None:
             return self._compiled["no_ref"](totals, *_micro_arrays(micro))
         return self._compiled["ref"](totals, ref, *_micro_arrays(micro))
+
+    def _may_trace(self, micro: MicroBatch, ref: Optional[mx.array]) -> bool:
+        """Whether this micro-batch's shapes run compiled: already traced, or room for one more trace.
+
+        mx.compile traces once per input-shape signature and keeps every graph.
+        Widths are bucketed but row counts are not, so a long run could collect
+        graphs without end; past `max_compiled_shapes` new shapes run eager.
+        """
+        signature = (ref is None, *(array.shape for array in _micro_arrays(micro)))
+        if signature in self.compiled_shapes:
+            return True
+        if len(self.compiled_shapes) >= self.max_compiled_shapes:
+            return False
+        self.compiled_shapes.add(signature)
+        return True
 
     def accumulate(self, micro_batches: list[MicroBatch], refs: list[Optional[mx.array]], totals: mx.array) -> Gradients:
         """Sum of the micro-batches' loss shares, stats and gradients (= the one-batch values)."""
@@ -266,7 +289,8 @@ class Trainer:
                  ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean")}
         return StepStats(**known, ref_seconds=ref_seconds, update_seconds=train_seconds - ref_seconds,
                          train_seconds=train_seconds, peak_memory_bytes=peak, micro_batches=len(micro),
-                         epochs=epochs, skipped=skipped, extra=means)
+                         epochs=epochs, learning_rate=float(self.optimizer.learning_rate.item()), skipped=skipped,
+                         extra=means)
 
     @staticmethod
     def _trim_cache(peak: int) -> None:
@@ -292,13 +316,14 @@ class Trainer:
         if self.compiled:
             # The compiled update captured the old state tree; trace again against the new one.
             self._compiled = self._compile()
+            self.compiled_shapes.clear()
 
 
 def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.Module] = None) -> Trainer:
     """The Trainer a run config describes (objective, optimizer, memory settings)."""
     train = cfg.train
     return Trainer(
-        policy, cfg.grpo, cfg.optim, temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
+        policy, cfg.grpo, with_decay_steps(cfg), temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
         ref_model=ref_model, compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
         logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
         memory_limit_bytes=train.memory_limit_bytes,

@@ -7,11 +7,12 @@ names and weights, and actors call `score_completion` with those.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from grpo_fleet.tasks.prompts import Prompt
 from grpo_fleet.tasks.rewards import REWARDS, RewardFn, UnknownRewardError, get_reward, register_reward
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILTIN_PREFIX",
     "Example",
+    "Prompt",
     "REWARDS",
     "RewardFn",
     "Task",
@@ -41,10 +43,18 @@ BUILTIN_PREFIX = "builtin:"
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt (raw user text, before any chat template) and its reference answer."""
+    """One prompt and its reference answer, plus the rest of its dataset row.
 
-    prompt: str
+    `prompt` is raw user text (before any chat template) or a chat-format tuple
+    of {"role", "content"} messages. `columns` holds every column of a
+    `datasets` row but the prompt, as loaded (GSM8K's whole worked solution
+    among them), for rewards that want more than the answer; treat it as
+    read-only. JSONL and built-in tasks leave it empty.
+    """
+
+    prompt: Prompt
     answer: str
+    columns: Mapping[str, Any] = field(default_factory=dict)
 
 
 def validate_rewards(reward_names: Sequence[str], reward_weights: Optional[Sequence[float]] = None) -> list[float]:
@@ -114,8 +124,10 @@ def build_task(cfg: "TaskConfig") -> Task:
         train, eval_examples = _reverse_splits(cfg)
     elif cfg.name == "jsonl":
         train, eval_examples = _jsonl_splits(cfg)
+    elif cfg.name == "dataset":
+        train, eval_examples = _dataset_splits(cfg)
     else:
-        raise ValueError(f"unknown task {cfg.name!r}; known tasks: jsonl, reverse")
+        raise ValueError(f"unknown task {cfg.name!r}; known tasks: dataset, jsonl, reverse")
     return Task(
         name=cfg.name,
         train=train,
@@ -144,10 +156,34 @@ def _jsonl_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:
         raise ValueError(f"{train_file}: no examples")
     if cfg.eval_path is not None:
         return train, load_jsonl(resolve_task_path(cfg.eval_path))[: cfg.num_eval]
+    return _hold_out(train, cfg.num_eval, str(train_file), "give eval_path")
+
+
+def _dataset_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:
+    """Train from task.split of task.dataset; eval from task.eval_split (first num_eval) or held out from train's tail."""
+    from grpo_fleet.tasks.columns import examples_from_rows, prompt_column_of, require_column
+    from grpo_fleet.tasks.hf_datasets import load_split
+
+    if not cfg.dataset:
+        raise ValueError("task 'dataset' needs task.dataset (a hub id or a local path)")
+
+    def examples(split: str) -> list[Example]:
+        rows = load_split(cfg.dataset, split, config=cfg.dataset_config)
+        source = f"{cfg.dataset} split {split!r}"
+        prompt_column = prompt_column_of(rows.column_names, cfg.prompt_column, source)
+        require_column(rows.column_names, cfg.answer_column, "task.answer_column", source)
+        return examples_from_rows(rows, prompt_column=prompt_column, answer_column=cfg.answer_column, source=source)
+
+    train = examples(cfg.split)
+    if cfg.eval_split is not None:
+        return train, examples(cfg.eval_split)[: cfg.num_eval]
+    return _hold_out(train, cfg.num_eval, f"{cfg.dataset} split {cfg.split!r}", "give task.eval_split")
+
+
+def _hold_out(train: list[Example], num_eval: int, source: str, remedy: str) -> tuple[list[Example], list[Example]]:
+    """Split the last num_eval examples off for eval."""
     # Hold out at most half so a small file still leaves most of it for training.
-    held_out = min(cfg.num_eval, len(train) // 2)
+    held_out = min(num_eval, len(train) // 2)
     if held_out == 0:
-        raise ValueError(
-            f"{train_file}: only {len(train)} example(s), too few to hold out an eval split; give eval_path"
-        )
+        raise ValueError(f"{source}: only {len(train)} example(s), too few to hold out an eval split; {remedy}")
     return train[:-held_out], train[-held_out:]

@@ -119,9 +119,10 @@ def parse_number(text: str) -> Optional[float]:
 
 
 def gold_answer_text(answer: str) -> str:
-    """The final answer of a GSM8K-style solution (after the last '####'), else the whole text."""
+    """The final answer of a GSM8K-style solution (after the last '####', commas dropped), else the whole text."""
     if "####" in answer:
-        return answer.rsplit("####", 1)[1]
+        # GSM8K writes thousands with commas ("#### 1,800"); the number is what matters.
+        return answer.rsplit("####", 1)[1].replace(",", "")
     return answer
 
 
@@ -133,7 +134,26 @@ def last_answer_tag(completion: str) -> Optional[str]:
 
 @register_reward("r1_accuracy")
 def r1_accuracy(completion: str, fields: dict[str, str]) -> float:
-    """1.0 when the number in the last answer tag equals the reference number."""
+    """1.0 when the last answer tag's contents equal the reference answer, as HF's math-verify reads them.
+
+    math-verify reads expressions, LaTeX and spaced thousands ("5 * 3 + 3 = 18",
+    "\\frac{36}{2}", "\\boxed{18}", "1 800"); with several numbers it takes the
+    last ("41 or 42" reads 42). Where it finds no match, r1_accuracy_strict's
+    single-number rule still credits the answer (math-verify does not read
+    "+3"), so nothing the earlier rule credited is lost.
+    """
+    # Imported on first use: math-verify brings sympy and an ANTLR parser (about a second to import).
+    from grpo_fleet.tasks.math_answers import answers_match
+
+    content = last_answer_tag(completion)
+    if content is not None and answers_match(content, gold_answer_text(fields["answer"])):
+        return 1.0
+    return r1_accuracy_strict(completion, fields)
+
+
+@register_reward("r1_accuracy_strict")
+def r1_accuracy_strict(completion: str, fields: dict[str, str]) -> float:
+    """1.0 when the last answer tag holds exactly one number and it equals the reference number (no sympy)."""
     content = last_answer_tag(completion)
     if content is None:
         return 0.0

@@ -1,0 +1,192 @@
+"""The actor's link to the learner: one pipelined DEALER for requests, a SUB for notices.
+
+All of the actor's socket work happens here, through `protocol.sockets`.
+Requests are pipelined on the one DEALER, so the network never idles the model:
+an answer that is not the one being waited for (the prefetched Lease, a
+submission's Ack) is handed to `on_answer` as it arrives. The link never decides
+what an answer means; it only raises `LearnerUnavailable` (register again, with
+backoff) or `StopActor`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional, TypeVar, Union
+from urllib.parse import urlparse
+
+from pydantic import BaseModel
+
+from grpo_fleet.actor.admission import ActorRefused
+from grpo_fleet.config import ActorConfig
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.auth import Keypair, load_keypair
+from grpo_fleet.protocol.codec import Limits, ProtocolError
+from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_message, recv_with_raw, send_message, sub_socket
+
+log = logging.getLogger("grpo_fleet.actor")
+Reply = TypeVar("Reply")
+# How long one receive blocks, so notices and the deadline are looked at between answers.
+POLL_SECONDS = 0.5
+Answer = Union[m.Lease, m.Ack]
+Notice = Union[m.PolicyUpdated, m.Heartbeat]
+
+
+class LearnerUnavailable(Exception):
+    """No answer within the timeout, or the learner forgot us: register again."""
+
+
+class StopActor(Exception):
+    """The learner said Shutdown, or we were asked to stop."""
+
+
+def load_curve(cfg: ActorConfig) -> Optional[tuple[Keypair, bytes]]:
+    """(own keypair, learner public key) when CURVE is configured."""
+    if not cfg.key_file and not cfg.learner_key_file:
+        return None
+    if not (cfg.key_file and cfg.learner_key_file):
+        raise ActorRefused("CURVE needs both --key (this actor's secret key) and --learner-key (learner.key)")
+    keypair = load_keypair(cfg.key_file)
+    if keypair.secret is None:
+        raise ActorRefused(f"{cfg.key_file} holds no secret key; pass the NAME.key_secret file")
+    return keypair, load_keypair(cfg.learner_key_file).public
+
+
+def notice_address(pub_address: Optional[str], connect: str) -> str:
+    """Where to subscribe: a learner bound to a wildcard advertises it; dial the host we reached it on."""
+    parsed = urlparse(pub_address or "")
+    host = parsed.hostname
+    if host in (None, "0.0.0.0", "*", "::"):
+        host = urlparse(connect).hostname
+    return f"tcp://{host}:{parsed.port}"
+
+
+class LearnerLink:
+    """Requests, pipelined answers, weight chunks and notices between one actor and its learner."""
+
+    def __init__(
+        self, cfg: ActorConfig, actor_id: str, on_answer: Callable[[Answer], None], on_notice: Callable[[Notice], None]
+    ) -> None:
+        self.connect, self.actor_id, self.timeout = cfg.connect, actor_id, cfg.request_timeout
+        self.curve = load_curve(cfg)
+        self._on_answer, self._on_notice = on_answer, on_notice
+        # The learner is trusted more than actors are: allow large weight blobs.
+        self.limits = Limits(max_message_bytes=1 << 30, max_bin_len=1 << 30)
+        self.ctx = make_context()
+        # zmq sockets from protocol.sockets (zmq itself stays out of this module); None while closed.
+        self._dealer: Any = None
+        self._sub: Any = None
+        self._last_heartbeat = 0.0
+
+    def open(self, hello: m.Hello) -> m.Welcome:
+        """A fresh request socket, registered with the learner."""
+        self.close()
+        self._dealer = dealer_socket(
+            self.ctx, self.connect, identity=self.actor_id.encode(),
+            max_message_bytes=self.limits.max_message_bytes, curve=self.curve,
+        )
+        return self.request(hello, m.Welcome)
+
+    def listen(self, pub_address: Optional[str]) -> None:
+        """Subscribe to the learner's notices (PolicyUpdated, Heartbeat, Shutdown)."""
+        self._sub = sub_socket(self.ctx, notice_address(pub_address, self.connect), curve=self.curve)
+
+    def close(self) -> None:
+        """Close both sockets; answers still on their way are lost."""
+        for sock in (self._dealer, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
+        self._dealer = self._sub = None
+
+    def shut(self) -> None:
+        """Close the sockets and the context: the link is done."""
+        self.close()
+        self.ctx.term()
+
+    def send(self, msg: BaseModel) -> None:
+        """Send without waiting: its answer comes to `on_answer`, or to whoever awaits it."""
+        send_message(self._dealer, msg)
+
+    def request(self, msg: BaseModel, expected: type[Reply]) -> Reply:
+        """Send and wait for a reply of the expected type; other answers are routed as they come."""
+        self.send(msg)
+        deadline = time.monotonic() + self.timeout
+        while not isinstance(reply := self._next_reply(deadline, type(msg).__name__), expected):
+            self._route(reply)
+        return reply
+
+    def await_answers(self, settled: Callable[[], bool]) -> None:
+        """Read answers until `settled()`; no answer within the request timeout means the learner is gone."""
+        deadline = time.monotonic() + self.timeout
+        while not settled():
+            reply = self._next_reply(deadline, "a pipelined request")
+            if reply is not None:
+                self._route(reply)
+
+    def await_chunk(self, offset: int) -> tuple[m.WeightsChunk, memoryview]:
+        """The weight chunk starting at `offset`; leftovers of an abandoned transfer are skipped."""
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            try:
+                received = recv_with_raw(self._dealer, timeout_s=POLL_SECONDS, limits=self.limits)
+            except ProtocolError as exc:
+                log.warning("bad reply from learner: %s", shown(exc))
+                continue
+            if received is None:
+                continue
+            msg, raw = received
+            if isinstance(msg, m.WeightsChunk):
+                if raw is not None and msg.offset == offset:
+                    return msg, raw
+                continue
+            self._route(msg)
+        raise LearnerUnavailable("no weight chunk")
+
+    def heartbeat(self, policy_version: int, every_seconds: float) -> None:
+        """Tell the learner we are alive, at most once per `every_seconds` (called between decoding steps)."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= every_seconds:
+            self._last_heartbeat = now
+            self.send(m.Heartbeat(actor_id=self.actor_id, policy_version=max(policy_version, 0), sent_at=time.time()))
+
+    def poll_notices(self) -> None:
+        """Drain the PUB channel into `on_notice`; Shutdown stops us.
+
+        It never sends a request itself: it runs while another request waits for
+        its reply, and a nested request would swallow that reply.
+        """
+        while self._sub is not None:
+            try:
+                notice = recv_message(self._sub, timeout_s=0, limits=self.limits)
+            except ProtocolError:
+                continue
+            if notice is None:
+                break
+            if isinstance(notice, m.Shutdown):
+                raise StopActor(f"learner shut down ({notice.reason})")
+            if isinstance(notice, (m.PolicyUpdated, m.Heartbeat)):
+                self._on_notice(notice)
+
+    def _next_reply(self, deadline: float, what: str) -> Optional[object]:
+        """The learner's next answer, or None if none came within POLL_SECONDS; past `deadline` it is gone."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise LearnerUnavailable(f"no reply to {what}")
+        try:
+            return recv_message(self._dealer, timeout_s=min(remaining, POLL_SECONDS), limits=self.limits)
+        except ProtocolError as exc:
+            log.warning("bad reply from learner: %s", shown(exc))
+            return None
+
+    def _route(self, reply: Optional[object]) -> None:
+        """Anything but the awaited answer: a pipelined answer is booked, Shutdown stops us,
+        an error means register again, and between answers the notices are read."""
+        if isinstance(reply, (m.Ack, m.Lease)):
+            self._on_answer(reply)
+            return
+        if isinstance(reply, m.Shutdown):
+            raise StopActor(f"learner shut down ({reply.reason})")
+        if isinstance(reply, m.ErrorReply):
+            raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
+        self.poll_notices()

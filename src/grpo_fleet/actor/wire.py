@@ -1,0 +1,38 @@
+"""Wire conversion for the actor: protocol messages to generation inputs, scored completions to `Rollouts` parts."""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence, cast
+
+import numpy as np
+
+from grpo_fleet.actor.rollout import GeneratedCompletion, SamplingSettings
+from grpo_fleet.protocol import messages as m
+
+
+def sampling_settings(gen: m.GenerationParams, stop_token_ids: Sequence[int]) -> SamplingSettings:
+    """What the learner told us to sample with, stopping at the tokenizer's EOS ids."""
+    return SamplingSettings(
+        group_size=gen.group_size, max_tokens=gen.max_tokens, temperature=gen.temperature,
+        top_p=gen.top_p, stop_token_ids=sorted(stop_token_ids),
+    )
+
+
+def lease_prompts(lease: m.Lease) -> list[list[int]]:
+    """The lease's prompts as token id lists, in lease order."""
+    return [item.prompt_tokens.to_numpy().tolist() for item in lease.prompts]
+
+
+def to_completion(completion: GeneratedCompletion, reward: float) -> m.Completion:
+    """One completion in the dtypes the learner validates and trains in: int32 tokens, float32 logprobs."""
+    return m.Completion(
+        tokens=m.Tensor.from_numpy(np.asarray(completion.tokens, dtype=np.int32)),
+        logprobs=m.Tensor.from_numpy(np.asarray(completion.logprobs, dtype=np.float32)),
+        reward=float(reward),
+        finish_reason=cast(Literal["stop", "length"], completion.finish_reason),  # pydantic checks it
+    )
+
+
+def to_group(group_id: str, completions: Sequence[GeneratedCompletion], rewards: Sequence[float]) -> m.GroupResult:
+    """A prompt's scored completions, as the group the learner dedups by `group_id`."""
+    return m.GroupResult(group_id=group_id, completions=[to_completion(c, r) for c, r in zip(completions, rewards)])

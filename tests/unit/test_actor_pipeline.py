@@ -1,0 +1,57 @@
+"""What an actor holds in flight: prefetched lease, unacknowledged submission, Ack pairing, drain. No sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from grpo_fleet.actor.pipeline import InFlight
+from grpo_fleet.protocol import messages as m
+
+LEASE_ID = "0123456789abcdef0123456789abcdef"
+
+
+def _lease(lease_id: str = LEASE_ID, prompts: int = 1) -> m.Lease:
+    item = m.PromptItem(group_id="g00000001", prompt_index=0, prompt_tokens=m.Tensor.from_numpy(np.array([1, 2], np.int32)),
+                        fields={})
+    return m.Lease(lease_id=lease_id, deadline_seconds=10.0, policy_version=0, prompts=[item] * prompts)
+
+
+def _rollouts(lease_id: str = LEASE_ID) -> m.Rollouts:
+    completion = m.Completion(tokens=m.Tensor.from_numpy(np.array([3], np.int32)),
+                              logprobs=m.Tensor.from_numpy(np.array([-0.5], np.float32)), reward=1.0, finish_reason="stop")
+    return m.Rollouts(lease_id=lease_id, policy_version=0, groups=[m.GroupResult(group_id="g00000001", completions=[completion])])
+
+
+def test_a_booked_lease_is_handed_over_once() -> None:
+    inflight = InFlight(lease_requested=True)
+    lease = _lease()
+    inflight.book_lease(lease)
+    assert not inflight.lease_requested and not inflight.drained
+    assert inflight.take_lease() is lease and inflight.take_lease() is None
+    assert inflight.drained
+
+
+def test_an_ack_answers_the_submission_in_flight() -> None:
+    inflight = InFlight(submitted=_rollouts())
+    answered = inflight.pair_ack(m.Ack(status="accepted"))
+    assert answered is not None and answered.lease_id == LEASE_ID
+    assert inflight.submitted is None and inflight.drained
+
+
+def test_an_ack_with_nothing_submitted_pairs_with_nothing() -> None:
+    assert InFlight().pair_ack(m.Ack(status="duplicate")) is None
+
+
+def test_hello_names_the_leases_still_held_after_a_reconnect() -> None:
+    other = "fedcba9876543210fedcba9876543210"
+    inflight = InFlight(submitted=_rollouts(), next_lease=_lease(other), lease_requested=True)
+    assert inflight.holding() == [LEASE_ID, other]
+    inflight.new_connection()  # the old socket's answers are gone; the work is kept
+    assert not inflight.lease_requested and inflight.holding() == [LEASE_ID, other]
+    assert InFlight(next_lease=_lease("", prompts=0)).holding() == []  # a no-work lease holds nothing
+
+
+def test_another_run_forgets_the_work_in_hand() -> None:
+    inflight = InFlight(submitted=_rollouts(), next_lease=_lease())
+    inflight.forget()
+    assert inflight.drained and inflight.holding() == []

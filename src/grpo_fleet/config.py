@@ -169,7 +169,7 @@ class GRPOConfig(_Section):
     max_staleness: int = Field(
         2, ge=0,
         description="Reject rollouts sampled more than this many versions behind the policy they arrive at "
-        "(accepted groups then wait their turn in the buffer, usually 1-2 more steps).",
+        "(accepted groups then wait their turn in the buffer, usually 1-2 more steps; server.in_flight_steps bounds it).",
     )
 
 
@@ -258,6 +258,15 @@ class ServerConfig(_Section):
     advertise_host: Optional[str] = Field(None, description="Host actors should use for the PUB socket; default: the bind host.")
     lease_seconds: float = Field(60.0, gt=0, description="A lease not returned within this is re-queued.")
     max_groups_per_lease: int = Field(4, ge=1, description="Upper bound on prompts in one lease.")
+    in_flight_steps: int = Field(
+        2, ge=1,
+        description="Work kept in flight, in steps' worth of groups: no lease is granted while groups out under "
+        "leases plus accepted, untrained ones reach in_flight_steps x grpo.groups_per_step. An accepted group so "
+        "waits at most in_flight_steps - 1 steps in the buffer, and trains at most grpo.max_staleness + "
+        "in_flight_steps versions behind the policy (max_staleness on arrival; the step under way then may "
+        "publish once more). It also bounds the buffer's memory. Lower it for fresher groups; raise it if steps "
+        "wait for work.",
+    )
     lease_target_seconds: Optional[float] = Field(
         None, gt=0,
         description="Leases are sized so each actor, at its measured groups/s, returns one in about this long "

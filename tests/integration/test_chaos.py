@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx_lm
 import pytest
 
-from grpo_fleet.learner.state import read_state
+from grpo_fleet.learner.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
 
 STEPS = 400

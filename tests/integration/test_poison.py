@@ -18,20 +18,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from grpo_fleet.model import latest_checkpoint
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import decode, encode
+from grpo_fleet.protocol.reasons import RejectReason
 
 STEPS = 20
 # (label, reward, logprob, the reason the learner must give)
 POISON = [
-    ("reward 1e39: finite float64, inf float32", 1e39, -1.0, "bad_reward"),
-    ("reward -1e39", -1e39, -1.0, "bad_reward"),
-    ("reward past task.reward_bound", 2e4, -1.0, "bad_reward"),
-    ("reward nan", float("nan"), -1.0, "bad_reward"),
-    ("reward inf", float("inf"), -1.0, "bad_reward"),
-    ("logprob -3e38", 0.0, -3e38, "bad_logprob"),
-    ("logprob below the floor", 0.0, -2e4, "bad_logprob"),
-    ("logprob nan", 0.0, float("nan"), "bad_logprob"),
-    ("logprob -inf", 0.0, float("-inf"), "bad_logprob"),
-    ("logprob positive", 0.0, 0.5, "bad_logprob"),
+    ("reward 1e39: finite float64, inf float32", 1e39, -1.0, RejectReason.BAD_REWARD),
+    ("reward -1e39", -1e39, -1.0, RejectReason.BAD_REWARD),
+    ("reward past task.reward_bound", 2e4, -1.0, RejectReason.BAD_REWARD),
+    ("reward nan", float("nan"), -1.0, RejectReason.BAD_REWARD),
+    ("reward inf", float("inf"), -1.0, RejectReason.BAD_REWARD),
+    ("logprob -3e38", 0.0, -3e38, RejectReason.BAD_LOGPROB),
+    ("logprob below the floor", 0.0, -2e4, RejectReason.BAD_LOGPROB),
+    ("logprob nan", 0.0, float("nan"), RejectReason.BAD_LOGPROB),
+    ("logprob -inf", 0.0, float("-inf"), RejectReason.BAD_LOGPROB),
+    ("logprob positive", 0.0, 0.5, RejectReason.BAD_LOGPROB),
 ]
 
 

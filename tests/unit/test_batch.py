@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
+from grpo_reference import ref_group_is_informative
 
 from grpo_fleet.learner.batch import (
     LENGTH_BUCKET,
@@ -17,6 +19,7 @@ from grpo_fleet.learner.batch import (
     split_batch,
     unpack_completions,
 )
+from grpo_fleet.learner.grpo import group_advantages
 
 
 def completion(tokens: list[int], reward: float, *, logprobs: list[float] | None = None) -> CompletionRecord:
@@ -147,6 +150,25 @@ def test_is_informative_is_false_only_when_all_rewards_are_equal():
     assert group([1], [completion([2], 0.0), completion([3], 0.0), completion([4], 0.0)]).is_informative is False
     assert group([1], [completion([2], 0.5), completion([3], 0.5001)]).is_informative is True
     assert group([1], [completion([2], -1.0), completion([3], 0.0), completion([4], -1.0)]).is_informative is True
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_is_informative_matches_the_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    group_size = int(rng.integers(1, 6))
+    rewards = rng.integers(0, 2, size=(8, group_size)).astype(np.float32)
+    rewards[0] = 1.0
+    got = [group([1], [completion([2], float(r)) for r in row]).is_informative for row in rewards]
+    np.testing.assert_array_equal(got, ref_group_is_informative(rewards.reshape(-1), group_size))
+    assert got[0] is False
+
+
+def test_is_informative_agrees_with_the_advantages_it_would_train_on() -> None:
+    """Dynamic sampling drops exactly the groups whose advantages are all zero."""
+    rewards = np.random.default_rng(0).integers(0, 3, size=(10, 4)).astype(np.float32)
+    informative = [group([1], [completion([2], float(r)) for r in row]).is_informative for row in rewards]
+    adv = np.array(group_advantages(mx.array(rewards.reshape(-1)), 4)).reshape(10, 4)
+    np.testing.assert_array_equal(np.any(adv != 0.0, axis=1), informative)
 
 
 def test_accepted_group_rewards_and_token_count(two_groups):

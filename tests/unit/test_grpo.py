@@ -12,22 +12,19 @@ import numpy as np
 import pytest
 from grpo_reference import (
     ref_group_advantages,
-    ref_group_is_informative,
     ref_grpo_loss,
     ref_kl_k3,
-    ref_token_logprobs,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_fleet.learner.grpo import (
     group_advantages,
-    group_is_informative,
     grpo_loss,
     kl_k3,
     masked_mean,
-    token_logprobs,
 )
+from grpo_fleet.learner.logprobs import token_logprobs
 
 ATOL = 1e-5
 RTOL = 1e-5
@@ -159,8 +156,6 @@ def test_group_functions_reject_bad_group_size(n: int, group_size: int) -> None:
     rewards = mx.zeros((n,))
     with pytest.raises(ValueError):
         group_advantages(rewards, group_size)
-    with pytest.raises(ValueError):
-        group_is_informative(rewards, group_size)
 
 
 def test_group_advantages_rejects_2d_rewards() -> None:
@@ -168,64 +163,7 @@ def test_group_advantages_rejects_2d_rewards() -> None:
         group_advantages(mx.zeros((2, 4)), 4)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_group_is_informative_matches_reference(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    group_size = int(rng.integers(1, 6))
-    rewards = rng.integers(0, 2, size=8 * group_size).astype(np.float32)
-    rewards[:group_size] = 1.0
-    got = group_is_informative(mx.array(rewards), group_size)
-    assert got.dtype == mx.bool_
-    assert got.shape == (8,)
-    np.testing.assert_array_equal(np.array(got), ref_group_is_informative(rewards, group_size))
-    assert not bool(got[0].item())
-
-
-def test_group_is_informative_consistent_with_advantages(rng: np.random.Generator) -> None:
-    rewards = mx.array(rng.integers(0, 3, size=40).astype(np.float32))
-    informative = np.array(group_is_informative(rewards, 4))
-    adv = _np(group_advantages(rewards, 4)).reshape(10, 4)
-    np.testing.assert_array_equal(np.any(adv != 0.0, axis=1), informative)
-
-
-# ----------------------------------------------------- token log-probs, k3
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_token_logprobs_matches_reference(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    b, t, v = (int(x) for x in rng.integers(1, 9, size=3))
-    v += 1
-    logits = (rng.normal(size=(b, t, v)) * 3).astype(np.float32)
-    targets = rng.integers(0, v, size=(b, t))
-    got = token_logprobs(mx.array(logits), mx.array(targets))
-    assert got.shape == (b, t) and got.dtype == mx.float32
-    np.testing.assert_allclose(_np(got), ref_token_logprobs(logits, targets), atol=ATOL, rtol=RTOL)
-
-
-def test_token_logprobs_is_stable_for_large_logits(rng: np.random.Generator) -> None:
-    # exp(300) overflows float32; a naive softmax would give inf/NaN.
-    logits = (rng.normal(size=(2, 3, 11)) * 100.0).astype(np.float32)
-    targets = rng.integers(0, 11, size=(2, 3))
-    got = _np(token_logprobs(mx.array(logits), mx.array(targets)))
-    assert np.all(np.isfinite(got))
-    np.testing.assert_allclose(got, ref_token_logprobs(logits, targets), atol=1e-3, rtol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_token_logprobs_upcasts_half_precision(dtype: mx.Dtype, rng: np.random.Generator) -> None:
-    logits = rng.normal(size=(2, 5, 300)).astype(np.float32)
-    targets = rng.integers(0, 300, size=(2, 5))
-    half = mx.array(logits).astype(dtype)
-    got = token_logprobs(half, mx.array(targets))
-    assert got.dtype == mx.float32
-    want = ref_token_logprobs(np.array(half.astype(mx.float32)), targets)
-    np.testing.assert_allclose(_np(got), want, atol=1e-4)
-
-
-def test_token_logprobs_rejects_misaligned_shapes() -> None:
-    with pytest.raises(ValueError):
-        token_logprobs(mx.zeros((2, 4, 5)), mx.zeros((2, 3), dtype=mx.int32))
+# ----------------------------------------------------- k3, masked mean
 
 
 def test_kl_k3_matches_reference(rng: np.random.Generator) -> None:
@@ -591,44 +529,6 @@ def test_micro_batch_shares_sum_to_the_whole_batch_reference(seed: int, use_ref:
     assert loss.item() == pytest.approx(want, abs=ATOL, rel=RTOL)
     for key in STAT_KEYS:
         assert stats[key].item() == pytest.approx(want_stats[key], abs=ATOL, rel=RTOL), key
-
-
-def test_chunked_logprobs_match_the_reference_for_any_chunk() -> None:
-    from grpo_fleet.learner.grpo import chunked_logprobs
-
-    rng = np.random.default_rng(5)
-    hidden = rng.normal(size=(11, 6)).astype(np.float32)
-    weight = rng.normal(size=(13, 6)).astype(np.float32)
-    targets = rng.integers(0, 13, 11).astype(np.int32)
-    want = ref_token_logprobs((hidden @ weight.T / 0.6)[None], targets[None])[0]
-    for chunk in (1, 4, 11, 50):
-        got = chunked_logprobs(mx.array(hidden), mx.array(targets), lambda p, h: h @ p["w"].T, {"w": mx.array(weight)},
-                               temperature=0.6, chunk_size=chunk)
-        np.testing.assert_allclose(_np(got), want, atol=ATOL, rtol=RTOL)
-
-
-def test_chunked_logprob_gradient_holds_about_one_chunk_of_logits_under_a_memory_limit() -> None:
-    """The chunks are chained, so once MLX throttles at its memory limit they run one at a time."""
-    from grpo_fleet.learner.grpo import chunked_logprobs
-
-    vocab, dim, k, chunk = 8192, 32, 512, 32
-    weight = mx.random.normal((vocab, dim)) * 0.1
-    hidden, targets = mx.random.normal((k, dim)), mx.random.randint(0, vocab, (k,))
-    mx.eval(weight, hidden, targets)
-    one_chunk = chunk * vocab * 4  # bytes of one chunk's fp32 logits; all K positions would be 16x that
-    grad = mx.grad(lambda h: mx.sum(chunked_logprobs(h, targets, lambda p, x: x @ p["w"].T, {"w": weight},
-                                                     temperature=0.8, chunk_size=chunk)))
-    mx.eval(grad(hidden))
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    previous = mx.set_memory_limit(base + 2 * one_chunk)
-    try:
-        mx.reset_peak_memory()
-        mx.eval(grad(hidden))
-        above = mx.get_peak_memory() - base
-    finally:
-        mx.set_memory_limit(previous)
-    assert above < 4 * one_chunk, above / one_chunk  # unthrottled, about 7 chunks are live at once
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

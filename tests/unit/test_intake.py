@@ -1,11 +1,26 @@
-"""learner/intake.py: finding the accepted groups that could have poisoned a step."""
+"""learner/intake.py: accepting, refusing and replaying Rollouts, and finding groups that poisoned a step."""
 
 from __future__ import annotations
 
-import numpy as np
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
+import numpy as np
+import pytest
+
+from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
-from grpo_fleet.learner.intake import suspect_groups
+from grpo_fleet.learner.intake import AckCache, Intake, IntakeRules, suspect_groups, unusable_version
+from grpo_fleet.learner.leasing import Leasing
+from grpo_fleet.learner.registry import Registry
+from grpo_fleet.learner.runlog import RunLog
+from grpo_fleet.learner.scheduler import PromptScheduler
+from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.metrics import LearnerMetrics, learner_metrics
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.reasons import RejectReason
 
 
 def _group(group_id: str, rewards: list[float], logprob: float = -1.0) -> AcceptedGroup:
@@ -26,6 +41,141 @@ def test_only_groups_with_values_out_of_float32_bounds_are_suspects():
         _group("nan_logprob", [0.0, 1.0], logprob=float("nan")),
     ]
     assert suspect_groups(groups, reward_bound=1e4) == {
-        "huge_reward": "bad_reward", "past_bound": "bad_reward", "nan_reward": "bad_reward",
-        "tiny_logprob": "bad_logprob", "nan_logprob": "bad_logprob",
+        "huge_reward": RejectReason.BAD_REWARD, "past_bound": RejectReason.BAD_REWARD,
+        "nan_reward": RejectReason.BAD_REWARD,
+        "tiny_logprob": RejectReason.BAD_LOGPROB, "nan_logprob": RejectReason.BAD_LOGPROB,
     }
+
+
+# ---------------------------------------------------------------- the intake room, without a model
+
+GROUP_SIZE, VOCAB, MAX_TOKENS = 2, 50, 4
+KEY = "actor-key"
+
+
+@dataclass
+class Rooms:
+    state: LearnerState
+    registry: Registry
+    intake: Intake
+    batches: list[int]
+    metrics: LearnerMetrics
+    run_dir: Path
+
+    def ledger(self) -> list[dict]:
+        return [json.loads(line) for line in (self.run_dir / "ledger.jsonl").read_text().splitlines()]
+
+    def rejections(self, reason: RejectReason) -> float:
+        value = self.metrics.registry.get_sample_value("grpo_fleet_learner_rejections_total", {"reason": reason})
+        return value or 0.0
+
+
+@pytest.fixture
+def rooms(tmp_path: Path, clock) -> Iterator[Rooms]:
+    cfg = RunConfig.model_validate({"generation": {"group_size": GROUP_SIZE, "max_tokens": MAX_TOKENS},
+                                    "grpo": {"groups_per_step": 2, "max_staleness": 1}})
+    metrics = learner_metrics()
+    state = LearnerState(run_id="run", incarnation="a" * 12, steps_target=10,
+                         scheduler=PromptScheduler(8, seed=0, lease_seconds=60.0, clock=clock))
+    registry = Registry(cfg.server, metrics)
+    prompts = [np.array([1, 2], dtype=np.int32)] * 8
+    leasing = Leasing(cfg, state, metrics, prompts, lambda i: {})
+    runlog = RunLog(tmp_path)
+    batches: list[int] = []
+    intake = Intake(IntakeRules.from_config(cfg, VOCAB), state, registry, leasing, runlog, metrics, prompts,
+                    lambda: batches.append(len(state.buffer)))
+    registry.hello(b"id", KEY, m.Hello(actor_id="a", host="h", backend="cpu", versions={}), "")
+    yield Rooms(state, registry, intake, batches, metrics, tmp_path)
+    runlog.close()
+
+
+def _wire(group_id: str, rewards: list[float], token: int = 3) -> m.GroupResult:
+    return m.GroupResult(group_id=group_id, completions=[
+        m.Completion(tokens=m.Tensor.from_numpy(np.array([token, token], dtype=np.int32)),
+                     logprobs=m.Tensor.from_numpy(np.full(2, -1.0, dtype=np.float32)), reward=r, finish_reason="stop")
+        for r in rewards
+    ])
+
+
+def _rollouts(rooms: Rooms, rewards: tuple[float, ...] = (0.0, 1.0), *, version: int = 0, token: int = 3) -> m.Rollouts:
+    lease = rooms.state.scheduler.issue(KEY, 2)
+    return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=rooms.state.incarnation,
+                      groups=[_wire(g, list(rewards), token) for g in lease.tickets])
+
+
+def _submit(rooms: Rooms, rewards: tuple[float, ...] = (0.0, 1.0), *, version: int = 0, token: int = 3) -> m.Ack:
+    return rooms.intake.take(rooms.registry.actors[b"id"], _rollouts(rooms, rewards, version=version, token=token))
+
+
+def test_accepted_groups_are_ledgered_buffered_and_announce_a_batch(rooms):
+    ack = _submit(rooms)
+    assert ack.status == "accepted" and set(ack.groups.values()) == {"accepted"}
+    assert [g.group_id for g in rooms.state.buffer] == [e["group_id"] for e in rooms.ledger()]
+    assert rooms.state.buffer[0].completions[0].tokens.dtype == np.int32
+    assert rooms.batches == [2], "a full batch wakes the training thread"
+    assert rooms.registry.groups_accepted == 2
+
+
+def test_a_replay_gets_the_stored_answer_and_changes_nothing(rooms):
+    msg, actor = _rollouts(rooms), rooms.registry.actors[b"id"]
+    first = rooms.intake.take(actor, msg)
+    again = rooms.intake.take(actor, msg)
+    assert again == first and len(rooms.ledger()) == 2 and len(rooms.state.buffer) == 2
+
+
+def test_invalid_rollouts_change_no_state_and_count_toward_a_ban(rooms):
+    ack = _submit(rooms, token=VOCAB)
+    assert (ack.status, ack.reason) == ("invalid", RejectReason.TOKEN_OUT_OF_RANGE)
+    assert rooms.rejections(RejectReason.TOKEN_OUT_OF_RANGE) == 1
+    assert rooms.registry.bans.violations(KEY) == 1
+    assert rooms.state.buffer == [] and rooms.state.scheduler.outstanding_groups == 2
+
+
+def test_work_from_a_version_too_old_is_stale_and_requeued_never_a_violation(rooms):
+    rooms.state.version = 2
+    ack = _submit(rooms, version=0)
+    assert (ack.status, ack.reason) == ("stale", RejectReason.STALE_VERSION)
+    assert rooms.rejections(RejectReason.STALE_VERSION) == 2
+    assert len(rooms.state.scheduler.queued_groups) == 2 and rooms.registry.bans.violations(KEY) == 0
+
+
+def test_zero_variance_groups_are_ledgered_but_not_buffered(rooms):
+    assert _submit(rooms, (0.5, 0.5)).status == "accepted"
+    assert len(rooms.ledger()) == 2 and rooms.state.buffer == []
+    assert rooms.state.zero_variance_since_step == 2 and rooms.batches == []
+
+
+def test_nothing_is_accepted_once_the_run_is_done(rooms):
+    rooms.state.step = rooms.state.steps_target
+    ack = _submit(rooms)
+    assert (ack.status, ack.reason) == ("stale", RejectReason.RUN_DONE) and rooms.ledger() == []
+
+
+def test_unusable_version_judges_by_incarnation_and_shared_history(rooms):
+    state = rooms.state
+    state.version, state.history_version = 3, 2
+
+    def judged(version: int, incarnation: str) -> object:
+        msg = m.Rollouts(lease_id="x", policy_version=version, incarnation=incarnation, groups=[_wire("g", [0.0, 1.0])])
+        return unusable_version(msg, state, max_staleness=1)
+
+    assert judged(4, state.incarnation) is RejectReason.UNPUBLISHED_VERSION
+    assert judged(3, "b" * 12) is RejectReason.PREVIOUS_INCARNATION
+    assert judged(2, "b" * 12) is None, "shared history is good in any life"
+    assert judged(1, state.incarnation) is RejectReason.STALE_VERSION
+
+
+def test_the_ack_cache_is_bounded_oldest_out():
+    cache = AckCache(size=2)
+    for lease_id in ("a", "b", "c"):
+        cache.put(lease_id, m.Ack(status="accepted"))
+    assert cache.get("a") is None and list(cache.answers()) == ["b", "c"]
+
+
+def test_reasons_keep_their_wire_values_and_say_whose_fault_they_are():
+    assert str(RejectReason.BAD_LOGPROB) == f"{RejectReason.BAD_LOGPROB}" == "bad_logprob"
+    assert m.Ack(status="invalid", reason=RejectReason.BAD_REWARD).model_dump()["reason"] == "bad_reward"
+    assert RejectReason.NOT_YOUR_LEASE.is_violation and not RejectReason.STALE_VERSION.is_violation
+    assert RejectReason.DUPLICATE.group_status == "duplicate"
+    assert RejectReason.STALE_LEASE.group_status == "stale"
+    assert RejectReason.TOO_LONG.group_status == "invalid"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -14,9 +15,11 @@ import pytest
 from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.core import Learner
+from grpo_fleet.learner.replies import Reply
 from grpo_fleet.learner.setup import build_learner
 from grpo_fleet.model import model_digest
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.reasons import RejectReason
 
 GROUP_SIZE = 4
 MAX_TOKENS = 4
@@ -68,14 +71,21 @@ def learner(make_learner) -> Learner:
 # ----------------------------------------------------------------- helpers
 
 
+def ask(learner: Learner, identity: bytes, msg: object, **kwargs) -> object:
+    """The message `handle` answers with (weight chunks carry raw bytes too; see the weights tests)."""
+    reply = learner.handle(identity, msg, **kwargs)
+    assert isinstance(reply, Reply)
+    return reply.message
+
+
 def hello(learner: Learner, identity: bytes = ACTOR_A, actor_id: str = "actor-a") -> m.Welcome:
-    reply = learner.handle(identity, m.Hello(actor_id=actor_id, host="testhost", backend="cpu", versions={}))
+    reply = ask(learner, identity, m.Hello(actor_id=actor_id, host="testhost", backend="cpu", versions={}))
     assert isinstance(reply, m.Welcome)
     return reply
 
 
 def lease(learner: Learner, identity: bytes = ACTOR_A, max_groups: int = GROUPS_PER_STEP) -> m.Lease:
-    reply = learner.handle(identity, m.LeaseRequest(max_groups=max_groups))
+    reply = ask(learner, identity, m.LeaseRequest(max_groups=max_groups))
     assert isinstance(reply, m.Lease)
     return reply
 
@@ -129,7 +139,7 @@ def generated_rollouts(learner: Learner, lease_msg: m.Lease) -> m.Rollouts:
         ]
         results.append(m.GroupResult(group_id=item.group_id, completions=wire))
     return m.Rollouts(lease_id=lease_msg.lease_id, policy_version=lease_msg.policy_version,
-                      incarnation=learner.incarnation, groups=results)
+                      incarnation=learner.state.incarnation, groups=results)
 
 
 def ledger(learner: Learner) -> list[dict]:
@@ -153,7 +163,7 @@ def rejections(learner: Learner, reason: str) -> float:
 
 def fill_buffer(learner: Learner, identity: bytes = ACTOR_A) -> m.Lease:
     lease_msg = lease(learner, identity)
-    ack = learner.handle(identity, rollouts_for(lease_msg, incarnation=learner.incarnation))
+    ack = ask(learner, identity, rollouts_for(lease_msg, incarnation=learner.state.incarnation))
     assert ack.status == "accepted"
     return lease_msg
 
@@ -164,7 +174,7 @@ def fill_buffer(learner: Learner, identity: bytes = ACTOR_A) -> m.Lease:
 def test_hello_gets_a_welcome_describing_the_run(learner, tiny_model_dir):
     welcome = hello(learner, actor_id="worker-7")
     assert welcome.actor_id == "worker-7"
-    assert welcome.run_id == learner.run_id
+    assert welcome.run_id == learner.state.run_id
     assert welcome.generation == m.GenerationParams(group_size=GROUP_SIZE, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0)
     assert welcome.reward.names == ["reverse_positions"]
     assert welcome.reward.weights == [1.0]
@@ -191,36 +201,37 @@ def test_welcome_carries_lora_settings_when_training_adapters(make_learner):
     ids=["lease", "weights", "heartbeat", "rollouts"],
 )
 def test_requests_before_hello_are_refused(learner, request_msg):
-    reply = learner.handle(ACTOR_A, request_msg)
+    reply = ask(learner, ACTOR_A, request_msg)
     assert isinstance(reply, m.ErrorReply)
     assert reply.reason == "not_registered"
     assert sample(learner, "grpo_fleet_learner_protocol_errors_total", {"reason": "not_registered"}) == 1
-    assert learner.scheduler.outstanding_groups == 0
+    assert learner.state.scheduler.outstanding_groups == 0
     assert ledger(learner) == []
 
 
 def test_registration_is_per_identity(learner):
     hello(learner, ACTOR_A)
-    reply = learner.handle(ACTOR_B, m.LeaseRequest(max_groups=1))
+    reply = ask(learner, ACTOR_B, m.LeaseRequest(max_groups=1))
     assert isinstance(reply, m.ErrorReply) and reply.reason == "not_registered"
 
 
 def test_heartbeat_and_weights_after_hello(learner):
     hello(learner)
-    beat = learner.handle(ACTOR_A, m.Heartbeat(actor_id="actor-a"))
+    beat = ask(learner, ACTOR_A, m.Heartbeat(actor_id="actor-a"))
     assert isinstance(beat, m.Heartbeat) and beat.policy_version == 0
-    header, raw = learner.handle(ACTOR_A, m.GetWeights(version=0, offset=0, length=100))
+    reply = learner.handle(ACTOR_A, m.GetWeights(version=0, offset=0, length=100))
+    header, raw = reply.message, reply.raw
     assert isinstance(header, m.WeightsChunk)
     assert (header.version, header.offset, header.length) == (0, 0, 100)
-    assert header.digest == learner.snapshot.digest == m.blob_digest(learner.snapshot.blob)
-    assert header.total_bytes == len(learner.snapshot.blob)
-    assert bytes(raw) == learner.snapshot.blob[:100]
+    assert header.digest == learner.snapshots.current.digest == m.blob_digest(learner.snapshots.current.blob)
+    assert header.total_bytes == len(learner.snapshots.current.blob)
+    assert bytes(raw) == learner.snapshots.current.blob[:100]
     assert sample(learner, "grpo_fleet_learner_weight_sent_bytes_total") == 100
 
 
 def test_a_reply_type_sent_as_a_request_is_an_error(learner):
     hello(learner)
-    reply = learner.handle(ACTOR_A, m.Ack(status="accepted"))
+    reply = ask(learner, ACTOR_A, m.Ack(status="accepted"))
     assert isinstance(reply, m.ErrorReply)
     assert reply.reason == "unexpected_type"
 
@@ -241,7 +252,7 @@ def test_lease_prompts_are_the_tokenized_training_prompts(learner):
         example = learner.task.train[item.prompt_index]
         assert item.fields == {"answer": example.answer}
         assert learner.policy.tokenizer.decode(item.prompt_tokens.to_numpy().tolist()) == example.prompt
-    assert learner.scheduler.outstanding_groups == 3
+    assert learner.state.scheduler.outstanding_groups == 3
     assert sample(learner, "grpo_fleet_learner_leases_issued_total") == 1
 
 
@@ -261,27 +272,27 @@ def test_in_flight_groups_are_capped_at_twice_groups_per_step(learner):
     assert len(second.prompts) == capacity - 3
     empty = lease(learner, max_groups=1)
     assert empty.lease_id == "" and empty.prompts == [] and empty.retry_after > 0
-    assert learner.scheduler.outstanding_groups == capacity
+    assert learner.state.scheduler.outstanding_groups == capacity
 
     # Buffered (accepted, not yet trained) groups count against the cap too.
-    assert learner.handle(ACTOR_A, rollouts_for(first)).status == "accepted"
-    assert len(learner.buffer) == 3
-    assert learner.scheduler.outstanding_groups == 1
+    assert ask(learner, ACTOR_A, rollouts_for(first)).status == "accepted"
+    assert len(learner.state.buffer) == 3
+    assert learner.state.scheduler.outstanding_groups == 1
     assert lease(learner, max_groups=4).prompts == []
 
 
 def test_leases_are_sized_to_each_actors_measured_speed(make_learner, clock):
     """A fast actor gets more groups than a slow one once both returned a lease."""
     learner = make_learner(grpo={"groups_per_step": 32}, server={"max_groups_per_lease": 16, "lease_target_seconds": 4.0})
-    learner.scheduler.clock = clock
+    learner.state.scheduler.clock = clock
     hello(learner)
     hello(learner, ACTOR_B, "actor-b")
     fast, slow = lease(learner, max_groups=2), lease(learner, ACTOR_B, max_groups=2)
     assert len(fast.prompts) == len(slow.prompts) == 2  # unmeasured: what they asked for
     clock.advance(0.5)
-    assert learner.handle(ACTOR_A, rollouts_for(fast)).status == "accepted"  # 4 groups/s
+    assert ask(learner, ACTOR_A, rollouts_for(fast)).status == "accepted"  # 4 groups/s
     clock.advance(1.5)
-    assert learner.handle(ACTOR_B, rollouts_for(slow)).status == "accepted"  # 1 group/s
+    assert ask(learner, ACTOR_B, rollouts_for(slow)).status == "accepted"  # 1 group/s
     # 4 s at 4 groups/s, capped at 16; 4 s at 1 group/s.
     assert len(lease(learner, max_groups=16).prompts) == 16
     assert len(lease(learner, ACTOR_B, max_groups=16).prompts) == 4
@@ -291,21 +302,21 @@ def test_leases_are_sized_to_each_actors_measured_speed(make_learner, clock):
 def test_a_prefetched_lease_is_timed_from_the_previous_return(make_learner, clock):
     """Actors ask for lease n+1 before generating lease n; its wait in hand is not generation time."""
     learner = make_learner(grpo={"groups_per_step": 32}, server={"max_groups_per_lease": 16})
-    learner.scheduler.clock = clock
+    learner.state.scheduler.clock = clock
     hello(learner)
     current, prefetched = lease(learner, max_groups=2), lease(learner, max_groups=2)
     clock.advance(1.0)
-    assert learner.handle(ACTOR_A, rollouts_for(current)).status == "accepted"
+    assert ask(learner, ACTOR_A, rollouts_for(current)).status == "accepted"
     clock.advance(1.0)
-    assert learner.handle(ACTOR_A, rollouts_for(prefetched)).status == "accepted"
-    assert learner.actors[ACTOR_A].groups_per_second.value == pytest.approx(2.0)
+    assert ask(learner, ACTOR_A, rollouts_for(prefetched)).status == "accepted"
+    assert learner.registry.actors[ACTOR_A].groups_per_second.value == pytest.approx(2.0)
 
 
 def test_refused_lease_retries_about_half_a_step_later(learner):
     hello(learner)
     lease(learner, max_groups=2 * GROUPS_PER_STEP)
     assert lease(learner).retry_after == 0.2  # no step yet: the slow default
-    learner.step_interval.add(0.04)
+    learner.leasing.step_interval.add(0.04)
     assert lease(learner).retry_after == pytest.approx(0.02)
 
 
@@ -314,7 +325,7 @@ def test_no_leases_once_training_is_done(make_learner):
     hello(learner)
     fill_buffer(learner)
     learner.train_step()
-    assert learner.done
+    assert learner.state.done
     assert lease(learner).prompts == []
 
 
@@ -324,16 +335,16 @@ def test_expired_leases_are_requeued_and_their_results_come_back_stale(learner):
     ids = [p.group_id for p in lease_msg.prompts]
     assert learner.expire_leases() == 0
     later = time.monotonic() + learner.cfg.server.lease_seconds + 1
-    learner.scheduler.clock = lambda: later
+    learner.state.scheduler.clock = lambda: later
     assert learner.expire_leases() == 1
-    assert learner.scheduler.outstanding_groups == 0
+    assert learner.state.scheduler.outstanding_groups == 0
     assert sample(learner, "grpo_fleet_learner_leases_expired_total") == 1
 
-    ack = learner.handle(ACTOR_A, rollouts_for(lease_msg))
+    ack = ask(learner, ACTOR_A, rollouts_for(lease_msg))
     assert ack.status == "stale"
     assert set(ack.groups.values()) == {"stale"}
-    assert rejections(learner, "stale_lease") == len(ids)
-    assert ledger(learner) == [] and learner.buffer == []
+    assert rejections(learner, RejectReason.STALE_LEASE) == len(ids)
+    assert ledger(learner) == [] and learner.state.buffer == []
     # The same groups are leased again, to anyone.
     hello(learner, ACTOR_B, "actor-b")
     assert [p.group_id for p in lease(learner, ACTOR_B).prompts] == ids
@@ -345,7 +356,7 @@ def test_expired_leases_are_requeued_and_their_results_come_back_stale(learner):
 def test_accepted_rollouts_are_acked_and_ledgered(learner):
     hello(learner, actor_id="actor-a")
     lease_msg = lease(learner)
-    ack = learner.handle(ACTOR_A, rollouts_for(lease_msg))
+    ack = ask(learner, ACTOR_A, rollouts_for(lease_msg))
     assert ack.status == "accepted"
     assert ack.groups == {p.group_id: "accepted" for p in lease_msg.prompts}
 
@@ -356,13 +367,13 @@ def test_accepted_rollouts_are_acked_and_ledgered(learner):
             "group_id": item.group_id, "prompt_index": item.prompt_index, "actor_id": "actor-a",
             "actor_key": ACTOR_A.hex(), "policy_version": 0, "step": 0,
         }
-    assert len(learner.buffer) == len(lease_msg.prompts)
-    assert learner.scheduler.outstanding_groups == 0
-    assert learner.scheduler.finished == {p.group_id for p in lease_msg.prompts}
+    assert len(learner.state.buffer) == len(lease_msg.prompts)
+    assert learner.state.scheduler.outstanding_groups == 0
+    assert learner.state.scheduler.finished == {p.group_id for p in lease_msg.prompts}
     assert sample(learner, "grpo_fleet_learner_groups_accepted_total") == len(lease_msg.prompts)
     assert sample(learner, "grpo_fleet_learner_tokens_accepted_total") == len(lease_msg.prompts) * GROUP_SIZE * 3
 
-    stored = learner.buffer[0]
+    stored = learner.state.buffer[0]
     np.testing.assert_array_equal(stored.prompt_tokens, learner.prompt_tokens[lease_msg.prompts[0].prompt_index])
     np.testing.assert_allclose(stored.rewards, INFORMATIVE)
 
@@ -371,29 +382,29 @@ def test_a_replayed_rollouts_gets_the_stored_ack_and_changes_nothing(learner):
     hello(learner)
     lease_msg = lease(learner)
     msg = rollouts_for(lease_msg)
-    first = learner.handle(ACTOR_A, msg)
-    lines, buffered = ledger(learner), len(learner.buffer)
+    first = ask(learner, ACTOR_A, msg)
+    lines, buffered = ledger(learner), len(learner.state.buffer)
 
-    again = learner.handle(ACTOR_A, msg)
+    again = ask(learner, ACTOR_A, msg)
     assert again == first
     assert ledger(learner) == lines
-    assert len(learner.buffer) == buffered
+    assert len(learner.state.buffer) == buffered
     assert sample(learner, "grpo_fleet_learner_groups_accepted_total") == len(lease_msg.prompts)
 
 
 def test_a_finished_group_resubmitted_under_another_lease_is_a_duplicate(learner):
     hello(learner)
     done = lease(learner, max_groups=1)
-    learner.handle(ACTOR_A, rollouts_for(done))
+    ask(learner, ACTOR_A, rollouts_for(done))
     other = lease(learner, max_groups=1)
     forged = m.Rollouts(
         lease_id=other.lease_id, policy_version=0,
         groups=[crafted_group(done.prompts[0].group_id, INFORMATIVE), crafted_group(other.prompts[0].group_id, INFORMATIVE)],
     )
-    ack = learner.handle(ACTOR_A, forged)
+    ack = ask(learner, ACTOR_A, forged)
     assert ack.groups == {done.prompts[0].group_id: "duplicate", other.prompts[0].group_id: "accepted"}
     assert ack.status == "accepted"
-    assert rejections(learner, "duplicate") == 1
+    assert rejections(learner, RejectReason.DUPLICATE) == 1
     assert [line["group_id"] for line in ledger(learner)].count(done.prompts[0].group_id) == 1
 
 
@@ -434,42 +445,42 @@ def _duplicate_group_in_message(learner, lease_msg, other):
 
 
 INVALID_CASES = [
-    (_wrong_group_size, "bad_group_size", ACTOR_A),
-    (_token_out_of_range, "token_out_of_range", ACTOR_A),
-    (_positive_logprob, "bad_logprob", ACTOR_A),
-    (_too_long, "too_long", ACTOR_A),
-    (_reward_beyond_bound, "bad_reward", ACTOR_A),
-    (_logprob_below_floor, "bad_logprob", ACTOR_A),
-    (_group_not_in_lease, "not_leased", ACTOR_A),
-    (_duplicate_group_in_message, "duplicate_group_in_message", ACTOR_A),
-    (lambda learner, lease_msg, other: rollouts_for(lease_msg), "not_your_lease", ACTOR_B),
+    (_wrong_group_size, RejectReason.BAD_GROUP_SIZE, ACTOR_A),
+    (_token_out_of_range, RejectReason.TOKEN_OUT_OF_RANGE, ACTOR_A),
+    (_positive_logprob, RejectReason.BAD_LOGPROB, ACTOR_A),
+    (_too_long, RejectReason.TOO_LONG, ACTOR_A),
+    (_reward_beyond_bound, RejectReason.BAD_REWARD, ACTOR_A),
+    (_logprob_below_floor, RejectReason.BAD_LOGPROB, ACTOR_A),
+    (_group_not_in_lease, RejectReason.NOT_LEASED, ACTOR_A),
+    (_duplicate_group_in_message, RejectReason.DUPLICATE_GROUP_IN_MESSAGE, ACTOR_A),
+    (lambda learner, lease_msg, other: rollouts_for(lease_msg), RejectReason.NOT_YOUR_LEASE, ACTOR_B),
 ]
 
 
-@pytest.mark.parametrize(("build", "reason", "sender"), INVALID_CASES, ids=[c[1] for c in INVALID_CASES])
+@pytest.mark.parametrize(("build", "reason", "sender"), INVALID_CASES, ids=[c[1].value for c in INVALID_CASES])
 def test_invalid_rollouts_are_rejected_without_changing_state(learner, build, reason, sender):
     hello(learner, ACTOR_A, "actor-a")
     hello(learner, ACTOR_B, "actor-b")
     lease_msg = lease(learner, ACTOR_A, max_groups=1)
     other = lease(learner, ACTOR_A, max_groups=1)
-    outstanding = learner.scheduler.outstanding_groups
-    leases_before = set(learner.scheduler.leases)
+    outstanding = learner.state.scheduler.outstanding_groups
+    leases_before = set(learner.state.scheduler.leases)
 
-    ack = learner.handle(sender, build(learner, lease_msg, other))
+    ack = ask(learner, sender, build(learner, lease_msg, other))
 
     assert isinstance(ack, m.Ack)
     assert ack.status == "invalid"
-    assert ack.reason.split(":")[0] == reason
+    assert ack.reason == reason
     assert rejections(learner, reason) == 1
     assert ledger(learner) == []
-    assert learner.buffer == []
-    assert learner.scheduler.outstanding_groups == outstanding
-    assert set(learner.scheduler.leases) == leases_before
-    assert learner.scheduler.finished == set()
-    assert learner.step == 0 and learner.version == 0
-    assert learner.bans.violations(learner.actors[sender].principal) == 1, "hostile input counts toward a ban"
+    assert learner.state.buffer == []
+    assert learner.state.scheduler.outstanding_groups == outstanding
+    assert set(learner.state.scheduler.leases) == leases_before
+    assert learner.state.scheduler.finished == set()
+    assert learner.state.step == 0 and learner.state.version == 0
+    assert learner.registry.bans.violations(learner.registry.actors[sender].principal) == 1, "hostile input counts toward a ban"
     # An invalid answer is not remembered: the rightful holder can still submit a good result.
-    good = learner.handle(ACTOR_A, rollouts_for(lease_msg))
+    good = ask(learner, ACTOR_A, rollouts_for(lease_msg))
     assert good.status == "accepted"
 
 
@@ -481,16 +492,16 @@ def test_zero_variance_group_is_ledgered_but_not_trained_on(learner):
         lease_id=lease_msg.lease_id, policy_version=0,
         groups=[crafted_group(flat_id, FLAT), crafted_group(lease_msg.prompts[1].group_id, INFORMATIVE)],
     )
-    ack = learner.handle(ACTOR_A, msg)
+    ack = ask(learner, ACTOR_A, msg)
     assert ack.status == "accepted"
     assert ack.groups[flat_id] == "accepted"
     assert [line["group_id"] for line in ledger(learner)] == [p.group_id for p in lease_msg.prompts]
-    assert [g.group_id for g in learner.buffer] == [lease_msg.prompts[1].group_id]
+    assert [g.group_id for g in learner.state.buffer] == [lease_msg.prompts[1].group_id]
     assert sample(learner, "grpo_fleet_learner_groups_zero_variance_total") == 1
-    assert learner.zero_variance_since_step == 1
+    assert learner.state.zero_variance_since_step == 1
     assert not learner.ready_to_train()
     # The flat group is finished for good, not re-queued.
-    assert flat_id in learner.scheduler.finished
+    assert flat_id in learner.state.scheduler.finished
 
 
 def test_results_too_far_behind_are_stale_and_requeued(learner):
@@ -498,28 +509,28 @@ def test_results_too_far_behind_are_stale_and_requeued(learner):
     lease_msg = lease(learner)
     ids = [p.group_id for p in lease_msg.prompts]
     indices = [p.prompt_index for p in lease_msg.prompts]
-    learner.version = learner.cfg.grpo.max_staleness + 1
+    learner.state.version = learner.cfg.grpo.max_staleness + 1
 
-    ack = learner.handle(ACTOR_A, rollouts_for(lease_msg, version=0))
+    ack = ask(learner, ACTOR_A, rollouts_for(lease_msg, version=0))
     assert ack.status == "stale"
-    assert ack.reason == "stale_version"
+    assert ack.reason == RejectReason.STALE_VERSION
     assert ack.groups == {gid: "stale" for gid in ids}
-    assert rejections(learner, "stale_version") == len(ids)
-    assert ledger(learner) == [] and learner.buffer == []
-    assert learner.scheduler.outstanding_groups == 0
-    assert [t.group_id for t in learner.scheduler.queued_groups] == ids
+    assert rejections(learner, RejectReason.STALE_VERSION) == len(ids)
+    assert ledger(learner) == [] and learner.state.buffer == []
+    assert learner.state.scheduler.outstanding_groups == 0
+    assert [t.group_id for t in learner.state.scheduler.queued_groups] == ids
 
     again = lease(learner)
     assert [p.group_id for p in again.prompts] == ids
     assert [p.prompt_index for p in again.prompts] == indices
-    assert again.policy_version == learner.version
+    assert again.policy_version == learner.state.version
 
 
 def test_results_within_max_staleness_are_accepted(learner):
     hello(learner)
     lease_msg = lease(learner)
-    learner.version = learner.cfg.grpo.max_staleness
-    ack = learner.handle(ACTOR_A, rollouts_for(lease_msg, version=0))
+    learner.state.version = learner.cfg.grpo.max_staleness
+    ack = ask(learner, ACTOR_A, rollouts_for(lease_msg, version=0))
     assert ack.status == "accepted"
     assert {line["policy_version"] for line in ledger(learner)} == {0}
 
@@ -531,23 +542,24 @@ def test_train_step_records_metrics_publishes_and_checkpoints(learner):
     hello(learner)
     lease_msg = lease(learner)
     assert not learner.ready_to_train()
-    assert learner.handle(ACTOR_A, generated_rollouts(learner, lease_msg)).status == "accepted"
+    assert ask(learner, ACTOR_A, generated_rollouts(learner, lease_msg)).status == "accepted"
     assert learner.ready_to_train()
-    digest_before = learner.snapshot.digest
-    expected_tokens = sum(g.num_tokens for g in learner.buffer)
+    digest_before = learner.snapshots.current.digest
+    expected_tokens = sum(g.num_tokens for g in learner.state.buffer)
 
     record = learner.train_step()
 
-    assert learner.step == 1
-    assert learner.version == 1
-    assert record["published"] is True
-    assert learner.snapshot.version == 1
-    assert learner.snapshot.digest != digest_before
-    header, raw = learner.handle(ACTOR_A, m.GetWeights(version=1, length=10**9))
-    assert header.version == 1 and header.digest == learner.snapshot.digest == m.blob_digest(bytes(raw))
-    old_header, _ = learner.handle(ACTOR_A, m.GetWeights(version=0))
+    assert learner.state.step == 1
+    assert learner.state.version == 1
+    assert record.policy_version == 1, "this step published a new version"
+    assert learner.snapshots.current.version == 1
+    assert learner.snapshots.current.digest != digest_before
+    reply = learner.handle(ACTOR_A, m.GetWeights(version=1, length=10**9))
+    header, raw = reply.message, reply.raw
+    assert header.version == 1 and header.digest == learner.snapshots.current.digest == m.blob_digest(bytes(raw))
+    old_header = ask(learner, ACTOR_A, m.GetWeights(version=0))
     assert old_header.version == 0, "the previous version stays available to finish a transfer"
-    assert learner.buffer == []
+    assert learner.state.buffer == []
     assert not learner.ready_to_train()
 
     lines = metrics_lines(learner)
@@ -570,7 +582,7 @@ def test_train_step_records_metrics_publishes_and_checkpoints(learner):
     checkpoint = learner.run_dir / "checkpoints" / "step_000001"
     assert (checkpoint / "optimizer.safetensors").is_file()
     meta = json.loads((checkpoint / "grpo_fleet.json").read_text())
-    assert meta["step"] == 1 and meta["policy_version"] == 1 and meta["run_id"] == learner.run_id
+    assert meta["step"] == 1 and meta["policy_version"] == 1 and meta["run_id"] == learner.state.run_id
     latest = json.loads((learner.run_dir / "checkpoints" / "latest.json").read_text())
     assert latest["path"] == "step_000001"
     model, tokenizer = mlx_lm.load(str(checkpoint))
@@ -581,11 +593,11 @@ def test_train_step_records_metrics_publishes_and_checkpoints(learner):
 def test_train_step_uses_the_oldest_groups_first(learner):
     hello(learner)
     lease_msg = lease(learner, max_groups=4)
-    learner.handle(ACTOR_A, rollouts_for(lease_msg))
-    oldest = [g.group_id for g in learner.buffer[:GROUPS_PER_STEP]]
-    newest = [g.group_id for g in learner.buffer[GROUPS_PER_STEP:]]
+    ask(learner, ACTOR_A, rollouts_for(lease_msg))
+    oldest = [g.group_id for g in learner.state.buffer[:GROUPS_PER_STEP]]
+    newest = [g.group_id for g in learner.state.buffer[GROUPS_PER_STEP:]]
     learner.train_step()
-    assert [g.group_id for g in learner.buffer] == newest
+    assert [g.group_id for g in learner.state.buffer] == newest
     assert oldest == [p.group_id for p in lease_msg.prompts[:GROUPS_PER_STEP]]
     assert learner.ready_to_train()
 
@@ -602,22 +614,22 @@ def test_ledger_lines_carry_the_step_they_were_accepted_in(learner):
 def test_version_bumps_every_sync_every_steps(make_learner):
     learner = make_learner(train={"steps": 3, "sync_every": 2, "checkpoint_every": 10})
     hello(learner)
-    digest0 = learner.snapshot.digest
+    digest0 = learner.snapshots.current.digest
     fill_buffer(learner)
     first = learner.train_step()
-    assert (learner.step, learner.version, first["published"]) == (1, 0, False)
-    assert learner.snapshot.digest == digest0  # nothing new published yet
+    assert (learner.state.step, learner.state.version, first.policy_version) == (1, 0, 0)
+    assert learner.snapshots.current.digest == digest0  # nothing new published yet
     fill_buffer(learner)
     second = learner.train_step()
-    assert (learner.step, learner.version, second["published"]) == (2, 1, True)
-    assert learner.snapshot.digest != digest0
+    assert (learner.state.step, learner.state.version, second.policy_version) == (2, 1, 1)
+    assert learner.snapshots.current.digest != digest0
     assert [line["policy_version"] for line in metrics_lines(learner)] == [0, 1]
     # checkpoint_every=10 > steps so far: no checkpoint yet...
     assert not (learner.run_dir / "checkpoints").exists()
     fill_buffer(learner)
     learner.train_step()
     # ...but the final step always writes one.
-    assert learner.done
+    assert learner.state.done
     assert (learner.run_dir / "checkpoints" / "step_000003").is_dir()
     assert not learner.ready_to_train()
 
@@ -630,10 +642,10 @@ def test_zero_variance_fraction_is_reported_and_reset_per_step(learner):
         lease_id=lease_msg.lease_id, policy_version=0,
         groups=[crafted_group(p.group_id, rewards[i]) for i, p in enumerate(lease_msg.prompts)],
     )
-    learner.handle(ACTOR_A, msg)
+    ask(learner, ACTOR_A, msg)
     record = learner.train_step()
-    assert record["zero_variance_fraction"] == pytest.approx(0.5)
-    assert learner.accepted_since_step == 0 and learner.zero_variance_since_step == 0
+    assert record.zero_variance_fraction == pytest.approx(0.5)
+    assert learner.state.accepted_since_step == 0 and learner.state.zero_variance_since_step == 0
 
 
 # ----------------------------------------------------------------- resume
@@ -644,23 +656,23 @@ def test_resume_restores_state_and_cuts_logs_back_to_the_checkpoint(tiny_model_d
     first = build_learner(cfg)
     hello(first)
     granted = lease(first)
-    first.handle(ACTOR_A, generated_rollouts(first, granted))
+    ask(first, ACTOR_A, generated_rollouts(first, granted))
     first.train_step()  # checkpoint at step 1 (buffer empty, nothing outstanding)
     outstanding = lease(first)  # leased after the checkpoint...
-    first.handle(ACTOR_A, rollouts_for(outstanding, FLAT, incarnation=first.incarnation))  # ...and accepted after it
+    ask(first, ACTOR_A, rollouts_for(outstanding, FLAT, incarnation=first.state.incarnation))  # ...and accepted after it
     kept = ledger(first)[: GROUPS_PER_STEP]
     assert len(ledger(first)) == 2 * GROUPS_PER_STEP
     first.close()
 
     second = build_learner(cfg, resume=True)
     try:
-        assert (second.step, second.version, second.run_id) == (1, 1, first.run_id)
+        assert (second.state.step, second.state.version, second.state.run_id) == (1, 1, first.state.run_id)
         assert ledger(second) == kept, "groups accepted after the checkpoint leave the ledger"
         assert len(metrics_lines(second)) == 1
-        assert second.scheduler.finished == {entry["group_id"] for entry in kept}
+        assert second.state.scheduler.finished == {entry["group_id"] for entry in kept}
         # the post-checkpoint lease is unknown to the resumed learner: a late submission is stale
         hello(second)
-        late = second.handle(ACTOR_A, rollouts_for(outstanding, INFORMATIVE))
+        late = ask(second, ACTOR_A, rollouts_for(outstanding, INFORMATIVE))
         assert late.status == "stale" and set(late.groups.values()) == {"stale"}
         # the same prompts are handed out again under the same group ids
         again = lease(second)
@@ -677,30 +689,30 @@ def test_resumed_learner_judges_work_by_incarnation_and_shared_history(tiny_mode
     for _ in range(3):  # steps 1-3: checkpoint at step 2 (v2), the previous life goes on to v3
         fill_buffer(first)
         first.train_step()
-    assert first.version == 3
+    assert first.state.version == 3
     held = lease(first, max_groups=1)  # leased at v3, after the checkpoint: the resumed life never issued it
     first.close()
 
     second = build_learner(cfg, resume=True)
     try:
-        assert (second.version, second.history_version) == (2, 2)
+        assert (second.state.version, second.state.history_version) == (2, 2)
         welcome = hello(second)
         assert welcome.incarnation != old.incarnation and welcome.policy_version == 2
         # v3 of the previous life: a version this life has not published
         late = held.model_copy(update={"policy_version": 3})
-        ack = second.handle(ACTOR_A, rollouts_for(late).model_copy(update={"incarnation": old.incarnation}))
+        ack = ask(second, ACTOR_A, rollouts_for(late).model_copy(update={"incarnation": old.incarnation}))
         assert ack.status == "stale"
         # once this life publishes its own v3, the previous life's v3 still names other weights
         fill_buffer(second)
         second.train_step()
-        assert second.version == 3
+        assert second.state.version == 3
         fresh = lease(second, max_groups=1)
         other_life = rollouts_for(fresh, version=3).model_copy(update={"incarnation": old.incarnation})
-        assert second.handle(ACTOR_A, other_life).reason == "previous_incarnation"
+        assert ask(second, ACTOR_A, other_life).reason == RejectReason.PREVIOUS_INCARNATION
         # v2 is shared history: sampled before the checkpoint, so good in either life
         shared = rollouts_for(lease(second, max_groups=1), version=2).model_copy(update={"incarnation": old.incarnation})
-        assert second.handle(ACTOR_A, shared).status == "accepted"
-        assert second.bans.violations(ACTOR_A.hex()) == 0
+        assert ask(second, ACTOR_A, shared).status == "accepted"
+        assert second.registry.bans.violations(ACTOR_A.hex()) == 0
     finally:
         second.close()
 
@@ -709,11 +721,11 @@ def test_hello_requeues_the_leases_an_actor_no_longer_holds(learner):
     hello(learner)
     kept, lost = lease(learner, max_groups=1), lease(learner, max_groups=1)
     # the actor reconnects (or restarts) and names only the lease it will still deliver
-    reply = learner.handle(ACTOR_A, m.Hello(actor_id="actor-a", host="h", backend="cpu", versions={},
+    reply = ask(learner, ACTOR_A, m.Hello(actor_id="actor-a", host="h", backend="cpu", versions={},
                                             holding=[kept.lease_id]))
     assert isinstance(reply, m.Welcome)
-    assert set(learner.scheduler.leases) == {kept.lease_id}
-    assert [t.group_id for t in learner.scheduler.queued_groups] == [p.group_id for p in lost.prompts]
+    assert set(learner.state.scheduler.leases) == {kept.lease_id}
+    assert [t.group_id for t in learner.state.scheduler.queued_groups] == [p.group_id for p in lost.prompts]
 
 
 def test_resume_keeps_buffered_groups_and_open_leases(tiny_model_dir, tmp_path):
@@ -721,17 +733,17 @@ def test_resume_keeps_buffered_groups_and_open_leases(tiny_model_dir, tmp_path):
     first = build_learner(cfg)
     hello(first)
     buffered = lease(first, max_groups=2)
-    first.handle(ACTOR_A, rollouts_for(buffered))
+    ask(first, ACTOR_A, rollouts_for(buffered))
     still_out = lease(first, max_groups=2)
     first.checkpoint()
     first.close()
 
     second = build_learner(cfg, resume=True)
     try:
-        assert [g.group_id for g in second.buffer] == [p.group_id for p in buffered.prompts]
-        second.handle(ACTOR_A, m.Hello(actor_id="actor-a", host="h", backend="cpu", versions={},
+        assert [g.group_id for g in second.state.buffer] == [p.group_id for p in buffered.prompts]
+        ask(second, ACTOR_A, m.Hello(actor_id="actor-a", host="h", backend="cpu", versions={},
                                        holding=[still_out.lease_id]))
-        ack = second.handle(ACTOR_A, rollouts_for(still_out))
+        ack = ask(second, ACTOR_A, rollouts_for(still_out))
         assert ack.status == "accepted", "an actor's lease survives the learner restart"
         assert second.ready_to_train()
     finally:
@@ -744,7 +756,7 @@ def test_fresh_start_refuses_a_run_dir_holding_a_run(tiny_model_dir, tmp_path):
     cfg = run_config(tiny_model_dir, tmp_path / "run")
     first = build_learner(cfg)
     hello(first)
-    first.handle(ACTOR_A, rollouts_for(lease(first)))
+    ask(first, ACTOR_A, rollouts_for(lease(first)))
     first.close()
     with pytest.raises(RunDirInUse, match="--resume"):
         build_learner(cfg)
@@ -754,9 +766,9 @@ def test_peer_sending_garbage_is_cut_off(make_learner):
     learner = make_learner(server={"max_violations": 3})
     hello(learner, b"pest", "pest")
     for _ in range(3):
-        assert isinstance(learner.handle(b"pest", m.Welcome.model_construct()), m.ErrorReply)
-    assert learner.is_banned(b"pest".hex())
-    assert not learner.is_banned(ACTOR_A.hex())
+        assert isinstance(ask(learner, b"pest", m.Welcome.model_construct()), m.ErrorReply)
+    assert learner.registry.is_banned(b"pest".hex())
+    assert not learner.registry.is_banned(ACTOR_A.hex())
     assert sample(learner, "grpo_fleet_learner_bans_total") == 1
 
 
@@ -764,9 +776,9 @@ def test_requests_before_hello_are_refused_but_never_ban(make_learner):
     # What every honest actor sends a restarted learner before its next Hello.
     learner = make_learner(server={"max_violations": 2})
     for _ in range(5):
-        reply = learner.handle(ACTOR_A, m.LeaseRequest(max_groups=1))
+        reply = ask(learner, ACTOR_A, m.LeaseRequest(max_groups=1))
         assert isinstance(reply, m.ErrorReply) and reply.reason == "not_registered"
-    assert not learner.is_banned(ACTOR_A.hex())
+    assert not learner.registry.is_banned(ACTOR_A.hex())
     assert sample(learner, "grpo_fleet_learner_protocol_errors_total", {"reason": "not_registered"}) == 5
 
 
@@ -776,12 +788,61 @@ def test_rollouts_from_a_version_never_published_are_stale_not_violations(make_l
     welcome = hello(learner)
     for _ in range(4):
         granted = lease(learner, max_groups=1)
-        msg = rollouts_for(granted, version=learner.version + 7).model_copy(update={"incarnation": welcome.incarnation})
-        ack = learner.handle(ACTOR_A, msg)
-        assert ack.status == "stale" and ack.reason == "unpublished_version"
-    assert not learner.is_banned(ACTOR_A.hex()) and learner.bans.violations(ACTOR_A.hex()) == 0
-    assert learner.scheduler.outstanding_groups == 0, "the groups went back to the queue"
+        msg = rollouts_for(granted, version=learner.state.version + 7).model_copy(update={"incarnation": welcome.incarnation})
+        ack = ask(learner, ACTOR_A, msg)
+        assert ack.status == "stale" and ack.reason == RejectReason.UNPUBLISHED_VERSION
+    assert not learner.registry.is_banned(ACTOR_A.hex()) and learner.registry.bans.violations(ACTOR_A.hex()) == 0
+    assert learner.state.scheduler.outstanding_groups == 0, "the groups went back to the queue"
     assert ledger(learner) == []
+
+
+def _in_a_thread(call: Callable[[], object], timeout: float = 10.0) -> object:
+    """`call()` on another thread; fails (instead of hanging) if it cannot finish, e.g. for want of the lock."""
+    results: list[object] = []
+    worker = threading.Thread(target=lambda: results.append(call()), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert results, f"no answer within {timeout}s: the learner's lock is held"
+    return results[0]
+
+
+def test_requests_are_answered_while_a_step_writes_its_checkpoint(make_learner, monkeypatch):
+    """The step's checkpoint copies the state under the lock and writes it outside, so the ROUTER loop never stalls."""
+    from grpo_fleet.learner import persistence
+
+    learner = make_learner(train={"steps": 5, "checkpoint_every": 1})
+    hello(learner)
+    fill_buffer(learner)
+    writing, release = threading.Event(), threading.Event()
+    write_state = persistence.write_state
+
+    def blocked_write(directory, data):
+        writing.set()
+        assert release.wait(60), "the test never let the writer go on"
+        return write_state(directory, data)
+
+    monkeypatch.setattr(persistence, "write_state", blocked_write)
+    training = threading.Thread(target=learner.train_step, daemon=True)
+    training.start()
+    try:
+        assert writing.wait(120), "the step never reached its checkpoint"
+        # The training thread is stuck inside the write; every kind of request is still answered.
+        assert isinstance(_in_a_thread(lambda: ask(learner, ACTOR_A, m.Heartbeat())), m.Heartbeat)
+        assert isinstance(_in_a_thread(lambda: ask(learner, ACTOR_B, m.StatusRequest())), m.Status)
+        during = _in_a_thread(lambda: ask(learner, ACTOR_A, m.LeaseRequest(max_groups=GROUPS_PER_STEP)))
+        assert isinstance(during, m.Lease) and during.prompts and during.policy_version == 1
+        ack = _in_a_thread(lambda: ask(learner, ACTOR_A, rollouts_for(during, incarnation=learner.state.incarnation)))
+        assert ack.status == "accepted"
+    finally:
+        release.set()
+        training.join(120)
+    assert not training.is_alive()
+    # The checkpoint is the state at the end of the step: the work done during the write is not in it.
+    saved = persistence.read_state(learner.run_dir / "checkpoints" / "step_000001")
+    assert saved["step"] == 1 and saved["buffer"] == []
+    assert saved["ledger_bytes"] < (learner.run_dir / "ledger.jsonl").stat().st_size
+    assert [g for lease in saved["scheduler"]["leases"] for g, _ in lease["tickets"]] == []
+    assert not set(saved["scheduler"]["finished"]) & {p.group_id for p in during.prompts}
 
 
 def test_kill_between_staging_and_rename_leaves_previous_checkpoint(make_learner, monkeypatch):
@@ -790,7 +851,7 @@ def test_kill_between_staging_and_rename_leaves_previous_checkpoint(make_learner
 
     learner = make_learner(train={"steps": 5, "checkpoint_every": 100})
     good = learner.checkpoint()
-    learner.step = 1  # pretend a step happened so the next checkpoint is a new directory
+    learner.state.step = 1  # pretend a step happened so the next checkpoint is a new directory
 
     class Killed(BaseException):
         pass
@@ -814,12 +875,12 @@ def test_rollouts_after_the_final_step_are_not_accepted(make_learner):
     hello(learner)
     first = lease(learner)
     late = lease(learner)
-    learner.handle(ACTOR_A, generated_rollouts(learner, first))
+    ask(learner, ACTOR_A, generated_rollouts(learner, first))
     learner.train_step()
-    assert learner.done
+    assert learner.state.done
     before = ledger(learner)
-    ack = learner.handle(ACTOR_A, rollouts_for(late))
-    assert ack.status == "stale" and ack.reason == "run_done"
+    ack = ask(learner, ACTOR_A, rollouts_for(late))
+    assert ack.status == "stale" and ack.reason == RejectReason.RUN_DONE
     assert ledger(learner) == before, "the ledger matches the final checkpoint"
 
 
@@ -849,9 +910,9 @@ def test_status_still_validates_after_hostile_heartbeats(learner):
         for value in HOSTILE_HEARTBEAT_VALUES:
             msg = _through_the_door(field, value)
             if msg is not None:
-                assert isinstance(learner.handle(ACTOR_A, msg), m.Heartbeat)
+                assert isinstance(ask(learner, ACTOR_A, msg), m.Heartbeat)
             # Asked after every single one: any of them alone used to be enough.
-            status = learner.handle(ACTOR_B, m.StatusRequest())
+            status = ask(learner, ACTOR_B, m.StatusRequest())
             assert isinstance(status, m.Status)
             assert m.Status.model_validate(status.model_dump(), strict=True) == status
             assert [a.policy_version for a in status.actors] == [0, 0], (field, value)
@@ -861,11 +922,11 @@ def test_hello_beyond_max_actors_is_refused_and_counted(make_learner):
     learner = make_learner(server={"max_actors": 2})
     hello(learner, b"one", "one")
     hello(learner, b"two", "two")
-    reply = learner.handle(b"three", m.Hello(actor_id="three", host="h", backend="cpu", versions={}))
+    reply = ask(learner, b"three", m.Hello(actor_id="three", host="h", backend="cpu", versions={}))
     assert isinstance(reply, m.ErrorReply) and reply.reason == "too_many_actors"
     assert "server.max_actors" in reply.detail
     assert sample(learner, "grpo_fleet_learner_protocol_errors_total", {"reason": "too_many_actors"}) == 1
-    assert set(learner.actors) == {b"one", b"two"}
+    assert set(learner.registry.actors) == {b"one", b"two"}
     hello(learner, b"two", "two")  # a registered actor may always say Hello again
     learner.drop_actor(b"one")
     hello(learner, b"three", "three")  # room again once one has gone
@@ -877,18 +938,18 @@ def test_a_poisoned_group_past_the_door_skips_the_update_and_is_charged_to_its_a
 
     hello(learner)
     fill_buffer(learner)
-    poisoned = learner.buffer[0]
+    poisoned = learner.state.buffer[0]
     poisoned.completions[1].logprobs = np.full_like(poisoned.completions[1].logprobs, np.nan)
     before = {k: np.array(v) for k, v in tree_flatten(learner.policy.model.trainable_parameters())}
 
     record = learner.train_step()
 
-    assert record["skipped"] == "nonfinite_loss"
+    assert record.skipped == "nonfinite_loss"
     after = dict(tree_flatten(learner.policy.model.trainable_parameters()))
     assert all(np.array_equal(before[k], np.array(after[k])) for k in before), "the weights did not move"
     assert sample(learner, "grpo_fleet_learner_skipped_updates_total", {"reason": "nonfinite_loss"}) == 1
-    assert learner.bans.violations(ACTOR_A.hex()) == 1, "the group's actor is charged"
+    assert learner.registry.bans.violations(ACTOR_A.hex()) == 1, "the group's actor is charged"
     assert sample(learner, "grpo_fleet_learner_violations_total", {"reason": "poisoned_bad_logprob"}) == 1
     # and training goes on
     fill_buffer(learner)
-    assert learner.train_step()["skipped"] is None
+    assert learner.train_step().skipped is None

@@ -45,6 +45,7 @@ from grpo_fleet.protocol import (
     encode,
     validate_rollouts,
 )
+from grpo_fleet.protocol.reasons import RejectReason
 from wire_samples import bulky
 
 DIGEST = hashlib.sha256(b"weights").hexdigest()
@@ -260,28 +261,28 @@ def _length_mismatch() -> Rollouts:
 @pytest.mark.parametrize(
     "build, reason",
     [
-        (lambda: rollouts(group("g0", completion([1]), completion([2]), completion([3]))), "bad_group_size"),
-        (lambda: rollouts(group("g0", completion([1]))), "bad_group_size"),
-        (lambda: rollouts(group("g0", completion([1]), completion([VOCAB]))), "token_out_of_range"),
-        (lambda: rollouts(group("g0", completion([1]), completion([-1]))), "token_out_of_range"),
-        (_length_mismatch, "length_mismatch"),
-        (lambda: rollouts(group("g0", completion([1]), completion([1], [0.5]))), "bad_logprob"),
-        (lambda: rollouts(group("g0", completion([1]), completion([1], [math.nan]))), "bad_logprob"),
-        (lambda: rollouts(group("g0", completion([1]), completion([1], [-math.inf]))), "bad_logprob"),
-        (lambda: rollouts(group("g0", completion([1]), completion([1] * (MAX_TOKENS + 1)))), "too_long"),
+        (lambda: rollouts(group("g0", completion([1]), completion([2]), completion([3]))), RejectReason.BAD_GROUP_SIZE),
+        (lambda: rollouts(group("g0", completion([1]))), RejectReason.BAD_GROUP_SIZE),
+        (lambda: rollouts(group("g0", completion([1]), completion([VOCAB]))), RejectReason.TOKEN_OUT_OF_RANGE),
+        (lambda: rollouts(group("g0", completion([1]), completion([-1]))), RejectReason.TOKEN_OUT_OF_RANGE),
+        (_length_mismatch, RejectReason.LENGTH_MISMATCH),
+        (lambda: rollouts(group("g0", completion([1]), completion([1], [0.5]))), RejectReason.BAD_LOGPROB),
+        (lambda: rollouts(group("g0", completion([1]), completion([1], [math.nan]))), RejectReason.BAD_LOGPROB),
+        (lambda: rollouts(group("g0", completion([1]), completion([1], [-math.inf]))), RejectReason.BAD_LOGPROB),
+        (lambda: rollouts(group("g0", completion([1]), completion([1] * (MAX_TOKENS + 1)))), RejectReason.TOO_LONG),
         (lambda: rollouts(group("g0", completion([1]), completion([2])),
-                          group("g0", completion([1]), completion([2]))), "duplicate_group_in_message"),
+                          group("g0", completion([1]), completion([2]))), RejectReason.DUPLICATE_GROUP_IN_MESSAGE),
     ],
 )
-def test_validate_rollouts_reasons(build: Callable[[], Rollouts], reason: str) -> None:
-    assert validate_rollouts(build(), group_size=G, vocab_size=VOCAB, max_tokens=MAX_TOKENS) == reason
+def test_validate_rollouts_reasons(build: Callable[[], Rollouts], reason: RejectReason) -> None:
+    assert validate_rollouts(build(), group_size=G, vocab_size=VOCAB, max_tokens=MAX_TOKENS) is reason
 
 
 def test_validate_rollouts_uint32_above_vocab() -> None:
     big = Completion(tokens=Tensor.from_numpy(np.array([2**32 - 1], np.uint32)),
                      logprobs=Tensor.from_numpy(np.array([-1], np.float32)), reward=0.0, finish_reason="stop")
     msg = rollouts(group("g0", completion([1]), big))
-    assert validate_rollouts(msg, group_size=G, vocab_size=VOCAB, max_tokens=MAX_TOKENS) == "token_out_of_range"
+    assert validate_rollouts(msg, group_size=G, vocab_size=VOCAB, max_tokens=MAX_TOKENS) == RejectReason.TOKEN_OUT_OF_RANGE
 
 
 # ---------------------------------------------------------------- decode rejects

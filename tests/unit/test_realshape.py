@@ -13,7 +13,6 @@ import mlx.nn as nn
 import mlx_lm
 import pytest
 
-from grpo_fleet.actor.rollout import encode_prompt
 from grpo_fleet.config import LoraConfig, RunConfig
 from grpo_fleet.learner.setup import resolve_model_path
 from grpo_fleet.model import (
@@ -36,6 +35,7 @@ from grpo_fleet.realshape import (
 )
 from grpo_fleet.synthetic_tokenizer import QWEN_SPECIALS
 from grpo_fleet.tasks import build_task
+from grpo_fleet.tasks.prompts import encode_prompt
 
 VOCAB = 151_936
 LORA = LoraConfig(enabled=True, rank=4)

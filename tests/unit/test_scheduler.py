@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from grpo_fleet.learner.scheduler import PromptScheduler
+from grpo_fleet.protocol.reasons import RejectReason
 
 LEASE_SECONDS = 10.0
 
@@ -88,7 +89,7 @@ def test_requeue_puts_one_group_back_and_keeps_the_rest_of_the_lease(make_schedu
     assert scheduler.queued_groups == [ticket]
     assert scheduler.outstanding_groups == 2
     assert gid not in scheduler.leases[lease.lease_id].tickets
-    assert scheduler.classify("actor-a", lease.lease_id, gid) == "not_leased"
+    assert scheduler.classify("actor-a", lease.lease_id, gid) is RejectReason.NOT_LEASED
 
 
 def test_expire_does_nothing_before_the_deadline(make_scheduler, clock):
@@ -127,11 +128,11 @@ def test_expire_only_touches_leases_past_their_own_deadline(make_scheduler, cloc
     assert scheduler.outstanding_groups == 1
 
 
-def test_classify_ok_for_the_holder_of_a_live_lease(make_scheduler):
+def test_classify_finds_nothing_wrong_for_the_holder_of_a_live_lease(make_scheduler):
     scheduler = make_scheduler()
     lease = scheduler.issue("actor-a", 2)
     for gid in lease.tickets:
-        assert scheduler.classify("actor-a", lease.lease_id, gid) == "ok"
+        assert scheduler.classify("actor-a", lease.lease_id, gid) is None
 
 
 def test_classify_duplicate_after_finish(make_scheduler):
@@ -139,26 +140,26 @@ def test_classify_duplicate_after_finish(make_scheduler):
     lease = scheduler.issue("actor-a", 2)
     gid = ids_of(lease)[0]
     scheduler.finish(lease.lease_id, gid)
-    assert scheduler.classify("actor-a", lease.lease_id, gid) == "duplicate"
+    assert scheduler.classify("actor-a", lease.lease_id, gid) is RejectReason.DUPLICATE
     # Duplicate wins over every other reason, whoever asks under whatever lease.
-    assert scheduler.classify("actor-b", "no-such-lease", gid) == "duplicate"
+    assert scheduler.classify("actor-b", "no-such-lease", gid) is RejectReason.DUPLICATE
 
 
 def test_classify_stale_lease_for_unknown_or_expired_lease(make_scheduler, clock):
     scheduler = make_scheduler()
     lease = scheduler.issue("actor-a", 1)
     gid = ids_of(lease)[0]
-    assert scheduler.classify("actor-a", "no-such-lease", gid) == "stale_lease"
+    assert scheduler.classify("actor-a", "no-such-lease", gid) is RejectReason.STALE_LEASE
     clock.advance(LEASE_SECONDS + 1)
     scheduler.expire()
-    assert scheduler.classify("actor-a", lease.lease_id, gid) == "stale_lease"
+    assert scheduler.classify("actor-a", lease.lease_id, gid) is RejectReason.STALE_LEASE
 
 
 def test_classify_not_your_lease_for_another_actor(make_scheduler):
     scheduler = make_scheduler()
     lease = scheduler.issue("actor-a", 1)
     gid = ids_of(lease)[0]
-    assert scheduler.classify("actor-b", lease.lease_id, gid) == "not_your_lease"
+    assert scheduler.classify("actor-b", lease.lease_id, gid) is RejectReason.NOT_YOUR_LEASE
 
 
 def test_classify_not_leased_for_a_group_outside_the_lease(make_scheduler):
@@ -166,8 +167,8 @@ def test_classify_not_leased_for_a_group_outside_the_lease(make_scheduler):
     mine = scheduler.issue("actor-a", 1)
     other = scheduler.issue("actor-a", 1)
     other_gid = ids_of(other)[0]
-    assert scheduler.classify("actor-a", mine.lease_id, other_gid) == "not_leased"
-    assert scheduler.classify("actor-a", mine.lease_id, "g-made-up") == "not_leased"
+    assert scheduler.classify("actor-a", mine.lease_id, other_gid) is RejectReason.NOT_LEASED
+    assert scheduler.classify("actor-a", mine.lease_id, "g-made-up") is RejectReason.NOT_LEASED
 
 
 def test_finish_removes_a_group_forever(make_scheduler, clock):
@@ -221,7 +222,7 @@ def test_release_actor_requeues_only_that_actors_leases(make_scheduler):
     assert set(scheduler.leases) == {b1.lease_id}
     assert {t.group_id for t in scheduler.queued_groups} == actor_a_groups
     assert scheduler.outstanding_groups == 1
-    assert scheduler.classify("actor-b", b1.lease_id, ids_of(b1)[0]) == "ok"
+    assert scheduler.classify("actor-b", b1.lease_id, ids_of(b1)[0]) is None
     assert scheduler.release_actor("actor-nobody") == 0
 
 

@@ -30,6 +30,9 @@ from typing import Any, Callable, Optional, Sequence, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+# Re-exported: callers that import it from here predate its neutral home.
+from grpo_fleet.tasks.prompts import encode_prompt as encode_prompt
+
 # Measured on CPU, 4 prompts x G=8: with 4-8 token prompts sharing was ~2 ms per
 # lease slower on the tiny demo model and even on a ~50M model; from 16 tokens
 # it was even on the tiny model and faster on the ~50M one (1.0 s vs 1.8 s).
@@ -267,15 +270,3 @@ def completion_text(tokenizer: Any, completion: GeneratedCompletion, eos_ids: se
     if completion.finish_reason == "stop" and tokens and tokens[-1] in eos_ids:
         tokens = tokens[:-1]
     return tokenizer.decode(tokens)
-
-
-def encode_prompt(tokenizer: Any, text: str, *, chat_template: bool, system_prompt: str | None = None) -> list[int]:
-    """Tokenize a prompt the way both learner and evaluator must: optionally through the chat template."""
-    if not chat_template:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    messages = []
-    if system_prompt:
-        messages.append({"role": "system", "content": system_prompt})
-    messages.append({"role": "user", "content": text})
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(rendered, add_special_tokens=False))

@@ -1,1 +1,1 @@
-"""Learner side: the GRPO objective, the optimizer step and weight publishing."""
+"""Learner side: intake, leases and the actor registry, the GRPO step, snapshots, checkpoints, and the loop serving them."""

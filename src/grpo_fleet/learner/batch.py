@@ -47,7 +47,7 @@ class AcceptedGroup:
 
     @property
     def is_informative(self) -> bool:
-        """False when every completion got the same reward, so every advantage is 0."""
+        """False when every completion got the same reward, so every advantage is 0: dynamic sampling drops it."""
         rewards = self.rewards
         return bool(rewards.max() != rewards.min())
 

@@ -4,7 +4,7 @@ A plain `model(inputs)` materialises `[n, W, V]` fp32 logits (prompt and padding
 included), which at a 151,936-token vocabulary is what runs the learner out of
 memory. Here the transformer body runs once, its hidden states are gathered at
 the completion positions, and the head + logsumexp + gather run chunk by chunk,
-recomputed in the backward pass as `mx.checkpoint` would (`grpo.chunked_logprobs`).
+recomputed in the backward pass as `mx.checkpoint` would (`logprobs.chunked_logprobs`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from grpo_fleet.learner.batch import MicroBatch
-from grpo_fleet.learner.grpo import chunked_logprobs
+from grpo_fleet.learner.logprobs import chunked_logprobs
 
 Project = Callable[[Any, mx.array], mx.array]
 

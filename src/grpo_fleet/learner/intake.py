@@ -1,26 +1,248 @@
-"""Checks on work the learner already holds: which accepted groups could have poisoned a step.
+"""Rollouts in: size limits, validate, classify, judge staleness, take accepted groups, replay answers.
 
-Plain data, no model. The door (`messages.validate_rollouts`) refuses values that
-cannot be trained on; this is the second line of defence, used when a step's loss
-or gradient still came out non-finite, to find whom to blame.
+Plain data and NumPy, no model. The door (`messages.validate_rollouts`) refuses
+values that cannot be trained on; `suspect_groups` is the second line of defence,
+used when a step's loss or gradient still came out non-finite, to find whom to
+blame. Every refusal has one `RejectReason`: it is the Ack's reason and the label
+of the rejection metric.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
 import numpy as np
 
-from grpo_fleet.learner.batch import AcceptedGroup
-from grpo_fleet.protocol.messages import values_out_of_bounds
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.runlog import LedgerEntry, RunLog
+from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.codec import Limits
+from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.protocol.reasons import RejectReason
+
+if TYPE_CHECKING:
+    from grpo_fleet.learner.leasing import Leasing
+    from grpo_fleet.learner.registry import ActorInfo, Registry
+    from grpo_fleet.learner.state import LearnerState
+    from grpo_fleet.learner.trainer import StepStats
+
+log = logging.getLogger("grpo_fleet.learner")
+# Stored answers kept for replays (at-least-once actors resend after a reconnect).
+ACK_CACHE_SIZE = 4096
+# msgpack framing around one completion's tensors (keys, dtype, shape, reward) and one
+# group (its id); generous, so an honest Rollouts never comes near the limit.
+COMPLETION_FRAMING_BYTES = 256
+GROUP_FRAMING_BYTES = 512
+# Room for the envelope, and for the largest other request (a Hello).
+MESSAGE_FRAMING_BYTES = 64 * 1024
 
 
-def suspect_groups(groups: list[AcceptedGroup], reward_bound: float) -> dict[str, str]:
+def inbound_limits(cfg: RunConfig) -> Limits:
+    """Decode limits for what actors send: no more than the largest lease's Rollouts can need.
+
+    Bytes, groups and completions are all bounded by the lease size, so a hostile
+    message costs the request loop no more than an honest one (the 14 MB, 100k
+    completion Rollouts that held it for seconds is now dropped by libzmq).
+    """
+    server, gen = cfg.server, cfg.generation
+    # A token travels as an int32/uint32 id plus a float32 logprob.
+    per_group = gen.group_size * (8 * gen.max_tokens + COMPLETION_FRAMING_BYTES) + GROUP_FRAMING_BYTES
+    size = min(server.max_message_bytes, MESSAGE_FRAMING_BYTES + server.max_groups_per_lease * per_group)
+    return Limits(
+        max_message_bytes=size, max_bin_len=size,
+        max_array_len=max(256, server.max_groups_per_lease, gen.group_size),
+        max_rollout_groups=server.max_groups_per_lease, max_group_completions=gen.group_size,
+    )
+
+
+class AckCache:
+    """The answer given for each lease, replayed to a resent Rollouts; bounded, oldest out first."""
+
+    def __init__(self, size: int = ACK_CACHE_SIZE, answers: Optional[dict[str, m.Ack]] = None) -> None:
+        self.size = size
+        self._answers: dict[str, m.Ack] = dict(answers or {})
+
+    def get(self, lease_id: str) -> Optional[m.Ack]:
+        return self._answers.get(lease_id)
+
+    def put(self, lease_id: str, ack: m.Ack) -> None:
+        # Bounded, so no peer can grow it without limit.
+        self._answers[lease_id] = ack
+        while len(self._answers) > self.size:
+            self._answers.pop(next(iter(self._answers)))
+
+    def answers(self) -> dict[str, m.Ack]:
+        """A copy, oldest first (what a checkpoint saves)."""
+        return dict(self._answers)
+
+
+@dataclass(frozen=True)
+class IntakeRules:
+    """What a usable submission must satisfy in this run."""
+
+    group_size: int
+    vocab_size: int
+    max_tokens: int
+    reward_bound: float
+    max_staleness: int
+    groups_per_step: int
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, vocab_size: int) -> "IntakeRules":
+        gen = cfg.generation
+        return cls(group_size=gen.group_size, vocab_size=vocab_size, max_tokens=gen.max_tokens,
+                   reward_bound=cfg.task.reward_bound, max_staleness=cfg.grpo.max_staleness,
+                   groups_per_step=cfg.grpo.groups_per_step)
+
+
+def unusable_version(msg: m.Rollouts, state: LearnerState, max_staleness: int) -> Optional[RejectReason]:
+    """Why rollouts cannot train this policy (None = they can); none of these is the actor's fault.
+
+    After a resume, actors may still hold versions the previous life published
+    past its last checkpoint: those numbers either do not exist yet in this
+    life or name other weights, so such work is stale, never a violation.
+    """
+    version = msg.policy_version
+    if version > state.version:
+        return RejectReason.UNPUBLISHED_VERSION
+    if msg.incarnation != state.incarnation and version > state.history_version:
+        return RejectReason.PREVIOUS_INCARNATION
+    if state.version - version > max_staleness:
+        return RejectReason.STALE_VERSION
+    return None
+
+
+def accepted_group(group: m.GroupResult, prompt_index: int, prompt_tokens: np.ndarray, version: int,
+                   actor: ActorInfo) -> AcceptedGroup:
+    """A validated wire group as the record the learner trains on, in the dtypes it trains in."""
+    completions = [
+        CompletionRecord(tokens=c.tokens.to_numpy().astype(np.int32), logprobs=c.logprobs.to_numpy().astype(np.float32),
+                         reward=float(c.reward), finish_reason=c.finish_reason)
+        for c in group.completions
+    ]
+    return AcceptedGroup(group_id=group.group_id, prompt_index=prompt_index, prompt_tokens=prompt_tokens,
+                         completions=completions, policy_version=version, actor_id=actor.actor_id,
+                         actor_key=actor.principal)
+
+
+def suspect_groups(groups: list[AcceptedGroup], reward_bound: float) -> dict[str, RejectReason]:
     """group_id -> reason for every group holding a value out of its float32 bounds."""
-    suspects: dict[str, str] = {}
+    suspects: dict[str, RejectReason] = {}
     for group in groups:
         # In float32, as trained: a reward of 1e39 is inf here.
         logprobs = np.concatenate([c.logprobs.astype(np.float32) for c in group.completions])
         with np.errstate(over="ignore", invalid="ignore"):  # overflowing is what we look for
-            reason = values_out_of_bounds(logprobs, group.rewards, reward_bound)
+            reason = m.values_out_of_bounds(logprobs, group.rewards, reward_bound)
         if reason is not None:
             suspects[group.group_id] = reason
     return suspects
+
+
+class Intake:
+    """Answers Rollouts: each group is accepted once, refused with a reason, or re-queued as stale."""
+
+    def __init__(self, rules: IntakeRules, state: LearnerState, registry: Registry, leasing: Leasing,
+                 runlog: RunLog, metrics: LearnerMetrics, prompt_tokens: list[np.ndarray],
+                 on_batch_ready: Callable[[], None]) -> None:
+        self.rules, self.state, self.registry, self.leasing = rules, state, registry, leasing
+        self.runlog, self.metrics, self.prompt_tokens = runlog, metrics, prompt_tokens
+        self.on_batch_ready = on_batch_ready
+
+    def take(self, actor: ActorInfo, msg: m.Rollouts) -> m.Ack:
+        """The answer to one Rollouts from `actor`; a replay gets the stored answer and changes nothing."""
+        stored = self.state.acks.get(msg.lease_id)
+        if stored is not None:
+            return stored
+        if self.state.done:
+            # The final checkpoint is written: accepting more would put groups in
+            # the ledger that no checkpoint or step ever accounts for.
+            return m.Ack(status="stale", reason=RejectReason.RUN_DONE, groups={g.group_id: "stale" for g in msg.groups})
+        rules, scheduler = self.rules, self.state.scheduler
+        invalid = m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
+                                      max_tokens=rules.max_tokens, reward_bound=rules.reward_bound)
+        if invalid is not None:
+            return self._invalid(actor, invalid)
+        known_lease = msg.lease_id in scheduler.leases
+        refused = {g.group_id: scheduler.classify(actor.principal, msg.lease_id, g.group_id) for g in msg.groups}
+        violations = sorted({r for r in refused.values() if r is not None and r.is_violation})
+        if violations:
+            return self._invalid(actor, violations[0])
+        self.leasing.measure(actor, msg.lease_id, len(msg.groups))
+        unusable = unusable_version(msg, self.state, rules.max_staleness)
+        ack = self._stale(msg, refused, unusable) if unusable is not None else self._accept(actor, msg, refused)
+        # Only answers about leases that were open are worth replaying.
+        if known_lease:
+            self.state.acks.put(msg.lease_id, ack)
+        self.metrics.leases_outstanding.set(len(scheduler.leases))
+        return ack
+
+    def _invalid(self, actor: ActorInfo, reason: RejectReason) -> m.Ack:
+        """Refuse hostile or malformed rollouts; this counts toward the peer's ban and changes no state."""
+        self.metrics.rejections.labels(reason=reason).inc()
+        self.registry.record_violation(actor.principal, reason)
+        return m.Ack(status="invalid", reason=reason)
+
+    def _stale(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]], reason: RejectReason) -> m.Ack:
+        for group_id, refusal in refused.items():
+            if refusal is None:
+                self.state.scheduler.requeue(msg.lease_id, group_id)
+        self.metrics.rejections.labels(reason=reason).inc(len(msg.groups))
+        return m.Ack(status="stale", reason=reason, groups={g: "stale" for g in refused})
+
+    def _accept(self, actor: ActorInfo, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> m.Ack:
+        answer: dict[str, str] = {}
+        for group in msg.groups:
+            refusal = refused[group.group_id]
+            if refusal is not None:  # a duplicate, or a lease that expired meanwhile
+                self.metrics.rejections.labels(reason=refusal).inc()
+                answer[group.group_id] = refusal.group_status
+                continue
+            ticket = self.state.scheduler.finish(msg.lease_id, group.group_id)
+            index = ticket.prompt_index
+            self._keep(actor, accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
+            answer[group.group_id] = "accepted"
+        overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
+        return m.Ack(status=overall, groups=answer)  # type: ignore[arg-type]  # one of Ack's statuses
+
+    def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
+        """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""
+        state, mt = self.state, self.metrics
+        self.runlog.ledger(LedgerEntry(group_id=record.group_id, prompt_index=record.prompt_index,
+                                       actor_id=record.actor_id, actor_key=record.actor_key,
+                                       policy_version=record.policy_version, step=state.step))
+        mt.groups_accepted.inc()
+        mt.tokens_accepted.inc(record.num_tokens)
+        self.registry.credit(actor, record.num_tokens, record.policy_version)
+        mt.staleness.observe(state.version - record.policy_version)
+        mt.group_reward.observe(float(record.rewards.mean()))
+        state.accepted_since_step += 1
+        if record.is_informative:
+            state.buffer.append(record)
+            if len(state.buffer) >= self.rules.groups_per_step:
+                self.on_batch_ready()
+        else:
+            state.zero_variance_since_step += 1
+            mt.groups_zero_variance.inc()
+
+    def blame_poisoned(self, groups: list[AcceptedGroup], stats: StepStats, step: int) -> None:
+        """A non-finite loss or gradient applied no update; count it and charge the groups that caused it.
+
+        The step still counts (its groups are consumed) but the weights did not
+        move. Groups holding values outside their float32 bounds count toward
+        their actors' bans; if none does, the inputs were clean and nobody is
+        blamed: the fault is the learner's numerics, and the log says so.
+        """
+        self.metrics.skipped_updates.labels(reason=stats.skipped).inc()
+        suspects = suspect_groups(groups, self.rules.reward_bound)
+        culprits = sorted({shown(g.actor_id) for g in groups if g.group_id in suspects})
+        log.warning("step %d applied no update: %s (loss %s, grad norm %s); %s", step, stats.skipped,
+                    stats.loss, stats.grad_norm,
+                    f"out-of-bounds values in {len(suspects)} groups from actors {', '.join(culprits)}"
+                    if culprits else "every input was within bounds, so no actor is blamed")
+        for group in groups:
+            if group.group_id in suspects and group.actor_key:
+                self.registry.record_violation(group.actor_key, f"poisoned_{suspects[group.group_id]}")

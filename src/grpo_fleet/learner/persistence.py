@@ -1,108 +1,201 @@
-"""Checkpoints and resume for the learner: weights, optimizer and run state, written atomically.
+"""Checkpoints and resume: a `LearnerState` saved with the weights and optimizer, atomically, and loaded back.
 
-A mixin of `Learner` so the bookkeeping in core.py stays readable; it reads and
-writes the learner's own attributes (step, version, buffer, scheduler, logs).
+`capture` copies the state under the learner's lock (cheap: containers only);
+`save` does every slow thing (serialising, fsync, the weights) outside it, so
+requests are answered while a checkpoint is written. The state file is msgpack
+with arrays as raw bytes, never pickle.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from grpo_fleet.learner.state import group_from_dict, group_to_dict, read_state, truncate_log, write_state
-from grpo_fleet.model import load_checkpoint_weights, save_checkpoint
+import msgpack
+import numpy as np
+
+from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.intake import AckCache
+from grpo_fleet.learner.runlog import LogSizes
+from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.model import Policy, load_checkpoint_weights, save_checkpoint
 from grpo_fleet.protocol import messages as m
 
-log = logging.getLogger("grpo_fleet.learner")
+STATE_FILE = "learner_state.msgpack"
+OPTIMIZER_FILE = "optimizer.safetensors"
 
 
-class Persistence:
-    """What `Learner` needs to survive a restart: `checkpoint()` and `resume()`."""
+@dataclass(frozen=True)
+class SavedState:
+    """A consistent copy of `LearnerState` at one moment, with the log lengths that match it."""
 
-    def checkpoint(self) -> Path:
-        """Write weights (mlx-lm format), optimizer and learner state in one atomic swap, then repoint `latest`."""
-        with self.lock:
-            return self._checkpoint()
+    run_id: str
+    step: int
+    version: int
+    buffer: list[AcceptedGroup]
+    acks: dict[str, m.Ack]
+    accepted_since_step: int
+    zero_variance_since_step: int
+    scheduler: dict[str, Any]  # PromptScheduler.state_dict()
+    logs: LogSizes
+    wall_seconds: float
 
-    def _checkpoint(self) -> Path:
-        self._metrics_file.flush()
-        self._ledger_file.flush()
-        root = self.run_dir / "checkpoints"
-        path = root / f"step_{self.step:06d}"
-        meta = {"step": self.step, "policy_version": self.version, "run_id": self.run_id}
-        state = self.state_dict()
 
-        def write_extra(staging: Path) -> None:
-            self.trainer.save_optimizer(staging / "optimizer.safetensors")
-            write_state(staging, state)
+def capture(state: LearnerState, logs: LogSizes) -> SavedState:
+    """Copy what a checkpoint saves; call it under the lock that guards `state`, with the logs' sizes taken there."""
+    return SavedState(
+        run_id=state.run_id, step=state.step, version=state.version, buffer=list(state.buffer),
+        acks=state.acks.answers(), accepted_since_step=state.accepted_since_step,
+        zero_variance_since_step=state.zero_variance_since_step, scheduler=state.scheduler.state_dict(),
+        logs=logs, wall_seconds=state.wall_seconds(),
+    )
 
-        save_checkpoint(self.policy, path, extra=meta, write_extra=write_extra)
-        latest = root / "latest.json"
-        tmp = latest.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"path": path.name, **meta}))
-        tmp.replace(latest)
-        self._prune_checkpoints(root, keep=path.name)
-        return path
 
-    def _prune_checkpoints(self, root: Path, keep: str) -> None:
-        # Hidden staging directories are what a kill mid-checkpoint leaves behind.
-        for leftover in root.glob(".step_*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        older = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != keep)
-        for stale in older[: max(0, len(older) - self.cfg.train.keep_checkpoints + 1)]:
-            shutil.rmtree(stale, ignore_errors=True)
+def save(saved: SavedState, policy: Policy, trainer: Trainer, run_dir: Path, *, keep: int) -> Path:
+    """Write weights (mlx-lm format), optimizer and state in one atomic swap, repoint `latest`, prune old ones.
 
-    def state_dict(self) -> dict:
-        """Everything besides weights and optimizer that a resume needs."""
-        return {
-            "run_id": self.run_id,
-            "step": self.step,
-            "version": self.version,
-            "buffer": [group_to_dict(g) for g in self.buffer],
-            "acks": {lease_id: ack.model_dump() for lease_id, ack in self.acks.items()},
-            "accepted_since_step": self.accepted_since_step,
-            "zero_variance_since_step": self.zero_variance_since_step,
-            "scheduler": self.scheduler.state_dict(),
-            "ledger_bytes": self._log_size(self._ledger_file),
-            "metrics_bytes": self._log_size(self._metrics_file),
-            "wall_seconds": time.monotonic() - self.started,
-        }
+    Touches no shared state, so it runs without the lock; the training thread
+    calls it, and nothing else changes the weights or the optimizer meanwhile.
+    """
+    root = run_dir / "checkpoints"
+    path = root / f"step_{saved.step:06d}"
+    meta = {"step": saved.step, "policy_version": saved.version, "run_id": saved.run_id}
 
-    def forget_uncheckpointed_work(self) -> None:
-        """Resuming a run that died before its first checkpoint: start over, logs included."""
-        truncate_log(self.run_dir / "ledger.jsonl", 0)
-        truncate_log(self.run_dir / "metrics.jsonl", 0)
+    def write_extra(staging: Path) -> None:
+        trainer.save_optimizer(staging / OPTIMIZER_FILE)
+        write_state(staging, state_to_dict(saved))
 
-    @staticmethod
-    def _log_size(handle) -> int:
+    save_checkpoint(policy, path, extra=meta, write_extra=write_extra)
+    latest = root / "latest.json"
+    tmp = latest.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"path": path.name, **meta}))
+    tmp.replace(latest)
+    _prune(root, keep_name=path.name, keep=keep)
+    return path
+
+
+def load(checkpoint: Path, policy: Policy, trainer: Trainer) -> SavedState:
+    """Load a checkpoint's weights and optimizer into `policy` and `trainer`; returns the state it saved."""
+    saved = state_from_dict(read_state(checkpoint))
+    load_checkpoint_weights(policy, checkpoint)
+    trainer.load_optimizer(checkpoint / OPTIMIZER_FILE)
+    return saved
+
+
+def restore(state: LearnerState, saved: SavedState) -> None:
+    """Continue from `saved`: leases, finished groups, buffer and answers; this life keeps its incarnation."""
+    state.run_id, state.step, state.version = saved.run_id, saved.step, saved.version
+    state.buffer = list(saved.buffer)
+    state.acks = AckCache(state.acks.size, saved.acks)
+    state.accepted_since_step = saved.accepted_since_step
+    state.zero_variance_since_step = saved.zero_variance_since_step
+    state.scheduler.load_state_dict(saved.scheduler)
+    # Versions up to here were published, with these same weights, by the life
+    # that wrote the checkpoint; work sampled from them is still good.
+    state.history_version = saved.version
+    state.started = time.monotonic() - saved.wall_seconds
+
+
+def _prune(root: Path, keep_name: str, keep: int) -> None:
+    # Hidden staging directories are what a kill mid-checkpoint leaves behind.
+    for leftover in root.glob(".step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    older = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != keep_name)
+    for stale in older[: max(0, len(older) - keep + 1)]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the state file
+
+
+def state_to_dict(saved: SavedState) -> dict[str, Any]:
+    """`saved` as plain msgpack-able data (the keys every checkpoint so far has used)."""
+    return {
+        "run_id": saved.run_id,
+        "step": saved.step,
+        "version": saved.version,
+        "buffer": [group_to_dict(g) for g in saved.buffer],
+        "acks": {lease_id: ack.model_dump() for lease_id, ack in saved.acks.items()},
+        "accepted_since_step": saved.accepted_since_step,
+        "zero_variance_since_step": saved.zero_variance_since_step,
+        "scheduler": saved.scheduler,
+        "ledger_bytes": saved.logs.ledger_bytes,
+        "metrics_bytes": saved.logs.metrics_bytes,
+        "wall_seconds": saved.wall_seconds,
+    }
+
+
+def state_from_dict(data: dict[str, Any]) -> SavedState:
+    """Inverse of `state_to_dict`."""
+    return SavedState(
+        run_id=data["run_id"], step=data["step"], version=data["version"],
+        buffer=[group_from_dict(g) for g in data["buffer"]],
+        acks={lease_id: m.Ack(**ack) for lease_id, ack in data["acks"].items()},
+        accepted_since_step=data["accepted_since_step"], zero_variance_since_step=data["zero_variance_since_step"],
+        scheduler=data["scheduler"], logs=LogSizes(data["ledger_bytes"], data["metrics_bytes"]),
+        wall_seconds=data["wall_seconds"],
+    )
+
+
+def group_to_dict(group: AcceptedGroup) -> dict[str, Any]:
+    """An accepted group as plain msgpack-able data."""
+    return {
+        "group_id": group.group_id,
+        "prompt_index": group.prompt_index,
+        "prompt_tokens": np.ascontiguousarray(group.prompt_tokens, dtype="<i4").tobytes(),
+        "policy_version": group.policy_version,
+        "actor_id": group.actor_id,
+        "actor_key": group.actor_key,
+        "completions": [
+            {
+                "tokens": np.ascontiguousarray(c.tokens, dtype="<i4").tobytes(),
+                "logprobs": np.ascontiguousarray(c.logprobs, dtype="<f4").tobytes(),
+                "reward": float(c.reward),
+                "finish_reason": c.finish_reason,
+            }
+            for c in group.completions
+        ],
+    }
+
+
+def group_from_dict(data: dict[str, Any]) -> AcceptedGroup:
+    """Inverse of `group_to_dict`."""
+    return AcceptedGroup(
+        group_id=data["group_id"],
+        prompt_index=data["prompt_index"],
+        prompt_tokens=np.frombuffer(data["prompt_tokens"], dtype="<i4").astype(np.int32),
+        completions=[
+            CompletionRecord(
+                tokens=np.frombuffer(c["tokens"], dtype="<i4").astype(np.int32),
+                logprobs=np.frombuffer(c["logprobs"], dtype="<f4").astype(np.float32),
+                reward=c["reward"],
+                finish_reason=c["finish_reason"],
+            )
+            for c in data["completions"]
+        ],
+        policy_version=data["policy_version"],
+        actor_id=data["actor_id"],
+        actor_key=data.get("actor_key", ""),  # absent in checkpoints written before it existed
+    )
+
+
+def write_state(directory: Path, data: dict[str, Any]) -> Path:
+    """Write the state file durably (fsync) into a checkpoint staging directory."""
+    path = directory / STATE_FILE
+    with open(path, "wb") as handle:
+        handle.write(msgpack.packb(data, use_bin_type=True))
         handle.flush()
-        return Path(handle.name).stat().st_size
+        os.fsync(handle.fileno())
+    return path
 
-    def resume(self, checkpoint: Path) -> None:
-        """Continue from a checkpoint: weights, optimizer, leases, finished groups, logs cut back to match."""
-        state = read_state(checkpoint)
-        load_checkpoint_weights(self.policy, checkpoint)
-        self.trainer.load_optimizer(checkpoint / "optimizer.safetensors")
-        self.run_id, self.step, self.version = state["run_id"], state["step"], state["version"]
-        self.buffer = [group_from_dict(g) for g in state["buffer"]]
-        self.acks = {lease_id: m.Ack(**ack) for lease_id, ack in state["acks"].items()}
-        self.accepted_since_step = state["accepted_since_step"]
-        self.zero_variance_since_step = state["zero_variance_since_step"]
-        self.scheduler.load_state_dict(state["scheduler"])
-        # Versions up to here were published, with these same weights, by the life
-        # that wrote the checkpoint; work sampled from them is still good.
-        self.history_version = self.version
-        self.started = time.monotonic() - state["wall_seconds"]
-        # Groups accepted after this checkpoint are forgotten here and re-queued by
-        # their leases, so the ledger must forget them too to stay exactly-once.
-        self._ledger_file.flush()
-        self._metrics_file.flush()
-        truncate_log(self.run_dir / "ledger.jsonl", state["ledger_bytes"])
-        truncate_log(self.run_dir / "metrics.jsonl", state["metrics_bytes"])
-        self._make_snapshot()
-        self.metrics.policy_version.set(self.version)
-        log.info("resumed run %s at step %d (policy v%d) from %s as incarnation %s",
-                 self.run_id, self.step, self.version, checkpoint, self.incarnation)
+
+def read_state(directory: Path) -> dict[str, Any]:
+    """Read what `write_state` wrote."""
+    with open(directory / STATE_FILE, "rb") as handle:
+        return msgpack.unpackb(handle.read(), raw=False, strict_map_key=False)

@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from grpo_fleet.protocol.reasons import RejectReason
+
 
 @dataclass(frozen=True)
 class GroupTicket:
@@ -96,21 +98,18 @@ class PromptScheduler:
 
     # ------------------------------------------------------------------ returning
 
-    def classify(self, actor: str, lease_id: str, group_id: str) -> str:
-        """How a submitted group stands: ok, duplicate, stale_lease, not_your_lease or not_leased."""
+    def classify(self, actor: str, lease_id: str, group_id: str) -> Optional[RejectReason]:
+        """Why a submitted group cannot be accepted (DUPLICATE, STALE_LEASE, NOT_YOUR_LEASE, NOT_LEASED), or None."""
         if group_id in self.finished:
-            return "duplicate"
+            return RejectReason.DUPLICATE
         lease = self.leases.get(lease_id)
         if lease is None:
-            return "stale_lease"
+            return RejectReason.STALE_LEASE
         if lease.actor != actor:
-            return "not_your_lease"
+            return RejectReason.NOT_YOUR_LEASE
         if group_id not in lease.tickets:
-            return "not_leased"
-        return "ok"
-
-    def ticket(self, lease_id: str, group_id: str) -> GroupTicket:
-        return self.leases[lease_id].tickets[group_id]
+            return RejectReason.NOT_LEASED
+        return None
 
     def finish(self, lease_id: str, group_id: str) -> GroupTicket:
         """Mark a group accepted; it will never be handed out again."""

@@ -1,6 +1,7 @@
 """The learner's event loop: a ROUTER for requests, a PUB for notices.
 
-All socket work for the learner happens here; decisions are made by `Learner`.
+All socket work for the learner happens here; decisions are made by `Learner`,
+which answers each message with a typed `Reply` this loop sends as it is.
 """
 
 from __future__ import annotations
@@ -10,21 +11,24 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
-from pathlib import Path
-
 import zmq
+from pydantic import BaseModel
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.bans import peer_key
 from grpo_fleet.learner.core import Learner
+from grpo_fleet.learner.intake import inbound_limits
+from grpo_fleet.learner.replies import Reply
 from grpo_fleet.metrics import serve_metrics
 from grpo_fleet.protocol import messages as m
-from grpo_fleet.protocol.auth import KeyRing, load_keypair, start_authenticator
+from grpo_fleet.protocol.auth import Keypair, KeyRing, load_keypair, start_authenticator
+from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.endpoints import advertised, is_loopback_endpoint, is_wildcard_host, pub_endpoint_for
-from grpo_fleet.protocol.codec import Limits, ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.sockets import (
     bound_endpoint,
@@ -41,37 +45,13 @@ log = logging.getLogger("grpo_fleet.learner")
 SILENT_HEARTBEATS = 10
 # After the last step, how long the learner waits for every actor to hear Shutdown.
 SHUTDOWN_GRACE_SECONDS = 10.0
-# msgpack framing around one completion's tensors (keys, dtype, shape, reward) and one
-# group (its id); generous, so an honest Rollouts never comes near the limit.
-COMPLETION_FRAMING_BYTES = 256
-GROUP_FRAMING_BYTES = 512
-# Room for the envelope, and for the largest other request (a Hello).
-MESSAGE_FRAMING_BYTES = 64 * 1024
 
 
-HANDSHAKE_FAILURES = {
+HANDSHAKE_FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_auth",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_protocol",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_other",
 }
-
-
-def inbound_limits(cfg: RunConfig) -> Limits:
-    """Decode limits for what actors send: no more than the largest lease's Rollouts can need.
-
-    Bytes, groups and completions are all bounded by the lease size, so a hostile
-    message costs the request loop no more than an honest one (the 14 MB, 100k
-    completion Rollouts that held it for seconds is now dropped by libzmq).
-    """
-    server, gen = cfg.server, cfg.generation
-    # A token travels as an int32/uint32 id plus a float32 logprob.
-    per_group = gen.group_size * (8 * gen.max_tokens + COMPLETION_FRAMING_BYTES) + GROUP_FRAMING_BYTES
-    size = min(server.max_message_bytes, MESSAGE_FRAMING_BYTES + server.max_groups_per_lease * per_group)
-    return Limits(
-        max_message_bytes=size, max_bin_len=size,
-        max_array_len=max(256, server.max_groups_per_lease, gen.group_size),
-        max_rollout_groups=server.max_groups_per_lease, max_group_completions=gen.group_size,
-    )
 
 
 class InsecureBindError(RuntimeError):
@@ -93,6 +73,70 @@ def check_bind_security(cfg: RunConfig) -> None:
     log.warning("!!! INSECURE: learner listening on %s without CURVE; any peer can join !!!", ", ".join(exposed))
 
 
+class Doorman:
+    """Who may talk to the learner: CURVE's allow-list (reloaded live), failed handshakes, banned and revoked keys."""
+
+    def __init__(self, ctx: zmq.Context, cfg: RunConfig, learner: Learner) -> None:
+        self.learner = learner
+        self.keyring: Optional[KeyRing] = None
+        self.keypair: Optional[Keypair] = None
+        self.auth: Optional[ThreadAuthenticator] = None
+        self.monitor: Optional[zmq.Socket] = None
+        self.reload_requested = False
+        if cfg.security.keys_dir:
+            keys = Path(cfg.security.keys_dir)
+            self.keypair = load_keypair(keys / "learner.key_secret")
+            self.keyring = KeyRing(keys / "authorized")
+            self.auth = start_authenticator(ctx, self.keyring)
+            log.info("CURVE on: %d authorised actor keys in %s", len(self.keyring._keys), self.keyring.directory)
+
+    def watch(self, router: zmq.Socket) -> None:
+        """Count the router's failed handshakes (they never reach the loop as messages)."""
+        self.monitor = router.get_monitor_socket(sum(HANDSHAKE_FAILURES))
+
+    def request_reload(self, *_args: object) -> None:
+        self.reload_requested = True
+
+    def admits(self, identity: bytes, principal: Optional[str]) -> bool:
+        """Drop messages from banned peers and from keys revoked after their handshake."""
+        if self.learner.registry.is_banned(peer_key(identity, principal)):
+            self.learner.metrics.protocol_errors.labels(reason="banned").inc()
+            return False
+        if self.keyring is not None and not (principal and self.keyring.allows(principal.encode())):
+            self.learner.metrics.auth_failures.labels(reason="revoked").inc()
+            self.learner.drop_actor(identity)
+            return False
+        return True
+
+    def count_handshake_failures(self) -> None:
+        while self.monitor is not None and self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            reason = HANDSHAKE_FAILURES.get(event["event"])
+            if reason is not None:
+                self.learner.metrics.auth_failures.labels(reason=reason).inc()
+                log.warning("handshake failed on %s (%s)", shown(event["endpoint"].decode(errors="replace")), reason)
+
+    def reload_allow_list(self) -> None:
+        """SIGHUP or a change in the authorized/ directory: re-read keys, cut off revoked actors."""
+        if self.keyring is None:
+            return
+        changed = self.keyring.reload() if self.reload_requested else self.keyring.reload_if_changed()
+        self.reload_requested = False
+        if not changed:
+            return
+        for identity, info in list(self.learner.registry.actors.items()):
+            if not self.keyring.allows(info.principal.encode()):
+                released = self.learner.drop_actor(identity)
+                log.warning("actor %s (%s) revoked; re-queued %d leases", shown(info.actor_id), shown(info.principal), released)
+
+    def close(self, router: zmq.Socket) -> None:
+        if self.monitor is not None:
+            router.disable_monitor()
+            self.monitor.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+
+
 class LearnerServer:
     """Owns the sockets; pumps messages into `Learner` and trains when a batch is ready."""
 
@@ -102,37 +146,27 @@ class LearnerServer:
         self.limits = inbound_limits(learner.cfg)
         check_bind_security(learner.cfg)
         self.ctx = make_context()
-        self.keyring, self.auth, keypair = self._start_security(learner.cfg)
+        self.door = Doorman(self.ctx, learner.cfg, learner)
+        keypair = self.door.keypair
         # libzmq drops a larger frame before it is buffered in Python.
         self.router = router_socket(self.ctx, cfg.bind, max_message_bytes=self.limits.max_message_bytes, curve=keypair)
         self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind), curve=keypair)
-        self.monitor = self.router.get_monitor_socket(sum(HANDSHAKE_FAILURES))
-        self.reload_requested = False
+        self.door.watch(self.router)
         self.metrics_target: Optional[str] = None
         self.endpoint = bound_endpoint(self.router)
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
         self.training_error: Optional[BaseException] = None
-        self._announced_version = learner.version
+        self._announced_version = learner.state.version
         self.closing = False
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
-
-    def _start_security(self, cfg: RunConfig) -> tuple:
-        if not cfg.security.keys_dir:
-            return None, None, None
-        keys = Path(cfg.security.keys_dir)
-        keypair = load_keypair(keys / "learner.key_secret")
-        keyring = KeyRing(keys / "authorized")
-        auth = start_authenticator(self.ctx, keyring)
-        log.info("CURVE on: %d authorised actor keys in %s", len(keyring._keys), keyring.directory)
-        return keyring, auth, keypair
 
     def start_metrics(self) -> None:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
         cfg = self.learner.cfg
         port = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
-                             sd_targets=lambda: self.learner.sd_snapshot)
+                             sd_targets=lambda: self.learner.registry.sd_snapshot)
         if port:
             host = cfg.metrics.host
             if is_wildcard_host(host):
@@ -143,14 +177,11 @@ class LearnerServer:
     def request_stop(self, *_args: object) -> None:
         self.stopping = True
 
-    def request_reload(self, *_args: object) -> None:
-        self.reload_requested = True
-
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         if hasattr(signal, "SIGHUP"):
-            signal.signal(signal.SIGHUP, self.request_reload)
+            signal.signal(signal.SIGHUP, self.door.request_reload)
 
     def serve(self) -> None:
         """Run until the step target is reached or a stop is requested.
@@ -172,7 +203,7 @@ class LearnerServer:
             if self.training_error is not None:
                 raise self.training_error
             self._announce_new_version()
-            if self.learner.done:
+            if self.learner.state.done:
                 self._say_goodbye()
             else:
                 # Stopped early (signal): save everything; actors keep retrying and
@@ -185,18 +216,18 @@ class LearnerServer:
 
     def _train_loop(self) -> None:
         try:
-            while not self.stopping and not self.learner.done:
+            while not self.stopping and not self.learner.state.done:
                 if self.learner.wait_for_batch(timeout=0.1):
                     self.learner.train_step()
         except BaseException as exc:  # surfaced by serve() on the main thread
             self.training_error = exc
 
     def _announce_new_version(self) -> None:
-        snapshot = self.learner.snapshot
+        snapshot = self.learner.snapshots.current
         if snapshot.version != self._announced_version:
             self._announced_version = snapshot.version
             self._publish(m.PolicyUpdated(version=snapshot.version, digest=snapshot.digest,
-                                          incarnation=self.learner.incarnation))
+                                          incarnation=self.learner.state.incarnation))
 
     def _pump(self, timeout_ms: int) -> None:
         """Answer every message that is waiting (bounded, so lease expiry and notices still get their turn)."""
@@ -206,42 +237,24 @@ class LearnerServer:
             if not self.router.poll(0, zmq.POLLIN):
                 return
             routed = recv_routed_from(self.router, self.limits)
-            if not self._admitted(routed.identity, routed.principal):
+            if not self.door.admits(routed.identity, routed.principal):
                 continue
             reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address)
-            if isinstance(reply, tuple):  # a weight chunk: header + raw bytes
-                send_message(self.router, reply[0], identity=routed.identity, raw=reply[1])
-            elif reply is not None:
-                send_message(self.router, reply, identity=routed.identity)
-
-    def _admitted(self, identity: bytes, principal: Optional[str]) -> bool:
-        """Drop messages from banned peers and from keys revoked after their handshake."""
-        if self.learner.is_banned(peer_key(identity, principal)):
-            self.learner.metrics.protocol_errors.labels(reason="banned").inc()
-            return False
-        if self.keyring is not None and not (principal and self.keyring.allows(principal.encode())):
-            self.learner.metrics.auth_failures.labels(reason="revoked").inc()
-            self.learner.drop_actor(identity)
-            return False
-        return True
+            send_message(self.router, reply.message, identity=routed.identity, raw=reply.raw)
 
     def _answer(
-        self, identity: bytes, msg: object, principal: Optional[str] = None, peer_address: str = ""
-    ) -> Optional[object]:
+        self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None, peer_address: str = ""
+    ) -> Reply:
         if self.closing:
-            if identity in self.learner.actors:  # only registered actors are waited for; keeps the set bounded
+            if identity in self.learner.registry.actors:  # only registered actors are waited for; keeps the set bounded
                 self.told_to_stop.add(identity)
-            return m.Shutdown(reason="done")
-        if isinstance(msg, ProtocolError):
-            self.learner.metrics.protocol_errors.labels(reason=msg.reason).inc()
-            self.learner.record_violation(peer_key(identity, principal), msg.reason)
-            return m.ErrorReply(reason=msg.reason, detail=shown(msg, 400))
+            return Reply(m.Shutdown(reason="done"))
         try:
             return self.learner.handle(identity, msg, principal, peer_address)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling %s", type(msg).__name__)
             self.learner.metrics.protocol_errors.labels(reason="internal").inc()
-            return m.ErrorReply(reason="internal", detail=type(exc).__name__)
+            return Reply(m.ErrorReply(reason="internal", detail=type(exc).__name__))
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -249,42 +262,22 @@ class LearnerServer:
         if now - self._last_housekeeping < min(0.5, period):
             return
         self._last_housekeeping = now
-        self._count_handshake_failures()
-        self._reload_allow_list()
+        self.door.count_handshake_failures()
+        self.door.reload_allow_list()
         self.learner.expire_leases()
         self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
         self.learner.refresh_service_discovery(self.metrics_target)
-        self._publish(m.Heartbeat(actor_id="learner", policy_version=self.learner.version, sent_at=time.time(),
-                                  incarnation=self.learner.incarnation))
+        state = self.learner.state
+        self._publish(m.Heartbeat(actor_id="learner", policy_version=state.version, sent_at=time.time(),
+                                  incarnation=state.incarnation))
 
     def _drop_silent_actors(self, cutoff: float) -> None:
-        for identity, info in list(self.learner.actors.items()):
+        for identity, info in list(self.learner.registry.actors.items()):
             if info.last_seen < cutoff:
                 released = self.learner.drop_actor(identity)
                 log.info("actor %s went silent; re-queued %d leases", shown(info.actor_id), released)
 
-    def _count_handshake_failures(self) -> None:
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            reason = HANDSHAKE_FAILURES.get(event["event"])
-            if reason is not None:
-                self.learner.metrics.auth_failures.labels(reason=reason).inc()
-                log.warning("handshake failed on %s (%s)", shown(event["endpoint"].decode(errors="replace")), reason)
-
-    def _reload_allow_list(self) -> None:
-        """SIGHUP or a change in the authorized/ directory: re-read keys, cut off revoked actors."""
-        if self.keyring is None:
-            return
-        changed = self.keyring.reload() if self.reload_requested else self.keyring.reload_if_changed()
-        self.reload_requested = False
-        if not changed:
-            return
-        for identity, info in list(self.learner.actors.items()):
-            if not self.keyring.allows(info.principal.encode()):
-                released = self.learner.drop_actor(identity)
-                log.warning("actor %s (%s) revoked; re-queued %d leases", shown(info.actor_id), shown(info.principal), released)
-
-    def _publish(self, msg: object) -> None:
+    def _publish(self, msg: BaseModel) -> None:
         send_message(self.pub, msg)
 
     def _say_goodbye(self) -> None:
@@ -295,15 +288,12 @@ class LearnerServer:
         """
         self.closing = True
         deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
-        while time.monotonic() < deadline and set(self.learner.actors) - self.told_to_stop:
+        while time.monotonic() < deadline and set(self.learner.registry.actors) - self.told_to_stop:
             self._publish(m.Shutdown(reason="done"))
             self._pump(timeout_ms=100)
 
     def close(self) -> None:
-        self.router.disable_monitor()
-        self.monitor.close(linger=0)
-        if self.auth is not None:
-            self.auth.stop()
+        self.door.close(self.router)
         self.router.close(linger=0)
         self.pub.close(linger=0)
         self.ctx.term()

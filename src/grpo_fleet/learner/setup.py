@@ -12,6 +12,7 @@ import numpy as np
 from grpo_fleet.config import RunConfig, load_run_config
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
+from grpo_fleet.learner.runlog import LogSizes
 from grpo_fleet.learner.trainer import trainer_from_config
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_policy, model_digest
@@ -98,8 +99,9 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     if checkpoint is not None:
         learner.resume(checkpoint)
     elif resume:
-        learner.forget_uncheckpointed_work()
-    log.info("learner ready: model %s, %d prompts, run %s", path, len(prompts), learner.run_id)
+        # The run died before its first checkpoint: start over, logs included.
+        learner.runlog.truncate(LogSizes())
+    log.info("learner ready: model %s, %d prompts, run %s", path, len(prompts), learner.state.run_id)
     return learner
 
 

@@ -1,78 +1,43 @@
-"""The learner's resumable state on disk: msgpack with arrays as raw bytes (never pickle)."""
+"""The learner's run state: one explicit record that its rooms share under `Learner.lock`."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import time
+from dataclasses import dataclass, field
 
-import msgpack
-import numpy as np
-
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
-
-STATE_FILE = "learner_state.msgpack"
+from grpo_fleet.learner.batch import AcceptedGroup
+from grpo_fleet.learner.intake import AckCache
+from grpo_fleet.learner.scheduler import PromptScheduler
 
 
-def group_to_dict(group: AcceptedGroup) -> dict:
-    """An accepted group as plain msgpack-able data."""
-    return {
-        "group_id": group.group_id,
-        "prompt_index": group.prompt_index,
-        "prompt_tokens": np.ascontiguousarray(group.prompt_tokens, dtype="<i4").tobytes(),
-        "policy_version": group.policy_version,
-        "actor_id": group.actor_id,
-        "actor_key": group.actor_key,
-        "completions": [
-            {
-                "tokens": np.ascontiguousarray(c.tokens, dtype="<i4").tobytes(),
-                "logprobs": np.ascontiguousarray(c.logprobs, dtype="<f4").tobytes(),
-                "reward": float(c.reward),
-                "finish_reason": c.finish_reason,
-            }
-            for c in group.completions
-        ],
-    }
+@dataclass
+class LearnerState:
+    """Everything the learner is the source of truth for, besides weights and optimizer state.
 
+    A checkpoint saves all of it but `incarnation` and `history_version`
+    (persistence.capture / save); a resume restores it (persistence.load / restore).
+    Only the training thread moves `step` and `version`, always under the lock.
+    """
 
-def group_from_dict(data: dict) -> AcceptedGroup:
-    """Inverse of `group_to_dict`."""
-    return AcceptedGroup(
-        group_id=data["group_id"],
-        prompt_index=data["prompt_index"],
-        prompt_tokens=np.frombuffer(data["prompt_tokens"], dtype="<i4").astype(np.int32),
-        completions=[
-            CompletionRecord(
-                tokens=np.frombuffer(c["tokens"], dtype="<i4").astype(np.int32),
-                logprobs=np.frombuffer(c["logprobs"], dtype="<f4").astype(np.float32),
-                reward=c["reward"],
-                finish_reason=c["finish_reason"],
-            )
-            for c in data["completions"]
-        ],
-        policy_version=data["policy_version"],
-        actor_id=data["actor_id"],
-        actor_key=data.get("actor_key", ""),  # absent in checkpoints written before it existed
-    )
+    run_id: str
+    # This life of the learner process (m.Incarnation): new on every start and resume.
+    incarnation: str
+    steps_target: int
+    scheduler: PromptScheduler  # prompt order, open leases, finished groups
+    acks: AckCache = field(default_factory=lambda: AckCache())  # answers replayed to resent Rollouts
+    step: int = 0
+    version: int = 0
+    # Versions up to here were published, with these same weights, by earlier lives too.
+    history_version: int = 0
+    buffer: list[AcceptedGroup] = field(default_factory=list)  # informative, accepted, untrained; oldest first
+    accepted_since_step: int = 0
+    zero_variance_since_step: int = 0
+    started: float = field(default_factory=time.monotonic)  # moved back by the wall time of earlier lives
 
+    @property
+    def done(self) -> bool:
+        return self.step >= self.steps_target
 
-def write_state(directory: Path, state: dict) -> Path:
-    """Write the state file durably (fsync) into a checkpoint staging directory."""
-    path = directory / STATE_FILE
-    with open(path, "wb") as handle:
-        handle.write(msgpack.packb(state, use_bin_type=True))
-        handle.flush()
-        os.fsync(handle.fileno())
-    return path
-
-
-def read_state(directory: Path) -> dict:
-    """Read what `write_state` wrote."""
-    with open(directory / STATE_FILE, "rb") as handle:
-        return msgpack.unpackb(handle.read(), raw=False, strict_map_key=False)
-
-
-def truncate_log(path: Path, size: int) -> None:
-    """Cut an append-only JSONL log back to the length it had at the checkpoint."""
-    if path.exists() and path.stat().st_size > size:
-        with open(path, "r+b") as handle:
-            handle.truncate(size)
+    def wall_seconds(self) -> float:
+        """Training wall time of the whole run, earlier lives included."""
+        return time.monotonic() - self.started

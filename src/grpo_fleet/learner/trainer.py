@@ -29,7 +29,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
 from grpo_fleet.learner.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
 from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint
-from grpo_fleet.learner.grpo import grpo_loss, head_logprobs
+from grpo_fleet.learner.grpo import grpo_loss
+from grpo_fleet.learner.logprobs import head_logprobs
 from grpo_fleet.learner.schedule import learning_rate_schedule, with_decay_steps
 from grpo_fleet.model import Policy, adapters_disabled
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
 from grpo_fleet.digest import blob_digest as blob_digest  # re-exported: part of the wire vocabulary
+from grpo_fleet.protocol.reasons import RejectReason
 
 PROTOCOL_VERSION = 1
 
@@ -336,36 +337,36 @@ MESSAGE_TYPES: dict[str, type[BaseModel]] = {
 
 def validate_rollouts(
     msg: Rollouts, *, group_size: int, vocab_size: int, max_tokens: int, reward_bound: float = 1e4
-) -> Optional[str]:
-    """Run-dependent checks; returns a short reason label or None when the batch is usable.
+) -> Optional[RejectReason]:
+    """Run-dependent checks; returns why the batch is unusable, or None when it is usable.
 
     Values are checked in the dtype they are trained in: a reward of 1e39 is a
     finite float64 but inf in float32, so rewards must lie within `reward_bound`.
     """
     ids = [g.group_id for g in msg.groups]
     if len(set(ids)) != len(ids):
-        return "duplicate_group_in_message"
+        return RejectReason.DUPLICATE_GROUP_IN_MESSAGE
     completions = [c for g in msg.groups for c in g.completions]
     if not completions or any(len(g.completions) != group_size for g in msg.groups):
-        return "bad_group_size"
+        return RejectReason.BAD_GROUP_SIZE
     # Re-checked here because model_construct() bypasses the Completion validator.
     if any(c.tokens.shape != c.logprobs.shape or len(c.tokens.shape) != 1 for c in completions):
-        return "length_mismatch"
+        return RejectReason.LENGTH_MISMATCH
     if any(c.tokens.shape[0] > max_tokens for c in completions):
-        return "too_long"
+        return RejectReason.TOO_LONG
     # One concatenation per kind keeps the checks vectorised over the whole message.
     tokens = np.concatenate([c.tokens.to_numpy().astype(np.int64, copy=False) for c in completions])
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        return "token_out_of_range"
+        return RejectReason.TOKEN_OUT_OF_RANGE
     logprobs = np.concatenate([c.logprobs.to_numpy() for c in completions])
     rewards = np.array([c.reward for c in completions], dtype=np.float64)
     return values_out_of_bounds(logprobs, rewards, reward_bound)
 
 
-def values_out_of_bounds(logprobs: np.ndarray, rewards: np.ndarray, reward_bound: float) -> Optional[str]:
-    """"bad_logprob" or "bad_reward" when a value cannot be trained on in float32, else None."""
+def values_out_of_bounds(logprobs: np.ndarray, rewards: np.ndarray, reward_bound: float) -> Optional[RejectReason]:
+    """BAD_LOGPROB or BAD_REWARD when a value cannot be trained on in float32, else None."""
     if not np.all((logprobs >= LOGPROB_FLOOR) & (logprobs <= LOGPROB_CEILING)):  # NaN fails both
-        return "bad_logprob"
+        return RejectReason.BAD_LOGPROB
     if not np.all(np.abs(rewards) <= reward_bound):
-        return "bad_reward"
+        return RejectReason.BAD_REWARD
     return None

@@ -1,0 +1,101 @@
+"""The run's two append-only logs, metrics.jsonl (a line per step) and ledger.jsonl (a line per accepted group).
+
+The ledger is what proves exactly-once: a resume cuts both logs back to their
+length at the checkpoint, because the work they record after it is re-done.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Optional
+
+METRICS_FILE = "metrics.jsonl"
+LEDGER_FILE = "ledger.jsonl"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One learner step, as its metrics.jsonl line (the README lists these keys)."""
+
+    step: int
+    policy_version: int
+    reward_mean: float
+    reward_std: float
+    loss: float
+    kl: float
+    clip_fraction: float
+    grad_norm: float
+    skipped: Optional[str]  # why no update was applied (non-finite loss or gradient), or None
+    peak_memory_bytes: int
+    groups: int
+    tokens: int
+    # Versions between the snapshot that sampled a group and the policy it trained.
+    staleness_mean: float
+    zero_variance_fraction: float
+    step_seconds: float
+    wall_seconds: float
+    actors: int
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One accepted group, as its ledger.jsonl line."""
+
+    group_id: str
+    prompt_index: int
+    actor_id: str
+    actor_key: str  # the peer key it was accepted from: CURVE public key, else routing id
+    policy_version: int
+    step: int  # the step it was accepted during (trained in a later one)
+
+
+@dataclass(frozen=True)
+class LogSizes:
+    """Byte lengths of both logs: what a checkpoint records and a resume cuts back to."""
+
+    ledger_bytes: int = 0
+    metrics_bytes: int = 0
+
+
+class RunLog:
+    """Appends to both logs, line-buffered, so a kill loses at most the line being written."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._metrics = open(run_dir / METRICS_FILE, "a", buffering=1)
+        self._ledger = open(run_dir / LEDGER_FILE, "a", buffering=1)
+
+    def step(self, record: StepRecord) -> None:
+        self._metrics.write(json.dumps(asdict(record)) + "\n")
+
+    def ledger(self, entry: LedgerEntry) -> None:
+        self._ledger.write(json.dumps(asdict(entry)) + "\n")
+
+    def sizes(self) -> LogSizes:
+        """Current lengths, everything written so far flushed to the files first."""
+        return LogSizes(ledger_bytes=_flushed_size(self._ledger), metrics_bytes=_flushed_size(self._metrics))
+
+    def truncate(self, sizes: LogSizes) -> None:
+        """Forget what was logged after `sizes` was taken (the files are in append mode, so writing goes on at the end)."""
+        self._ledger.flush()
+        self._metrics.flush()
+        truncate_log(self.run_dir / LEDGER_FILE, sizes.ledger_bytes)
+        truncate_log(self.run_dir / METRICS_FILE, sizes.metrics_bytes)
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._ledger.close()
+
+
+def _flushed_size(handle: IO[str]) -> int:
+    handle.flush()
+    return Path(handle.name).stat().st_size
+
+
+def truncate_log(path: Path, size: int) -> None:
+    """Cut an append-only JSONL log back to the length it had at the checkpoint."""
+    if path.exists() and path.stat().st_size > size:
+        with open(path, "r+b") as handle:
+            handle.truncate(size)

@@ -1,0 +1,57 @@
+"""Why the learner did not accept submitted rollouts: the one list of reasons.
+
+Each value is what travels in `Ack.reason`, labels `grpo_fleet_learner_rejections_total`
+(and `_violations_total` for the ones that are the sender's fault), and what the
+tests assert. The string values are the wire and the dashboards: never rename one.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class RejectReason(str, Enum):
+    """A reason rollouts (or one group of them) were not accepted."""
+
+    # The message itself cannot be trained on (messages.validate_rollouts): a violation.
+    DUPLICATE_GROUP_IN_MESSAGE = "duplicate_group_in_message"
+    BAD_GROUP_SIZE = "bad_group_size"
+    LENGTH_MISMATCH = "length_mismatch"
+    TOO_LONG = "too_long"
+    TOKEN_OUT_OF_RANGE = "token_out_of_range"
+    BAD_LOGPROB = "bad_logprob"
+    BAD_REWARD = "bad_reward"
+    # Groups the sender was never given: a violation.
+    NOT_YOUR_LEASE = "not_your_lease"
+    NOT_LEASED = "not_leased"
+    # One group that cannot count (again): the network's or the learner's doing.
+    DUPLICATE = "duplicate"
+    STALE_LEASE = "stale_lease"
+    # Work sampled from a policy this learner cannot train on: never the actor's fault.
+    UNPUBLISHED_VERSION = "unpublished_version"
+    PREVIOUS_INCARNATION = "previous_incarnation"
+    STALE_VERSION = "stale_version"
+    RUN_DONE = "run_done"
+
+    def __str__(self) -> str:
+        # Prometheus labels and f-strings take str(): they must see the wire value.
+        return self.value
+
+    @property
+    def is_violation(self) -> bool:
+        """True when the sender is to blame: the answer is `invalid` and it counts toward a ban."""
+        return self in _VIOLATIONS
+
+    @property
+    def group_status(self) -> str:
+        """What `Ack.groups` says for one group refused for this reason."""
+        if self is RejectReason.DUPLICATE:
+            return "duplicate"
+        return "invalid" if self.is_violation else "stale"
+
+
+_VIOLATIONS = frozenset({
+    RejectReason.DUPLICATE_GROUP_IN_MESSAGE, RejectReason.BAD_GROUP_SIZE, RejectReason.LENGTH_MISMATCH,
+    RejectReason.TOO_LONG, RejectReason.TOKEN_OUT_OF_RANGE, RejectReason.BAD_LOGPROB, RejectReason.BAD_REWARD,
+    RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED,
+})

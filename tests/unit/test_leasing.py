@@ -1,0 +1,139 @@
+"""Tests for grpo_fleet.learner.leasing: lease sizing from measured actor speed, in-flight capacity, retry-after."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.leasing import (
+    DEADLINE_SHARE,
+    MAX_RETRY_SECONDS,
+    MIN_RETRY_SECONDS,
+    Leasing,
+    MovingAverage,
+    lease_size,
+    lease_target_seconds,
+    retry_after,
+)
+from grpo_fleet.learner.registry import ActorInfo
+from grpo_fleet.learner.scheduler import PromptScheduler
+from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.metrics import learner_metrics
+from grpo_fleet.protocol import messages as m
+
+
+def test_moving_average_starts_at_the_first_sample_then_follows_new_ones():
+    average = MovingAverage(weight=0.5)
+    assert average.value is None
+    assert average.add(10.0) == 10.0
+    assert average.add(20.0) == 15.0
+    for _ in range(30):
+        average.add(2.0)
+    assert average.value == pytest.approx(2.0, abs=1e-6)
+
+
+def test_an_unmeasured_actor_gets_what_it_asked_for_within_the_limit():
+    assert lease_size(requested=8, limit=4, groups_per_second=None, target_seconds=1.0) == 4
+    assert lease_size(requested=3, limit=16, groups_per_second=None, target_seconds=1.0) == 3
+
+
+def test_lease_is_what_the_actor_finishes_in_the_target_time():
+    # 2.5 groups/s for 2 s: 5 groups.
+    assert lease_size(requested=16, limit=16, groups_per_second=2.5, target_seconds=2.0) == 5
+
+
+def test_faster_actors_get_more_groups_in_proportion_to_their_speed():
+    slow = lease_size(requested=64, limit=64, groups_per_second=1.0, target_seconds=4.0)
+    fast = lease_size(requested=64, limit=64, groups_per_second=6.0, target_seconds=4.0)
+    assert (slow, fast) == (4, 24)
+
+
+def test_a_very_slow_actor_still_gets_one_group():
+    assert lease_size(requested=8, limit=8, groups_per_second=0.01, target_seconds=1.0) == 1
+
+
+@pytest.mark.parametrize("requested, limit", [(0, 8), (8, 0), (-1, 4)])
+def test_no_lease_without_room_or_without_a_request(requested, limit):
+    assert lease_size(requested=requested, limit=limit, groups_per_second=100.0, target_seconds=1.0) == 0
+
+
+def test_no_target_yet_means_no_speed_bound():
+    assert lease_size(requested=8, limit=6, groups_per_second=0.1, target_seconds=None) == 6
+
+
+def test_default_target_is_max_staleness_learner_steps():
+    assert lease_target_seconds(None, max_staleness=2, step_interval=0.5, lease_seconds=60.0) == 1.0
+    # On-policy runs (max_staleness 0) still allow one step.
+    assert lease_target_seconds(None, max_staleness=0, step_interval=0.5, lease_seconds=60.0) == 0.5
+
+
+def test_target_is_unknown_before_the_first_steps_unless_fixed():
+    assert lease_target_seconds(None, max_staleness=2, step_interval=None, lease_seconds=60.0) is None
+    assert lease_target_seconds(3.0, max_staleness=2, step_interval=None, lease_seconds=60.0) == 3.0
+
+
+def test_target_stays_well_inside_the_lease_deadline():
+    assert lease_target_seconds(None, max_staleness=4, step_interval=30.0, lease_seconds=60.0) == DEADLINE_SHARE * 60.0
+    assert lease_target_seconds(100.0, max_staleness=2, step_interval=None, lease_seconds=60.0) == DEADLINE_SHARE * 60.0
+
+
+# ---------------------------------------------------------------- the Leasing room
+
+
+def _leasing(clock, **server) -> Leasing:
+    cfg = RunConfig.model_validate({"grpo": {"groups_per_step": 2}, "server": server})
+    state = LearnerState(run_id="run", incarnation="a" * 12, steps_target=10,
+                         scheduler=PromptScheduler(20, seed=0, lease_seconds=cfg.server.lease_seconds, clock=clock))
+    prompts = [np.array([i], dtype=np.int32) for i in range(20)]
+    return Leasing(cfg, state, learner_metrics(), prompts, lambda i: {"answer": str(i)})
+
+
+def _actor() -> ActorInfo:
+    return ActorInfo(actor_id="a", host="h", backend="cpu", principal="key", last_seen=0.0)
+
+
+def test_in_flight_work_is_capped_at_in_flight_steps_batches(clock):
+    leasing = _leasing(clock, in_flight_steps=3, max_groups_per_lease=16)
+    actor = _actor()
+    assert leasing.capacity() == 3 * 2
+    lease = leasing.grant(actor, m.LeaseRequest(max_groups=16))
+    assert len(lease.prompts) == 6 and lease.prompts[0].fields == {"answer": str(lease.prompts[0].prompt_index)}
+    refused = leasing.grant(actor, m.LeaseRequest(max_groups=1))
+    assert refused.lease_id == "" and refused.retry_after == MAX_RETRY_SECONDS
+
+
+def test_buffered_groups_count_against_the_cap_until_trained(clock):
+    leasing = _leasing(clock)  # the default: two steps' worth
+    leasing.state.buffer = [object()] * 3  # type: ignore[list-item]
+    assert leasing.capacity() == 1
+    assert len(leasing.grant(_actor(), m.LeaseRequest(max_groups=4)).prompts) == 1
+
+
+def test_no_lease_once_the_run_is_done(clock):
+    leasing = _leasing(clock)
+    leasing.state.step = leasing.state.steps_target
+    assert leasing.grant(_actor(), m.LeaseRequest(max_groups=1)).prompts == []
+
+
+def test_a_refused_actor_retries_about_half_a_step_later():
+    assert retry_after(None, done=False) == MAX_RETRY_SECONDS
+    assert retry_after(0.04, done=False) == pytest.approx(0.02)
+    assert retry_after(0.001, done=False) == MIN_RETRY_SECONDS
+    assert retry_after(0.04, done=True) == MAX_RETRY_SECONDS
+
+
+def test_a_returned_lease_measures_its_actor(clock):
+    leasing = _leasing(clock)
+    actor = _actor()
+    lease = leasing.grant(actor, m.LeaseRequest(max_groups=2))
+    clock.advance(0.5)
+    leasing.measure(actor, lease.lease_id, 2)
+    assert actor.groups_per_second.value == pytest.approx(4.0) and actor.last_return == clock()
+
+
+def test_expired_leases_are_counted(clock):
+    leasing = _leasing(clock)
+    leasing.grant(_actor(), m.LeaseRequest(max_groups=2))
+    clock.advance(leasing.server.lease_seconds + 1)
+    assert leasing.expire() == 1 and leasing.state.scheduler.outstanding_groups == 0

@@ -1,0 +1,62 @@
+"""Tests for grpo_fleet.learner.runlog: the metrics.jsonl and ledger.jsonl writers, and cutting them back."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import fields
+from pathlib import Path
+
+from grpo_fleet.learner.runlog import LedgerEntry, LogSizes, RunLog, StepRecord
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _record(step: int) -> StepRecord:
+    return StepRecord(step=step, policy_version=step, reward_mean=0.5, reward_std=0.1, loss=0.2, kl=0.01,
+                      clip_fraction=0.0, grad_norm=1.0, skipped=None, peak_memory_bytes=1, groups=2, tokens=16,
+                      staleness_mean=1.0, zero_variance_fraction=0.0, step_seconds=0.1, wall_seconds=1.0, actors=2)
+
+
+def _entry(group_id: str) -> LedgerEntry:
+    return LedgerEntry(group_id=group_id, prompt_index=3, actor_id="a", actor_key="k", policy_version=0, step=0)
+
+
+def test_each_step_and_each_group_is_one_json_line(tmp_path):
+    log = RunLog(tmp_path)
+    log.step(_record(1))
+    log.ledger(_entry("g1"))
+    log.close()
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert line == {f.name: getattr(_record(1), f.name) for f in fields(StepRecord)}
+    assert json.loads((tmp_path / "ledger.jsonl").read_text()) == {
+        "group_id": "g1", "prompt_index": 3, "actor_id": "a", "actor_key": "k", "policy_version": 0, "step": 0,
+    }
+
+
+def test_the_readme_lists_every_step_record_key():
+    text = README.read_text()
+    listed = text[text.index("Each step appends one JSON line"):text.index("Every accepted group appends")]
+    assert set(re.findall(r"`(\w+)`", listed)) >= {f.name for f in fields(StepRecord)}
+
+
+def test_truncate_forgets_what_was_logged_after_the_sizes_were_taken(tmp_path):
+    log = RunLog(tmp_path)
+    log.step(_record(1))
+    log.ledger(_entry("g1"))
+    kept = log.sizes()
+    log.step(_record(2))
+    log.ledger(_entry("g2"))
+    log.truncate(kept)
+    log.ledger(_entry("g3"))  # append mode: writing goes on at the new end
+    log.close()
+    assert [json.loads(x)["group_id"] for x in (tmp_path / "ledger.jsonl").read_text().splitlines()] == ["g1", "g3"]
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_truncating_to_nothing_starts_the_logs_over(tmp_path):
+    log = RunLog(tmp_path)
+    log.ledger(_entry("g1"))
+    log.truncate(LogSizes())
+    assert log.sizes() == LogSizes(0, 0)
+    log.close()

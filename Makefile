@@ -45,10 +45,10 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 test: test-deps $(VENV)/.installed lint
-	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q $(PYTEST_ARGS)
+	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-fast: test-deps $(VENV)/.installed
-	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
 
 bench: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet bench

@@ -6,8 +6,6 @@ import ast
 from fnmatch import fnmatch
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "grpo_fleet"
 
 # DESIGN.md: networking lives only in protocol/ and the two event loops (the actor's link is part of its loop).
@@ -75,6 +73,5 @@ def test_the_model_does_not_know_the_wire():
     assert not _offenders("model.py", "grpo_fleet.protocol")
 
 
-@pytest.mark.xfail(strict=False, reason="learner/setup.py still imports actor.rollout; issue 12 moves that")
 def test_the_learner_does_not_import_the_actor():
     assert not _offenders("learner/*", "grpo_fleet.actor")

@@ -37,6 +37,9 @@ from grpo_fleet.synthetic_tokenizer import QWEN_SPECIALS
 from grpo_fleet.tasks import build_task
 from grpo_fleet.tasks.prompts import encode_prompt
 
+# Each builds or loads a model with the real 151,936-token vocabulary: in `make test`, not `make test-fast`.
+pytestmark = pytest.mark.slow
+
 VOCAB = 151_936
 LORA = LoraConfig(enabled=True, rank=4)
 

@@ -139,7 +139,7 @@ def row_lengths(mask: np.ndarray) -> np.ndarray:
     return last.astype(np.int64)
 
 
-def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+def plan_micro_batches(lengths: Sequence[int] | np.ndarray, token_budget: int) -> list[list[int]]:
     """Group row indices so each group's rows x bucketed width stays within `token_budget`.
 
     Rows go longest first, so a group's width is set by its first row and its
@@ -165,7 +165,7 @@ def _packed(rows: list[int], mask: np.ndarray, targets: np.ndarray, old: np.ndar
     cols = [np.flatnonzero(mask[r]) for r in rows]
     total = sum(len(c) for c in cols)
     slots = _bucketed(max(len(c) for c in cols))
-    out = {
+    out: dict[str, np.ndarray] = {
         "positions": np.zeros(_bucketed(total), np.int32), "targets": np.zeros(_bucketed(total), np.int32),
         "layout": np.zeros((len(rows), slots), np.int32), "columns": np.zeros((len(rows), slots), np.int64),
         "mask": np.zeros((len(rows), slots), np.float32), "old": np.zeros((len(rows), slots), np.float32),
@@ -204,7 +204,8 @@ def split_batch(batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
 
 def batch_totals(batch: TrainBatch) -> mx.array:
     """[completion tokens, sequences] of the whole batch: the loss's global normaliser."""
-    return mx.array([float(mx.sum(batch.mask).item()), float(batch.mask.shape[0])], dtype=mx.float32)
+    tokens = mx.sum(batch.mask).astype(mx.float32)
+    return mx.stack([tokens, mx.array(float(batch.mask.shape[0]), dtype=mx.float32)])
 
 
 def unpack_completions(micro_batches: list[MicroBatch], values: list[mx.array], shape: tuple[int, int]) -> np.ndarray:

@@ -81,4 +81,4 @@ def enable_grad_checkpoint(model: nn.Module) -> None:
     block_class = type(layers[0])
     if not getattr(block_class, "_grpo_fleet_checkpointed", False):
         grad_checkpoint(layers[0])
-        block_class._grpo_fleet_checkpointed = True  # type: ignore[attr-defined]
+        block_class._grpo_fleet_checkpointed = True

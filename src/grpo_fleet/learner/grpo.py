@@ -111,6 +111,7 @@ def _aggregate(
         # Each token weighs the same across the batch.
         return _token_mean(x, m, total_tokens)
     # dr_grpo: a constant denominator removes the length bias entirely.
+    assert max_tokens is not None  # checked by the caller (_check_loss_args)
     return mx.sum(x * m) / (sequences * max_tokens)
 
 

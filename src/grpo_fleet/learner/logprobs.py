@@ -7,10 +7,12 @@ positions at a time, so logits of shape `[N, L, V]` never exist.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
+
+from grpo_fleet.trees import flat_leaves
 
 
 def token_logprobs(logits: mx.array, targets: mx.array) -> mx.array:
@@ -76,7 +78,7 @@ def chunked_logprobs(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"hidden {hidden.shape} and targets {targets.shape} disagree on K")
-    keys = [key for key, _ in tree_flatten(params)]
+    keys = [key for key, _ in flat_leaves(params)]
     spans = [(start, min(start + chunk_size, hidden.shape[0])) for start in range(0, hidden.shape[0], chunk_size)]
     if not spans:
         return mx.zeros((0,), dtype=mx.float32)
@@ -105,4 +107,4 @@ def chunked_logprobs(
             d_weights = grads[1:] if d_weights is None else [a + b for a, b in zip(d_weights, grads[1:])]
         return (mx.concatenate(d_hidden), mx.zeros_like(t_all), *(d_weights or []))
 
-    return run(hidden, targets, *[value for _, value in tree_flatten(params)])
+    return cast(mx.array, run(hidden, targets, *[value for _, value in flat_leaves(params)]))

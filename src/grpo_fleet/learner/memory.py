@@ -15,9 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.trees import flat_leaves
 
 GIB = float(1 << 30)
 # Activations kept for the backward pass, per token and transformer block, in
@@ -77,7 +77,7 @@ def _shape(model: nn.Module) -> tuple[int, int, int, int]:
 
 
 def _nbytes(params: Any) -> int:
-    return sum(value.nbytes for _, value in tree_flatten(params) if isinstance(value, mx.array))
+    return sum(value.nbytes for _, value in flat_leaves(params) if isinstance(value, mx.array))
 
 
 def estimate_step_memory(model: nn.Module, cfg: RunConfig, *, reference_copy: bool = False) -> StepMemory:
@@ -86,7 +86,7 @@ def estimate_step_memory(model: nn.Module, cfg: RunConfig, *, reference_copy: bo
     `reference_copy`: pi_ref is a second, frozen copy of the weights (full fine-tuning with beta > 0).
     """
     hidden, intermediate, layers, vocab = _shape(model)
-    element = max((v.dtype.size for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)), default=4)
+    element = max((v.dtype.size for _, v in flat_leaves(model.parameters()) if isinstance(v, mx.array)), default=4)
     per_block = element * (HIDDEN_VECTORS_PER_TOKEN * hidden + INTERMEDIATE_VECTORS_PER_TOKEN * intermediate)
     outside = element * HIDDEN_VECTORS_OUTSIDE_BLOCKS * hidden
     tokens = cfg.train.micro_batch_tokens

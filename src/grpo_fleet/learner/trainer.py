@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +33,7 @@ from grpo_fleet.learner.grpo import grpo_loss
 from grpo_fleet.learner.logprobs import head_logprobs
 from grpo_fleet.learner.schedule import learning_rate_schedule, with_decay_steps
 from grpo_fleet.model import Policy, adapters_disabled
+from grpo_fleet.trees import flat_leaves, scalar
 
 _TRAIN_DEFAULTS = TrainConfig()
 LossFn = Callable[..., tuple[mx.array, dict]]
@@ -97,7 +98,7 @@ def _micro_arrays(micro: MicroBatch) -> tuple[mx.array, ...]:
 
 def global_norm(grads: dict) -> mx.array:
     """L2 norm over every gradient, in fp32 so half-precision squares cannot overflow."""
-    leaves = [g.astype(mx.float32) for _, g in tree_flatten(grads)]
+    leaves = [g.astype(mx.float32) for _, g in flat_leaves(grads)]
     return mx.sqrt(sum((mx.sum(g * g) for g in leaves), mx.array(0.0)))
 
 
@@ -223,8 +224,8 @@ class Trainer:
         weights nor the optimizer state (its step count included).
         """
         norm = global_norm(gradients.grads)
-        norm_value = float(norm.item())
-        reason = _skip_reason(float(gradients.loss.item()), norm_value)
+        norm_value = scalar(norm)
+        reason = _skip_reason(scalar(gradients.loss), norm_value)
         if reason is not None:
             return norm_value, reason
         limit = self.optim_cfg.grad_clip
@@ -263,7 +264,8 @@ class Trainer:
         refs = self._references(micro)
         if refs and refs[0] is None:
             return None
-        return mx.array(unpack_completions(micro, refs, tuple(batch.mask.shape)))
+        rows, width = batch.mask.shape
+        return mx.array(unpack_completions(micro, [ref for ref in refs if ref is not None], (rows, width)))
 
     def step(self, batch: TrainBatch) -> StepStats:
         """Train on one batch: `ppo_epochs` accumulate-then-apply updates, stopping at a skipped one."""
@@ -279,7 +281,8 @@ class Trainer:
             gradients = self.accumulate(micro, refs, totals)
             grad_norm, skipped = self.apply(gradients)
             epochs += 1
-            for key, value in {"loss": gradients.loss, "grad_norm": grad_norm, **gradients.stats}.items():
+            values: dict[str, Any] = {"loss": gradients.loss, "grad_norm": grad_norm, **gradients.stats}
+            for key, value in values.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
         train_seconds = time.perf_counter() - start
         peak = int(mx.get_peak_memory())
@@ -310,7 +313,7 @@ class Trainer:
 
     def load_optimizer(self, path: Path) -> None:
         """Restore what `save_optimizer` wrote."""
-        loaded: dict[str, Any] = dict(mx.load(str(path)))
+        loaded = cast(dict[str, Any], mx.load(str(path)))
         self.optimizer.state = tree_unflatten(list(loaded.items()))
         mx.eval(self.optimizer.state)
         if self.compiled:

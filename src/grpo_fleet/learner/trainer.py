@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
 from grpo_fleet.learner.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
+from grpo_fleet.learner.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
 from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint
 from grpo_fleet.learner.grpo import grpo_loss
 from grpo_fleet.learner.logprobs import head_logprobs
@@ -91,11 +92,6 @@ class StepStats:
     extra: dict[str, float] = field(default_factory=dict)  # stats a custom loss_fn adds
 
 
-def _micro_arrays(micro: MicroBatch) -> tuple[mx.array, ...]:
-    """The array fields of a micro-batch, in `MicroBatch`'s order (for compiled calls)."""
-    return (micro.inputs, micro.positions, micro.targets, micro.layout, micro.mask, micro.old_logprobs, micro.advantages)
-
-
 def global_norm(grads: dict) -> mx.array:
     """L2 norm over every gradient, in fp32 so half-precision squares cannot overflow."""
     leaves = [g.astype(mx.float32) for _, g in flat_leaves(grads)]
@@ -108,10 +104,6 @@ def _skip_reason(loss: float, norm: float) -> Optional[str]:
     if not math.isfinite(norm):
         return "nonfinite_grad"
     return None
-
-
-# Compiled traces kept per Trainer (see Trainer._may_trace); each holds a graph, not activations.
-MAX_COMPILED_SHAPES = 32
 
 
 class Trainer:
@@ -143,10 +135,12 @@ class Trainer:
         # Materialize now: lazy arrays belong to the creating thread's stream, and
         # the learner trains on its own thread.
         mx.eval(self.optimizer.state)
-        self.compiled = compile
-        self._compiled: dict[str, Callable] = self._compile() if compile else {}
-        self.max_compiled_shapes = max_compiled_shapes
-        self.compiled_shapes: set[tuple] = set()  # micro-batch shape signatures traced so far
+        self.compiled, self.max_compiled_shapes = compile, max_compiled_shapes
+        self.compiled_update = self._compile() if compile else None
+
+    def _compile(self) -> CompiledUpdate:
+        return CompiledUpdate(self.policy.model, self.optimizer, self._grads, self._apply_update,
+                              self.max_compiled_shapes)
 
     def _grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
         (loss, stats), grads = self._value_and_grad(self.policy.model, micro, ref, totals)
@@ -156,50 +150,9 @@ class Trainer:
         self.optimizer.update(self.policy.model, tree_map(lambda g: g * scale, grads))
         return scale
 
-    def _compile(self) -> dict[str, Callable]:
-        """Gradients (with and without pi_ref) and the update under mx.compile.
-
-        State is declared as inputs/outputs so the graphs read the live weights and
-        update the optimizer in place. The reference forward stays outside: it
-        swaps LoRA arrays, and compiled graphs freeze attributes such as `scale`.
-        """
-        model = self.policy.model
-        # Weights are outputs too: value_and_grad sets traced arrays on the model while
-        # tracing, and only declared outputs are written back with real ones.
-        reads = [model.state, mx.random.state]
-
-        def with_ref(totals, ref, *arrays):
-            return self._grads(MicroBatch(*arrays), ref, totals)
-
-        def without_ref(totals, *arrays):
-            return self._grads(MicroBatch(*arrays), None, totals)
-
-        updates = [model.state, self.optimizer.state]
-        return {"ref": mx.compile(with_ref, inputs=reads, outputs=reads),
-                "no_ref": mx.compile(without_ref, inputs=reads, outputs=reads),
-                "apply": mx.compile(self._apply_update, inputs=updates, outputs=updates)}
-
     def _micro_grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
-        if not self.compiled or not self._may_trace(micro, ref):
-            return self._grads(micro, ref, totals)
-        if ref is None:
-            return self._compiled["no_ref"](totals, *_micro_arrays(micro))
-        return self._compiled["ref"](totals, ref, *_micro_arrays(micro))
-
-    def _may_trace(self, micro: MicroBatch, ref: Optional[mx.array]) -> bool:
-        """Whether this micro-batch's shapes run compiled: already traced, or room for one more trace.
-
-        mx.compile traces once per input-shape signature and keeps every graph.
-        Widths are bucketed but row counts are not, so a long run could collect
-        graphs without end; past `max_compiled_shapes` new shapes run eager.
-        """
-        signature = (ref is None, *(array.shape for array in _micro_arrays(micro)))
-        if signature in self.compiled_shapes:
-            return True
-        if len(self.compiled_shapes) >= self.max_compiled_shapes:
-            return False
-        self.compiled_shapes.add(signature)
-        return True
+        compiled = None if self.compiled_update is None else self.compiled_update.grads(micro, ref, totals)
+        return self._grads(micro, ref, totals) if compiled is None else compiled
 
     def accumulate(self, micro_batches: list[MicroBatch], refs: list[Optional[mx.array]], totals: mx.array) -> Gradients:
         """Sum of the micro-batches' loss shares, stats and gradients (= the one-batch values)."""
@@ -231,7 +184,7 @@ class Trainer:
         limit = self.optim_cfg.grad_clip
         # Same rule as optim.clip_grad_norm: rescale only when the norm exceeds the limit.
         scale = mx.where(norm < limit, mx.array(1.0), limit / (norm + 1e-6))
-        update = self._compiled["apply"] if self.compiled else self._apply_update
+        update = self._apply_update if self.compiled_update is None else self.compiled_update.apply
         update(gradients.grads, scale)
         mx.eval(self.policy.model.trainable_parameters(), self.optimizer.state)
         return norm_value, None
@@ -318,8 +271,7 @@ class Trainer:
         mx.eval(self.optimizer.state)
         if self.compiled:
             # The compiled update captured the old state tree; trace again against the new one.
-            self._compiled = self._compile()
-            self.compiled_shapes.clear()
+            self.compiled_update = self._compile()
 
 
 def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.Module] = None) -> Trainer:

@@ -64,7 +64,7 @@ def _replies(completion: m.Completion) -> list:
         m.Lease(lease_id="L", deadline_seconds=1.0, policy_version=0, prompts=[prompt], retry_after=0.5),
         m.Status(run_id="r", step=1, steps_target=2, policy_version=1, tokens_per_second=3.0, groups_accepted=4, actors=[actor]),
         m.PolicyUpdated(version=1, digest=digest),
-        m.Ack(status="accepted"), m.ErrorReply(reason="x"), m.Shutdown(), m.StatusRequest(),
+        m.Ack(lease_id="L1", status="accepted"), m.ErrorReply(reason="x"), m.Shutdown(), m.StatusRequest(),
     ]
 
 
@@ -94,7 +94,7 @@ def mutated(draw) -> list[bytes]:
         return [bytes(base) + draw(st.binary(min_size=1, max_size=64))]
     if kind == "envelope":
         body = draw(json_like)
-        version = draw(st.sampled_from([m.PROTOCOL_VERSION, 0, 2, "1", None]))
+        version = draw(st.sampled_from([m.PROTOCOL_VERSION, 0, 1, "2", None]))
         name = draw(st.sampled_from([*m.MESSAGE_TYPES, "Pickle", "", "__class__"]))
         return [msgpack.packb({"v": version, "type": name, "body": body}, use_bin_type=True)]
     if kind == "frames":

@@ -103,10 +103,10 @@ def test_dealer_router_exchange(router: zmq.Socket, connect_dealer: Callable[[by
     got = dict(routed(router) for _ in range(2))
     assert got == {b"actor-a": LeaseRequest(max_groups=2), b"actor-b": valid_rollouts()}
 
-    send_message(router, Ack(status="accepted"), identity=b"actor-b")
+    send_message(router, Ack(lease_id="L1", status="accepted"), identity=b"actor-b")
     big = bulky(200_000)  # above the zero-copy threshold
     send_message(router, big, identity=b"actor-a")
-    assert recv_message(b, timeout_s=TIMEOUT_S) == Ack(status="accepted")
+    assert recv_message(b, timeout_s=TIMEOUT_S) == Ack(lease_id="L1", status="accepted")
     assert recv_message(a, timeout_s=TIMEOUT_S) == big
     assert recv_message(a, timeout_s=0.05) is None
 

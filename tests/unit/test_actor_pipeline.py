@@ -33,13 +33,20 @@ def test_a_booked_lease_is_handed_over_once() -> None:
 
 def test_an_ack_answers_the_submission_in_flight() -> None:
     inflight = InFlight(submitted=_rollouts())
-    answered = inflight.pair_ack(m.Ack(status="accepted"))
+    answered = inflight.pair_ack(m.Ack(lease_id=LEASE_ID, status="accepted"))
     assert answered is not None and answered.lease_id == LEASE_ID
     assert inflight.submitted is None and inflight.drained
 
 
 def test_an_ack_with_nothing_submitted_pairs_with_nothing() -> None:
-    assert InFlight().pair_ack(m.Ack(status="duplicate")) is None
+    assert InFlight().pair_ack(m.Ack(lease_id=LEASE_ID, status="duplicate")) is None
+
+
+def test_an_ack_for_another_lease_leaves_the_submission_awaiting_its_own() -> None:
+    """A late answer to a submission settled over an older connection must not settle the current one."""
+    inflight = InFlight(submitted=_rollouts())
+    assert inflight.pair_ack(m.Ack(lease_id="fedcba9876543210fedcba9876543210", status="accepted")) is None
+    assert inflight.submitted is not None and inflight.submitted.lease_id == LEASE_ID
 
 
 def test_hello_names_the_leases_still_held_after_a_reconnect() -> None:

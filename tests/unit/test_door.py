@@ -213,7 +213,7 @@ def test_the_learners_own_ids_pass() -> None:
     assert decode(envelope("Hello", HELLO)).actor_id == "mac-1.local:42"
     m.Lease(lease_id="", deadline_seconds=0.0, policy_version=0, prompts=[])
     m.Lease(lease_id="3f2b" * 8, deadline_seconds=1.0, policy_version=0, prompts=[])
-    m.Ack(status="stale", reason="stale_version", groups={"g00000017": "stale"})
+    m.Ack(lease_id="L1", status="stale", reason="stale_version", groups={"g00000017": "stale"})
 
 
 @pytest.mark.parametrize("text", HOSTILE_TEXT)

@@ -168,13 +168,13 @@ def test_unusable_version_judges_by_incarnation_and_shared_history(rooms):
 def test_the_ack_cache_is_bounded_oldest_out():
     cache = AckCache(size=2)
     for lease_id in ("a", "b", "c"):
-        cache.put(lease_id, m.Ack(status="accepted"))
+        cache.put(lease_id, m.Ack(lease_id=lease_id, status="accepted"))
     assert cache.get("a") is None and list(cache.answers()) == ["b", "c"]
 
 
 def test_reasons_keep_their_wire_values_and_say_whose_fault_they_are():
     assert str(RejectReason.BAD_LOGPROB) == f"{RejectReason.BAD_LOGPROB}" == "bad_logprob"
-    assert m.Ack(status="invalid", reason=RejectReason.BAD_REWARD).model_dump()["reason"] == "bad_reward"
+    assert m.Ack(lease_id="L1", status="invalid", reason=RejectReason.BAD_REWARD).model_dump()["reason"] == "bad_reward"
     assert RejectReason.NOT_YOUR_LEASE.is_violation and not RejectReason.STALE_VERSION.is_violation
     assert RejectReason.DUPLICATE.group_status == "duplicate"
     assert RejectReason.STALE_LEASE.group_status == "stale"

@@ -231,7 +231,7 @@ def test_heartbeat_and_weights_after_hello(learner):
 
 def test_a_reply_type_sent_as_a_request_is_an_error(learner):
     hello(learner)
-    reply = ask(learner, ACTOR_A, m.Ack(status="accepted"))
+    reply = ask(learner, ACTOR_A, m.Ack(lease_id="L1", status="accepted"))
     assert isinstance(reply, m.ErrorReply)
     assert reply.reason == "unexpected_type"
 

@@ -38,7 +38,7 @@ def _busy_state() -> LearnerState:
     state.step, state.version, state.accepted_since_step = 4, 3, 5
     state.buffer.append(_group("g1"))
     state.scheduler.issue("k", 2)
-    state.acks.put("lease", m.Ack(status="accepted", groups={"g1": "accepted"}))
+    state.acks.put("lease", m.Ack(lease_id="lease", status="accepted", groups={"g1": "accepted"}))
     return state
 
 
@@ -48,7 +48,7 @@ def test_a_capture_does_not_change_when_the_state_moves_on():
     state.step += 1
     state.buffer.append(_group("g2"))
     state.scheduler.issue("k", 1)
-    state.acks.put("later", m.Ack(status="stale"))
+    state.acks.put("later", m.Ack(lease_id="later", status="stale"))
     assert saved.step == 4 and [g.group_id for g in saved.buffer] == ["g1"]
     assert len(saved.scheduler["leases"]) == 1 and list(saved.acks) == ["lease"]
 

@@ -110,7 +110,7 @@ def sample_messages() -> list[BaseModel]:
         Lease(lease_id="L1", deadline_seconds=60.0, policy_version=3, prompts=[prompt]),
         Lease(lease_id="L2", deadline_seconds=0.0, policy_version=3, prompts=[], retry_after=1.5),
         valid_rollouts(),
-        Ack(status="accepted", groups={"g0": "accepted", "g1": "duplicate"}),
+        Ack(lease_id="L1", status="accepted", groups={"g0": "accepted", "g1": "duplicate"}),
         Heartbeat(actor_id="a1", policy_version=2, sent_at=1.5),
         ErrorReply(reason="malformed", detail="truncated"),
         PolicyUpdated(version=4, digest=DIGEST),
@@ -354,9 +354,15 @@ def test_decode_accepts_depth_at_limit() -> None:
     assert decode(encode(valid_rollouts()), Limits(max_depth=8)) == valid_rollouts()
 
 
-@pytest.mark.parametrize("v", [2, 0, "1", 1.0, True, None])
+@pytest.mark.parametrize("v", [1, 3, 0, "2", 2.0, True, None])
 def test_decode_rejects_wrong_version(v: object) -> None:
     assert reason_of(envelope(v=v)) == "bad_version"
+
+
+def test_a_v1_peer_is_told_which_protocol_versions_differ() -> None:
+    assert PROTOCOL_VERSION == 2
+    with pytest.raises(ProtocolError, match="protocol version 1, but this grpo-fleet speaks 2"):
+        decode(envelope(v=1))
 
 
 @pytest.mark.parametrize("type_", ["Pickle", "Tensor", "", 5, None, b"GetWeights"])

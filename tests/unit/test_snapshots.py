@@ -36,8 +36,10 @@ def test_a_chunk_is_a_typed_reply_with_its_bytes():
     assert reply.message.digest == m.blob_digest(store.current.blob)
 
 
-def test_a_version_that_is_gone_is_answered_with_the_current_one():
+def test_a_version_that_is_gone_gets_an_explicit_answer_naming_the_current_one():
     store, _ = _store()
     store.install(store.serialize(1))
     store.install(store.serialize(2))
-    assert store.chunk(m.GetWeights(version=0)).message.version == 2
+    reply = store.chunk(m.GetWeights(version=0))
+    assert reply.message == m.WeightsGone(requested=0, current=2) and reply.raw is None
+    assert store.chunk(m.GetWeights(version=1)).message.version == 1  # v-1 is kept

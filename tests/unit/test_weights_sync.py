@@ -12,7 +12,7 @@ from grpo_fleet.actor.weights_sync import CREDIT_WINDOW, WeightsSync, fetch_weig
 from grpo_fleet.metrics import actor_metrics
 from grpo_fleet.model import trainable_weights, weights_to_bytes
 from grpo_fleet.protocol import messages as m
-from grpo_fleet.protocol.weights import Snapshot, WeightsMismatch
+from grpo_fleet.protocol.weights import Snapshot, VersionGone, WeightsMismatch
 
 
 class FakeLearner:
@@ -32,6 +32,8 @@ class FakeLearner:
     def await_chunk(self, offset: int) -> tuple[m.WeightsChunk, memoryview]:
         request = self.queue.popleft()
         snapshot = self.snapshots[0]
+        if request.version != snapshot.version and request.offset == 0:
+            raise VersionGone(request.version, snapshot.version)  # what the link makes of WeightsGone
         if request.offset > 0 and len(self.snapshots) > 1:
             self.snapshots.popleft()
             snapshot = self.snapshots[0]
@@ -65,6 +67,12 @@ def test_a_fetch_reassembles_the_blob_with_at_most_the_credit_window_in_flight(m
     assert 1 < learner.most_in_flight <= CREDIT_WINDOW
     _, blob, _ = fetched  # the weights benchmark unpacks it
     assert blob == snapshot.blob
+
+
+def test_a_version_that_is_gone_is_replaced_by_the_one_the_learner_names(model: nn.Module) -> None:
+    snapshot = _snapshot(9, trainable_weights(model))
+    fetched = fetch_weights(FakeLearner(snapshot, chunk=32), 4)
+    assert (fetched.version, bytes(fetched.blob)) == (9, snapshot.blob)
 
 
 def test_a_learner_that_moves_on_mid_transfer_is_refused(model: nn.Module) -> None:

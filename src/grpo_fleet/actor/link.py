@@ -25,6 +25,7 @@ from grpo_fleet.protocol.codec import Limits, ProtocolError
 from grpo_fleet.protocol.endpoints import is_wildcard_host
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_message, recv_with_raw, send_message, sub_socket
+from grpo_fleet.protocol.weights import VersionGone
 
 log = logging.getLogger("grpo_fleet.actor")
 Reply = TypeVar("Reply")
@@ -141,6 +142,8 @@ class LearnerLink:
                 if raw is not None and msg.offset == offset:
                     return msg, raw
                 continue
+            if isinstance(msg, m.WeightsGone):
+                raise VersionGone(msg.requested, msg.current)
             self._route(msg)
         raise LearnerUnavailable("no weight chunk")
 
@@ -177,6 +180,8 @@ class LearnerLink:
         try:
             return recv_message(self._dealer, timeout_s=min(remaining, POLL_SECONDS), limits=self.limits)
         except ProtocolError as exc:
+            if exc.reason == "bad_version":
+                raise ActorRefused(f"the learner's reply: {exc.message}") from None
             log.warning("bad reply from learner: %s", shown(exc))
             return None
 
@@ -188,6 +193,8 @@ class LearnerLink:
             return
         if isinstance(reply, m.Shutdown):
             raise StopActor(f"learner shut down ({reply.reason})")
+        if isinstance(reply, m.ErrorReply) and reply.reason == "bad_version":
+            raise ActorRefused(f"the learner refused our messages: {reply.detail}")
         if isinstance(reply, m.ErrorReply):
             raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
         self.poll_notices()

@@ -32,12 +32,13 @@ class InFlight:
         return lease
 
     def pair_ack(self, ack: m.Ack) -> Optional[m.Rollouts]:
-        """The submission `ack` answers, now settled; None if nothing was awaiting an Ack.
+        """The submission `ack` answers (by lease_id), now settled; None if it answers none awaiting.
 
-        Ack carries no lease_id, so pairing is by arrival order: with at most one
-        submission unanswered and answers in order, an Ack answers the one
-        submitted. Once Ack carries the lease_id, match on it here instead.
+        A stray Ack (a late answer to a submission already settled over an
+        older connection) leaves the one awaiting its own answer untouched.
         """
+        if self.submitted is None or ack.lease_id != self.submitted.lease_id:
+            return None
         answered, self.submitted = self.submitted, None
         return answered
 

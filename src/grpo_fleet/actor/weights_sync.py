@@ -17,7 +17,7 @@ from grpo_fleet.metrics import ActorMetrics
 from grpo_fleet.model import load_weight_blob
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
-from grpo_fleet.protocol.weights import ChunkAssembler, WeightsMismatch
+from grpo_fleet.protocol.weights import ChunkAssembler, VersionGone, WeightsMismatch
 
 log = logging.getLogger("grpo_fleet.actor")
 # Weight chunks requested ahead of the one being hashed (ZeroMQ guide's credit-based transfer).
@@ -41,9 +41,16 @@ class FetchedWeights(NamedTuple):
 
 
 def fetch_weights(source: ChunkSource, version: int) -> FetchedWeights:
-    """Pull one version's blob with up to CREDIT_WINDOW chunk requests in flight."""
-    source.send(m.GetWeights(version=version, offset=0, length=0))
-    first, payload = source.await_chunk(offset=0)
+    """Pull one version's blob with up to CREDIT_WINDOW chunk requests in flight.
+
+    If `version` is gone already (two newer ones were published meanwhile), the
+    learner says which it serves, and that one is fetched instead.
+    """
+    try:
+        first, payload = _first_chunk(source, version)
+    except VersionGone as gone:
+        log.info("%s; fetching that", gone)
+        first, payload = _first_chunk(source, gone.current)
     assembler = ChunkAssembler.from_first(first, chunk_bytes=max(first.length, 1))
     assembler.next_request()  # the first chunk is already here
     assembler.add(first, payload)
@@ -58,6 +65,11 @@ def fetch_weights(source: ChunkSource, version: int) -> FetchedWeights:
             raise WeightsMismatch(f"learner switched to v{header.version} mid-transfer")
         assembler.add(header, payload)
     return FetchedWeights(assembler.version, assembler.blob(), assembler.digest)
+
+
+def _first_chunk(source: ChunkSource, version: int) -> tuple[m.WeightsChunk, memoryview]:
+    source.send(m.GetWeights(version=version, offset=0, length=0))
+    return source.await_chunk(offset=0)
 
 
 class WeightsSync:
@@ -87,7 +99,7 @@ class WeightsSync:
         started = time.perf_counter()
         try:
             fetched = fetch_weights(source, max(self.newest, 0))
-        except WeightsMismatch as exc:
+        except (WeightsMismatch, VersionGone) as exc:
             self.metrics.weight_syncs.labels(outcome="rejected").inc()
             log.error("refusing weights: %s; keeping v%d", shown(exc), self.loaded)
             return

@@ -160,17 +160,18 @@ class Intake:
         if self.state.done:
             # The final checkpoint is written: accepting more would put groups in
             # the ledger that no checkpoint or step ever accounts for.
-            return m.Ack(status="stale", reason=RejectReason.RUN_DONE, groups={g.group_id: "stale" for g in msg.groups})
+            return m.Ack(lease_id=msg.lease_id, status="stale", reason=RejectReason.RUN_DONE,
+                         groups={g.group_id: "stale" for g in msg.groups})
         rules, scheduler = self.rules, self.state.scheduler
         invalid = m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
                                       max_tokens=rules.max_tokens, reward_bound=rules.reward_bound)
         if invalid is not None:
-            return self._invalid(actor, invalid)
+            return self._invalid(actor, msg.lease_id, invalid)
         known_lease = msg.lease_id in scheduler.leases
         refused = {g.group_id: scheduler.classify(actor.principal, msg.lease_id, g.group_id) for g in msg.groups}
         violations = sorted({r for r in refused.values() if r is not None and r.is_violation})
         if violations:
-            return self._invalid(actor, violations[0])
+            return self._invalid(actor, msg.lease_id, violations[0])
         self.leasing.measure(actor, msg.lease_id, len(msg.groups))
         unusable = unusable_version(msg, self.state, rules.max_staleness)
         ack = self._stale(msg, refused, unusable) if unusable is not None else self._accept(actor, msg, refused)
@@ -180,18 +181,18 @@ class Intake:
         self.metrics.leases_outstanding.set(len(scheduler.leases))
         return ack
 
-    def _invalid(self, actor: ActorInfo, reason: RejectReason) -> m.Ack:
+    def _invalid(self, actor: ActorInfo, lease_id: str, reason: RejectReason) -> m.Ack:
         """Refuse hostile or malformed rollouts; this counts toward the peer's ban and changes no state."""
         self.metrics.rejections.labels(reason=reason).inc()
         self.registry.record_violation(actor.principal, reason)
-        return m.Ack(status="invalid", reason=reason)
+        return m.Ack(lease_id=lease_id, status="invalid", reason=reason)
 
     def _stale(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]], reason: RejectReason) -> m.Ack:
         for group_id, refusal in refused.items():
             if refusal is None:
                 self.state.scheduler.requeue(msg.lease_id, group_id)
         self.metrics.rejections.labels(reason=reason).inc(len(msg.groups))
-        return m.Ack(status="stale", reason=reason, groups={g: "stale" for g in refused})
+        return m.Ack(lease_id=msg.lease_id, status="stale", reason=reason, groups={g: "stale" for g in refused})
 
     def _accept(self, actor: ActorInfo, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> m.Ack:
         answer: dict[str, str] = {}
@@ -206,7 +207,7 @@ class Intake:
             self._keep(actor, accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
             answer[group.group_id] = "accepted"
         overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
-        return m.Ack(status=overall, groups=answer)  # type: ignore[arg-type]  # one of Ack's statuses
+        return m.Ack(lease_id=msg.lease_id, status=overall, groups=answer)  # type: ignore[arg-type]  # one of Ack's statuses
 
     def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
         """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""

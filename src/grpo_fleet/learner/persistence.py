@@ -136,7 +136,8 @@ def state_from_dict(data: dict[str, Any]) -> SavedState:
     return SavedState(
         run_id=data["run_id"], step=data["step"], version=data["version"],
         buffer=[group_from_dict(g) for g in data["buffer"]],
-        acks={lease_id: m.Ack(**ack) for lease_id, ack in data["acks"].items()},
+        # Checkpoints from protocol v1 stored Acks without their lease_id: it is the key.
+        acks={lease_id: m.Ack(**{**ack, "lease_id": lease_id}) for lease_id, ack in data["acks"].items()},
         accepted_since_step=data["accepted_since_step"], zero_variance_since_step=data["zero_variance_since_step"],
         scheduler=data["scheduler"], logs=LogSizes(data["ledger_bytes"], data["metrics_bytes"]),
         wall_seconds=data["wall_seconds"],

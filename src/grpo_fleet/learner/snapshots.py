@@ -30,8 +30,10 @@ class SnapshotStore:
         self.current = snapshot
 
     def chunk(self, request: m.GetWeights) -> Reply:
-        """One chunk of the requested version, or of the current one if that version is gone."""
-        snapshot = self.versions.get(request.version, self.current)
+        """One chunk of the requested version; a version no longer kept gets WeightsGone naming the current one."""
+        snapshot = self.versions.get(request.version)
+        if snapshot is None:
+            return Reply(m.WeightsGone(requested=request.version, current=self.current.version))
         header, raw = snapshot.chunk(request.offset, request.length, self.chunk_bytes)
         self.metrics.weight_bytes_served.inc(header.length)
         return Reply(header, raw)

@@ -174,7 +174,8 @@ def decode(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> BaseModel:
         raise ProtocolError("malformed", "envelope must be a map with exactly the keys v, type, body")
     version = envelope["v"]
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError("bad_version", f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+        raise ProtocolError("bad_version", f"protocol version {version!r}, but this grpo-fleet speaks "
+                            f"{PROTOCOL_VERSION}: run the same release on the learner and every actor")
     name = envelope["type"]
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:

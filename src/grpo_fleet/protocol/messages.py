@@ -22,7 +22,8 @@ from pydantic.fields import FieldInfo
 from grpo_fleet.digest import blob_digest as blob_digest  # re-exported: part of the wire vocabulary
 from grpo_fleet.protocol.reasons import RejectReason
 
-PROTOCOL_VERSION = 1
+# 2: Ack carries lease_id; WeightsGone answers a GetWeights for a version no longer kept.
+PROTOCOL_VERSION = 2
 
 TensorDType = Literal["int32", "uint32", "float32", "float16", "bfloat16"]
 
@@ -60,7 +61,7 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 ByteCount = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Port = Annotated[int, Field(ge=0, le=65535)]
-Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Blake3Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # a 256-bit BLAKE3 digest, hex
 LoraValue = Union[bool, Int32, FiniteFloat, str, list[str], None]
 
 # Peer-supplied strings that reach logs, metrics labels and /sd: a safe character
@@ -170,7 +171,7 @@ class RewardSpec(_Strict):
 
 class ModelRef(_Strict):
     path: str = Field(min_length=1, max_length=1024)
-    digest: Sha256Hex
+    digest: Blake3Hex
     # LoRA settings that rebuild the same trainable structure; None = full weights.
     lora: Optional[dict[str, LoraValue]] = Field(default=None, max_length=64)
     dtype: Optional[str] = None
@@ -199,6 +200,13 @@ class GetWeights(_Strict):
     length: ByteCount = 0
 
 
+class WeightsGone(_Strict):
+    """The answer to a GetWeights for a version the learner no longer keeps: fetch `current` instead."""
+
+    requested: Version
+    current: Version
+
+
 class WeightsChunk(_Strict):
     """Header of one slice of a weight blob; the bytes travel raw in the next frame.
 
@@ -207,7 +215,7 @@ class WeightsChunk(_Strict):
     """
 
     version: Version
-    digest: Sha256Hex  # BLAKE3-256 of the whole blob
+    digest: Blake3Hex  # BLAKE3-256 of the whole blob
     total_bytes: ByteCount
     offset: ByteCount
     length: ByteCount
@@ -268,6 +276,7 @@ class Rollouts(_Strict):
 
 
 class Ack(_Strict):
+    lease_id: LeaseId  # the submission this answers
     status: Literal["accepted", "duplicate", "stale", "invalid"]
     reason: Reason = ""
     groups: dict[GroupId, Label] = Field(default_factory=dict)  # group_id -> status
@@ -321,7 +330,7 @@ class Shutdown(_Strict):
 
 
 Message = Union[
-    Hello, Welcome, GetWeights, WeightsChunk, LeaseRequest, Lease,
+    Hello, Welcome, GetWeights, WeightsChunk, WeightsGone, LeaseRequest, Lease,
     Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown, StatusRequest, Status,
 ]
 

@@ -40,6 +40,14 @@ class WeightsMismatch(ValueError):
     """The reassembled blob is not what the learner announced."""
 
 
+class VersionGone(Exception):
+    """The learner no longer keeps the version asked for (WeightsGone); `current` is the one it serves."""
+
+    def __init__(self, requested: int, current: int) -> None:
+        super().__init__(f"v{requested} is gone; the learner serves v{current}")
+        self.requested, self.current = requested, current
+
+
 @dataclass
 class ChunkAssembler:
     """Collects the chunks of one version, in order, hashing as it goes."""

@@ -4,40 +4,16 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 import mlx_lm
+
+from helpers import jsonl, scrape, wait_for, wait_steps
 
 REQUIRED_KEYS = {
     "step", "policy_version", "reward_mean", "loss", "kl", "clip_fraction",
     "groups", "tokens", "staleness_mean", "step_seconds",
 }
-
-
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-        return response.read().decode()
-
-
-def _wait_for_metrics(ports: dict[str, int], procs: list, timeout: float = 90.0) -> dict[str, str]:
-    """Scrape every process's /metrics while the run is live."""
-    pages: dict[str, str] = {}
-    deadline = time.monotonic() + timeout
-    while len(pages) < len(ports) and time.monotonic() < deadline:
-        for name, port in ports.items():
-            if name not in pages:
-                try:
-                    pages[name] = _scrape(port)
-                except OSError:
-                    pass
-        assert all(p.poll() is None for p in procs), "a process died before serving /metrics"
-        time.sleep(0.2)
-    return pages
-
-
-def _wait_exit(proc, timeout: float) -> int:
-    return proc.wait(timeout=timeout)
 
 
 # What both tests here share on top of the run_config defaults: longer completions,
@@ -61,14 +37,16 @@ def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
               "--model-dir", str(run_dir), name=f"actor{i}")
         for i in range(2)
     ]
-    pages = _wait_for_metrics(ports, [learner, *actors])
+    # Scraped while the run is live.
+    pages = {name: wait_for(lambda port=port: scrape(port, 2).text, f"{name}'s /metrics", 90, [learner, *actors])
+             for name, port in ports.items()}
     assert set(pages) == set(ports), f"no /metrics from {set(ports) - set(pages)}"
     assert "grpo_fleet_learner_steps_total" in pages["learner"]
     assert all("grpo_fleet_actor_groups_generated_total" in pages[f"actor{i}"] for i in range(2))
 
-    assert _wait_exit(learner, 240) == 0, learner.log_path.read_text()[-3000:]
+    assert learner.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
     for actor in actors:
-        assert _wait_exit(actor, 30) == 0, "actors stop cleanly on the learner's Shutdown"
+        assert actor.wait(timeout=30) == 0, "actors stop cleanly on the learner's Shutdown"
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
@@ -87,17 +65,6 @@ def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
     assert isinstance(mlx_lm.generate(model, tokenizer, "123=", max_tokens=4), str)
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _wait_steps(run_dir: Path, count: int, proc, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(_lines(run_dir / "metrics.jsonl")) < count:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.log_path.read_text()[-3000:]
-        time.sleep(0.1)
-
-
 def test_sigterm_checkpoints_and_resume_continues_the_run(run_config, spawn):
     import signal
 
@@ -109,7 +76,7 @@ def test_sigterm_checkpoints_and_resume_continues_the_run(run_config, spawn):
     actors = [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"t-{i}", "--metrics-port", "0",
                     "--request-timeout", "3", "--model-dir", str(run_dir), name=f"a{i}")
               for i in range(2)]
-    _wait_steps(run_dir, 5, learner)
+    wait_steps(run_dir, 5, learner)
 
     actors[1].send_signal(signal.SIGTERM)
     assert actors[1].wait(timeout=20) == 0, "an actor drains and exits on SIGTERM"
@@ -117,7 +84,7 @@ def test_sigterm_checkpoints_and_resume_continues_the_run(run_config, spawn):
     started = time.monotonic()
     assert learner.wait(timeout=30) == 0
     assert time.monotonic() - started < 30
-    stopped_at = len(_lines(run_dir / "metrics.jsonl"))
+    stopped_at = len(jsonl(run_dir / "metrics.jsonl"))
     pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
     assert pointer["step"] == stopped_at, "SIGTERM writes a checkpoint of the last step"
 
@@ -125,6 +92,6 @@ def test_sigterm_checkpoints_and_resume_continues_the_run(run_config, spawn):
     resumed = spawn("learner", "--resume", str(run_dir), "--set", f"train.steps={target}", name="resumed")
     assert resumed.wait(timeout=180) == 0, resumed.log_path.read_text()[-3000:]
     assert actors[0].wait(timeout=30) == 0, "the surviving actor reconnected, worked and was told to stop"
-    assert [r["step"] for r in _lines(run_dir / "metrics.jsonl")] == list(range(1, target + 1))
-    ids = [entry["group_id"] for entry in _lines(run_dir / "ledger.jsonl")]
+    assert [r["step"] for r in jsonl(run_dir / "metrics.jsonl")] == list(range(1, target + 1))
+    ids = [entry["group_id"] for entry in jsonl(run_dir / "ledger.jsonl")]
     assert len(ids) == len(set(ids))

@@ -9,7 +9,6 @@ before and after, so memory growth under fuzzing is visible (`pytest -s`).
 from __future__ import annotations
 
 import time
-import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -18,10 +17,10 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import decode, encode
+from helpers import scrape
 
 FUZZ_EXAMPLES = 10_000
 # Out of every bound the door declares: int64/uint64 ends, int32 and port edges, float32 overflow.
@@ -193,16 +192,6 @@ def _throwaway_hellos(peer_socket, endpoint: str, count: int) -> dict[str, int]:
     return replies
 
 
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
-
-
 def _fuzz(sock: zmq.Socket) -> dict[str, int]:
     """Send FUZZ_EXAMPLES hostile messages, one at a time; replies by kind."""
     replies: dict[str, int] = {}
@@ -240,13 +229,13 @@ def test_learner_survives_ten_thousand_hostile_messages(run_config, free_port, s
     learner = spawn("learner", "--config", str(config), name="learner")
     sock = peer_socket(cfg.server.bind, b"fuzzer")
     _wait_until_serving(sock, learner)
-    before, rss = _scrape(cfg.metrics.port), [_rss_mb(learner.pid)]
+    before, rss = scrape(cfg.metrics.port).totals(), [_rss_mb(learner.pid)]
     replies = _fuzz(sock)
-    after = _scrape(cfg.metrics.port)
+    after = scrape(cfg.metrics.port).totals()
     rss.append(_rss_mb(learner.pid))
     hellos = _throwaway_hellos(peer_socket, cfg.server.bind, THROWAWAY_IDENTITIES)
     rss.append(_rss_mb(learner.pid))
-    final = _scrape(cfg.metrics.port)
+    final = scrape(cfg.metrics.port).totals()
     print(f"learner RSS: {rss[0]:.1f} MiB before, {rss[1]:.1f} MiB after {sum(replies.values())} hostile messages, "
           f"{rss[2]:.1f} MiB after {THROWAWAY_IDENTITIES} throwaway Hellos; replies {replies}; Hellos {hellos}")
     assert learner.poll() is None, "the learner died"

@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from grpo_fleet.actor.worker import ActorWorker, serve_actor_metrics
 from grpo_fleet.blas import child_env
 from grpo_fleet.config import ActorConfig, MetricsConfig
+from helpers import wait_for
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -25,21 +25,6 @@ PROMTOOL = shutil.which("promtool")
 def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=5) as response:
         return response.read()
-
-
-def _wait_for(predicate, what: str, timeout: float = 90.0, procs: tuple = ()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for proc in procs:
-            assert proc.poll() is None, f"{proc.args} died: {getattr(proc, 'log_path', Path('/dev/null')).read_text()[-2000:]}"
-        try:
-            value = predicate()
-        except OSError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _start_fleet(run_config, spawn, free_port, actors: int):
@@ -65,8 +50,8 @@ def _sd(cfg) -> list[dict]:
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package 'prometheus'; `make test` installs it)")
 def test_live_metrics_pass_promtool_and_status_lists_actors(run_config, spawn, free_port):
     cfg, learner, fleet, ports = _start_fleet(run_config, spawn, free_port, actors=2)
-    _wait_for(lambda: len(_sd(cfg)) == 3, "learner + 2 actors in service discovery", procs=(learner, *fleet))
-    _wait_for(lambda: b"grpo_fleet_learner_steps_total 0.0" not in _get(f"http://127.0.0.1:{cfg.metrics.port}/metrics"),
+    wait_for(lambda: len(_sd(cfg)) == 3, "learner + 2 actors in service discovery", procs=(learner, *fleet))
+    wait_for(lambda: b"grpo_fleet_learner_steps_total 0.0" not in _get(f"http://127.0.0.1:{cfg.metrics.port}/metrics"),
               "a training step", procs=(learner,))
     for port in (cfg.metrics.port, *ports):
         page = _get(f"http://127.0.0.1:{port}/metrics")
@@ -118,14 +103,14 @@ def test_real_prometheus_discovers_and_scrapes_the_fleet(run_config, spawn, free
     )
     try:
         up = lambda: [r for r in _query(prom_port, "up") if r["value"][1] == "1"]  # noqa: E731
-        _wait_for(lambda: len(up()) == 3, "up == 1 for the learner and both actors", procs=(learner, *fleet, prometheus))
-        _wait_for(lambda: _query(prom_port, "grpo_fleet_learner_steps_total > 0"), "steps series > 0")
-        _wait_for(lambda: _query(prom_port, "sum(grpo_fleet_actor_tokens_generated_total) > 0"), "tokens series > 0")
+        wait_for(lambda: len(up()) == 3, "up == 1 for the learner and both actors", procs=(learner, *fleet, prometheus))
+        wait_for(lambda: _query(prom_port, "grpo_fleet_learner_steps_total > 0"), "steps series > 0")
+        wait_for(lambda: _query(prom_port, "sum(grpo_fleet_actor_tokens_generated_total) > 0"), "tokens series > 0")
         assert _active_actor_targets(prom_port) == {"mon-0", "mon-1"}
 
         fleet[1].send_signal(signal.SIGTERM)
         assert fleet[1].wait(timeout=30) == 0
-        _wait_for(lambda: _active_actor_targets(prom_port) == {"mon-0"}, "the stopped actor to leave the targets")
+        wait_for(lambda: _active_actor_targets(prom_port) == {"mon-0"}, "the stopped actor to leave the targets")
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)

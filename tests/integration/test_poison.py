@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -13,12 +12,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_fleet.model import latest_checkpoint
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import decode, encode
 from grpo_fleet.protocol.reasons import RejectReason
+from helpers import scrape
 
 STEPS = 20
 # (label, reward, logprob, the reason the learner must give)
@@ -34,13 +33,6 @@ POISON = [
     ("logprob -inf", 0.0, float("-inf"), RejectReason.BAD_LOGPROB),
     ("logprob positive", 0.0, 0.5, RejectReason.BAD_LOGPROB),
 ]
-
-
-def _scrape(port: int) -> dict[tuple[str, str], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {(s.name, s.labels.get("reason", "")): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def _request(sock: zmq.Socket, msg: object) -> object:
@@ -121,7 +113,7 @@ def test_poisoned_groups_are_refused_and_training_stays_finite(run_config, free_
     spawn("actor", "--connect", cfg.server.bind, "--actor-id", "honest", "--metrics-port", "0",
           "--request-timeout", "5", "--model-dir", str(run_dir), name="honest")
     expected = _send_poison(sock, group_size)
-    counted = _scrape(cfg.metrics.port)
+    counted = scrape(cfg.metrics.port).by_label("reason")
     for key, count in expected.items():
         assert counted.get(key) == count, f"{key}: counted {counted.get(key)}, refused {count}"
     learner.wait(timeout=300)

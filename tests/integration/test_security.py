@@ -2,32 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig
 from grpo_fleet.protocol.auth import add_actor, init_keys, load_keypair, revoke_actor
+from helpers import jsonl, scrape
 
 
 def _metric(port: int, name: str) -> float:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-            text = response.read().decode()
+        return scrape(port, timeout=2).total(name)
     except OSError:
         return -1.0
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _config(run_config, free_port, keys: Path, steps: int) -> tuple[Path, RunConfig]:
@@ -68,7 +59,7 @@ def test_only_the_authorised_key_gets_in(tmp_path, run_config, free_port, spawn)
     assert learner.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
     assert honest.wait(timeout=30) == 0
 
-    ledger = _lines(Path(cfg.run_dir) / "ledger.jsonl")
+    ledger = jsonl(Path(cfg.run_dir) / "ledger.jsonl")
     good_key = load_keypair(good).public.decode()
     assert ledger and {entry["actor_key"] for entry in ledger} == {good_key}
     assert intruder.poll() is None and keyless.poll() is None, "outsiders never got a Welcome, let alone a Shutdown"
@@ -86,7 +77,7 @@ def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, run_conf
         _actor(spawn, cfg, keys, name, secret)  # the spawn fixture stops them at the end
     goes_key = load_keypair(secrets["goes"]).public.decode()
     deadline = time.monotonic() + 120
-    while not any(e["actor_key"] == goes_key for e in _lines(run_dir / "ledger.jsonl")):
+    while not any(e["actor_key"] == goes_key for e in jsonl(run_dir / "ledger.jsonl")):
         assert time.monotonic() < deadline and learner.poll() is None
         time.sleep(0.2)
 
@@ -95,15 +86,15 @@ def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, run_conf
     while _metric(cfg.metrics.port, "grpo_fleet_learner_auth_failures_total") <= 0:
         assert time.monotonic() < deadline and learner.poll() is None
         time.sleep(0.2)
-    cutoff = len(_lines(run_dir / "ledger.jsonl"))
-    target = len(_lines(run_dir / "metrics.jsonl")) + 15
-    while len(_lines(run_dir / "metrics.jsonl")) < target:
+    cutoff = len(jsonl(run_dir / "ledger.jsonl"))
+    target = len(jsonl(run_dir / "metrics.jsonl")) + 15
+    while len(jsonl(run_dir / "metrics.jsonl")) < target:
         assert time.monotonic() < deadline + 60 and learner.poll() is None
         time.sleep(0.2)
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(timeout=30) == 0
 
-    after = _lines(run_dir / "ledger.jsonl")[cutoff:]
+    after = jsonl(run_dir / "ledger.jsonl")[cutoff:]
     assert after, "training went on with the remaining actor"
     assert {e["actor_key"] for e in after} == {load_keypair(secrets["stays"]).public.decode()}
     from grpo_fleet.learner.persistence import read_state

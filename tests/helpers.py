@@ -1,0 +1,72 @@
+"""Waiting and scraping helpers the integration tests share (tests/ is on sys.path through its conftest)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class Scraped:
+    """One /metrics page: its text and its samples."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def total(self, name: str) -> float:
+        """The sum of every sample called `name`, across label sets (0 when absent)."""
+        return sum(s.value for s in self.samples if s.name == name)
+
+    def totals(self) -> dict[str, float]:
+        """Every sample name with its sum across label sets."""
+        out: dict[str, float] = {}
+        for sample in self.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        return out
+
+    def by_label(self, label: str) -> dict[tuple[str, str], float]:
+        """(sample name, value of `label` or "") -> value."""
+        return {(s.name, s.labels.get(label, "")): s.value for s in self.samples}
+
+
+def scrape(port: int, timeout: float = 5.0) -> Scraped:
+    """GET http://127.0.0.1:PORT/metrics (raises OSError while nothing serves it)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:
+        return Scraped(response.read().decode())
+
+
+def _log_tail(proc: Any) -> str:
+    path: Optional[Path] = getattr(proc, "log_path", None)
+    return path.read_text()[-3000:] if path is not None and path.exists() else ""
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 90.0, procs: Iterable[Any] = ()) -> Any:
+    """Poll `predicate` until it returns something truthy; OSError counts as not yet. Fails if a process dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in procs:
+            assert proc.poll() is None, f"{proc.args} died while waiting for {what}: {_log_tail(proc)}"
+        try:
+            value = predicate()
+        except OSError:
+            value = None
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file (none while it does not exist)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_steps(run_dir: Path, count: int, proc: Any, timeout: float = 120.0) -> list[dict]:
+    """metrics.jsonl once it holds `count` steps."""
+    return wait_for(lambda: (rows := jsonl(run_dir / "metrics.jsonl")) and len(rows) >= count and rows,
+                    f"{count} steps in {run_dir}", timeout, (proc,))

@@ -13,7 +13,7 @@ learner can report a precise reason and count it.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -335,13 +335,8 @@ Message = Union[
 ]
 
 # Only top-level messages travel in an envelope; component models (Tensor, ...) do not.
-MESSAGE_TYPES: dict[str, type[BaseModel]] = {
-    cls.__name__: cls
-    for cls in (
-        Hello, Welcome, GetWeights, WeightsChunk, LeaseRequest, Lease,
-        Rollouts, Ack, Heartbeat, ErrorReply, PolicyUpdated, Shutdown, StatusRequest, Status,
-    )
-}
+# Derived from `Message`, so a new message type cannot be in one list and missing from the other.
+MESSAGE_TYPES: dict[str, type[BaseModel]] = {cls.__name__: cls for cls in get_args(Message)}
 
 
 def validate_rollouts(

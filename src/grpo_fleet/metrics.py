@@ -33,6 +33,8 @@ class LearnerMetrics:
     loss: Gauge
     kl: Gauge
     clip_fraction: Gauge
+    ratio_mean: Gauge
+    learning_rate: Gauge
     zero_variance_fraction: Gauge
     tokens_accepted: Counter
     groups_accepted: Counter
@@ -71,6 +73,10 @@ def learner_metrics() -> LearnerMetrics:
         loss=Gauge(f"{p}_loss", "Loss of the last step", registry=r),
         kl=Gauge(f"{p}_kl", "Masked mean k3 KL to pi_ref in the last step", registry=r),
         clip_fraction=Gauge(f"{p}_clip_fraction", "Fraction of clipped tokens in the last step", registry=r),
+        ratio_mean=Gauge(f"{p}_ratio_mean", "Mean pi_theta / pi_old importance ratio over the last step's tokens",
+                         registry=r),
+        learning_rate=Gauge(f"{p}_learning_rate", "Learning rate of the last applied update (the schedule's value)",
+                            registry=r),
         zero_variance_fraction=Gauge(
             f"{p}_zero_variance_fraction", "Share of accepted groups with identical rewards (collapse signal)", registry=r
         ),

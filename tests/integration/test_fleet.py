@@ -12,7 +12,7 @@ from helpers import jsonl, scrape, wait_for, wait_steps
 
 REQUIRED_KEYS = {
     "step", "policy_version", "reward_mean", "loss", "kl", "clip_fraction",
-    "groups", "tokens", "staleness_mean", "step_seconds",
+    "groups", "tokens", "staleness_mean", "step_seconds", "ratio_mean", "learning_rate",
 }
 
 

@@ -27,6 +27,8 @@ class StepRecord:
     kl: float
     clip_fraction: float
     grad_norm: float
+    ratio_mean: float  # mean pi_theta / pi_old over the step's tokens: far from 1 means far off-policy
+    learning_rate: float  # of the last applied update (optim.schedule's value at this step)
     skipped: Optional[str]  # why no update was applied (non-finite loss or gradient), or None
     peak_memory_bytes: int
     groups: int

@@ -106,7 +106,8 @@ class Training:
             step=state.step, policy_version=state.version,
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
             loss=stats.loss, kl=stats.kl, clip_fraction=stats.clip_fraction, grad_norm=stats.grad_norm,
-            skipped=stats.skipped, peak_memory_bytes=stats.peak_memory_bytes,
+            ratio_mean=stats.ratio_mean, learning_rate=stats.learning_rate, skipped=stats.skipped,
+            peak_memory_bytes=stats.peak_memory_bytes,
             groups=len(groups), tokens=int(sum(g.num_tokens for g in groups)),
             staleness_mean=float(np.mean([done.trained_on - g.policy_version for g in groups])),
             zero_variance_fraction=zero_var, step_seconds=time.perf_counter() - done.started,
@@ -121,5 +122,7 @@ class Training:
         mt.loss.set(record.loss)
         mt.kl.set(record.kl)
         mt.clip_fraction.set(record.clip_fraction)
+        mt.ratio_mean.set(record.ratio_mean)
+        mt.learning_rate.set(record.learning_rate)
         mt.zero_variance_fraction.set(record.zero_variance_fraction)
         mt.step_seconds.observe(record.step_seconds)

@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional, Sequence, TypeGuard
+from typing import TYPE_CHECKING, Optional, Sequence, TypeGuard
+
+if TYPE_CHECKING:  # matplotlib is imported lazily at run time
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 DEFAULT_NAME = "curves.png"
 
@@ -119,7 +123,7 @@ def _display_name(run_dir: Path) -> str:
     return text if len(text) <= 48 else "/".join(("...",) + run_dir.parts[-2:])
 
 
-def _curve(ax, steps: list[float], values: list[float], color: str, label: str, window: int) -> None:
+def _curve(ax: Axes, steps: list[float], values: list[float], color: str, label: str, window: int) -> None:
     """Raw values faint, their `window`-step moving average bold."""
     if not steps:
         return
@@ -130,7 +134,7 @@ def _curve(ax, steps: list[float], values: list[float], color: str, label: str, 
         ax.plot(steps, values, color=color, linewidth=1.5, marker="." if len(steps) < 30 else None, label=label)
 
 
-def _no_data(ax, what: str) -> None:
+def _no_data(ax: Axes, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes, color="grey")
 
 
@@ -160,7 +164,7 @@ def plot_run(run_dir: Path, out: Optional[Path] = None) -> Path:
     return out
 
 
-def _plot_reward(ax, records: list[dict], summary: dict, window: int) -> None:
+def _plot_reward(ax: Axes, records: list[dict], summary: dict, window: int) -> None:
     """Reward, with the held-out evaluation the demo writes to summary.json."""
     steps, rewards = _series(records, "reward_mean")
     _curve(ax, steps, rewards, "tab:blue", "train reward (batch mean)", window)
@@ -175,7 +179,7 @@ def _plot_reward(ax, records: list[dict], summary: dict, window: int) -> None:
         ax.set_ylim(0, 1.05)
 
 
-def _plot_kl(ax, records: list[dict], window: int) -> None:
+def _plot_kl(ax: Axes, records: list[dict], window: int) -> None:
     steps, kl = _series(records, "kl")
     _curve(ax, steps, kl, "tab:red", "KL to pi_ref (k3)", window)
     ax.set_title("KL divergence to the reference policy")
@@ -184,7 +188,7 @@ def _plot_kl(ax, records: list[dict], window: int) -> None:
         _no_data(ax, "kl")
 
 
-def _plot_throughput(ax, records: list[dict], window: int) -> None:
+def _plot_throughput(ax: Axes, records: list[dict], window: int) -> None:
     steps, fleet, trainer = throughput(records)
     _curve(ax, *_defined(steps, fleet), "tab:purple", "end to end (tokens / wall time between steps)", window)
     _curve(ax, *_defined(steps, trainer), "tab:orange", "trainer only (tokens / step time)", window)
@@ -195,7 +199,7 @@ def _plot_throughput(ax, records: list[dict], window: int) -> None:
         _no_data(ax, "tokens")
 
 
-def _plot_staleness(ax, records: list[dict], config: dict, window: int) -> None:
+def _plot_staleness(ax: Axes, records: list[dict], config: dict, window: int) -> None:
     steps, staleness = _series(records, "staleness_mean")
     _curve(ax, steps, staleness, "tab:brown", "mean staleness of the batch", window)
     max_staleness = (config.get("grpo") or {}).get("max_staleness")
@@ -209,7 +213,7 @@ def _plot_staleness(ax, records: list[dict], config: dict, window: int) -> None:
         _no_data(ax, "staleness_mean")
 
 
-def _finish(fig, axes: tuple, records: list[dict], run_dir: Path) -> None:
+def _finish(fig: Figure, axes: tuple, records: list[dict], run_dir: Path) -> None:
     for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

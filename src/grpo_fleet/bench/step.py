@@ -76,7 +76,7 @@ def _phases(trainer: Trainer, groups: list[AcceptedGroup], repeats: int) -> dict
     totals = batch_totals(batch)
     refs = trainer._references(micro)
 
-    def forward():
+    def forward() -> None:
         for part, ref in zip(micro, refs):
             loss, _ = default_loss(model, part, ref, totals, grpo=cfg, temperature=1.0, max_tokens=64,
                                    chunk_tokens=trainer.chunk_tokens)

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from grpo_fleet.bench import Figure, Report
 from grpo_fleet.bench.models import model_50m
@@ -47,7 +48,7 @@ def _start_learner(model_dir: Path, root: Path, lora: bool) -> tuple[subprocess.
     return proc, bind
 
 
-def _fleet_actor(endpoint: str, index: int, go, results) -> None:
+def _fleet_actor(endpoint: str, index: int, go: Any, results: Any) -> None:
     """One actor process: register, wait for the start signal, fetch and verify the snapshot."""
     from grpo_fleet.actor.worker import ActorWorker
     from grpo_fleet.config import ActorConfig, MetricsConfig
@@ -61,7 +62,7 @@ def _fleet_actor(endpoint: str, index: int, go, results) -> None:
     results.put(("done", index, time.time(), len(blob)))
 
 
-def _raw_server(endpoint_queue, size: int, stop) -> None:
+def _raw_server(endpoint_queue: Any, size: int, stop: Any) -> None:
     """Baseline: a ROUTER that answers each request with the same bytes, zero-copy, nothing decoded."""
     from grpo_fleet.protocol.sockets import bound_endpoint, make_context, recv_frames, router_socket, send_frames
 
@@ -77,7 +78,7 @@ def _raw_server(endpoint_queue, size: int, stop) -> None:
     ctx.term()
 
 
-def _raw_actor(endpoint: str, index: int, go, results) -> None:
+def _raw_actor(endpoint: str, index: int, go: Any, results: Any) -> None:
     from grpo_fleet.protocol.sockets import dealer_socket, make_context, recv_frames, send_frames
 
     ctx = make_context()
@@ -91,7 +92,7 @@ def _raw_actor(endpoint: str, index: int, go, results) -> None:
     ctx.term()
 
 
-def _distribute(target, endpoint: str, actors: int) -> tuple[float, int]:
+def _distribute(target: Callable[..., None], endpoint: str, actors: int) -> tuple[float, int]:
     """Start `actors` receivers, release them together, return (seconds until the last has it, bytes each)."""
     go, results = CTX.Event(), CTX.Queue()
     procs = [CTX.Process(target=target, args=(endpoint, i, go, results)) for i in range(actors)]

@@ -147,7 +147,7 @@ class _LoggingAuthenticator(ThreadAuthenticator):
         self._peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
         await super().handle_zap_message(msg)
 
-    def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous") -> None:
+    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes, user_id: str = "anonymous") -> None:
         if status_code != b"200":
             self.on_denied(self._peer, status_text.decode("utf-8", "replace"))
         super()._send_zap_reply(request_id, status_code, status_text, user_id)

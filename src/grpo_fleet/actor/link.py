@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from grpo_fleet.actor.admission import ActorRefused
 from grpo_fleet.config import ActorConfig
 from grpo_fleet.protocol import messages as m
-from grpo_fleet.protocol.auth import Keypair, load_keypair
+from grpo_fleet.protocol.auth import Keypair, client_curve
 from grpo_fleet.protocol.codec import Limits, ProtocolError
 from grpo_fleet.protocol.endpoints import is_wildcard_host
 from grpo_fleet.protocol.logsafe import shown
@@ -44,15 +44,11 @@ class StopActor(Exception):
 
 
 def load_curve(cfg: ActorConfig) -> Optional[tuple[Keypair, bytes]]:
-    """(own keypair, learner public key) when CURVE is configured."""
-    if not cfg.key_file and not cfg.learner_key_file:
-        return None
-    if not (cfg.key_file and cfg.learner_key_file):
-        raise ActorRefused("CURVE needs both --key (this actor's secret key) and --learner-key (learner.key)")
-    keypair = load_keypair(cfg.key_file)
-    if keypair.secret is None:
-        raise ActorRefused(f"{cfg.key_file} holds no secret key; pass the NAME.key_secret file")
-    return keypair, load_keypair(cfg.learner_key_file).public
+    """(own keypair, learner public key) when CURVE is configured; a bad key setup refuses to run."""
+    try:
+        return client_curve(cfg.key_file, cfg.learner_key_file)
+    except ValueError as exc:
+        raise ActorRefused(str(exc)) from None
 
 
 def notice_address(pub_address: Optional[str], connect: str) -> str:

@@ -86,7 +86,7 @@ def actor_config(args: argparse.Namespace) -> "ActorConfig":
 
     fields = {"connect": args.connect, "actor_id": args.actor_id, "max_groups": given(args.max_groups),
               "request_timeout": given(args.request_timeout), "model_dirs": args.model_dir,
-              "key_file": args.key, "learner_key_file": args.learner_key}
+              "reward_module": args.reward_module, "key_file": args.key, "learner_key_file": args.learner_key}
     data: dict[str, object] = {key: value for key, value in fields.items() if value is not None}
     metrics = {key: value for key, value in (("host", given(args.metrics_host)), ("port", given(args.metrics_port)))
                if value is not None}
@@ -244,6 +244,7 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
     actor.add_argument("--key", help="this actor's CURVE secret key file (from `keys add-actor`)")
     actor.add_argument("--learner-key", help="the learner's public key file (learner.key)")
     actor.add_argument("--model-dir", action="append", help="local directory the learner's model may live in; repeatable")
+    actor.add_argument("--reward-module", help="this machine's copy of the learner's task.reward_module (file or module)")
     actor.set_defaults(func=_actor)
 
     launch = sub.add_parser("launch", help="the learner here, every actor of a fleet file over ssh, restarted when they die")

@@ -135,6 +135,16 @@ class TaskConfig(_Section):
         default_factory=lambda: ["reverse_positions"], description="Reward function names, summed with reward_weights."
     )
     reward_weights: Optional[list[float]] = Field(None, description="One weight per reward; default all 1.0.")
+    reward_module: Optional[str] = Field(
+        None,
+        description="Your own rewards: a Python file or an importable module. Its functions are rewards by "
+        "`@register_reward` or by being named in `rewards`; each is called as fn(completion, prompt, *, answer, "
+        "**columns) -> float | None. Actors need the same file (checked by digest).",
+    )
+    reward_timeout_seconds: float = Field(
+        10.0, gt=0, le=3600,
+        description="Longest one reward call may run; past it the group is unscorable (counted, re-queued).",
+    )
     chat_template: bool = Field(False, description="Wrap prompts in the tokenizer's chat template.")
     reward_bound: float = Field(
         1e4, gt=0, le=1e30,
@@ -338,6 +348,11 @@ class ActorConfig(_Section):
     model_dirs: list[str] = Field(
         default_factory=list,
         description="Local directories the learner's model path may point into (hub ids are always allowed).",
+    )
+    reward_module: Optional[str] = Field(
+        None,
+        description="This machine's copy of the learner's task.reward_module (a file or module name); it must have "
+        "the learner's digest. Without it, only a reward file inside a model_dirs directory is imported.",
     )
     key_file: Optional[str] = Field(None, description="This actor's CURVE secret key file (NAME.key_secret).")
     learner_key_file: Optional[str] = Field(None, description="The learner's public key file (learner.key).")

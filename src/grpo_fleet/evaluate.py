@@ -28,6 +28,6 @@ def evaluate(model: nn.Module, tokenizer: Any, task: Task, cfg: RunConfig, *, ba
         ]
         groups = generate_groups(model, prompts, settings)
         for example, (completion,) in zip(chunk, groups):
-            scores.append(task.score(completion_text(tokenizer, completion, eos), task.fields(example)))
+            scores.append(task.score(completion_text(tokenizer, completion, eos), example))
     mx.clear_cache()
     return sum(scores) / max(1, len(scores))

@@ -58,6 +58,8 @@ class LearnerMetrics:
     bans: Counter
     banned_peers: Gauge
     skipped_updates: Counter
+    groups_unscored: Counter
+    groups_unscorable: Counter
     peak_memory: Gauge
 
 
@@ -116,6 +118,13 @@ def learner_metrics() -> LearnerMetrics:
             f"{p}_skipped_updates", "Batches whose update was not applied (non-finite loss or gradient), by reason",
             ["reason"], registry=r,
         ),
+        groups_unscored=Counter(
+            f"{p}_groups_unscored", "Groups actors could not score (a reward failed), re-queued; by reward and error",
+            ["reward", "error"], registry=r,
+        ),
+        groups_unscorable=Counter(
+            f"{p}_groups_unscorable", "Prompts given up on for this pass after repeated unscorable groups", registry=r
+        ),
         peak_memory=Gauge(f"{p}_peak_memory_bytes", "MLX peak memory during the last step (reset every step)", registry=r),
     )
 
@@ -136,6 +145,8 @@ class ActorMetrics:
     policy_lag: Gauge
     weight_fetch_seconds: Histogram
     submit_retries: Counter
+    reward_errors: Counter
+    reward_seconds: Histogram
     peak_memory: Gauge
 
 
@@ -159,6 +170,12 @@ def actor_metrics() -> ActorMetrics:
             f"{p}_weight_fetch_seconds", "Time to fetch, verify and load a new policy version", buckets=PHASE_BUCKETS, registry=r
         ),
         submit_retries=Counter(f"{p}_submit_retries", "Rollout submissions resent after a lost answer or reconnect", registry=r),
+        reward_errors=Counter(
+            f"{p}_reward_errors", "Reward calls that failed (raised, non-finite, out of bounds, timed out, no score), "
+            "each failing its group; by reward and error", ["reward", "error"], registry=r,
+        ),
+        reward_seconds=Histogram(f"{p}_reward_duration_seconds", "Time one reward took over one group, by reward",
+                                 ["reward"], buckets=PHASE_BUCKETS, registry=r),
         peak_memory=Gauge(f"{p}_peak_memory_bytes", "MLX peak memory while generating the last lease", registry=r),
     )
 

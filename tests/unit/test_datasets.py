@@ -47,8 +47,9 @@ def test_local_gsm8k_in_every_form_reads_the_same(tmp_path: Path, form: str) -> 
     assert task.train[4].answer == "8000"  # "#### 8,000": the part after ####, commas dropped
     assert first.columns == {"answer": GSM8K_ROWS["answer"][0], "level": 0}  # all but the prompt, as loaded
     assert task.eval[-1].answer == "18000"
-    assert task.fields(task.train[4]) == {"answer": "8000"}
-    assert task.score("<think>4+4</think><answer>8 000</answer>", task.fields(task.train[4])) == 1.0
+    # Every column reaches the rewards; `answer` is the reference answer as read.
+    assert task.fields(task.train[4]) == {"answer": "8000", "level": 4}
+    assert task.score("<think>4+4</think><answer>8 000</answer>", task.train[4]) == 1.0
 
 
 def test_dataset_dict_on_disk_gives_train_and_eval_splits(tmp_path: Path) -> None:

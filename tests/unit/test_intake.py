@@ -21,6 +21,7 @@ from grpo_fleet.learner.state import LearnerState
 from grpo_fleet.metrics import LearnerMetrics, learner_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.tasks import Example
 
 
 def _group(group_id: str, rewards: list[float], logprob: float = -1.0) -> AcceptedGroup:
@@ -79,7 +80,7 @@ def rooms(tmp_path: Path, clock) -> Iterator[Rooms]:
                          scheduler=PromptScheduler(8, seed=0, lease_seconds=60.0, clock=clock))
     registry = Registry(cfg.server, metrics)
     prompts = [np.array([1, 2], dtype=np.int32)] * 8
-    leasing = Leasing(cfg, state, metrics, prompts, lambda i: {})
+    leasing = Leasing(cfg, state, metrics, prompts, [Example(prompt="p", answer="a") for _ in prompts])
     runlog = RunLog(tmp_path)
     batches: list[int] = []
     intake = Intake(IntakeRules.from_config(cfg, VOCAB), state, registry, leasing, runlog, metrics, prompts,

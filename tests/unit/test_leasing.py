@@ -21,6 +21,7 @@ from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.state import LearnerState
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.tasks import Example
 
 
 def test_moving_average_starts_at_the_first_sample_then_follows_new_ones():
@@ -86,7 +87,7 @@ def _leasing(clock, **server) -> Leasing:
     state = LearnerState(run_id="run", incarnation="a" * 12, steps_target=10,
                          scheduler=PromptScheduler(20, seed=0, lease_seconds=cfg.server.lease_seconds, clock=clock))
     prompts = [np.array([i], dtype=np.int32) for i in range(20)]
-    return Leasing(cfg, state, learner_metrics(), prompts, lambda i: {"answer": str(i)})
+    return Leasing(cfg, state, learner_metrics(), prompts, [Example(prompt=f"p{i}", answer=str(i)) for i in range(len(prompts))])
 
 
 def _actor() -> ActorInfo:

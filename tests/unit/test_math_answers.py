@@ -32,7 +32,7 @@ def completion(content: str) -> str:
 
 def errors(reward) -> tuple[int, int]:
     """(false negatives, false positives) of a reward over ANSWER_TABLE."""
-    scores = [(reward(completion(content), {"answer": gold}), correct) for content, gold, correct in ANSWER_TABLE]
+    scores = [(reward(completion(content), answer=gold), correct) for content, gold, correct in ANSWER_TABLE]
     misses = sum(score == 0.0 and correct for score, correct in scores)
     wrong = sum(score == 1.0 and not correct for score, correct in scores)
     return misses, wrong
@@ -40,7 +40,7 @@ def errors(reward) -> tuple[int, int]:
 
 @pytest.mark.parametrize(("content", "gold", "correct"), ANSWER_TABLE)
 def test_r1_accuracy_scores_realistic_answers(content: str, gold: str, correct: bool) -> None:
-    assert r1_accuracy(completion(content), {"answer": gold}) == (1.0 if correct else 0.0)
+    assert r1_accuracy(completion(content), answer=gold) == (1.0 if correct else 0.0)
 
 
 def test_math_verify_removes_the_strict_rules_false_negatives() -> None:
@@ -51,9 +51,9 @@ def test_math_verify_removes_the_strict_rules_false_negatives() -> None:
 
 def test_reward_off_the_main_thread_matches_the_main_thread() -> None:
     """math-verify's signal.alarm timeouts raise off the main thread; the reward must not."""
-    on_main = [r1_accuracy(completion(content), {"answer": gold}) for content, gold, _ in ANSWER_TABLE]
+    on_main = [r1_accuracy(completion(content), answer=gold) for content, gold, _ in ANSWER_TABLE]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        off_main = list(pool.map(lambda row: r1_accuracy(completion(row[0]), {"answer": row[1]}), ANSWER_TABLE))
+        off_main = list(pool.map(lambda row: r1_accuracy(completion(row[0]), answer=row[1]), ANSWER_TABLE))
     assert off_main == on_main
 
 

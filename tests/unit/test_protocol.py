@@ -356,14 +356,14 @@ def test_decode_accepts_depth_at_limit() -> None:
     assert decode(encode(valid_rollouts()), Limits(max_depth=8)) == valid_rollouts()
 
 
-@pytest.mark.parametrize("v", [1, 3, 0, "2", 2.0, True, None])
+@pytest.mark.parametrize("v", [1, 2, 4, 0, "3", 3.0, True, None])
 def test_decode_rejects_wrong_version(v: object) -> None:
     assert reason_of(envelope(v=v)) == "bad_version"
 
 
 def test_a_v1_peer_is_told_which_protocol_versions_differ() -> None:
-    assert PROTOCOL_VERSION == 2
-    with pytest.raises(ProtocolError, match="protocol version 1, but this grpo-fleet speaks 2"):
+    assert PROTOCOL_VERSION == 3
+    with pytest.raises(ProtocolError, match="protocol version 1, but this grpo-fleet speaks 3"):
         decode(envelope(v=1))
 
 

@@ -23,6 +23,7 @@ from grpo_fleet.tasks.rewards import (
 
 
 def fields(answer: str) -> dict[str, str]:
+    """The keyword arguments a reward gets for a row with only an answer."""
     return {"answer": answer}
 
 
@@ -47,12 +48,12 @@ def test_register_reward_adds_and_rejects_duplicates(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(rewards, "REWARDS", dict(REWARDS))
 
     @rewards.register_reward("always_half")
-    def always_half(completion: str, example_fields: dict[str, str]) -> float:
+    def always_half(completion: str, prompt: str, **columns: object) -> float:
         return 0.5
 
-    assert rewards.get_reward("always_half")("x", {}) == 0.5
+    assert rewards.get_reward("always_half")("x", "p") == 0.5
     with pytest.raises(ValueError, match="already registered"):
-        rewards.register_reward("always_half")(lambda completion, example_fields: 0.0)
+        rewards.register_reward("always_half")(lambda completion, prompt, **columns: 0.0)
 
 
 def test_register_reward_is_idempotent_for_same_function(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,26 +65,26 @@ def test_register_reward_is_idempotent_for_same_function(monkeypatch: pytest.Mon
 
 
 def test_reverse_positions_exact_match_is_one() -> None:
-    assert reverse_positions("284", fields("284")) == 1.0
+    assert reverse_positions("284", "", **fields("284")) == 1.0
 
 
 def test_reverse_positions_strips_whitespace() -> None:
-    assert reverse_positions("  284\n", fields("284")) == 1.0
+    assert reverse_positions("  284\n", "", **fields("284")) == 1.0
 
 
 def test_reverse_positions_partial_credit() -> None:
-    assert reverse_positions("294", fields("284")) == pytest.approx(2 / 3)
-    assert reverse_positions("28", fields("284")) == pytest.approx(2 / 3)
+    assert reverse_positions("294", "", **fields("284")) == pytest.approx(2 / 3)
+    assert reverse_positions("28", "", **fields("284")) == pytest.approx(2 / 3)
     # Padding is penalised by dividing by the longer length.
-    assert reverse_positions("2840", fields("284")) == pytest.approx(3 / 4)
+    assert reverse_positions("2840", "", **fields("284")) == pytest.approx(3 / 4)
 
 
 def test_reverse_positions_zero_cases() -> None:
-    assert reverse_positions("", fields("284")) == 0.0
-    assert reverse_positions("   ", fields("284")) == 0.0
-    assert reverse_positions("999", fields("284")) == 0.0
+    assert reverse_positions("", "", **fields("284")) == 0.0
+    assert reverse_positions("   ", "", **fields("284")) == 0.0
+    assert reverse_positions("999", "", **fields("284")) == 0.0
     # Right characters in shifted positions earn nothing.
-    assert reverse_positions("X284", fields("284")) == 0.0
+    assert reverse_positions("X284", "", **fields("284")) == 0.0
 
 
 digit_text = st.text(alphabet="0123456789=x ", max_size=12)
@@ -92,7 +93,7 @@ digit_text = st.text(alphabet="0123456789=x ", max_size=12)
 @settings(max_examples=200, deadline=None)
 @given(completion=digit_text, answer=st.text(alphabet="0123456789", min_size=1, max_size=12))
 def test_reverse_positions_bounded_and_one_iff_exact(completion: str, answer: str) -> None:
-    score = reverse_positions(completion, fields(answer))
+    score = reverse_positions(completion, "", **fields(answer))
     assert 0.0 <= score <= 1.0
     assert (score == 1.0) == (completion.strip() == answer)
 
@@ -101,10 +102,10 @@ def test_reverse_positions_bounded_and_one_iff_exact(completion: str, answer: st
 
 
 def test_exact_match() -> None:
-    assert exact_match(" 42 \n", fields("42")) == 1.0
-    assert exact_match("42", fields(" 42 ")) == 1.0
-    assert exact_match("42.0", fields("42")) == 0.0
-    assert exact_match("", fields("42")) == 0.0
+    assert exact_match(" 42 \n", "", **fields("42")) == 1.0
+    assert exact_match("42", "", **fields(" 42 ")) == 1.0
+    assert exact_match("42.0", "", **fields("42")) == 0.0
+    assert exact_match("", "", **fields("42")) == 0.0
 
 
 # --- r1_format -----------------------------------------------------------------
@@ -119,7 +120,7 @@ def test_exact_match() -> None:
     ],
 )
 def test_r1_format_accepts(completion: str) -> None:
-    assert r1_format(completion, fields("5")) == 1.0
+    assert r1_format(completion, "", **fields("5")) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -140,7 +141,7 @@ def test_r1_format_accepts(completion: str) -> None:
     ],
 )
 def test_r1_format_rejects(completion: str) -> None:
-    assert r1_format(completion, fields("5")) == 0.0
+    assert r1_format(completion, "", **fields("5")) == 0.0
 
 
 # --- r1_accuracy ---------------------------------------------------------------
@@ -164,19 +165,19 @@ def test_r1_format_rejects(completion: str) -> None:
 )
 def test_r1_accuracy_matches_numerically(content: str, gold: str) -> None:
     completion = f"<think>working</think><answer>{content}</answer>"
-    assert r1_accuracy(completion, fields(gold)) == 1.0
+    assert r1_accuracy(completion, "", **fields(gold)) == 1.0
 
 
 def test_r1_accuracy_reads_gsm8k_style_gold() -> None:
     gold = "She has 3 * 4 = 12 apples, then 12 + 30 = 42.\n#### 42"
-    assert r1_accuracy("<answer>42</answer>", fields(gold)) == 1.0
-    assert r1_accuracy("<answer>12</answer>", fields(gold)) == 0.0
+    assert r1_accuracy("<answer>42</answer>", "", **fields(gold)) == 1.0
+    assert r1_accuracy("<answer>12</answer>", "", **fields(gold)) == 0.0
 
 
 def test_r1_accuracy_uses_last_answer_tag() -> None:
     completion = "<answer>41</answer> no wait <answer>42</answer>"
-    assert r1_accuracy(completion, fields("42")) == 1.0
-    assert r1_accuracy("<answer>42</answer><answer>41</answer>", fields("42")) == 0.0
+    assert r1_accuracy(completion, "", **fields("42")) == 1.0
+    assert r1_accuracy("<answer>42</answer><answer>41</answer>", "", **fields("42")) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -193,23 +194,23 @@ def test_r1_accuracy_uses_last_answer_tag() -> None:
     ],
 )
 def test_r1_accuracy_rejects(completion: str) -> None:
-    assert r1_accuracy(completion, fields("#### 42")) == 0.0
+    assert r1_accuracy(completion, "", **fields("#### 42")) == 0.0
 
 
 def test_r1_accuracy_reads_the_last_of_several_numbers_as_math_verify_does() -> None:
-    assert r1_accuracy("<answer>41 or 42</answer>", fields("#### 42")) == 1.0
-    assert r1_accuracy("<answer>42 or 41</answer>", fields("#### 42")) == 0.0
+    assert r1_accuracy("<answer>41 or 42</answer>", "", **fields("#### 42")) == 1.0
+    assert r1_accuracy("<answer>42 or 41</answer>", "", **fields("#### 42")) == 0.0
     # The strict rule refuses any answer with more than one number.
-    assert r1_accuracy_strict("<answer>41 or 42</answer>", fields("#### 42")) == 0.0
+    assert r1_accuracy_strict("<answer>41 or 42</answer>", "", **fields("#### 42")) == 0.0
 
 
 def test_r1_accuracy_unparseable_gold_scores_zero() -> None:
-    assert r1_accuracy("<answer>42</answer>", fields("no number here")) == 0.0
+    assert r1_accuracy("<answer>42</answer>", "", **fields("no number here")) == 0.0
 
 
 def test_r1_accuracy_tolerance() -> None:
-    assert r1_accuracy("<answer>0.1</answer>", fields("0.1000000001")) == 1.0
-    assert r1_accuracy("<answer>0.1</answer>", fields("0.11")) == 0.0
+    assert r1_accuracy("<answer>0.1</answer>", "", **fields("0.1000000001")) == 1.0
+    assert r1_accuracy("<answer>0.1</answer>", "", **fields("0.11")) == 0.0
 
 
 # --- helpers -------------------------------------------------------------------

@@ -15,7 +15,7 @@ from grpo_fleet.tasks import (
     build_task,
     data_path,
     resolve_task_path,
-    score_completion,
+    validate_rewards,
 )
 from grpo_fleet.tasks.jsonl import load_jsonl
 from grpo_fleet.tasks.reverse import (
@@ -123,25 +123,28 @@ def test_task_fields_and_score() -> None:
     task = build_task(TaskConfig(num_train=10, num_eval=5))
     example = task.train[0]
     assert task.fields(example) == {"answer": example.answer}
-    assert task.score(example.answer, task.fields(example)) == 1.0
-    assert task.score("", task.fields(example)) == 0.0
+    assert task.score(example.answer, example) == 1.0
+    assert task.score("", example) == 0.0
 
 
-def test_score_completion_weights() -> None:
+def gsm8k_task(weights: list[float]) -> Task:
+    return Task(name="t", train=[], eval=[], reward_names=["r1_format", "r1_accuracy"], reward_weights=weights)
+
+
+def test_task_score_weights() -> None:
     completion = "<think>6*7</think><answer>42</answer>"
-    answer = {"answer": "#### 42"}
-    names = ["r1_format", "r1_accuracy"]
-    assert score_completion(names, [0.5, 2.0], completion, answer) == pytest.approx(2.5)
-    assert score_completion(names, None, completion, answer) == pytest.approx(2.0)
-    assert score_completion(names, [0.5, 2.0], "<answer>41</answer>", answer) == 0.0
-    assert score_completion(names, [1.0, 1.0], "<answer>42</answer>", answer) == pytest.approx(1.0)
+    example = Example(prompt="q", answer="#### 42")
+    assert gsm8k_task([0.5, 2.0]).score(completion, example) == pytest.approx(2.5)
+    assert gsm8k_task([1.0, 1.0]).score(completion, example) == pytest.approx(2.0)
+    assert gsm8k_task([0.5, 2.0]).score("<answer>41</answer>", example) == 0.0
+    assert gsm8k_task([1.0, 1.0]).score("<answer>42</answer>", example) == pytest.approx(1.0)
 
 
-def test_score_completion_validates_names_and_weights() -> None:
+def test_validate_rewards_checks_names_and_weights() -> None:
     with pytest.raises(UnknownRewardError):
-        score_completion(["nope"], None, "x", {"answer": "x"})
+        validate_rewards(["nope"], None)
     with pytest.raises(ValueError, match="one weight per reward"):
-        score_completion(["exact_match"], [1.0, 2.0], "x", {"answer": "x"})
+        validate_rewards(["exact_match"], [1.0, 2.0])
 
 
 def test_task_score_uses_configured_weights() -> None:
@@ -152,8 +155,8 @@ def test_task_score_uses_configured_weights() -> None:
         reward_names=["exact_match", "reverse_positions"],
         reward_weights=[3.0, 1.0],
     )
-    assert task.score("123", {"answer": "123"}) == pytest.approx(4.0)
-    assert task.score("124", {"answer": "123"}) == pytest.approx(2 / 3)
+    assert task.score("123", Example(prompt="p", answer="123")) == pytest.approx(4.0)
+    assert task.score("124", Example(prompt="p", answer="123")) == pytest.approx(2 / 3)
 
 
 # --- jsonl ------------------------------------------------------------------------
@@ -270,7 +273,7 @@ def test_bundled_gsm8k_mini_builds_and_scores() -> None:
     for example in task.train + task.eval:
         final = example.answer.rsplit("####", 1)[1].strip()
         perfect = f"<think>reasoning</think>\n<answer>{final}</answer>"
-        assert task.score(perfect, task.fields(example)) == pytest.approx(1.5)
+        assert task.score(perfect, example) == pytest.approx(1.5)
 
 
 def test_data_path_and_resolution() -> None:

@@ -20,6 +20,8 @@ from grpo_fleet.model import model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.realshape import local_copy
 from grpo_fleet.tasks import UnknownRewardError, validate_rewards
+from grpo_fleet.tasks.reward_module import RewardModuleError, is_module_name, module_digest
+from grpo_fleet.tasks.reward_runner import RewardSet
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # The dtypes a learner's config can name ([model] dtype); anything else is not a cast we agree to.
@@ -61,7 +63,8 @@ def model_path_allowed(path: str, model_dirs: list[str]) -> bool:
 def check_run(welcome: m.Welcome) -> None:
     """Refuse a run this actor cannot serve faithfully: unknown rewards, nucleus sampling, a foreign dtype."""
     try:
-        validate_rewards(welcome.reward.names, welcome.reward.weights)
+        if welcome.reward.module is None:  # built-ins only; a user's module is checked where it runs (its own process)
+            validate_rewards(welcome.reward.names, welcome.reward.weights)
     except UnknownRewardError as exc:
         raise ActorRefused(f"the learner asks for a reward this actor does not have: {exc}") from exc
     try:
@@ -95,6 +98,45 @@ def plan_model(ref: m.ModelRef, model_dirs: list[str], digest: Callable[[str], s
         raise ActorRefused(f"local copy of {ref.path} differs from the learner's (digest mismatch)")
     lora = LoraConfig.model_validate(ref.lora) if ref.lora else None
     return ModelPlan(key=model_key(ref), path=path, lora=lora, dtype=ref.dtype)
+
+
+def local_reward_module(spec: m.RewardSpec, override: Optional[str], model_dirs: list[str]) -> Optional[str]:
+    """This machine's copy of the learner's reward module, once it has the learner's digest.
+
+    Importing a module runs it, so the actor imports only what its user named
+    (--reward-module) or a file inside an allowed --model-dir.
+    """
+    if spec.module is None:
+        return None
+    if override is None and (is_module_name(spec.module) or not _inside(spec.module, model_dirs)):
+        raise ActorRefused(
+            f"the learner's rewards are in {spec.module!r}; start this actor with --reward-module naming this "
+            "machine's copy of it (or keep the file inside a --model-dir)"
+        )
+    local = override or spec.module
+    try:
+        digest = module_digest(local)
+    except RewardModuleError as exc:
+        raise ActorRefused(f"this actor cannot read its reward module: {exc}") from exc
+    if digest != spec.module_digest:
+        raise ActorRefused(
+            f"reward module {local!r} differs from the learner's {spec.module!r} (digest {digest[:12]} vs "
+            f"{(spec.module_digest or '')[:12]}): give every Mac the same file"
+        )
+    return local
+
+
+def _inside(path: str, model_dirs: list[str]) -> bool:
+    resolved = Path(path).expanduser().resolve()
+    roots = [Path(d).expanduser().resolve() for d in (model_dirs or [os.getcwd()])]
+    return any(root in resolved.parents for root in roots)
+
+
+def plan_rewards(spec: m.RewardSpec, override: Optional[str], model_dirs: list[str]) -> RewardSet:
+    """What this actor scores with: the learner's rewards, from its own checked copy of the module."""
+    return RewardSet(names=tuple(spec.names), weights=tuple(spec.weights),
+                     module=local_reward_module(spec, override, model_dirs),
+                     timeout_seconds=spec.timeout_seconds, bound=spec.bound)
 
 
 def admit(

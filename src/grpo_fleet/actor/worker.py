@@ -15,15 +15,16 @@ import re
 import signal
 import socket
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.core as mx
 
 from grpo_fleet.actor import wire
-from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit
+from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit, plan_rewards
 from grpo_fleet.actor.link import Answer, LearnerLink, LearnerUnavailable, Notice, StopActor
 from grpo_fleet.actor.pipeline import InFlight
-from grpo_fleet.actor.rollout import GeneratedCompletion, completion_text, generate_groups
+from grpo_fleet.actor.rewarding import score_lease
+from grpo_fleet.actor.rollout import generate_groups
 from grpo_fleet.actor.weights_sync import FetchedWeights, WeightsSync, fetch_weights
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.doctor import mlx_version
@@ -31,9 +32,9 @@ from grpo_fleet.metrics import ActorMetrics, actor_metrics, serve_metrics
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
-from grpo_fleet.tasks import score_completion
+from grpo_fleet.tasks.reward_runner import RewardSet, RewardsRefused, Scorer, ScoringProcess
 
-__all__ = ["ActorRefused", "ActorWorker", "default_actor_id", "score_group", "serve_actor_metrics"]
+__all__ = ["ActorRefused", "ActorWorker", "default_actor_id", "serve_actor_metrics"]
 
 log = logging.getLogger("grpo_fleet.actor")
 MAX_BACKOFF_SECONDS = 10.0
@@ -57,21 +58,6 @@ def serve_actor_metrics(metrics: ActorMetrics, cfg: MetricsConfig) -> int:
         return serve_metrics(metrics.registry, cfg.host, 0, any_port=True) or 0
 
 
-def score_group(
-    item: m.PromptItem, completions: list[GeneratedCompletion], reward: m.RewardSpec, tokenizer: Any, metrics: ActorMetrics
-) -> m.GroupResult:
-    """Score one prompt's completions with the learner's named rewards, as the group to submit."""
-    eos = set(tokenizer.eos_token_ids)
-    scores = []
-    for completion in completions:
-        score = score_completion(reward.names, reward.weights, completion_text(tokenizer, completion, eos), item.fields)
-        metrics.reward.observe(score)
-        metrics.tokens_generated.inc(len(completion.tokens))
-        scores.append(score)
-    metrics.groups_generated.inc()
-    return wire.to_group(item.group_id, completions, scores)
-
-
 class ActorWorker:
     """One actor process."""
 
@@ -84,6 +70,8 @@ class ActorWorker:
         self.weights = WeightsSync(self.metrics)
         self.policy: Optional[Policy] = None
         self.model_key: Optional[ModelKey] = None
+        self.rewards: Optional[RewardSet] = None
+        self.scorer: Optional[Scorer] = None  # the rewards' own process, started on admission
         self.welcome: Optional[m.Welcome] = None
         self.stopping = False
         self.metrics_port = 0
@@ -113,6 +101,8 @@ class ActorWorker:
                     backoff = 0.2
         finally:
             self.link.shut()
+            if self.scorer is not None:
+                self.scorer.close()
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -154,6 +144,7 @@ class ActorWorker:
     def _adopt(self, welcome: m.Welcome) -> None:
         """Admit the learner's run; load its model once (same path, digest, adapters and dtype = same model)."""
         plan = admit(welcome, self.cfg.model_dirs, self.model_key)
+        self._start_rewards(plan_rewards(welcome.reward, self.cfg.reward_module, self.cfg.model_dirs))
         if plan is not None:
             self.policy = load_policy(plan.path, lora=plan.lora, dtype=plan.dtype)
             self.model_key = plan.key
@@ -164,6 +155,19 @@ class ActorWorker:
         self.welcome = welcome
         self.weights.newest = welcome.policy_version
         log.info("actor %s joined run %s (policy v%d)", self.actor_id, shown(welcome.run_id), welcome.policy_version)
+
+    def _start_rewards(self, rewards: RewardSet) -> None:
+        """(Re)start the rewards' process when the run's rewards change; a load failure refuses the run."""
+        if rewards == self.rewards and self.scorer is not None:
+            return
+        if self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None
+        try:
+            self.scorer = ScoringProcess(rewards)
+        except RewardsRefused as exc:
+            raise ActorRefused(f"this actor cannot run the learner's rewards: {exc}") from exc
+        self.rewards = rewards
 
     def _forget_previous_learner(self, previous: m.Welcome, welcome: m.Welcome) -> None:
         """Another run, or this run resumed from a checkpoint, possibly at an older version.
@@ -247,7 +251,8 @@ class ActorWorker:
         groups = generate_groups(policy.model, wire.lease_prompts(lease), settings, on_step=beat)
         self.metrics.generation_seconds.observe(time.perf_counter() - started)
         self.metrics.peak_memory.set(mx.get_peak_memory())
-        results = [score_group(item, completions, welcome.reward, policy.tokenizer, self.metrics)
-                   for item, completions in zip(lease.prompts, groups)]
-        return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=incarnation, groups=results)
+        assert self.scorer is not None  # _adopt started it
+        scored, unscored = score_lease(lease.prompts, groups, self.scorer, policy.tokenizer, self.metrics)
+        return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=incarnation, groups=scored,
+                          unscored=unscored)
 

@@ -108,10 +108,10 @@ def _sampled_groups(policy: Policy, prompts: list, tickets: list, settings: Samp
     generated = rollout(policy, [prompts[t.prompt_index] for t in tickets], settings)
     groups = []
     for ticket, completions in zip(tickets, generated):
-        fields = task.fields(task.train[ticket.prompt_index])
+        example = task.train[ticket.prompt_index]
         records = [
             CompletionRecord(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32),
-                             task.score(completion_text(policy.tokenizer, c, eos), fields), c.finish_reason)
+                             task.score(completion_text(policy.tokenizer, c, eos), example), c.finish_reason)
             for c in completions
         ]
         groups.append(AcceptedGroup(ticket.group_id, ticket.prompt_index, prompts[ticket.prompt_index], records, 0, "loop"))

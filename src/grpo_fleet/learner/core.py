@@ -63,9 +63,19 @@ def run_card(cfg: RunConfig, policy: Policy, task: Task, model_digest: str) -> R
                          lora=cfg.lora.model_dump() if policy.lora is not None else None, dtype=cfg.model.dtype,
                          chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt),
         generation=m.GenerationParams(**cfg.generation.model_dump()),
-        reward=m.RewardSpec(names=list(task.reward_names), weights=[float(w) for w in task.reward_weights]),
+        reward=reward_spec(task),
         heartbeat_seconds=cfg.server.heartbeat_seconds, vocab_size=policy.vocab_size,
     )
+
+
+def reward_spec(task: Task) -> m.RewardSpec:
+    """The run's rewards as Welcome names them, with the reward module's digest for actors to check their copy."""
+    from grpo_fleet.tasks.reward_module import module_digest
+
+    module = task.reward_module
+    return m.RewardSpec(names=list(task.reward_names), weights=[float(w) for w in task.reward_weights],
+                        module=module, module_digest=module_digest(module) if module else None,
+                        timeout_seconds=task.reward_timeout_seconds, bound=task.reward_bound)
 
 
 class Learner:
@@ -85,7 +95,7 @@ class Learner:
         self._saving = threading.Lock()  # one checkpoint written at a time, outside `lock`
         self.runlog = RunLog(run_dir)
         self.registry = Registry(cfg.server, metrics)
-        self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, lambda i: task.fields(task.train[i]))
+        self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, task.train)
         self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
         self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
                              self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify)

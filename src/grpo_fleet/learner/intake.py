@@ -23,6 +23,7 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.tasks.scoring import RewardError
 
 if TYPE_CHECKING:
     from grpo_fleet.learner.leasing import Leasing
@@ -39,6 +40,11 @@ COMPLETION_FRAMING_BYTES = 256
 GROUP_FRAMING_BYTES = 512
 # Room for the envelope, and for the largest other request (a Hello).
 MESSAGE_FRAMING_BYTES = 64 * 1024
+# A prompt whose group comes back unscored this many times in a row is given up
+# on for this pass over the data: a reward that always fails on it would
+# otherwise have the fleet regenerate it forever.
+MAX_UNSCORED_ATTEMPTS = 3
+REWARD_ERRORS = frozenset(str(error) for error in RewardError)
 
 
 def inbound_limits(cfg: RunConfig) -> Limits:
@@ -90,13 +96,14 @@ class IntakeRules:
     reward_bound: float
     max_staleness: int
     groups_per_step: int
+    reward_names: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg: RunConfig, vocab_size: int) -> "IntakeRules":
         gen = cfg.generation
         return cls(group_size=gen.group_size, vocab_size=vocab_size, max_tokens=gen.max_tokens,
                    reward_bound=cfg.task.reward_bound, max_staleness=cfg.grpo.max_staleness,
-                   groups_per_step=cfg.grpo.groups_per_step)
+                   groups_per_step=cfg.grpo.groups_per_step, reward_names=frozenset(cfg.task.rewards))
 
 
 def unusable_version(msg: m.Rollouts, state: LearnerState, max_staleness: int) -> Optional[RejectReason]:
@@ -169,12 +176,19 @@ class Intake:
             return self._invalid(actor, msg.lease_id, invalid)
         known_lease = msg.lease_id in scheduler.leases
         refused = {g.group_id: scheduler.classify(actor.principal, msg.lease_id, g.group_id) for g in msg.groups}
-        violations = sorted({r for r in refused.values() if r is not None and r.is_violation})
+        unscored = {u.group_id: scheduler.classify(actor.principal, msg.lease_id, u.group_id) for u in msg.unscored}
+        violations = sorted({r for r in (*refused.values(), *unscored.values()) if r is not None and r.is_violation})
         if violations:
             return self._invalid(actor, msg.lease_id, violations[0])
-        self.leasing.measure(actor, msg.lease_id, len(msg.groups))
+        self.leasing.measure(actor, msg.lease_id, len(msg.groups) + len(msg.unscored))
+        requeued = self._unscored(msg, unscored)
         unusable = unusable_version(msg, self.state, rules.max_staleness)
-        ack = self._stale(msg, refused, unusable) if unusable is not None else self._accept(actor, msg, refused)
+        if not msg.groups:
+            ack = m.Ack(lease_id=msg.lease_id, status="requeued", groups=requeued)
+        elif unusable is not None:
+            ack = self._stale(msg, refused, unusable, requeued)
+        else:
+            ack = self._accept(actor, msg, refused, requeued)
         # Only answers about leases that were open are worth replaying.
         if known_lease:
             self.state.acks.put(msg.lease_id, ack)
@@ -187,14 +201,43 @@ class Intake:
         self.registry.record_violation(actor.principal, reason)
         return m.Ack(lease_id=lease_id, status="invalid", reason=reason)
 
-    def _stale(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]], reason: RejectReason) -> m.Ack:
+    def _unscored(self, msg: m.Rollouts, classified: dict[str, Optional[RejectReason]]) -> dict[str, str]:
+        """Re-queue the groups the actor could not score (tasks/scoring.py); a prompt failing repeatedly is dropped."""
+        answer: dict[str, str] = {}
+        scheduler, attempts = self.state.scheduler, self.state.unscored_attempts
+        for group in msg.unscored:
+            refusal = classified[group.group_id]
+            if refusal is not None:  # a duplicate, or a lease that expired meanwhile: nothing to re-queue
+                answer[group.group_id] = refusal.group_status
+                continue
+            reward = group.reward if group.reward in self.rules.reward_names else "*"
+            error = group.error if group.error in REWARD_ERRORS else "other"  # labels stay a bounded set
+            self.metrics.groups_unscored.labels(reward=reward, error=error).inc()
+            index = scheduler.leases[msg.lease_id].tickets[group.group_id].prompt_index
+            attempts[index] = attempts.get(index, 0) + 1
+            if attempts[index] >= MAX_UNSCORED_ATTEMPTS:
+                del attempts[index]
+                scheduler.finish(msg.lease_id, group.group_id)
+                self.metrics.groups_unscorable.inc()
+                log.warning("prompt %d came back unscored %d times (last: reward %s %s: %s); skipped for this pass",
+                            index, MAX_UNSCORED_ATTEMPTS, shown(reward), error, shown(group.detail, 200))
+                answer[group.group_id] = "unscorable"
+            else:
+                scheduler.requeue(msg.lease_id, group.group_id)
+                answer[group.group_id] = "requeued"
+        return answer
+
+    def _stale(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]], reason: RejectReason,
+               requeued: dict[str, str]) -> m.Ack:
         for group_id, refusal in refused.items():
             if refusal is None:
                 self.state.scheduler.requeue(msg.lease_id, group_id)
         self.metrics.rejections.labels(reason=reason).inc(len(msg.groups))
-        return m.Ack(lease_id=msg.lease_id, status="stale", reason=reason, groups={g: "stale" for g in refused})
+        return m.Ack(lease_id=msg.lease_id, status="stale", reason=reason,
+                     groups={**{g: "stale" for g in refused}, **requeued})
 
-    def _accept(self, actor: ActorInfo, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> m.Ack:
+    def _accept(self, actor: ActorInfo, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]],
+                requeued: dict[str, str]) -> m.Ack:
         answer: dict[str, str] = {}
         for group in msg.groups:
             refusal = refused[group.group_id]
@@ -204,10 +247,11 @@ class Intake:
                 continue
             ticket = self.state.scheduler.finish(msg.lease_id, group.group_id)
             index = ticket.prompt_index
+            self.state.unscored_attempts.pop(index, None)
             self._keep(actor, accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
             answer[group.group_id] = "accepted"
         overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
-        return m.Ack(lease_id=msg.lease_id, status=overall, groups=answer)  # type: ignore[arg-type]  # one of Ack's statuses
+        return m.Ack(lease_id=msg.lease_id, status=overall, groups={**answer, **requeued})  # type: ignore[arg-type]  # one of Ack's statuses
 
     def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
         """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""

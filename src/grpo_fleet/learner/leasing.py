@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.tasks import Example, prompt_text, reward_kwargs
 
 if TYPE_CHECKING:
     from grpo_fleet.learner.registry import ActorInfo
@@ -97,11 +98,11 @@ class Leasing:
     """Grants leases from the scheduler, sized to each actor and to the room left in flight."""
 
     def __init__(self, cfg: RunConfig, state: LearnerState, metrics: LearnerMetrics,
-                 prompt_tokens: list[np.ndarray], fields: Callable[[int], dict[str, str]]) -> None:
+                 prompt_tokens: list[np.ndarray], examples: list[Example]) -> None:
         self.server, self.state, self.metrics = cfg.server, state, metrics
         self.limit = in_flight_limit(cfg.server.in_flight_steps, cfg.grpo.groups_per_step)
         self.max_staleness = cfg.grpo.max_staleness
-        self.prompt_tokens, self.fields = prompt_tokens, fields
+        self.prompt_tokens, self.examples = prompt_tokens, examples
         self.step_interval = MovingAverage()  # seconds between learner steps
         self._last_step_at: Optional[float] = None
 
@@ -162,4 +163,6 @@ class Leasing:
 
     def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:
         tokens = m.Tensor.from_numpy(self.prompt_tokens[index])
-        return m.PromptItem(group_id=group_id, prompt_index=index, prompt_tokens=tokens, fields=self.fields(index))
+        example = self.examples[index]
+        return m.PromptItem(group_id=group_id, prompt_index=index, prompt_tokens=tokens, fields=reward_kwargs(example),
+                            prompt_text=prompt_text(example.prompt))

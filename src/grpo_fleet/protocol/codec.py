@@ -139,8 +139,10 @@ def _check_rollouts_shape(body: Any, limits: Limits) -> None:
     groups = body.get("groups") if type(body) is dict else None
     if type(groups) is not list:
         return  # not shaped like a Rollouts: pydantic gives the precise error
-    if limits.max_rollout_groups is not None and len(groups) > limits.max_rollout_groups:
-        raise ProtocolError("too_large", f"Rollouts: {len(groups)} groups > {limits.max_rollout_groups} per lease")
+    unscored = body.get("unscored")
+    count = len(groups) + (len(unscored) if type(unscored) is list else 0)
+    if limits.max_rollout_groups is not None and count > limits.max_rollout_groups:
+        raise ProtocolError("too_large", f"Rollouts: {count} groups > {limits.max_rollout_groups} per lease")
     if limits.max_group_completions is None:
         return
     for group in groups:

@@ -16,14 +16,15 @@ import math
 from typing import Annotated, Literal, Optional, Union, get_args
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.fields import FieldInfo
 
 from grpo_fleet.digest import blob_digest as blob_digest  # re-exported: part of the wire vocabulary
 from grpo_fleet.protocol.reasons import RejectReason
 
 # 2: Ack carries lease_id; WeightsGone answers a GetWeights for a version no longer kept.
-PROTOCOL_VERSION = 2
+# 3: user reward modules (RewardSpec.module/digest), every dataset column to rewards, unscored groups.
+PROTOCOL_VERSION = 3
 
 TensorDType = Literal["int32", "uint32", "float32", "float16", "bfloat16"]
 
@@ -158,14 +159,25 @@ class GenerationParams(_Strict):
     top_p: float = Field(gt=0, le=1, allow_inf_nan=False)
 
 
+RewardName = Annotated[str, Field(min_length=1, max_length=64)]
+
+
 class RewardSpec(_Strict):
-    names: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(min_length=1, max_length=16)
+    names: list[RewardName] = Field(min_length=1, max_length=16)
     weights: list[FiniteFloat] = Field(min_length=1, max_length=16)
+    # task.reward_module as the learner reaches it (an absolute file path or a module
+    # name) and the BLAKE3 of its source: an actor runs only a copy with that digest.
+    module: Optional[Annotated[str, printable(1024)]] = None
+    module_digest: Optional[Blake3Hex] = None
+    timeout_seconds: PositiveSeconds = 10.0
+    bound: PositiveFloat = 1e4  # task.reward_bound: the learner refuses rewards beyond it
 
     @model_validator(mode="after")
     def _same_length(self) -> "RewardSpec":
         if len(self.names) != len(self.weights):
             raise ValueError(f"{len(self.names)} reward names but {len(self.weights)} weights")
+        if (self.module is None) != (self.module_digest is None):
+            raise ValueError("a reward module needs its digest, and a digest its module")
         return self
 
 
@@ -230,7 +242,10 @@ class PromptItem(_Strict):
     group_id: GroupId
     prompt_index: NonNegInt
     prompt_tokens: Tensor
-    fields: dict[str, str] = Field(max_length=16)
+    # The rewards' keyword arguments: every dataset column, and `answer`. Nested
+    # values are bounded by the decoder's depth and the message size limits.
+    fields: dict[Annotated[str, Field(min_length=1, max_length=256)], JsonValue] = Field(max_length=256)
+    prompt_text: str = ""  # the prompt rewards see (a conversation's last user message)
 
 
 class Lease(_Strict):
@@ -267,17 +282,35 @@ class GroupResult(_Strict):
     completions: list[Completion] = Field(min_length=1, max_length=1024)
 
 
+class UnscoredGroup(_Strict):
+    """A leased group the actor generated but could not score (a reward failed: tasks/scoring.py); re-queued."""
+
+    group_id: GroupId
+    reward: Annotated[str, printable(64)]
+    error: Label
+    detail: Reason = ""
+
+
 class Rollouts(_Strict):
     lease_id: LeaseId
     policy_version: Version
     # The learner life whose snapshot sampled these ("" = unknown: trusted only for shared history).
     incarnation: Incarnation = ""
-    groups: list[GroupResult] = Field(min_length=1, max_length=256)
+    groups: list[GroupResult] = Field(max_length=256)
+    unscored: list[UnscoredGroup] = Field(default_factory=list, max_length=256)
+
+    @model_validator(mode="after")
+    def _something(self) -> "Rollouts":
+        if not self.groups and not self.unscored:
+            raise ValueError("a submission needs at least one group, scored or unscored")
+        if len(self.groups) + len(self.unscored) > 256:
+            raise ValueError("at most 256 groups in one submission")
+        return self
 
 
 class Ack(_Strict):
     lease_id: LeaseId  # the submission this answers
-    status: Literal["accepted", "duplicate", "stale", "invalid"]
+    status: Literal["accepted", "duplicate", "stale", "invalid", "requeued"]  # requeued: only unscored groups
     reason: Reason = ""
     groups: dict[GroupId, Label] = Field(default_factory=dict)  # group_id -> status
 
@@ -347,12 +380,16 @@ def validate_rollouts(
     Values are checked in the dtype they are trained in: a reward of 1e39 is a
     finite float64 but inf in float32, so rewards must lie within `reward_bound`.
     """
-    ids = [g.group_id for g in msg.groups]
+    ids = [g.group_id for g in msg.groups] + [u.group_id for u in msg.unscored]
     if len(set(ids)) != len(ids):
         return RejectReason.DUPLICATE_GROUP_IN_MESSAGE
-    completions = [c for g in msg.groups for c in g.completions]
-    if not completions or any(len(g.completions) != group_size for g in msg.groups):
+    if not ids:  # model_construct() bypasses the validator that refuses an empty submission
         return RejectReason.BAD_GROUP_SIZE
+    completions = [c for g in msg.groups for c in g.completions]
+    if any(len(g.completions) != group_size for g in msg.groups):
+        return RejectReason.BAD_GROUP_SIZE
+    if not completions:
+        return None
     # Re-checked here because model_construct() bypasses the Completion validator.
     if any(c.tokens.shape != c.logprobs.shape or len(c.tokens.shape) != 1 for c in completions):
         return RejectReason.LENGTH_MISMATCH

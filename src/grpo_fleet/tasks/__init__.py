@@ -1,8 +1,10 @@
 """Tasks: the prompts a run trains on and how completions are scored.
 
 The learner builds a `Task` from its `TaskConfig`. Actors never see the Task
-itself: each prompt travels with `Task.fields(example)` and the run's reward
-names and weights, and actors call `score_completion` with those.
+itself: each prompt travels with `Task.reward_kwargs(example)` and its prompt
+text, the run's rewards travel as names, weights and the reward module's
+digest, and actors score with `tasks.reward_runner` (tasks/scoring.py is the
+policy for rewards that fail).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from grpo_fleet.tasks.prompts import Prompt
 from grpo_fleet.tasks.rewards import REWARDS, RewardFn, UnknownRewardError, get_reward, register_reward
+from grpo_fleet.tasks.scoring import ScoringJob
 
 if TYPE_CHECKING:
     from grpo_fleet.config import TaskConfig
+    from grpo_fleet.tasks.reward_runner import RewardSet
 
 __all__ = [
     "BUILTIN_PREFIX",
@@ -30,8 +34,8 @@ __all__ = [
     "data_path",
     "get_reward",
     "register_reward",
+    "prompt_text",
     "resolve_task_path",
-    "score_completion",
     "validate_rewards",
 ]
 
@@ -57,10 +61,16 @@ class Example:
     columns: Mapping[str, Any] = field(default_factory=dict)
 
 
-def validate_rewards(reward_names: Sequence[str], reward_weights: Optional[Sequence[float]] = None) -> list[float]:
-    """Check every reward name exists and weights line up; return the weights (default all 1.0)."""
-    for name in reward_names:
-        get_reward(name)
+# Reward keyword arguments that would collide with the positional (completion, prompt).
+RESERVED_COLUMNS = ("completion", "prompt")
+
+
+def validate_rewards(reward_names: Sequence[str], reward_weights: Optional[Sequence[float]] = None,
+                     module: Optional[str] = None) -> list[float]:
+    """Check every reward name exists (importing the reward module, if any) and weights line up; return the weights."""
+    from grpo_fleet.tasks.reward_module import load_rewards
+
+    load_rewards(reward_names, module)
     if reward_weights is None:
         return [1.0] * len(reward_names)
     if len(reward_weights) != len(reward_names):
@@ -71,15 +81,23 @@ def validate_rewards(reward_names: Sequence[str], reward_weights: Optional[Seque
     return [float(weight) for weight in reward_weights]
 
 
-def score_completion(
-    reward_names: Sequence[str],
-    reward_weights: Optional[Sequence[float]],
-    completion_text: str,
-    fields: dict[str, str],
-) -> float:
-    """Weighted sum of the named rewards for one completion (weights default to 1.0)."""
-    weights = validate_rewards(reward_names, reward_weights)
-    return sum(weight * get_reward(name)(completion_text, fields) for name, weight in zip(reward_names, weights))
+def prompt_text(prompt: Prompt) -> str:
+    """The prompt a reward sees: the text as given, or a conversation's last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [str(message.get("content", "")) for message in prompt if message.get("role") == "user"]
+    return users[-1] if users else ""
+
+
+def reward_kwargs(example: Example) -> dict[str, Any]:
+    """The keyword arguments every reward gets: the example's columns, then `answer` (the reference answer).
+
+    A column named like a positional argument (`completion`, `prompt`) travels
+    as `dataset_completion` / `dataset_prompt` instead.
+    """
+    kwargs = {f"dataset_{name}" if name in RESERVED_COLUMNS else name: value for name, value in example.columns.items()}
+    kwargs["answer"] = example.answer
+    return kwargs
 
 
 @dataclass(frozen=True)
@@ -91,14 +109,34 @@ class Task:
     eval: list[Example]
     reward_names: list[str]
     reward_weights: list[float]
+    reward_module: Optional[str] = None  # canonical: an absolute file path or a module name
+    reward_timeout_seconds: float = 10.0
+    reward_bound: float = 1e4
 
-    def fields(self, example: Example) -> dict[str, str]:
-        """What travels to actors alongside a prompt so they can score completions."""
-        return {"answer": example.answer}
+    def fields(self, example: Example) -> dict[str, Any]:
+        """What travels to actors alongside a prompt so they can score completions (reward_kwargs)."""
+        return reward_kwargs(example)
 
-    def score(self, completion_text: str, example_fields: dict[str, str]) -> float:
-        """Weighted sum of this task's rewards for one completion."""
-        return score_completion(self.reward_names, self.reward_weights, completion_text, example_fields)
+    def job(self, example: Example, completions: Sequence[str]) -> ScoringJob:
+        """One group of completions of `example`, ready to score."""
+        return ScoringJob(prompt=prompt_text(example.prompt), columns=reward_kwargs(example), completions=completions)
+
+    def reward_set(self) -> "RewardSet":
+        """The run's rewards, for a scorer (tasks/reward_runner.py)."""
+        from grpo_fleet.tasks.reward_runner import RewardSet
+
+        return RewardSet(names=tuple(self.reward_names), weights=tuple(self.reward_weights), module=self.reward_module,
+                         timeout_seconds=self.reward_timeout_seconds, bound=self.reward_bound)
+
+    def score(self, completion_text: str, example: Example) -> float:
+        """This task's reward for one completion, scored inline; a failing reward raises ValueError."""
+        from grpo_fleet.tasks.reward_runner import InlineScorer
+
+        (result,) = InlineScorer(self.reward_set()).score([self.job(example, [completion_text])])
+        if result.rewards is None:
+            assert result.failure is not None
+            raise ValueError(f"reward {result.failure.reward} failed: {result.failure.error}: {result.failure.detail}")
+        return result.rewards[0]
 
 
 def data_path(name: str) -> Path:
@@ -119,7 +157,10 @@ def resolve_task_path(path: str) -> Path:
 
 def build_task(cfg: "TaskConfig") -> Task:
     """The Task a TaskConfig describes; reward names are checked before any data is loaded."""
-    weights = validate_rewards(cfg.rewards, cfg.reward_weights)
+    from grpo_fleet.tasks.reward_module import canonical_spec
+
+    module = canonical_spec(cfg.reward_module) if cfg.reward_module else None
+    weights = validate_rewards(cfg.rewards, cfg.reward_weights, module)
     if cfg.name == "reverse":
         train, eval_examples = _reverse_splits(cfg)
     elif cfg.name == "jsonl":
@@ -134,6 +175,9 @@ def build_task(cfg: "TaskConfig") -> Task:
         eval=eval_examples,
         reward_names=list(cfg.rewards),
         reward_weights=weights,
+        reward_module=module,
+        reward_timeout_seconds=cfg.reward_timeout_seconds,
+        reward_bound=cfg.reward_bound,
     )
 
 

@@ -1,17 +1,29 @@
-"""Named reward functions: (completion text, example fields) -> score in [0, 1].
+"""Named reward functions, and the one signature every reward has.
+
+    reward(completion: str, prompt: str, *, answer: str, **columns) -> float | None
+
+`completion` is the decoded completion (without its stop token), `prompt` the
+prompt as the dataset gave it (for chat prompts, the last user message), and
+every other dataset column arrives as a keyword argument under its own name;
+`answer` is the reference answer as the task reads it (GSM8K's "#### 72" is
+"72"). Return a float, or None for "this reward does not score this completion"
+(see tasks/scoring.py for how None, errors and timeouts are treated).
 
 Rewards are looked up by name so that actors, which only receive reward names,
-weights and per-prompt fields over the wire, score completions exactly as the
-learner would. Nothing here evaluates model output as code.
+weights and per-prompt columns over the wire, score completions exactly as the
+learner would. A user's own rewards live in `task.reward_module`
+(tasks/reward_module.py). Nothing here evaluates model output as code.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, TypeVar, Union, overload
 
-RewardFn = Callable[[str, dict[str, str]], float]
+# (completion, prompt, *, answer, **columns) -> float | None; Callable cannot spell keyword arguments.
+RewardFn = Callable[..., Optional[float]]
+F = TypeVar("F", bound=RewardFn)
 
 REWARDS: dict[str, RewardFn] = {}
 
@@ -19,10 +31,10 @@ REWARDS: dict[str, RewardFn] = {}
 class UnknownRewardError(KeyError):
     """A reward name that is not in the registry."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, note: str = "") -> None:
         known = ", ".join(sorted(REWARDS)) or "(none registered)"
         self.name = name
-        self.message = f"unknown reward {name!r}; known rewards: {known}"
+        self.message = f"unknown reward {name!r}{note}; known rewards: {known}"
         super().__init__(self.message)
 
     def __str__(self) -> str:
@@ -30,16 +42,29 @@ class UnknownRewardError(KeyError):
         return self.message
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator adding a reward function to REWARDS under `name`."""
+@overload
+def register_reward(name_or_fn: str) -> Callable[[F], F]: ...
+@overload
+def register_reward(name_or_fn: F) -> F: ...
+def register_reward(name_or_fn: Union[str, F]) -> Union[F, Callable[[F], F]]:
+    """Add a reward to REWARDS: `@register_reward("name")`, or bare `@register_reward` for the function's own name."""
+    if callable(name_or_fn):
+        return _register(name_or_fn.__name__, name_or_fn)
+    name = name_or_fn
 
-    def decorator(fn: RewardFn) -> RewardFn:
-        if name in REWARDS and REWARDS[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered")
-        REWARDS[name] = fn
-        return fn
+    def decorator(fn: F) -> F:
+        return _register(name, fn)
 
     return decorator
+
+
+def _register(name: str, fn: F) -> F:
+    if not name or len(name) > 64:
+        raise ValueError(f"reward name {name!r} must be 1 to 64 characters")
+    if name in REWARDS and REWARDS[name] is not fn:
+        raise ValueError(f"reward {name!r} is already registered")
+    REWARDS[name] = fn
+    return fn
 
 
 def get_reward(name: str) -> RewardFn:
@@ -51,14 +76,14 @@ def get_reward(name: str) -> RewardFn:
 
 
 @register_reward("reverse_positions")
-def reverse_positions(completion: str, fields: dict[str, str]) -> float:
+def reverse_positions(completion: str, prompt: str = "", *, answer: str = "", **columns: Any) -> float:
     """Fraction of positions that agree with the answer, over the longer of the two.
 
     Partial credit means a random policy already scores a little above zero, so
     GRPO groups have reward variance (and hence signal) from the first step.
     Dividing by the longer length penalises both truncated and padded outputs.
     """
-    answer = fields["answer"].strip()
+    answer = answer.strip()
     text = completion.strip()
     longest = max(len(answer), len(text))
     if longest == 0:
@@ -68,7 +93,7 @@ def reverse_positions(completion: str, fields: dict[str, str]) -> float:
 
 
 @register_reward("language_consistency")
-def language_consistency(completion: str, fields: dict[str, str]) -> float:
+def language_consistency(completion: str, prompt: str = "", *, answer: str = "", **columns: Any) -> float:
     """Share of the completion's characters that are printable ASCII (English text, maths, code).
 
     DeepSeek-R1's language-consistency reward, for English: it penalises
@@ -82,9 +107,9 @@ def language_consistency(completion: str, fields: dict[str, str]) -> float:
 
 
 @register_reward("exact_match")
-def exact_match(completion: str, fields: dict[str, str]) -> float:
+def exact_match(completion: str, prompt: str = "", *, answer: str = "", **columns: Any) -> float:
     """1.0 when the stripped completion equals the stripped answer."""
-    return 1.0 if completion.strip() == fields["answer"].strip() else 0.0
+    return 1.0 if completion.strip() == answer.strip() else 0.0
 
 
 # Each block's body may not open or close a block of the same kind, so that
@@ -99,7 +124,7 @@ _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
 
 
 @register_reward("r1_format")
-def r1_format(completion: str, fields: dict[str, str]) -> float:
+def r1_format(completion: str, prompt: str = "", *, answer: str = "", **columns: Any) -> float:
     """1.0 for exactly `<think>...</think> <answer>...</answer>` and nothing else."""
     return 1.0 if _R1_FORMAT.fullmatch(completion.strip()) else 0.0
 
@@ -133,7 +158,7 @@ def last_answer_tag(completion: str) -> Optional[str]:
 
 
 @register_reward("r1_accuracy")
-def r1_accuracy(completion: str, fields: dict[str, str]) -> float:
+def r1_accuracy(completion: str, prompt: str = "", *, answer: str = "", **columns: Any) -> float:
     """1.0 when the last answer tag's contents equal the reference answer, as HF's math-verify reads them.
 
     math-verify reads expressions, LaTeX and spaced thousands ("5 * 3 + 3 = 18",
@@ -146,19 +171,19 @@ def r1_accuracy(completion: str, fields: dict[str, str]) -> float:
     from grpo_fleet.tasks.math_answers import answers_match
 
     content = last_answer_tag(completion)
-    if content is not None and answers_match(content, gold_answer_text(fields["answer"])):
+    if content is not None and answers_match(content, gold_answer_text(answer)):
         return 1.0
-    return r1_accuracy_strict(completion, fields)
+    return r1_accuracy_strict(completion, answer=answer)
 
 
 @register_reward("r1_accuracy_strict")
-def r1_accuracy_strict(completion: str, fields: dict[str, str]) -> float:
+def r1_accuracy_strict(completion: str, prompt: str = "", *, answer: str = "", **columns: Any) -> float:
     """1.0 when the last answer tag holds exactly one number and it equals the reference number (no sympy)."""
     content = last_answer_tag(completion)
     if content is None:
         return 0.0
     predicted = parse_number(content)
-    expected = parse_number(gold_answer_text(fields["answer"]))
+    expected = parse_number(gold_answer_text(answer))
     if predicted is None or expected is None:
         return 0.0
     return 1.0 if abs(predicted - expected) <= 1e-6 else 0.0

@@ -1,0 +1,224 @@
+"""Running rewards: in a child process with timeouts (actors, the learner's checks), or inline (tests, offline eval).
+
+A reward is user code: it may raise, hang, or never return from a C call. The
+child process gives every call `timeout_seconds` by a SIGALRM timer, which
+interrupts Python code (sympy included); a call that blocks the timer too is
+caught by the parent's hard deadline, which kills the child and starts a new
+one. Either way the group is unscorable and the caller goes on: a reward never
+crashes the process that asked for it. The policy for what a failure means is
+tasks/scoring.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Optional, Union
+
+from grpo_fleet.tasks.reward_module import RewardModuleError, load_rewards
+from grpo_fleet.tasks.rewards import RewardFn, UnknownRewardError
+from grpo_fleet.tasks.scoring import GroupScore, RewardError, RewardFailure, ScoringJob, checked_value, group_score
+
+# How long a new child may take to import the rewards (math-verify brings sympy).
+STARTUP_SECONDS = 120.0
+# Added to a group's summed timeouts before the parent kills the child: pickling and scheduling.
+HARD_DEADLINE_SLACK_SECONDS = 5.0
+DETAIL_CHARS = 300
+
+
+@dataclass(frozen=True)
+class RewardSet:
+    """What to score with: the run's rewards (Welcome's RewardSpec, or the task's), picklable for the child."""
+
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+    module: Optional[str] = None  # task.reward_module, as this machine reaches it
+    timeout_seconds: float = 10.0
+    bound: float = 1e4
+
+
+class RewardsRefused(RuntimeError):
+    """The rewards cannot be loaded here: a missing module, an import error, an unknown name."""
+
+
+class _RewardTimeout(BaseException):
+    """Raised by the timer; a BaseException so a reward's own `except Exception` cannot swallow it."""
+
+
+Outcome = Union[Optional[float], RewardFailure]
+Call = Callable[[RewardFn, str, ScoringJob], Any]
+
+
+def score_job(rewards: RewardSet, functions: Sequence[RewardFn], job: ScoringJob, call: Call) -> GroupScore:
+    """Every reward on every completion of one group, through `call`, then the group's score."""
+    seconds = dict.fromkeys(rewards.names, 0.0)
+    per_completion: list[list[Outcome]] = []
+    for completion in job.completions:
+        outcomes: list[Outcome] = []
+        for name, fn in zip(rewards.names, functions):
+            started = time.perf_counter()
+            outcomes.append(_outcome(name, fn, completion, job, call, rewards))
+            seconds[name] += time.perf_counter() - started
+            if isinstance(outcomes[-1], RewardFailure):
+                return GroupScore(failure=outcomes[-1], seconds=seconds)
+        per_completion.append(outcomes)
+    return group_score(per_completion, rewards.weights, rewards.bound, seconds)
+
+
+def _outcome(name: str, fn: RewardFn, completion: str, job: ScoringJob, call: Call, rewards: RewardSet) -> Outcome:
+    started = time.perf_counter()
+    try:
+        value = call(fn, completion, job)
+    except _RewardTimeout:
+        return RewardFailure(name, RewardError.TIMEOUT, f"ran past {rewards.timeout_seconds:g}s (task.reward_timeout_seconds)")
+    except Exception as exc:  # the user's code: every error is counted and reported, none crashes us
+        return RewardFailure(name, RewardError.EXCEPTION, f"{type(exc).__name__}: {exc}"[:DETAIL_CHARS])
+    if time.perf_counter() - started > rewards.timeout_seconds:  # inline calls cannot be interrupted
+        return RewardFailure(name, RewardError.TIMEOUT, f"took over {rewards.timeout_seconds:g}s (task.reward_timeout_seconds)")
+    return checked_value(name, value, rewards.bound)
+
+
+def plain_call(fn: RewardFn, completion: str, job: ScoringJob) -> Any:
+    """Call a reward with the one signature; an async reward is run to completion."""
+    value = fn(completion, job.prompt, **job.columns)
+    if inspect.isawaitable(value):
+        value = asyncio.run(_awaited(value))
+    return value
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+class InlineScorer:
+    """Rewards called in this process: no timeout can interrupt them, though over-time calls still fail."""
+
+    def __init__(self, rewards: RewardSet) -> None:
+        self.rewards = rewards
+        try:
+            self.functions = load_rewards(rewards.names, rewards.module)
+        except (RewardModuleError, UnknownRewardError) as exc:
+            raise RewardsRefused(str(exc)) from exc
+
+    def score(self, jobs: Sequence[ScoringJob]) -> list[GroupScore]:
+        return [score_job(self.rewards, self.functions, job, plain_call) for job in jobs]
+
+    def close(self) -> None:
+        """Nothing to release (the same interface as ScoringProcess)."""
+
+
+# ---------------------------------------------------------------------- the child process
+
+
+def _alarm(_signum: int, _frame: Any) -> None:
+    raise _RewardTimeout()
+
+
+def _serve(conn: Connection, rewards: RewardSet) -> None:
+    """The child's loop: load the rewards, then score each batch of jobs, one answer per job."""
+    try:
+        functions = load_rewards(rewards.names, rewards.module)
+    except (RewardModuleError, UnknownRewardError) as exc:
+        conn.send(("refused", str(exc)))
+        return
+    signal.signal(signal.SIGALRM, _alarm)
+
+    def timed_call(fn: RewardFn, completion: str, job: ScoringJob) -> Any:
+        signal.setitimer(signal.ITIMER_REAL, rewards.timeout_seconds)
+        try:
+            return plain_call(fn, completion, job)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    conn.send(("ready", ""))
+    while True:
+        try:
+            jobs = conn.recv()
+        except (EOFError, OSError):  # the parent went away
+            return
+        for job in jobs:
+            conn.send(score_job(rewards, functions, job, timed_call))
+
+
+class ScoringProcess:
+    """Rewards in a child process (spawned: MLX and ZeroMQ state must not be forked), restarted after a hard kill."""
+
+    def __init__(self, rewards: RewardSet) -> None:
+        self.rewards = rewards
+        self._context = multiprocessing.get_context("spawn")
+        self._process: Optional[multiprocessing.process.BaseProcess] = None
+        self._conn: Optional[Connection] = None
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        parent, child = self._context.Pipe()
+        process = self._context.Process(target=_serve, args=(child, self.rewards), daemon=True,
+                                        name="grpo-fleet-rewards")
+        process.start()
+        child.close()
+        self._process, self._conn = process, parent
+        if not parent.poll(STARTUP_SECONDS):
+            self._kill()
+            raise RewardsRefused(f"the reward process did not start within {STARTUP_SECONDS:g}s")
+        try:
+            status, detail = parent.recv()
+        except EOFError:
+            self._kill()
+            raise RewardsRefused("the reward process died while loading the rewards") from None
+        if status != "ready":
+            self._kill()
+            raise RewardsRefused(detail)
+
+    def score(self, jobs: Sequence[ScoringJob]) -> list[GroupScore]:
+        """One GroupScore per job, in order; a hung or dead child costs its job, then is replaced."""
+        results: list[GroupScore] = []
+        pending = list(jobs)
+        while pending:
+            if self._conn is None:
+                self._start()
+                self.restarts += 1
+            assert self._conn is not None
+            self._conn.send(pending)
+            for job in list(pending):
+                answer = self._receive(job)
+                pending.pop(0)
+                results.append(answer)
+                if self._conn is None:  # killed: the rest go to a fresh child
+                    break
+        return results
+
+    def _receive(self, job: ScoringJob) -> GroupScore:
+        assert self._conn is not None
+        calls = max(1, len(job.completions) * len(self.rewards.names))
+        deadline = calls * self.rewards.timeout_seconds + HARD_DEADLINE_SLACK_SECONDS
+        try:
+            if self._conn.poll(deadline):
+                answer: GroupScore = self._conn.recv()
+                return answer
+            detail = f"no answer within {deadline:g}s (a reward blocked its own timeout); the process was restarted"
+            error = RewardError.TIMEOUT
+        except (EOFError, OSError):
+            detail, error = "the reward process died (a reward crashed it); it was restarted", RewardError.CRASHED
+        self._kill()
+        return GroupScore(failure=RewardFailure("*", error, detail))
+
+    def _kill(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=5)
+        self._process, self._conn = None, None
+
+    def close(self) -> None:
+        self._kill()
+
+
+Scorer = Union[InlineScorer, ScoringProcess]

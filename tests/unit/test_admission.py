@@ -139,3 +139,52 @@ def test_without_model_dirs_the_working_directory_is_the_allowed_one(monkeypatch
     monkeypatch.chdir(tmp_path)
     assert model_path_allowed(str(tmp_path / "here"), [])
     assert not model_path_allowed(str(tmp_path.parent), [])
+
+
+# ---------------------------------------------------------------- the user's reward module
+
+
+def _reward_spec(module: str, digest: str) -> m.RewardSpec:
+    return m.RewardSpec(names=["mine"], weights=[1.0], module=module, module_digest=digest, timeout_seconds=3.0,
+                        bound=100.0)
+
+
+@pytest.fixture
+def reward_file(tmp_path: Path) -> Path:
+    path = tmp_path / "learner" / "my_rewards.py"
+    path.parent.mkdir()
+    path.write_text("def mine(completion, prompt, **columns):\n    return 1.0\n")
+    return path
+
+
+def test_a_reward_module_is_imported_only_with_consent(reward_file: Path, tmp_path: Path) -> None:
+    from grpo_fleet.tasks.reward_module import module_digest
+
+    spec = _reward_spec(str(reward_file), module_digest(str(reward_file)))
+    with pytest.raises(ActorRefused, match="--reward-module"):
+        admission.plan_rewards(spec, None, [str(tmp_path / "elsewhere")])
+    inside = admission.plan_rewards(spec, None, [str(reward_file.parent)])
+    assert inside.module == str(reward_file) and (inside.timeout_seconds, inside.bound) == (3.0, 100.0)
+    copy = tmp_path / "actor_copy.py"
+    copy.write_bytes(reward_file.read_bytes())
+    assert admission.plan_rewards(spec, str(copy), []).module == str(copy), "this Mac's own copy, same bytes"
+
+
+def test_a_reward_module_that_differs_or_is_missing_refuses_the_run(reward_file: Path, tmp_path: Path) -> None:
+    from grpo_fleet.tasks.reward_module import module_digest
+
+    spec = _reward_spec(str(reward_file), module_digest(str(reward_file)))
+    changed = tmp_path / "changed.py"
+    changed.write_text("def mine(completion, prompt, **columns):\n    return 0.0\n")
+    with pytest.raises(ActorRefused, match="differs from the learner's"):
+        admission.plan_rewards(spec, str(changed), [])
+    with pytest.raises(ActorRefused, match="cannot read its reward module.*no such file"):
+        admission.plan_rewards(spec, str(tmp_path / "absent.py"), [])
+    with pytest.raises(ActorRefused, match="--reward-module"):
+        admission.plan_rewards(_reward_spec("some_module", spec.module_digest or ""), None, [str(tmp_path)])
+
+
+def test_built_in_rewards_need_no_module() -> None:
+    spec = m.RewardSpec(names=["exact_match"], weights=[2.0])
+    rewards = admission.plan_rewards(spec, None, [])
+    assert rewards.module is None and rewards.weights == (2.0,)

@@ -180,3 +180,74 @@ def test_reasons_keep_their_wire_values_and_say_whose_fault_they_are():
     assert RejectReason.DUPLICATE.group_status == "duplicate"
     assert RejectReason.STALE_LEASE.group_status == "stale"
     assert RejectReason.TOO_LONG.group_status == "invalid"
+
+
+# ---------------------------------------------------------------- groups a reward failed on
+
+
+def _unscored_rollouts(rooms: Rooms, scored: int = 0) -> m.Rollouts:
+    lease = rooms.state.scheduler.issue(KEY, 2)
+    ids = list(lease.tickets)
+    return m.Rollouts(
+        lease_id=lease.lease_id, policy_version=0, incarnation=rooms.state.incarnation,
+        groups=[_wire(g, [0.0, 1.0]) for g in ids[:scored]],
+        unscored=[m.UnscoredGroup(group_id=g, reward="reverse_positions", error="exception", detail="ZeroDivisionError")
+                  for g in ids[scored:]],
+    )
+
+
+def unscored_count(rooms: Rooms, reward: str, error: str) -> float:
+    value = rooms.metrics.registry.get_sample_value("grpo_fleet_learner_groups_unscored_total",
+                                                    {"reward": reward, "error": error})
+    return value or 0.0
+
+
+def test_unscored_groups_are_requeued_counted_and_never_ledgered(rooms):
+    msg = _unscored_rollouts(rooms, scored=1)
+    ack = rooms.intake.take(rooms.registry.actors[b"id"], msg)
+    (scored,), (unscored,) = msg.groups, msg.unscored
+    assert ack.status == "accepted" and ack.groups == {scored.group_id: "accepted", unscored.group_id: "requeued"}
+    assert [e["group_id"] for e in rooms.ledger()] == [scored.group_id]
+    assert [t.group_id for t in rooms.state.scheduler.queued_groups] == [unscored.group_id]
+    assert unscored_count(rooms, "reverse_positions", "exception") == 1
+    assert rooms.registry.bans.violations(KEY) == 0, "a failing reward is not the actor's fault"
+
+
+def test_a_submission_of_only_unscored_groups_is_answered_requeued(rooms):
+    ack = rooms.intake.take(rooms.registry.actors[b"id"], _unscored_rollouts(rooms))
+    assert ack.status == "requeued" and set(ack.groups.values()) == {"requeued"}
+    assert rooms.state.buffer == [] and len(rooms.state.scheduler.queued_groups) == 2
+
+
+def test_labels_of_unscored_groups_stay_a_bounded_set(rooms):
+    lease = rooms.state.scheduler.issue(KEY, 1)
+    (group_id,) = lease.tickets
+    msg = m.Rollouts(lease_id=lease.lease_id, policy_version=0, incarnation=rooms.state.incarnation, groups=[],
+                     unscored=[m.UnscoredGroup(group_id=group_id, reward="made-up-name", error="whatever")])
+    rooms.intake.take(rooms.registry.actors[b"id"], msg)
+    assert unscored_count(rooms, "*", "other") == 1
+
+
+def test_a_prompt_unscored_three_times_in_a_row_is_skipped_for_the_pass(rooms):
+    actor = rooms.registry.actors[b"id"]
+    scheduler = rooms.state.scheduler
+    answers = []
+    for _ in range(3):
+        lease = scheduler.issue(KEY, 1)
+        (group_id,) = lease.tickets
+        msg = m.Rollouts(lease_id=lease.lease_id, policy_version=0, incarnation=rooms.state.incarnation, groups=[],
+                         unscored=[m.UnscoredGroup(group_id=group_id, reward="reverse_positions", error="timeout")])
+        answers.append(rooms.intake.take(actor, msg).groups[group_id])
+    assert answers == ["requeued", "requeued", "unscorable"]
+    assert scheduler.queued_groups == [] and group_id in scheduler.finished
+    assert rooms.metrics.registry.get_sample_value("grpo_fleet_learner_groups_unscorable_total") == 1
+    assert rooms.ledger() == [], "a skipped prompt never counts as an accepted group"
+
+
+def test_an_unscored_group_that_was_never_leased_is_a_violation(rooms):
+    lease = rooms.state.scheduler.issue(KEY, 1)
+    msg = m.Rollouts(lease_id=lease.lease_id, policy_version=0, incarnation=rooms.state.incarnation, groups=[],
+                     unscored=[m.UnscoredGroup(group_id="g99999999", reward="*", error="crashed")])
+    ack = rooms.intake.take(rooms.registry.actors[b"id"], msg)
+    assert (ack.status, ack.reason) == ("invalid", RejectReason.NOT_LEASED)
+    assert rooms.state.scheduler.outstanding_groups == 1, "nothing changed"

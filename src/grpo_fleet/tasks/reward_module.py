@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -60,13 +61,17 @@ def source_files(spec: str) -> list[Path]:
 
 
 def module_digest(spec: str) -> str:
-    """BLAKE3 of the module's source: each file's path relative to the first, then its bytes."""
+    """BLAKE3 of the module's source: a file's bytes (its name may differ per Mac), or a package's every
+    file under its path relative to the package."""
     files = source_files(spec)
-    root = files[0].parent
+    if len(files) == 1 and not (is_module_name(spec) and files[0].name == "__init__.py"):
+        return str(blake3.blake3(files[0].read_bytes()).hexdigest())
+    root = Path(os.path.commonpath(files))  # the package directory: its __init__.py is among the files
     hasher = blake3.blake3()
     for path in files:
-        hasher.update(str(path.relative_to(root)).encode() + b"\0")
-        hasher.update(path.read_bytes())
+        data = path.read_bytes()
+        hasher.update(f"{path.relative_to(root)}\0{len(data)}\0".encode())
+        hasher.update(data)
     return str(hasher.hexdigest())
 
 

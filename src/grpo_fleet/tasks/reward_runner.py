@@ -28,7 +28,7 @@ from grpo_fleet.tasks.scoring import GroupScore, RewardError, RewardFailure, Sco
 # How long a new child may take to import the rewards (math-verify brings sympy).
 STARTUP_SECONDS = 120.0
 # Added to a group's summed timeouts before the parent kills the child: pickling and scheduling.
-HARD_DEADLINE_SLACK_SECONDS = 5.0
+HARD_DEADLINE_SLACK_SECONDS = 2.0
 DETAIL_CHARS = 300
 
 

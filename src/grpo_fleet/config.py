@@ -217,6 +217,19 @@ class TrainConfig(_Section):
     """Length and cadence of the run."""
 
     steps: int = Field(200, ge=1, description="Optimizer batches to train on.")
+    eval_every: int = Field(
+        0, ge=0,
+        description="Evaluate the held-out split every this many steps, and at step 0 and the final step, as eval "
+        "leases actors take before training leases (on the learner when no actor is connected). 0 = never.",
+    )
+    eval_mode: Literal["greedy", "sampled"] = Field(
+        "greedy", description="Eval completions: one greedy completion per prompt, or eval_samples sampled ones."
+    )
+    eval_samples: int = Field(4, ge=1, le=1024, description="k for eval_mode 'sampled': completions per held-out prompt.")
+    eval_temperature: float = Field(1.0, gt=0, description="Sampling temperature for eval_mode 'sampled'.")
+    eval_pass_reward: float = Field(
+        1.0, description="A completion passes (for pass@k) when its reward is at least this."
+    )
     sync_every: int = Field(1, ge=1, description="Publish a new policy version every this many steps.")
     checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the end).")
     seed: int = Field(0, description="Seed for the learner's RNG (prompt order).")

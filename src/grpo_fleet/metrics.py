@@ -60,6 +60,10 @@ class LearnerMetrics:
     skipped_updates: Counter
     groups_unscored: Counter
     groups_unscorable: Counter
+    eval_reward: Gauge
+    eval_pass_at_k: Gauge
+    eval_rounds: Counter
+    eval_leases: Counter
     peak_memory: Gauge
 
 
@@ -125,6 +129,10 @@ def learner_metrics() -> LearnerMetrics:
         groups_unscorable=Counter(
             f"{p}_groups_unscorable", "Prompts given up on for this pass after repeated unscorable groups", registry=r
         ),
+        eval_reward=Gauge(f"{p}_eval_reward", "Held-out avg@k reward of the last complete eval round", registry=r),
+        eval_pass_at_k=Gauge(f"{p}_eval_pass_at_k", "Held-out pass@k of the last complete eval round", registry=r),
+        eval_rounds=Counter(f"{p}_eval_rounds", "Eval rounds started (train.eval_every)", registry=r),
+        eval_leases=Counter(f"{p}_eval_leases", "Eval leases handed out (never training groups)", registry=r),
         peak_memory=Gauge(f"{p}_peak_memory_bytes", "MLX peak memory during the last step (reset every step)", registry=r),
     )
 

@@ -38,7 +38,23 @@ def load_step_records(path: Path) -> list[dict]:
             if number == len(lines):  # the learner is writing it right now
                 break
             raise RunDataError(f"{path}:{number}: not JSON ({exc})") from exc
-    return [r for r in records if isinstance(r, dict) and "step" in r]
+    return [r for r in records if isinstance(r, dict) and "step" in r and "event" not in r]
+
+
+def load_eval_records(path: Path) -> list[dict]:
+    """The eval rounds of a metrics.jsonl (`"event": "eval"` lines), oldest first."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rounds = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a half-written last line; load_step_records reports worse ones
+            continue
+        if isinstance(record, dict) and record.get("event") == "eval":
+            rounds.append(record)
+    return rounds
 
 
 def read_step_records(run_dir: Path) -> list[dict]:

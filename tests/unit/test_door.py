@@ -52,6 +52,10 @@ def _arms(annotation: Any) -> list:
     return [annotation]
 
 
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def _base(annotation: Any) -> Any:
     return get_args(annotation)[0] if get_origin(annotation) is Annotated else annotation
 
@@ -96,7 +100,8 @@ def _value_sites(annotation: Any, metadata: list, value: Any, path: Path, where:
     arms = _arms(annotation)
     if len(arms) > 1 or get_origin(annotation) in (Union, types.UnionType):
         # The arm this value travels in (LoraValue's int vs float); None: the first arm.
-        fits = [a for a in arms if value is not None and isinstance(value, get_origin(_base(a)) or _base(a))]
+        fits = [a for a in arms if value is not None and (isinstance(value, get_origin(_base(a)) or _base(a))
+                                                          or (_is_model(_base(a)) and isinstance(value, dict)))]
         fits = [a for a in fits if not (type(value) is not bool and _base(a) is bool)]
         if fits or value is None:
             for site in _value_sites((fits or arms)[0], metadata, value, path, where):

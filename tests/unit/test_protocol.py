@@ -20,6 +20,7 @@ from grpo_fleet.protocol import (
     ActorStatus,
     Completion,
     ErrorReply,
+    EvalSampling,
     GenerationParams,
     GetWeights,
     GroupResult,
@@ -38,6 +39,7 @@ from grpo_fleet.protocol import (
     Status,
     StatusRequest,
     Tensor,
+    UnscoredGroup,
     WeightsChunk,
     WeightsGone,
     Welcome,
@@ -86,7 +88,7 @@ def valid_rollouts() -> Rollouts:
 def sample_messages() -> list[BaseModel]:
     prompt = PromptItem(
         group_id="g0", prompt_index=7, prompt_tokens=Tensor.from_numpy(np.arange(5, dtype=np.int32)),
-        fields={"answer": "42"},
+        fields={"answer": "42", "level": 3, "tags": ["a", {"b": None}], "weight": 0.5}, prompt_text="What is 6*7?",
     )
     model = ModelRef(
         path="/models/tiny", digest=DIGEST,
@@ -98,7 +100,8 @@ def sample_messages() -> list[BaseModel]:
         Welcome(
             run_id="r", actor_id="a1", model=model,
             generation=GenerationParams(group_size=4, max_tokens=64, temperature=1.0, top_p=0.95),
-            reward=RewardSpec(names=["correct", "format"], weights=[1.0, 0.1]),
+            reward=RewardSpec(names=["correct", "format"], weights=[1.0, 0.1], module="/home/me/my_rewards.py",
+                              module_digest=DIGEST, timeout_seconds=5.0, bound=100.0),
             policy_version=0, heartbeat_seconds=2.0, pub_address="tcp://127.0.0.1:5556", vocab_size=320,
         ),
         GetWeights(version=3),
@@ -111,7 +114,11 @@ def sample_messages() -> list[BaseModel]:
         LeaseRequest(max_groups=4),
         Lease(lease_id="L1", deadline_seconds=60.0, policy_version=3, prompts=[prompt]),
         Lease(lease_id="L2", deadline_seconds=0.0, policy_version=3, prompts=[], retry_after=1.5),
+        Lease(lease_id="L3", deadline_seconds=60.0, policy_version=3, prompts=[prompt],
+              eval=EvalSampling(samples=4, temperature=0.7)),
         valid_rollouts(),
+        Rollouts(lease_id="L1", policy_version=3, groups=[],
+                 unscored=[UnscoredGroup(group_id="g1", reward="correct", error="timeout", detail="ran past 5s")]),
         Ack(lease_id="L1", status="accepted", groups={"g0": "accepted", "g1": "duplicate"}),
         Heartbeat(actor_id="a1", policy_version=2, sent_at=1.5),
         ErrorReply(reason="malformed", detail="truncated"),
@@ -149,7 +156,7 @@ def test_bytes_travel_as_raw_bin() -> None:
     payload = bytes(range(256)) * 64
     data = encode(bulky(len(payload)))
     assert payload in data  # no base64: the raw bytes appear verbatim
-    assert len(data) < len(payload) + 200
+    assert len(data) < len(payload) + 256  # framing only (base64 would add a third)
 
 
 def test_encode_rejects_component_models() -> None:

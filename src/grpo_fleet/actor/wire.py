@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Sequence, cast
+from typing import Literal, Optional, Sequence, cast
 
 import numpy as np
 
@@ -10,10 +10,14 @@ from grpo_fleet.actor.rollout import GeneratedCompletion, SamplingSettings
 from grpo_fleet.protocol import messages as m
 
 
-def sampling_settings(gen: m.GenerationParams, stop_token_ids: Sequence[int]) -> SamplingSettings:
-    """What the learner told us to sample with, stopping at the tokenizer's EOS ids."""
+def sampling_settings(gen: m.GenerationParams, stop_token_ids: Sequence[int],
+                      eval_sampling: Optional[m.EvalSampling] = None) -> SamplingSettings:
+    """What the learner told us to sample with, stopping at the tokenizer's EOS ids; an eval lease says its own."""
+    group_size, temperature = gen.group_size, gen.temperature
+    if eval_sampling is not None:
+        group_size, temperature = eval_sampling.samples, eval_sampling.temperature
     return SamplingSettings(
-        group_size=gen.group_size, max_tokens=gen.max_tokens, temperature=gen.temperature,
+        group_size=group_size, max_tokens=gen.max_tokens, temperature=temperature,
         top_p=gen.top_p, stop_token_ids=sorted(stop_token_ids),
     )
 

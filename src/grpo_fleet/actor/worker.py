@@ -240,7 +240,7 @@ class ActorWorker:
         """Generate the lease's groups under the loaded snapshot and score them."""
         welcome, policy = self.welcome, self.policy
         assert welcome is not None and policy is not None  # _adopt set both before any lease
-        settings = wire.sampling_settings(welcome.generation, policy.tokenizer.eos_token_ids)
+        settings = wire.sampling_settings(welcome.generation, policy.tokenizer.eos_token_ids, lease.eval)
         version, incarnation = self.weights.loaded, welcome.incarnation
         mx.reset_peak_memory()  # the gauge then shows this lease's peak, not the process's
         started = time.perf_counter()

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner import persistence
 from grpo_fleet.learner.bans import peer_key
+from grpo_fleet.learner.evaluation import Evaluation
 from grpo_fleet.learner.intake import Intake, IntakeRules
 from grpo_fleet.learner.leasing import Leasing
 from grpo_fleet.learner.registry import ActorInfo, Registry, RunCard
@@ -82,7 +83,8 @@ class Learner:
     """Single source of truth for the run: leases, accepted groups, steps and versions."""
 
     def __init__(self, cfg: RunConfig, policy: Policy, trainer: Trainer, task: Task, prompt_tokens: list[np.ndarray],
-                 model_digest: str, metrics: LearnerMetrics, run_dir: Path, pub_address: Optional[str] = None) -> None:
+                 model_digest: str, metrics: LearnerMetrics, run_dir: Path, pub_address: Optional[str] = None,
+                 eval_prompt_tokens: Optional[list[np.ndarray]] = None) -> None:
         self.cfg, self.policy, self.trainer, self.task = cfg, policy, trainer, task
         self.prompt_tokens, self.model_digest, self.metrics, self.run_dir = prompt_tokens, model_digest, metrics, run_dir
         self.pub_address = pub_address
@@ -100,6 +102,10 @@ class Learner:
         self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
                              self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify)
         self.training = Training(cfg, trainer, self.snapshots, self.runlog, metrics)
+        self.evaluation = Evaluation(cfg, task.eval, eval_prompt_tokens or [], policy.vocab_size, self.state,
+                                     self.registry, self.runlog, metrics)
+        if self.evaluation.due(0, final=False):
+            self.evaluation.start(0, 0)  # the baseline: held-out reward before any training
         # Answered for anyone; every other request needs a Hello from this identity first.
         self._open: dict[type, OpenHandler] = {
             m.Hello: self._on_hello,
@@ -108,8 +114,10 @@ class Learner:
         self._registered: dict[type, ActorHandler] = {
             m.Heartbeat: self._on_heartbeat,
             m.GetWeights: lambda actor, msg: self.snapshots.chunk(msg),
-            m.LeaseRequest: lambda actor, msg: Reply(self.leasing.grant(actor, msg)),
-            m.Rollouts: lambda actor, msg: Reply(self.intake.take(actor, msg)),
+            # Eval leases go first: a round is small, and its figures are for the version it started at.
+            m.LeaseRequest: lambda actor, msg: Reply(self.evaluation.grant(actor, msg) or self.leasing.grant(actor, msg)),
+            m.Rollouts: lambda actor, msg: Reply(self.evaluation.take(actor, msg) if self.evaluation.owns(msg.lease_id)
+                                                 else self.intake.take(actor, msg)),
         }
 
     # ------------------------------------------------------------------ requests (I/O thread)
@@ -165,11 +173,15 @@ class Learner:
         """Forget an actor (silent or revoked) and re-queue its leases; returns the lease count."""
         with self.lock:
             info = self.registry.drop(identity)
-            return 0 if info is None else self.state.scheduler.release_actor(info.principal)
+            if info is None:
+                return 0
+            self.evaluation.release_actor(info.principal)
+            return self.state.scheduler.release_actor(info.principal)
 
     def expire_leases(self) -> int:
         """Re-queue leases past their deadline; returns how many expired."""
         with self.lock:
+            self.evaluation.expire()
             return self.leasing.expire()
 
     def refresh_service_discovery(self, learner_target: Optional[str]) -> None:
@@ -204,6 +216,8 @@ class Learner:
                 self.intake.blame_poisoned(groups, trained.stats, step)
             record = self.training.record(self.state, trained, actors=len(self.registry.actors))
             self.leasing.step_finished()
+            if self.evaluation.due(self.state.step, final=self.state.done):
+                self.evaluation.start(self.state.step, self.state.version)
             saved = persistence.capture(self.state, self.runlog.sizes()) if self.training.checkpoint_due(self.state) else None
         if saved is not None:
             started = time.perf_counter()
@@ -229,6 +243,7 @@ class Learner:
         saved = persistence.load(checkpoint, self.policy, self.trainer)
         with self.lock:
             persistence.restore(self.state, saved)
+            self.evaluation.current = None  # rounds are not checkpointed: the next one is due at its step
             # Groups accepted after this checkpoint are forgotten here and re-queued by
             # their leases, so the ledger must forget them too to stay exactly-once.
             self.runlog.truncate(saved.logs)

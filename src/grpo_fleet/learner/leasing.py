@@ -162,7 +162,10 @@ class Leasing:
         return len(expired)
 
     def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:
-        tokens = m.Tensor.from_numpy(self.prompt_tokens[index])
-        example = self.examples[index]
-        return m.PromptItem(group_id=group_id, prompt_index=index, prompt_tokens=tokens, fields=reward_kwargs(example),
-                            prompt_text=prompt_text(example.prompt))
+        return prompt_item(group_id, index, self.prompt_tokens[index], self.examples[index])
+
+
+def prompt_item(group_id: str, index: int, tokens: np.ndarray, example: Example) -> m.PromptItem:
+    """One prompt as leased: its tokens, and what the rewards are called with."""
+    return m.PromptItem(group_id=group_id, prompt_index=index, prompt_tokens=m.Tensor.from_numpy(tokens),
+                        fields=reward_kwargs(example), prompt_text=prompt_text(example.prompt))

@@ -42,6 +42,26 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class EvalRecord:
+    """One eval round, as its metrics.jsonl line (with "event": "eval"; step lines have no "event")."""
+
+    step: int  # the step the round was started at (0: before training)
+    policy_version: int  # the version when it started
+    eval_reward: Optional[float]  # avg@k: mean over prompts of the mean of their k samples (None: none scored)
+    eval_pass_at_k: Optional[float]  # share of prompts with a sample reaching train.eval_pass_reward
+    k: int
+    mode: str  # greedy | sampled
+    prompts: int
+    scored: int
+    dropped: int  # prompts left out: unscorable MAX_EVAL_ATTEMPTS times
+    on_learner: int  # prompts the learner evaluated itself (no actor connected)
+    # Versions that sampled the round: actors may be behind or ahead of `policy_version` by the in-flight steps.
+    sampled_version_min: int
+    sampled_version_max: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class LedgerEntry:
     """One accepted group, as its ledger.jsonl line."""
 
@@ -71,6 +91,9 @@ class RunLog:
 
     def step(self, record: StepRecord) -> None:
         self._metrics.write(json.dumps(asdict(record)) + "\n")
+
+    def eval(self, record: EvalRecord) -> None:
+        self._metrics.write(json.dumps({"event": "eval", **asdict(record)}) + "\n")
 
     def ledger(self, entry: LedgerEntry) -> None:
         self._ledger.write(json.dumps(asdict(entry)) + "\n")

@@ -23,6 +23,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.bans import peer_key
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.intake import inbound_limits
+from grpo_fleet.learner.local_eval import LocalEvaluator
 from grpo_fleet.learner.replies import Reply
 from grpo_fleet.metrics import serve_metrics
 from grpo_fleet.protocol import messages as m
@@ -215,12 +216,20 @@ class LearnerServer:
             self.close()
 
     def _train_loop(self) -> None:
+        local = LocalEvaluator(self.learner)
         try:
             while not self.stopping and not self.learner.state.done:
+                local.run_if_needed()
                 if self.learner.wait_for_batch(timeout=0.1):
                     self.learner.train_step()
+            # The final eval round: answered by actors, or evaluated here if none is left.
+            while not self.stopping and local.pending():
+                if not local.run_if_needed():
+                    time.sleep(0.05)
         except BaseException as exc:  # surfaced by serve() on the main thread
             self.training_error = exc
+        finally:
+            local.close()
 
     def _announce_new_version(self) -> None:
         snapshot = self.learner.snapshots.current

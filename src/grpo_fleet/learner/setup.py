@@ -90,10 +90,14 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
         ref_model.freeze()
     trainer = trainer_from_config(policy, cfg, ref_model)
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
-    check_prompt_lengths(prompts, max_new_tokens=cfg.generation.max_tokens, context=context_length(policy.model))
+    eval_prompts = tokenize_prompts(policy.tokenizer, task, cfg, split="eval")
+    for split, tokens in (("train", prompts), ("eval", eval_prompts)):
+        check_prompt_lengths(tokens, max_new_tokens=cfg.generation.max_tokens, context=context_length(policy.model),
+                             split=split)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     learner = Learner(
-        cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address
+        cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address,
+        eval_prompt_tokens=eval_prompts,
     )
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if checkpoint is not None:

@@ -23,7 +23,8 @@ from grpo_fleet.digest import blob_digest as blob_digest  # re-exported: part of
 from grpo_fleet.protocol.reasons import RejectReason
 
 # 2: Ack carries lease_id; WeightsGone answers a GetWeights for a version no longer kept.
-# 3: user reward modules (RewardSpec.module/digest), every dataset column to rewards, unscored groups.
+# 3: user reward modules (RewardSpec.module/digest), every dataset column to rewards, unscored groups,
+#    eval leases (Lease.eval).
 PROTOCOL_VERSION = 3
 
 TensorDType = Literal["int32", "uint32", "float32", "float16", "bfloat16"]
@@ -248,12 +249,21 @@ class PromptItem(_Strict):
     prompt_text: str = ""  # the prompt rewards see (a conversation's last user message)
 
 
+class EvalSampling(_Strict):
+    """How an eval lease is sampled: `samples` completions per prompt at `temperature` (0 = greedy)."""
+
+    samples: int = Field(ge=1, le=1024)
+    temperature: NonNegFloat
+
+
 class Lease(_Strict):
     lease_id: LeaseId
     deadline_seconds: Seconds  # relative: actor and learner clocks need not agree
     policy_version: Version
     prompts: list[PromptItem] = Field(max_length=256)  # empty = nothing to do now
     retry_after: Seconds = 0.5
+    # Set on eval leases (held-out prompts; learner/evaluation.py): sample this way, score, return as usual.
+    eval: Optional[EvalSampling] = None
 
 
 class Completion(_Strict):

@@ -27,6 +27,7 @@ from grpo_fleet.learner.leasing import Leasing
 from grpo_fleet.learner.registry import ActorInfo, Registry, RunCard
 from grpo_fleet.learner.replies import Reply
 from grpo_fleet.learner.runlog import RunLog, StepRecord
+from grpo_fleet.learner.samples import SampleLog, tokenizer_decode
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.snapshots import SnapshotStore
 from grpo_fleet.learner.state import LearnerState
@@ -90,6 +91,7 @@ class Learner:
         self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
                              self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify)
         self.training = Training(cfg, trainer, self.snapshots, self.runlog, metrics)
+        self.samples = SampleLog(cfg, tokenizer_decode(policy.tokenizer), self.runlog)
         # Answered for anyone; every other request needs a Hello from this identity first.
         self._open: dict[type, OpenHandler] = {
             m.Hello: self._on_hello,
@@ -189,6 +191,12 @@ class Learner:
             groups, trained_on = self.training.take_batch(self.state)
             step = self.state.step + 1  # only this thread moves the step
         trained = self.training.run(groups, trained_on, step)
+        # Decoding and writing samples.jsonl take no lock: `groups` left the shared buffer
+        # above, only this thread writes the file, and the log sizes a checkpoint records
+        # are taken on this thread too (below; `checkpoint()` on the main thread runs only
+        # once this one has stopped). Written before the step is recorded, so the
+        # checkpoint of this step, and a resume from it, keep this step's samples.
+        self.samples.after_step(groups, step)
         with self.lock:
             if trained.stats.skipped is not None:
                 self.intake.blame_poisoned(groups, trained.stats, step)

@@ -195,6 +195,30 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _samples(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
+    from grpo_fleet.samples_view import SamplesError, format_samples, read_last_rows
+
+    try:
+        read = read_last_rows(Path(args.run_dir), args.last)
+    except SamplesError as exc:
+        print(f"grpo-fleet samples: {exc}", file=sys.stderr)
+        return 2
+    if read.skipped:
+        print(f"grpo-fleet samples: skipped {read.skipped} incomplete line(s)", file=sys.stderr)
+    print(format_samples(read, width=shutil.get_terminal_size((100, 24)).columns, max_chars=args.max_chars))
+    return 0
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _status(args: argparse.Namespace) -> int:
     from grpo_fleet.protocol.client import format_status, request_status
 
@@ -262,7 +286,7 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
-    """Tools around a run: status, keys, doctor, build-model, bench, plot."""
+    """Tools around a run: status, keys, doctor, build-model, bench, plot, samples."""
     status = sub.add_parser("status", help="the learner's step, version, throughput and actors")
     status.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
     status.add_argument("--key", help="a CURVE secret key on the learner's allow-list")
@@ -300,6 +324,13 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
     plot.add_argument("--out", metavar="PNG", help="output file (default RUN_DIR/curves.png)")
     plot.set_defaults(func=_plot)
+
+    samples = sub.add_parser("samples", help="print the last prompts, completions and rewards from RUN_DIR/samples.jsonl")
+    samples.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding samples.jsonl")
+    samples.add_argument("--last", type=_at_least_one, default=5, metavar="N", help="rows to print (default %(default)s)")
+    samples.add_argument("--max-chars", type=_at_least_one, default=2000, metavar="N",
+                         help="characters shown of each prompt and completion (default %(default)s)")
+    samples.set_defaults(func=_samples)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

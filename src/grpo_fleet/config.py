@@ -267,6 +267,16 @@ class TrainConfig(_Section):
         "micro-batch, logits of a chunk) and refuse to start if it exceeds 85% of this machine's memory, naming "
         "the settings to lower. The estimate is always logged.",
     )
+    log_samples_every: int = Field(
+        10, ge=0,
+        description="Every this many steps, decode a few of the step's completions with their prompts, rewards and "
+        "advantages into RUN_DIR/samples.jsonl (`grpo-fleet samples RUN_DIR` prints them); 0 turns it off.",
+    )
+    log_samples_count: int = Field(
+        4, ge=1, le=256,
+        description="Completions per logged step: each trained group's best and worst in turn, group after group, "
+        "then the next best and next worst, until this many (or the whole batch).",
+    )
 
     @property
     def memory_limit_bytes(self) -> Optional[int]:

@@ -28,7 +28,7 @@ FLEET = {
 
 def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
     ports = {"learner": free_port(), "actor0": free_port(), "actor1": free_port()}
-    config, cfg = run_config(**FLEET, train={"steps": 12, "sync_every": 2, "checkpoint_every": 5},
+    config, cfg = run_config(**FLEET, train={"steps": 12, "sync_every": 2, "checkpoint_every": 5, "log_samples_every": 1},
                              metrics={"port": ports["learner"]})
     run_dir = Path(cfg.run_dir)
     learner = spawn("learner", "--config", str(config), name="learner")
@@ -59,6 +59,11 @@ def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
     assert len(ids) == len(set(ids)) >= 24
     assert {entry["actor_id"] for entry in ledger} <= {"it-0", "it-1"}
 
+    samples = jsonl(run_dir / "samples.jsonl")
+    assert [row["step"] for row in samples] == [step for step in range(1, 13) for _ in range(4)], "4 rows a step"
+    assert {row["group_id"] for row in samples} <= set(ids) and {row["actor_id"] for row in samples} <= {"it-0", "it-1"}
+    assert all(row["policy_version"] < row["step"] and row["completion"] and row["prompt"] for row in samples)
+
     pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
     assert pointer["step"] == 12
     model, tokenizer = mlx_lm.load(str(run_dir / "checkpoints" / pointer["path"]))
@@ -70,7 +75,8 @@ def test_sigterm_checkpoints_and_resume_continues_the_run(run_config, spawn):
 
     # Steps and checkpoint cadence far out of reach: the run only stops, and only
     # checkpoints, because of the SIGTERM.
-    config, cfg = run_config(**FLEET, train={"steps": 100000, "sync_every": 2, "checkpoint_every": 100000})
+    config, cfg = run_config(**FLEET, train={"steps": 100000, "sync_every": 2, "checkpoint_every": 100000,
+                                             "log_samples_every": 1})
     run_dir = Path(cfg.run_dir)
     learner = spawn("learner", "--config", str(config), name="learner")
     actors = [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"t-{i}", "--metrics-port", "0",
@@ -95,3 +101,4 @@ def test_sigterm_checkpoints_and_resume_continues_the_run(run_config, spawn):
     assert [r["step"] for r in jsonl(run_dir / "metrics.jsonl")] == list(range(1, target + 1))
     ids = [entry["group_id"] for entry in jsonl(run_dir / "ledger.jsonl")]
     assert len(ids) == len(set(ids))
+    assert [row["step"] for row in jsonl(run_dir / "samples.jsonl")] == [s for s in range(1, target + 1) for _ in range(4)]

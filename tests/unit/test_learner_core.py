@@ -953,3 +953,34 @@ def test_a_poisoned_group_past_the_door_skips_the_update_and_is_charged_to_its_a
     # and training goes on
     fill_buffer(learner)
     assert learner.train_step().skipped is None
+
+
+def test_samples_are_decoded_by_the_learner_and_cut_back_on_resume(tiny_model_dir, tmp_path):
+    cfg = run_config(tiny_model_dir, tmp_path / "run",
+                     train={"steps": 5, "checkpoint_every": 2, "log_samples_every": 1, "log_samples_count": 3})
+    first = build_learner(cfg)
+    hello(first)
+    leased = fill_buffer(first)
+    first.train_step()
+    for _ in range(2):  # steps 2 (checkpointed) and 3 (not)
+        fill_buffer(first)
+        first.train_step()
+    path = first.run_dir / "samples.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    first.close()
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    prompt = leased.prompts[0]
+    tokens = prompt.prompt_tokens.to_numpy().tolist()
+    assert rows[0]["prompt"] == first.policy.tokenizer.decode(tokens) != ""
+    assert rows[0]["group_id"] == prompt.group_id and rows[0]["actor_id"] == "actor-a"
+    # crafted_group: completion i of a group is token 7 + i % 3, 3 times; rewards INFORMATIVE, so best is i = 3.
+    assert rows[0]["completion"] == first.policy.tokenizer.decode([7] * 3)
+    assert (rows[0]["reward"], rows[1]["reward"], rows[0]["finish_reason"], rows[0]["num_tokens"]) == (1.0, 0.0, "length", 3)
+    assert rows[0]["advantage"] > 0 > rows[1]["advantage"]
+
+    second = build_learner(cfg, resume=True)
+    try:
+        assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 1, 1, 2, 2, 2], \
+            "step 3 came after the checkpoint, so its samples go with it"
+    finally:
+        second.close()

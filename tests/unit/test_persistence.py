@@ -58,11 +58,19 @@ def test_the_state_file_round_trips_with_the_keys_checkpoints_have_always_used(t
     write_state(tmp_path, state_to_dict(saved))
     data = read_state(tmp_path)
     assert set(data) == {"run_id", "step", "version", "buffer", "acks", "accepted_since_step",
-                         "zero_variance_since_step", "scheduler", "ledger_bytes", "metrics_bytes", "wall_seconds"}
+                         "zero_variance_since_step", "scheduler", "ledger_bytes", "metrics_bytes", "samples_bytes",
+                         "wall_seconds"}
     back = state_from_dict(data)
     assert (back.step, back.version, back.logs, back.acks) == (saved.step, saved.version, saved.logs, saved.acks)
     np.testing.assert_array_equal(back.buffer[0].completions[1].logprobs, saved.buffer[0].completions[1].logprobs)
     assert back.buffer[0].actor_key == "k"
+
+
+def test_checkpoints_record_the_samples_length_and_older_ones_without_it_still_load():
+    data = state_to_dict(capture(_busy_state(), LogSizes(10, 20, 30)))
+    assert state_from_dict(data).logs == LogSizes(10, 20, 30)
+    del data["samples_bytes"]  # as written before samples.jsonl existed: that run had no samples to keep
+    assert state_from_dict(data).logs == LogSizes(10, 20, 0)
 
 
 def test_restore_resumes_the_run_in_a_new_life():

@@ -28,6 +28,7 @@ from grpo_fleet.learner.leasing import Leasing
 from grpo_fleet.learner.registry import ActorInfo, Registry, RunCard
 from grpo_fleet.learner.replies import Reply
 from grpo_fleet.learner.runlog import RunLog, StepRecord
+from grpo_fleet.learner.samples import SampleLog, tokenizer_decode
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.snapshots import SnapshotStore
 from grpo_fleet.learner.state import LearnerState
@@ -106,6 +107,7 @@ class Learner:
                                      self.registry, self.runlog, metrics)
         if self.evaluation.due(0, final=False):
             self.evaluation.start(0, 0)  # the baseline: held-out reward before any training
+        self.samples = SampleLog(cfg, tokenizer_decode(policy.tokenizer), self.runlog)
         # Answered for anyone; every other request needs a Hello from this identity first.
         self._open: dict[type, OpenHandler] = {
             m.Hello: self._on_hello,
@@ -211,6 +213,12 @@ class Learner:
             groups, trained_on = self.training.take_batch(self.state)
             step = self.state.step + 1  # only this thread moves the step
         trained = self.training.run(groups, trained_on, step)
+        # Decoding and writing samples.jsonl take no lock: `groups` left the shared buffer
+        # above, only this thread writes the file, and the log sizes a checkpoint records
+        # are taken on this thread too (below; `checkpoint()` on the main thread runs only
+        # once this one has stopped). Written before the step is recorded, so the
+        # checkpoint of this step, and a resume from it, keep this step's samples.
+        self.samples.after_step(groups, step)
         with self.lock:
             if trained.stats.skipped is not None:
                 self.intake.blame_poisoned(groups, trained.stats, step)

@@ -115,7 +115,7 @@ def _prune(root: Path, keep_name: str, keep: int) -> None:
 
 
 def state_to_dict(saved: SavedState) -> dict[str, Any]:
-    """`saved` as plain msgpack-able data (the keys every checkpoint so far has used)."""
+    """`saved` as plain msgpack-able data (the keys every checkpoint so far has used, samples_bytes aside)."""
     return {
         "run_id": saved.run_id,
         "step": saved.step,
@@ -127,6 +127,7 @@ def state_to_dict(saved: SavedState) -> dict[str, Any]:
         "scheduler": saved.scheduler,
         "ledger_bytes": saved.logs.ledger_bytes,
         "metrics_bytes": saved.logs.metrics_bytes,
+        "samples_bytes": saved.logs.samples_bytes,
         "wall_seconds": saved.wall_seconds,
     }
 
@@ -139,7 +140,8 @@ def state_from_dict(data: dict[str, Any]) -> SavedState:
         # Checkpoints from protocol v1 stored Acks without their lease_id: it is the key.
         acks={lease_id: m.Ack(**{**ack, "lease_id": lease_id}) for lease_id, ack in data["acks"].items()},
         accepted_since_step=data["accepted_since_step"], zero_variance_since_step=data["zero_variance_since_step"],
-        scheduler=data["scheduler"], logs=LogSizes(data["ledger_bytes"], data["metrics_bytes"]),
+        # Checkpoints from before samples.jsonl have no samples_bytes: that run had no samples yet.
+        scheduler=data["scheduler"], logs=LogSizes(data["ledger_bytes"], data["metrics_bytes"], data.get("samples_bytes", 0)),
         wall_seconds=data["wall_seconds"],
     )
 

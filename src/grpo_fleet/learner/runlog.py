@@ -1,6 +1,7 @@
-"""The run's two append-only logs, metrics.jsonl (a line per step) and ledger.jsonl (a line per accepted group).
+"""The run's append-only logs: metrics.jsonl (a line per step), ledger.jsonl (a line per accepted group)
+and samples.jsonl (a few decoded completions every `train.log_samples_every` steps).
 
-The ledger is what proves exactly-once: a resume cuts both logs back to their
+The ledger is what proves exactly-once: a resume cuts every log back to its
 length at the checkpoint, because the work they record after it is re-done.
 """
 
@@ -13,6 +14,7 @@ from typing import IO, Optional
 
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "ledger.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 
 
 @dataclass(frozen=True)
@@ -74,20 +76,39 @@ class LedgerEntry:
 
 
 @dataclass(frozen=True)
+class SampleRow:
+    """One completion the model wrote, decoded, as its samples.jsonl line (learner/samples.py picks them)."""
+
+    step: int  # the step that trained on it
+    policy_version: int  # the snapshot that sampled it
+    group_id: str
+    prompt_index: int
+    actor_id: str
+    prompt: str
+    completion: str
+    reward: float
+    advantage: float  # its group-relative advantage, as the step computed it
+    finish_reason: str
+    num_tokens: int  # completion tokens
+
+
+@dataclass(frozen=True)
 class LogSizes:
-    """Byte lengths of both logs: what a checkpoint records and a resume cuts back to."""
+    """Byte lengths of the logs: what a checkpoint records and a resume cuts back to."""
 
     ledger_bytes: int = 0
     metrics_bytes: int = 0
+    samples_bytes: int = 0
 
 
 class RunLog:
-    """Appends to both logs, line-buffered, so a kill loses at most the line being written."""
+    """Appends to the logs, line-buffered, so a kill loses at most the line being written."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self._metrics = open(run_dir / METRICS_FILE, "a", buffering=1)
         self._ledger = open(run_dir / LEDGER_FILE, "a", buffering=1)
+        self._samples = open(run_dir / SAMPLES_FILE, "a", buffering=1)
 
     def step(self, record: StepRecord) -> None:
         self._metrics.write(json.dumps(asdict(record)) + "\n")
@@ -98,20 +119,28 @@ class RunLog:
     def ledger(self, entry: LedgerEntry) -> None:
         self._ledger.write(json.dumps(asdict(entry)) + "\n")
 
+    def samples(self, rows: list[SampleRow]) -> None:
+        # json.dumps escapes control characters, so model output stays one line.
+        self._samples.write("".join(json.dumps(asdict(row)) + "\n" for row in rows))
+
     def sizes(self) -> LogSizes:
         """Current lengths, everything written so far flushed to the files first."""
-        return LogSizes(ledger_bytes=_flushed_size(self._ledger), metrics_bytes=_flushed_size(self._metrics))
+        return LogSizes(ledger_bytes=_flushed_size(self._ledger), metrics_bytes=_flushed_size(self._metrics),
+                        samples_bytes=_flushed_size(self._samples))
 
     def truncate(self, sizes: LogSizes) -> None:
         """Forget what was logged after `sizes` was taken (the files are in append mode, so writing goes on at the end)."""
         self._ledger.flush()
         self._metrics.flush()
+        self._samples.flush()
         truncate_log(self.run_dir / LEDGER_FILE, sizes.ledger_bytes)
         truncate_log(self.run_dir / METRICS_FILE, sizes.metrics_bytes)
+        truncate_log(self.run_dir / SAMPLES_FILE, sizes.samples_bytes)
 
     def close(self) -> None:
         self._metrics.close()
         self._ledger.close()
+        self._samples.close()
 
 
 def _flushed_size(handle: IO[str]) -> int:

@@ -59,6 +59,7 @@ class LearnerMetrics:
     banned_peers: Gauge
     skipped_updates: Counter
     peak_memory: Gauge
+    tracker_errors: Counter
 
 
 def learner_metrics() -> LearnerMetrics:
@@ -117,6 +118,8 @@ def learner_metrics() -> LearnerMetrics:
             ["reason"], registry=r,
         ),
         peak_memory=Gauge(f"{p}_peak_memory_bytes", "MLX peak memory during the last step (reset every step)", registry=r),
+        tracker_errors=Counter(f"{p}_tracker_errors", "Experiment-tracker calls that raised (training went on), by tracker",
+                               ["tracker"], registry=r),
     )
 
 

@@ -30,6 +30,7 @@ from grpo_fleet.learner.runlog import RunLog, StepRecord
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.snapshots import SnapshotStore
 from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.learner.trackers import Trackers
 from grpo_fleet.learner.trainer import Trainer
 from grpo_fleet.learner.training import Training
 from grpo_fleet.metrics import LearnerMetrics
@@ -90,6 +91,7 @@ class Learner:
         self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
                              self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify)
         self.training = Training(cfg, trainer, self.snapshots, self.runlog, metrics)
+        self.trackers = Trackers([], metrics.tracker_errors)  # setup opens logging.report_to's once the step is known
         # Answered for anyone; every other request needs a Hello from this identity first.
         self._open: dict[type, OpenHandler] = {
             m.Hello: self._on_hello,
@@ -195,6 +197,7 @@ class Learner:
             record = self.training.record(self.state, trained, actors=len(self.registry.actors))
             self.leasing.step_finished()
             saved = persistence.capture(self.state, self.runlog.sizes()) if self.training.checkpoint_due(self.state) else None
+        self.trackers.log_record(record)  # outside the lock: a slow tracker holds up no request
         if saved is not None:
             started = time.perf_counter()
             self._save(saved)
@@ -228,4 +231,5 @@ class Learner:
                  self.state.run_id, self.state.step, self.state.version, checkpoint, self.state.incarnation)
 
     def close(self) -> None:
+        self.trackers.close()
         self.runlog.close()

@@ -30,18 +30,9 @@ from grpo_fleet.learner.trackers import (
     require_installed,
     scalars_of,
 )
+from helpers import step_record
 
 ERRORS = "grpo_fleet_learner_tracker_errors_total"
-
-
-def step_record(step: int, **changes: object) -> StepRecord:
-    base = StepRecord(
-        step=step, policy_version=step, reward_mean=0.25 * step, reward_std=0.5, loss=-0.125 * step, kl=0.01,
-        clip_fraction=0.0625, grad_norm=1.5, ratio_mean=1.0, learning_rate=1e-4, skipped=None,
-        peak_memory_bytes=1 << 20, groups=2, tokens=24 + step, staleness_mean=0.5, zero_variance_fraction=0.0,
-        step_seconds=0.75, wall_seconds=10.0 * step, actors=1,
-    )
-    return dataclasses.replace(base, **changes)
 
 
 @pytest.fixture
@@ -195,6 +186,7 @@ def test_the_learner_reports_each_step_and_closes_its_trackers(tiny_model_dir, t
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
 
     resumed = build_learner(cfg, resume=True)  # continues after the step-1 checkpoint
+    assert resumed.state.run_id == learner.state.run_id, "the W&B run id, so W&B continues the same run"
     second = train_one_step(resumed)
     resumed.close()
 

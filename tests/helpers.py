@@ -1,4 +1,4 @@
-"""Waiting and scraping helpers the integration tests share (tests/ is on sys.path through its conftest)."""
+"""Waiting and scraping helpers the integration tests share, and sample records (tests/ is on sys.path through its conftest)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from grpo_fleet.learner.runlog import StepRecord
 
 
 class Scraped:
@@ -70,3 +72,14 @@ def wait_steps(run_dir: Path, count: int, proc: Any, timeout: float = 120.0) -> 
     """metrics.jsonl once it holds `count` steps."""
     return wait_for(lambda: (rows := jsonl(run_dir / "metrics.jsonl")) and len(rows) >= count and rows,
                     f"{count} steps in {run_dir}", timeout, (proc,))
+
+
+def step_record(step: int, **changes: Any) -> StepRecord:
+    """A plausible metrics.jsonl record for `step`, its values moving with the step, `changes` applied."""
+    values: dict[str, Any] = dict(
+        step=step, policy_version=step, reward_mean=0.25 * step, reward_std=0.5, loss=-0.125 * step, kl=0.01,
+        clip_fraction=0.0625, grad_norm=1.5, ratio_mean=1.0, learning_rate=1e-4, skipped=None,
+        peak_memory_bytes=1 << 20, groups=2, tokens=24 + step, staleness_mean=0.5, zero_variance_fraction=0.0,
+        step_seconds=0.75, wall_seconds=10.0 * step, actors=1,
+    )
+    return StepRecord(**{**values, **changes})

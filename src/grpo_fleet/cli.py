@@ -24,6 +24,7 @@ def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.learner.memory import MemoryBudgetError
     from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
     from grpo_fleet.learner.setup import build_learner, load_resume_config
+    from grpo_fleet.learner.trackers import TrackerUnavailable
     overrides = list(args.set or [])
     if args.run_dir or args.resume:
         overrides.append(f"run_dir={toml_string(args.resume or args.run_dir)}")
@@ -48,7 +49,7 @@ def _learner(args: argparse.Namespace) -> int:
         return 2
     try:
         learner = build_learner(cfg, resume=bool(args.resume))
-    except MemoryBudgetError as exc:
+    except (MemoryBudgetError, TrackerUnavailable) as exc:
         logging.getLogger("grpo_fleet.learner").error("%s", exc)  # in learner.log too, not only the console
         print(f"grpo-fleet learner: {exc}", file=sys.stderr)
         return 2

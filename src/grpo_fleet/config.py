@@ -342,6 +342,39 @@ class MetricsConfig(_Section):
     port: int = Field(9400, ge=0, le=65535, description="Port of /metrics; 0 disables it.")
 
 
+class LoggingConfig(_Section):
+    """Experiment trackers for comparing runs; Prometheus stays the live, operational view."""
+
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="Trackers that get every metrics.jsonl step line too, as scalars at global step = `step` "
+        "(the numeric fields; null and text ones are left out). Each is an optional extra: "
+        "pip install 'grpo-fleet[tensorboard]' or 'grpo-fleet[wandb]'; a missing one stops the learner at start-up. "
+        "A tracker that fails mid-run is warned about once and counted, never allowed to stop training.",
+    )
+    tensorboard_dir: Optional[str] = Field(
+        None,
+        description="This run's TensorBoard event files (one run per directory: a resume hides the events of the "
+        "steps it redoes). Default: RUN_DIR/tensorboard, so `tensorboard --logdir runs` compares runs.",
+    )
+    wandb_project: str = Field("grpo-fleet", description="Weights & Biases project the run is logged to.")
+    wandb_entity: Optional[str] = Field(None, description="W&B team or user; default: the logged-in user's.")
+    wandb_name: Optional[str] = Field(None, description="Display name of the W&B run; default: the run directory's name.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="'offline' writes RUN_DIR/wandb/offline-run-* with no network or account (upload later with "
+        "`wandb sync RUN_DIR/wandb/offline-run-*`); 'online' streams to W&B (needs `wandb login` or "
+        "WANDB_API_KEY). The W&B run id is the learner's run id, so --resume continues the same W&B run.",
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"logging.report_to = {value} names a tracker twice")
+        return value
+
+
 class RunConfig(_Section):
     """The whole learner run."""
 
@@ -356,6 +389,7 @@ class RunConfig(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 
 class ActorConfig(_Section):

@@ -65,6 +65,7 @@ class LearnerMetrics:
     eval_rounds: Counter
     eval_leases: Counter
     peak_memory: Gauge
+    tracker_errors: Counter
 
 
 def learner_metrics() -> LearnerMetrics:
@@ -134,6 +135,8 @@ def learner_metrics() -> LearnerMetrics:
         eval_rounds=Counter(f"{p}_eval_rounds", "Eval rounds started (train.eval_every)", registry=r),
         eval_leases=Counter(f"{p}_eval_leases", "Eval leases handed out (never training groups)", registry=r),
         peak_memory=Gauge(f"{p}_peak_memory_bytes", "MLX peak memory during the last step (reset every step)", registry=r),
+        tracker_errors=Counter(f"{p}_tracker_errors", "Experiment-tracker calls that raised (training went on), by tracker",
+                               ["tracker"], registry=r),
     )
 
 

@@ -32,6 +32,7 @@ from grpo_fleet.learner.samples import SampleLog, tokenizer_decode
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.snapshots import SnapshotStore
 from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.learner.trackers import Trackers
 from grpo_fleet.learner.trainer import Trainer
 from grpo_fleet.learner.training import Training
 from grpo_fleet.metrics import LearnerMetrics
@@ -108,6 +109,7 @@ class Learner:
         if self.evaluation.due(0, final=False):
             self.evaluation.start(0, 0)  # the baseline: held-out reward before any training
         self.samples = SampleLog(cfg, tokenizer_decode(policy.tokenizer), self.runlog)
+        self.trackers = Trackers([], metrics.tracker_errors)  # setup opens logging.report_to's once the step is known
         # Answered for anyone; every other request needs a Hello from this identity first.
         self._open: dict[type, OpenHandler] = {
             m.Hello: self._on_hello,
@@ -227,6 +229,7 @@ class Learner:
             if self.evaluation.due(self.state.step, final=self.state.done):
                 self.evaluation.start(self.state.step, self.state.version)
             saved = persistence.capture(self.state, self.runlog.sizes()) if self.training.checkpoint_due(self.state) else None
+        self.trackers.log_record(record)  # outside the lock: a slow tracker holds up no request
         if saved is not None:
             started = time.perf_counter()
             self._save(saved)
@@ -261,4 +264,5 @@ class Learner:
                  self.state.run_id, self.state.step, self.state.version, checkpoint, self.state.incarnation)
 
     def close(self) -> None:
+        self.trackers.close()
         self.runlog.close()

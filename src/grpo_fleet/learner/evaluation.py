@@ -101,6 +101,7 @@ class Evaluation:
         self.state, self.registry, self.runlog, self.metrics, self.clock = state, registry, runlog, metrics, clock
         self.current: Optional[EvalRound] = None
         self.waiting: Optional[int] = None  # a step whose round is due while another runs
+        self.finished: list[tuple[int, EvalRecord]] = []  # (learner step at finish, round) for the trackers
         self._serial = 0
 
     @property
@@ -237,6 +238,7 @@ class Evaluation:
             seconds=self.clock() - round_.started,
         )
         self.runlog.eval(record)
+        self.finished.append((self.state.step, record))
         if avg is not None and passed is not None:
             self.metrics.eval_reward.set(avg)
             self.metrics.eval_pass_at_k.set(passed)

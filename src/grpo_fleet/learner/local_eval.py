@@ -1,8 +1,9 @@
-"""The learner evaluates a round itself when no actor is connected to take its eval leases.
+"""The training thread's part of evaluation: a round with no actor to take it, and reporting rounds to trackers.
 
 Runs on the training thread, which owns the model: the prompts are claimed
 under the lock, generated and scored outside it (requests keep being answered),
-and the results recorded under it again.
+and the results recorded under it again. Finished rounds go to the experiment
+trackers from here too, so only this thread ever calls them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class LocalEvaluator:
     def run_if_needed(self) -> bool:
         """Evaluate the round's waiting prompts if no actor is connected; True if it did."""
         learner = self.learner
+        self.report_finished()
         with learner.lock:
             if learner.registry.actors:
                 return False
@@ -46,6 +48,7 @@ class LocalEvaluator:
         with learner.lock:
             learner.evaluation.record_learner(rewards, version)
             learner.evaluation.finish()
+        self.report_finished()
         log.info("learner evaluated %d prompts in %.1fs", len(indices), time.perf_counter() - started)
         return True
 
@@ -66,11 +69,21 @@ class LocalEvaluator:
             model.train()
         return dict(zip(indices, results))
 
+    def report_finished(self) -> None:
+        """Send finished rounds to the trackers, at the step each finished at (trackers want steps increasing)."""
+        learner = self.learner
+        with learner.lock:
+            finished, learner.evaluation.finished = learner.evaluation.finished, []
+        for step, record in finished:
+            scalars = {"reward": record.eval_reward, "pass_at_k": record.eval_pass_at_k, "started_step": record.step}
+            learner.trackers.log(step, {f"eval/{k}": float(v) for k, v in scalars.items() if v is not None})
+
     def pending(self) -> bool:
         """Whether an eval round is still running (the final one is waited for before the learner stops)."""
         with self.learner.lock:
             return self.learner.evaluation.current is not None
 
     def close(self) -> None:
+        self.report_finished()
         if self._scorer is not None:
             self._scorer.close()

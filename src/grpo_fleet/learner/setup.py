@@ -13,6 +13,7 @@ from grpo_fleet.config import RunConfig, load_run_config
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
 from grpo_fleet.learner.runlog import LogSizes
+from grpo_fleet.learner.trackers import build_trackers, require_installed
 from grpo_fleet.learner.trainer import trainer_from_config
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_policy, model_digest
@@ -68,6 +69,16 @@ def _check_memory(policy: Policy, cfg: RunConfig, *, reference_copy: bool) -> No
         check_step_fits(estimate, available)
 
 
+def _open_trackers(learner: Learner, cfg: RunConfig, run_dir: Path) -> None:
+    """logging.report_to's trackers, opened at the step the run continues from; a failure closes the run's files."""
+    try:
+        learner.trackers = build_trackers(cfg, run_dir, learner.metrics.tracker_errors, run_id=learner.state.run_id,
+                                          first_step=learner.state.step + 1)
+    except BaseException:
+        learner.close()
+        raise
+
+
 def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional[str] = None) -> Learner:
     """Everything the learner needs, loaded and ready; writes the resolved config to the run dir.
 
@@ -78,6 +89,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     ledger = run_dir / "ledger.jsonl"
     if not resume and ledger.exists() and ledger.stat().st_size > 0:
         raise RunDirInUse(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick a new run_dir")
+    require_installed(cfg.logging)  # before a model load that may take minutes
     task = build_task(cfg.task)
     path = resolve_model_path(cfg, task)
     lora = cfg.lora if cfg.lora.enabled else None
@@ -105,6 +117,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     elif resume:
         # The run died before its first checkpoint: start over, logs included.
         learner.runlog.truncate(LogSizes())
+    _open_trackers(learner, cfg, run_dir)
     log.info("learner ready: model %s, %d prompts, run %s", path, len(prompts), learner.state.run_id)
     return learner
 

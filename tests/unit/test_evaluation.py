@@ -1,0 +1,187 @@
+"""Eval rounds as eval leases (learner/evaluation.py): no sockets, no model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.evaluation import Evaluation, eval_summary
+from grpo_fleet.learner.registry import ActorInfo, Registry
+from grpo_fleet.learner.runlog import RunLog
+from grpo_fleet.learner.scheduler import PromptScheduler
+from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.metrics import LearnerMetrics, learner_metrics
+from grpo_fleet.plotting import load_eval_records, load_step_records
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.tasks import Example
+
+VOCAB, MAX_TOKENS, PROMPTS = 50, 4, 5
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Desk:
+    evaluation: Evaluation
+    state: LearnerState
+    registry: Registry
+    metrics: LearnerMetrics
+    clock: Clock
+    run_dir: Path
+
+    def actor(self, key: str = "k1") -> ActorInfo:
+        identity = key.encode()
+        if identity not in self.registry.actors:
+            self.registry.hello(identity, key, m.Hello(actor_id=f"a-{key}", host="h", backend="cpu", versions={}), "")
+        return self.registry.actors[identity]
+
+    def rows(self) -> list[dict]:
+        return load_eval_records(self.run_dir / "metrics.jsonl")
+
+
+def make_desk(tmp_path: Path, **train: object) -> Iterator[Desk]:
+    cfg = RunConfig.model_validate({"generation": {"group_size": 2, "max_tokens": MAX_TOKENS},
+                                    "train": {"eval_every": 10, **train}, "server": {"max_groups_per_lease": 2}})
+    metrics, clock = learner_metrics(), Clock()
+    state = LearnerState(run_id="run", incarnation="a" * 12, steps_target=30,
+                         scheduler=PromptScheduler(8, seed=0, lease_seconds=60.0))
+    registry = Registry(cfg.server, metrics)
+    runlog = RunLog(tmp_path)
+    examples = [Example(prompt=f"p{i}", answer=str(i)) for i in range(PROMPTS)]
+    tokens = [np.array([1, 2 + i], dtype=np.int32) for i in range(PROMPTS)]
+    evaluation = Evaluation(cfg, examples, tokens, VOCAB, state, registry, runlog, metrics, clock=clock)
+    yield Desk(evaluation, state, registry, metrics, clock, tmp_path)
+    runlog.close()
+
+
+@pytest.fixture
+def desk(tmp_path: Path) -> Iterator[Desk]:
+    yield from make_desk(tmp_path)
+
+
+def answer(lease: m.Lease, rewards: dict[int, list[float]], version: int = 0) -> m.Rollouts:
+    groups = [m.GroupResult(group_id=item.group_id, completions=[
+        m.Completion(tokens=m.Tensor.from_numpy(np.array([3], dtype=np.int32)),
+                     logprobs=m.Tensor.from_numpy(np.array([-0.5], dtype=np.float32)), reward=r, finish_reason="stop")
+        for r in rewards[item.prompt_index]]) for item in lease.prompts]
+    return m.Rollouts(lease_id=lease.lease_id, policy_version=version, groups=groups)
+
+
+def test_eval_summary_matches_the_formulas() -> None:
+    rewards = [[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5], [0.0, 1.0, 1.0, 1.0]]
+    avg, passed = eval_summary(rewards, pass_reward=1.0)
+    assert avg == pytest.approx(np.mean(np.mean(np.array(rewards), axis=1)))
+    assert passed == pytest.approx(2 / 3), "prompts with at least one sample reaching 1.0"
+    assert eval_summary([], 1.0) == (None, None)
+
+
+def test_a_round_is_leased_returned_and_written_once_complete(desk: Desk) -> None:
+    desk.evaluation.start(0, 0)
+    rewards = {i: [i / 4] for i in range(PROMPTS)}
+    leases = []
+    while (lease := desk.evaluation.grant(desk.actor(), m.LeaseRequest(max_groups=8))) is not None:
+        assert lease.eval == m.EvalSampling(samples=1, temperature=0.0), "greedy by default"
+        assert len(lease.prompts) <= 2, "server.max_groups_per_lease bounds eval leases too"
+        assert lease.prompts[0].fields["answer"] == str(lease.prompts[0].prompt_index)
+        leases.append(lease)
+    assert sum(len(lease.prompts) for lease in leases) == PROMPTS
+    for lease in leases[:-1]:
+        assert desk.evaluation.take(desk.actor(), answer(lease, rewards)).status == "accepted"
+    assert desk.rows() == [], "not written before the last prompt is back"
+    desk.evaluation.take(desk.actor(), answer(leases[-1], rewards, version=1))
+    (row,) = desk.rows()
+    assert row["eval_reward"] == pytest.approx(np.mean([i / 4 for i in range(PROMPTS)]))
+    assert (row["step"], row["scored"], row["k"], row["mode"]) == (0, PROMPTS, 1, "greedy")
+    assert (row["sampled_version_min"], row["sampled_version_max"]) == (0, 1)
+    assert desk.metrics.registry.get_sample_value("grpo_fleet_learner_eval_reward") == pytest.approx(row["eval_reward"])
+    assert load_step_records(desk.run_dir / "metrics.jsonl") == [], "eval lines are not step lines"
+    assert desk.evaluation.current is None and desk.state.buffer == [] and desk.state.scheduler.finished == set()
+
+
+def test_sampled_rounds_ask_for_k_samples_and_report_pass_at_k(tmp_path: Path) -> None:
+    for desk in make_desk(tmp_path, eval_mode="sampled", eval_samples=3, eval_temperature=0.7):
+        desk.evaluation.start(10, 2)
+        while (lease := desk.evaluation.grant(desk.actor(), m.LeaseRequest(max_groups=8))) is not None:
+            assert lease.eval == m.EvalSampling(samples=3, temperature=0.7)
+            desk.evaluation.take(desk.actor(), answer(lease, {i: [0.0, float(i % 2), 0.0] for i in range(PROMPTS)}))
+        (row,) = desk.rows()
+        assert row["eval_pass_at_k"] == pytest.approx(2 / 5) and row["k"] == 3
+
+
+def test_wrong_group_size_or_someone_elses_lease_is_a_violation(desk: Desk) -> None:
+    desk.evaluation.start(0, 0)
+    lease = desk.evaluation.grant(desk.actor("k1"), m.LeaseRequest(max_groups=2))
+    assert lease is not None
+    stolen = desk.evaluation.take(desk.actor("k2"), answer(lease, {i: [1.0] for i in range(PROMPTS)}))
+    assert (stolen.status, stolen.reason) == ("invalid", RejectReason.NOT_YOUR_LEASE)
+    padded = desk.evaluation.take(desk.actor("k1"), answer(lease, {i: [1.0, 1.0] for i in range(PROMPTS)}))
+    assert (padded.status, padded.reason) == ("invalid", RejectReason.BAD_GROUP_SIZE)
+    assert desk.registry.bans.violations("k2") == 1 and desk.registry.bans.violations("k1") == 1
+    assert desk.evaluation.owns(lease.lease_id), "refusals change nothing: the lease is still open"
+
+
+def test_expired_and_orphaned_eval_leases_go_back_in_the_round(desk: Desk) -> None:
+    desk.evaluation.start(0, 0)
+    first = desk.evaluation.grant(desk.actor("k1"), m.LeaseRequest(max_groups=2))
+    second = desk.evaluation.grant(desk.actor("k2"), m.LeaseRequest(max_groups=2))
+    assert first is not None and second is not None
+    desk.evaluation.release_actor("k2")
+    desk.clock.now += 61
+    desk.evaluation.expire()
+    assert not desk.evaluation.owns(first.lease_id) and len(desk.evaluation.current.pending) == PROMPTS
+
+
+def test_unscored_eval_prompts_are_retried_then_left_out(desk: Desk) -> None:
+    desk.evaluation.start(0, 0)
+    for _ in range(20):
+        lease = desk.evaluation.grant(desk.actor(), m.LeaseRequest(max_groups=8))
+        if lease is None:
+            break
+        scored = answer(lease, {i: [1.0] for i in range(PROMPTS)}).groups
+        unscored = [m.UnscoredGroup(group_id=item.group_id, reward="*", error="timeout")
+                    for item in lease.prompts if item.prompt_index == 0]
+        msg = m.Rollouts(lease_id=lease.lease_id, policy_version=0, unscored=unscored,
+                         groups=[g for g in scored if g.group_id not in {u.group_id for u in unscored}])
+        desk.evaluation.take(desk.actor(), msg)
+    (row,) = desk.rows()
+    assert (row["scored"], row["dropped"]) == (PROMPTS - 1, 1)
+
+
+def test_the_learner_takes_a_round_no_actor_took(desk: Desk) -> None:
+    desk.evaluation.start(20, 4)
+    assert desk.evaluation.claim_for_learner(wait_seconds=10) == [], "actors get the first chance"
+    desk.clock.now += 11
+    claimed = desk.evaluation.claim_for_learner(wait_seconds=10)
+    assert claimed == list(range(PROMPTS)) and desk.evaluation.grant(desk.actor(), m.LeaseRequest(max_groups=2)) is None
+    desk.evaluation.record_learner({i: [1.0] if i else None for i in claimed}, version=4)
+    desk.evaluation.finish()
+    (row,) = desk.rows()
+    assert (row["on_learner"], row["dropped"], row["eval_reward"]) == (PROMPTS - 1, 1, 1.0)
+
+
+def test_a_round_due_while_one_runs_starts_when_it_finishes(desk: Desk) -> None:
+    desk.evaluation.start(0, 0)
+    desk.evaluation.start(10, 1)
+    assert desk.evaluation.current.step == 0
+    desk.state.step, desk.state.version = 12, 2
+    desk.clock.now += 11
+    desk.evaluation.record_learner({i: [0.0] for i in desk.evaluation.claim_for_learner(10)}, version=0)
+    desk.evaluation.finish()
+    assert desk.evaluation.current is not None and desk.evaluation.current.step == 12
+    assert [step for step, _ in desk.evaluation.finished] == [12]
+    assert json.loads((desk.run_dir / "metrics.jsonl").read_text())["event"] == "eval"
+    assert desk.evaluation.due(20, final=False) and desk.evaluation.due(23, final=True)
+    assert not desk.evaluation.due(23, final=False)

@@ -1,8 +1,8 @@
 """Training curves of a run directory as one PNG: reward, KL, throughput, staleness.
 
-Reads only files the learner and the demo write: RUN_DIR/metrics.jsonl (one line per
-optimizer step, see `Learner._step_record`), and, when present, RUN_DIR/summary.json
-(held-out reward before and after) and RUN_DIR/config.json (`grpo.max_staleness`).
+Reads only files the learner writes: RUN_DIR/metrics.jsonl (one line per optimizer
+step, see `training.Training._step_record`, and one per eval round, `"event": "eval"`)
+and RUN_DIR/config.json (`grpo.max_staleness`).
 Works on a run that is still going: an incomplete last line is skipped.
 """
 
@@ -170,7 +170,7 @@ def plot_run(run_dir: Path, out: Optional[Path] = None) -> Path:
     fig = Figure(figsize=(12, 8), dpi=100)
     FigureCanvasAgg(fig)
     (ax_reward, ax_kl), (ax_tps, ax_stale) = fig.subplots(2, 2, sharex=True)
-    _plot_reward(ax_reward, records, _read_json(run_dir / "summary.json"), window)
+    _plot_reward(ax_reward, records, load_eval_records(run_dir / "metrics.jsonl"), window)
     _plot_kl(ax_kl, records, window)
     _plot_throughput(ax_tps, records, window)
     _plot_staleness(ax_stale, records, _read_json(run_dir / "config.json"), window)
@@ -180,18 +180,23 @@ def plot_run(run_dir: Path, out: Optional[Path] = None) -> Path:
     return out
 
 
-def _plot_reward(ax: Axes, records: list[dict], summary: dict, window: int) -> None:
-    """Reward, with the held-out evaluation the demo writes to summary.json."""
+def _plot_reward(ax: Axes, records: list[dict], rounds: list[dict], window: int) -> None:
+    """Training reward, with the held-out eval rounds (train.eval_every) as their own curve."""
     steps, rewards = _series(records, "reward_mean")
     _curve(ax, steps, rewards, "tab:blue", "train reward (batch mean)", window)
-    for key, color, label in (("eval_reward_before", "grey", "held-out before"),
-                              ("eval_reward_after", "tab:green", "held-out after")):
-        value = summary.get(key)
-        if _finite(value):
-            ax.axhline(value, color=color, linestyle="--", linewidth=1.2, label=f"{label} {value:.3f}")
+    eval_steps, eval_rewards = _series(rounds, "eval_reward")
+    if eval_steps:
+        k = rounds[-1].get("k", 1)
+        ax.plot(eval_steps, eval_rewards, color="tab:green", marker="o", linewidth=1.8,
+                label=f"held-out avg@{k} (last {eval_rewards[-1]:.3f})")
+        pass_steps, passed = _series(rounds, "eval_pass_at_k")
+        if k > 1 and pass_steps:
+            ax.plot(pass_steps, passed, color="tab:olive", marker="s", linewidth=1.2, linestyle="--",
+                    label=f"held-out pass@{k}")
     ax.set_title("reward")
     ax.set_ylabel("reward")
-    if rewards and 0.0 <= min(rewards) and max(rewards) <= 1.0:
+    values = rewards + eval_rewards
+    if values and 0.0 <= min(values) and max(values) <= 1.0:
         ax.set_ylim(0, 1.05)
 
 

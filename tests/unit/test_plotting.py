@@ -34,9 +34,11 @@ def write_run(run_dir: Path, steps: int = 300, summary: bool = True) -> Path:
     for step in range(1, steps + 1):
         wall += rng.uniform(0.08, 0.15)
         lines.append(json.dumps(step_record(step, wall, rng)))
+    if summary:  # eval rounds at the start and the end, among the step lines as the learner writes them
+        for step, reward in ((0, 0.04), (steps, 0.85)):
+            lines.insert(step, json.dumps({"event": "eval", "step": step, "eval_reward": reward,
+                                           "eval_pass_at_k": reward, "k": 1}))
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    if summary:
-        (run_dir / "summary.json").write_text(json.dumps({"eval_reward_before": 0.04, "eval_reward_after": 0.85}))
     (run_dir / "config.json").write_text(json.dumps({"grpo": {"max_staleness": 2}}))
     return run_dir
 

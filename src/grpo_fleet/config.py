@@ -333,6 +333,20 @@ class SecurityConfig(_Section):
         None, description="Directory made by `grpo-fleet keys init` (learner.key_secret + authorized/); enables CURVE."
     )
     insecure: bool = Field(False, description="Allow binding a non-loopback address without CURVE (logged loudly).")
+    verify_rewards: bool = Field(
+        True, description="Re-score every submitted group with the learner's own rewards and answers; a reward that "
+        "differs is refused as reward_mismatch (a violation). Turn off only for rewards that are not deterministic.",
+    )
+    verify_logprobs: bool = Field(
+        True, description="Recompute the first informative group of every lease under the version it claims before "
+        "it trains; a mean gap beyond max_logprob_gap bans the actor at once (logprob_mismatch). Keeps the trainable "
+        "weights of the last max_staleness + in_flight_steps + 1 versions (free under LoRA).",
+    )
+    max_logprob_gap: float = Field(
+        0.05, gt=0,
+        description="Largest mean |reported - recomputed| token logprob (nats) of an honest group. Measured: fp32 "
+        "actors differ from the learner by about 1e-6, bf16 actors by about 0.01 (bench/RESULTS.md).",
+    )
 
 
 class MetricsConfig(_Section):

@@ -19,6 +19,7 @@ PREFIX = "grpo_fleet"
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 LEASE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+GAP_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.003, 0.01, 0.03, 0.05, 0.1, 0.3, 1.0, 3.0)
 REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -60,6 +61,7 @@ class LearnerMetrics:
     skipped_updates: Counter
     groups_unscored: Counter
     groups_unscorable: Counter
+    logprob_gap: Histogram
     eval_reward: Gauge
     eval_pass_at_k: Gauge
     eval_rounds: Counter
@@ -129,6 +131,10 @@ def learner_metrics() -> LearnerMetrics:
         ),
         groups_unscorable=Counter(
             f"{p}_groups_unscorable", "Prompts given up on for this pass after repeated unscorable groups", registry=r
+        ),
+        logprob_gap=Histogram(
+            f"{p}_logprob_gap_nats", "Mean |reported - recomputed| token logprob of each checked group "
+            "(security.max_logprob_gap)", buckets=GAP_BUCKETS, registry=r,
         ),
         eval_reward=Gauge(f"{p}_eval_reward", "Held-out avg@k reward of the last complete eval round", registry=r),
         eval_pass_at_k=Gauge(f"{p}_eval_pass_at_k", "Held-out pass@k of the last complete eval round", registry=r),

@@ -240,11 +240,17 @@ def test_json_file_with_unknown_key_is_rejected(tmp_path: Path):
     REPO_CONFIGS or [pytest.param(None, marks=pytest.mark.skip(reason="no configs/*.toml in the repository yet"))],
     ids=[p.name for p in REPO_CONFIGS] or ["none"],
 )
-def test_repository_configs_load_and_validate(config_path: Path):
+def test_repository_configs_load_and_validate(config_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from grpo_fleet.tasks import rewards as registry
+    from grpo_fleet.tasks import reward_module
+
     cfg = load_run_config(config_path)
     assert isinstance(cfg, RunConfig)
-    # Reward names must exist, not just parse.
-    validate_rewards(cfg.task.rewards, cfg.task.reward_weights)
+    # Reward names must exist, not just parse; a reward file is relative to the checkout, where the learner starts.
+    monkeypatch.chdir(config_path.parents[1])
+    monkeypatch.setattr(registry, "REWARDS", dict(registry.REWARDS))
+    monkeypatch.setattr(reward_module, "REWARDS", registry.REWARDS)
+    validate_rewards(cfg.task.rewards, cfg.task.reward_weights, cfg.task.reward_module)
 
 
 @pytest.mark.parametrize("text", ["runs/demo", 'a "quoted" dir', "C:\\runs\\x", "tcp://0.0.0.0:5555"])

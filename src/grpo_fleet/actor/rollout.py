@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 # Re-exported: callers that import it from here predate its neutral home.
+from grpo_fleet.tasks.prompts import decode_completion
 from grpo_fleet.tasks.prompts import encode_prompt as encode_prompt
 
 # Measured on CPU, 4 prompts x G=8: with 4-8 token prompts sharing was ~2 ms per
@@ -265,8 +266,5 @@ def _sampled_logprobs(responses: list) -> list[float]:
 
 
 def completion_text(tokenizer: Any, completion: GeneratedCompletion, eos_ids: set[int]) -> str:
-    """Decode a completion for scoring, without its stop token."""
-    tokens = completion.tokens
-    if completion.finish_reason == "stop" and tokens and tokens[-1] in eos_ids:
-        tokens = tokens[:-1]
-    return tokenizer.decode(tokens)
+    """Decode a completion for scoring, without its stop token (the learner decodes the same way to check)."""
+    return decode_completion(tokenizer, completion.tokens, completion.finish_reason, eos_ids)

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from grpo_fleet.actor import wire
 from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit, plan_rewards
+from grpo_fleet.actor.corruption import Corruption
 from grpo_fleet.actor.link import Answer, LearnerLink, LearnerUnavailable, Notice, StopActor
 from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rewarding import score_lease
@@ -72,6 +73,7 @@ class ActorWorker:
         self.model_key: Optional[ModelKey] = None
         self.rewards: Optional[RewardSet] = None
         self.scorer: Optional[Scorer] = None  # the rewards' own process, started on admission
+        self.corruption = Corruption.from_environment()  # tests only: an actor that lies (actor/corruption.py)
         self.welcome: Optional[m.Welcome] = None
         self.stopping = False
         self.metrics_port = 0
@@ -134,6 +136,7 @@ class ActorWorker:
             self._on_answer(self.link.request(self.inflight.submitted, m.Ack))
         assert self.policy is not None  # _adopt loaded it
         self.weights.sync(self.link, self.policy.model)
+        self.corruption.after_load(self.policy.model)
         # On SIGTERM, finish delivering what was leased and generated (drain), then stop.
         while not (self.stopping and self.inflight.drained):
             self._work_once()
@@ -204,9 +207,10 @@ class ActorWorker:
 
     def _work_once(self) -> None:
         self.link.poll_notices()
-        if self.weights.behind:
+        if self.weights.behind and not (self.corruption.frozen_weights and self.weights.loaded >= 0):
             assert self.policy is not None  # _adopt loaded it
             self.weights.sync(self.link, self.policy.model)
+            self.corruption.after_load(self.policy.model)
         lease = self._take_lease()
         if lease is None:
             return
@@ -253,6 +257,7 @@ class ActorWorker:
         self.metrics.peak_memory.set(mx.get_peak_memory())
         assert self.scorer is not None  # _adopt started it
         scored, unscored = score_lease(lease.prompts, groups, self.scorer, policy.tokenizer, self.metrics)
-        return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=incarnation, groups=scored,
-                          unscored=unscored)
+        version = self.corruption.claimed_version(version, self.weights.newest)
+        return self.corruption.rollouts(m.Rollouts(lease_id=lease.lease_id, policy_version=version,
+                                                   incarnation=incarnation, groups=scored, unscored=unscored))
 

@@ -57,14 +57,14 @@ class Bans:
         self.clock = clock
         self._records: OrderedDict[str, _Record] = OrderedDict()
 
-    def record(self, key: str) -> bool:
-        """Count one violation by `key`; True when this one bans it."""
+    def record(self, key: str, weight: int = 1) -> bool:
+        """Count `weight` violations by `key` (max_violations bans at once); True when this bans it."""
         now = self.clock()
         entry = self._records.pop(key, None) or _Record()
         if entry.banned_until and entry.banned_until <= now:
             entry = _Record()  # the ban ran out: a fresh start
-        entry.violations += 1
-        newly_banned = entry.violations == self.max_violations
+        entry.violations += weight
+        newly_banned = entry.violations >= self.max_violations and not entry.banned_until
         if newly_banned:
             entry.banned_until = now + self.ban_seconds
         self._records[key] = entry  # most recent last

@@ -40,6 +40,8 @@ class AcceptedGroup:
     policy_version: int
     actor_id: str
     actor_key: str = ""  # the peer key its violations and bans are counted under
+    # Checked against the learner's own logprobs before it trains (one group per lease; learner/verification.py).
+    check_logprobs: bool = False
 
     @property
     def rewards(self) -> np.ndarray:

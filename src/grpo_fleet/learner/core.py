@@ -35,12 +35,14 @@ from grpo_fleet.learner.state import LearnerState
 from grpo_fleet.learner.trackers import Trackers
 from grpo_fleet.learner.trainer import Trainer
 from grpo_fleet.learner.training import Training
+from grpo_fleet.learner.verification import LogprobCheck, RewardCheck, WeightHistory, check_next_batch
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.tasks import Task
+from grpo_fleet.tasks.reward_runner import InlineScorer, Scorer
 
 log = logging.getLogger("grpo_fleet.learner")
 
@@ -86,7 +88,7 @@ class Learner:
 
     def __init__(self, cfg: RunConfig, policy: Policy, trainer: Trainer, task: Task, prompt_tokens: list[np.ndarray],
                  model_digest: str, metrics: LearnerMetrics, run_dir: Path, pub_address: Optional[str] = None,
-                 eval_prompt_tokens: Optional[list[np.ndarray]] = None) -> None:
+                 eval_prompt_tokens: Optional[list[np.ndarray]] = None, scorer: Optional[Scorer] = None) -> None:
         self.cfg, self.policy, self.trainer, self.task = cfg, policy, trainer, task
         self.prompt_tokens, self.model_digest, self.metrics, self.run_dir = prompt_tokens, model_digest, metrics, run_dir
         self.pub_address = pub_address
@@ -101,8 +103,21 @@ class Learner:
         self.registry = Registry(cfg.server, metrics)
         self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, task.train)
         self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
+        security = cfg.security
+        # Rewards are re-scored in `scorer` (setup gives the learner its own process; tests run them inline).
+        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, scorer or InlineScorer(task.reward_set()))
+                             if security.verify_rewards else None)
         self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
-                             self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify)
+                             self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify,
+                             self.reward_check)
+        self.weight_history = (WeightHistory(policy.model, keep=cfg.grpo.max_staleness + cfg.server.in_flight_steps + 1)
+                               if security.verify_logprobs else None)
+        self.logprob_check = None if self.weight_history is None else LogprobCheck(
+            policy.model, self.weight_history, temperature=cfg.generation.temperature,
+            chunk_tokens=cfg.train.logprob_chunk_tokens, micro_batch_tokens=cfg.train.micro_batch_tokens,
+            max_gap=security.max_logprob_gap, observe=metrics.logprob_gap.observe)
+        if self.weight_history is not None:
+            self.weight_history.record(0)
         self.training = Training(cfg, trainer, self.snapshots, self.runlog, metrics)
         self.evaluation = Evaluation(cfg, task.eval, eval_prompt_tokens or [], policy.vocab_size, self.state,
                                      self.registry, self.runlog, metrics)
@@ -204,14 +219,20 @@ class Learner:
         with self.batch_ready:
             return self.batch_ready.wait_for(self.ready_to_train, timeout)
 
-    def train_step(self) -> StepRecord:
+    def train_step(self) -> Optional[StepRecord]:
         """One optimizer batch from the oldest informative groups; publishes and checkpoints when due.
 
         The lock is held only to take the batch and to record the result: not
         while the model trains, the new snapshot is serialised, or a checkpoint
-        is written, so requests keep being answered meanwhile.
+        is written, so requests keep being answered meanwhile. None when the
+        logprob check dropped groups (learner/verification.py): no step yet.
         """
+        if self.logprob_check is not None and not check_next_batch(
+                self.lock, self.state, self.intake, self.logprob_check, self.cfg.grpo.groups_per_step):
+            return None
         with self.lock:
+            if not self.training.ready(self.state):
+                return None
             groups, trained_on = self.training.take_batch(self.state)
             step = self.state.step + 1  # only this thread moves the step
         trained = self.training.run(groups, trained_on, step)
@@ -229,6 +250,8 @@ class Learner:
             if self.evaluation.due(self.state.step, final=self.state.done):
                 self.evaluation.start(self.state.step, self.state.version)
             saved = persistence.capture(self.state, self.runlog.sizes()) if self.training.checkpoint_due(self.state) else None
+        if trained.snapshot is not None and self.weight_history is not None:
+            self.weight_history.record(trained.snapshot.version)
         self.trackers.log_record(record)  # outside the lock: a slow tracker holds up no request
         if saved is not None:
             started = time.perf_counter()
@@ -259,10 +282,15 @@ class Learner:
             # their leases, so the ledger must forget them too to stay exactly-once.
             self.runlog.truncate(saved.logs)
             self.snapshots.install(self.snapshots.serialize(self.state.version))
+            if self.weight_history is not None:
+                self.weight_history.versions.clear()
+                self.weight_history.record(self.state.version)
             self.metrics.policy_version.set(self.state.version)
         log.info("resumed run %s at step %d (policy v%d) from %s as incarnation %s",
                  self.state.run_id, self.state.step, self.state.version, checkpoint, self.state.incarnation)
 
     def close(self) -> None:
+        if self.reward_check is not None:
+            self.reward_check.close()
         self.trackers.close()
         self.runlog.close()

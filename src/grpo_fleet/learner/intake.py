@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from grpo_fleet.learner.registry import ActorInfo, Registry
     from grpo_fleet.learner.state import LearnerState
     from grpo_fleet.learner.trainer import StepStats
+    from grpo_fleet.learner.verification import LogprobGap, RewardCheck
 
 log = logging.getLogger("grpo_fleet.learner")
 # Stored answers kept for replays (at-least-once actors resend after a reconnect).
@@ -97,13 +98,15 @@ class IntakeRules:
     max_staleness: int
     groups_per_step: int
     reward_names: frozenset[str] = frozenset()
+    max_logprob_gap: float = 0.05
 
     @classmethod
     def from_config(cls, cfg: RunConfig, vocab_size: int) -> "IntakeRules":
         gen = cfg.generation
         return cls(group_size=gen.group_size, vocab_size=vocab_size, max_tokens=gen.max_tokens,
                    reward_bound=cfg.task.reward_bound, max_staleness=cfg.grpo.max_staleness,
-                   groups_per_step=cfg.grpo.groups_per_step, reward_names=frozenset(cfg.task.rewards))
+                   groups_per_step=cfg.grpo.groups_per_step, reward_names=frozenset(cfg.task.rewards),
+                   max_logprob_gap=cfg.security.max_logprob_gap)
 
 
 def unusable_version(msg: m.Rollouts, state: LearnerState, max_staleness: int) -> Optional[RejectReason]:
@@ -154,10 +157,10 @@ class Intake:
 
     def __init__(self, rules: IntakeRules, state: LearnerState, registry: Registry, leasing: Leasing,
                  runlog: RunLog, metrics: LearnerMetrics, prompt_tokens: list[np.ndarray],
-                 on_batch_ready: Callable[[], None]) -> None:
+                 on_batch_ready: Callable[[], None], reward_check: Optional[RewardCheck] = None) -> None:
         self.rules, self.state, self.registry, self.leasing = rules, state, registry, leasing
         self.runlog, self.metrics, self.prompt_tokens = runlog, metrics, prompt_tokens
-        self.on_batch_ready = on_batch_ready
+        self.on_batch_ready, self.reward_check = on_batch_ready, reward_check
 
     def take(self, actor: ActorInfo, msg: m.Rollouts) -> m.Ack:
         """The answer to one Rollouts from `actor`; a replay gets the stored answer and changes nothing."""
@@ -239,19 +242,58 @@ class Intake:
     def _accept(self, actor: ActorInfo, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]],
                 requeued: dict[str, str]) -> m.Ack:
         answer: dict[str, str] = {}
+        refused = {**refused, **self._reward_verdicts(msg, refused)}
+        check_next = True  # the first informative group of each submission has its logprobs checked
         for group in msg.groups:
             refusal = refused[group.group_id]
-            if refusal is not None:  # a duplicate, or a lease that expired meanwhile
-                self.metrics.rejections.labels(reason=refusal).inc()
-                answer[group.group_id] = refusal.group_status
+            if refusal is not None:  # a duplicate, a lease that expired meanwhile, or rewards that do not add up
+                answer[group.group_id] = self._refuse_group(actor, msg.lease_id, group.group_id, refusal)
                 continue
             ticket = self.state.scheduler.finish(msg.lease_id, group.group_id)
             index = ticket.prompt_index
             self.state.unscored_attempts.pop(index, None)
-            self._keep(actor, accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
+            record = accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor)
+            record.check_logprobs = check_next and record.is_informative
+            check_next = check_next and not record.check_logprobs
+            self._keep(actor, record)
             answer[group.group_id] = "accepted"
         overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
         return m.Ack(lease_id=msg.lease_id, status=overall, groups={**answer, **requeued})  # type: ignore[arg-type]  # one of Ack's statuses
+
+    def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
+        """The learner's own rewards for every group it would accept (security.verify_rewards)."""
+        if self.reward_check is None:
+            return {}
+        lease = self.state.scheduler.leases[msg.lease_id]
+        pending = [(g, lease.tickets[g.group_id].prompt_index) for g in msg.groups if refused[g.group_id] is None]
+        return self.reward_check.verdicts(pending)
+
+    def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
+        """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""
+        self.metrics.rejections.labels(reason=reason).inc()
+        if reason in (RejectReason.REWARD_MISMATCH, RejectReason.REWARD_UNVERIFIABLE):
+            self.state.scheduler.requeue(lease_id, group_id)
+        if reason is RejectReason.REWARD_MISMATCH:
+            self.registry.record_violation(actor.principal, reason)
+            log.warning("actor %s reported rewards the learner does not get for group %s", shown(actor.actor_id),
+                        group_id)
+        return reason.group_status
+
+    def blame_tampered(self, failures: list[tuple[AcceptedGroup, LogprobGap]]) -> None:
+        """Logprobs that the claimed version cannot have produced: ban the actor now, drop all it sent."""
+        for group, gap in failures:
+            key = group.actor_key
+            dropped = [g for g in self.state.buffer if g.actor_key == key]
+            self.state.buffer = [g for g in self.state.buffer if g.actor_key != key]
+            for untrusted in dropped:  # their prompts go to honest actors, as new groups
+                self.state.scheduler.retry_prompt(untrusted.prompt_index)
+            self.metrics.rejections.labels(reason=RejectReason.LOGPROB_MISMATCH).inc(len(dropped))
+            released = self.state.scheduler.release_actor(key)
+            self.registry.record_violation(key, RejectReason.LOGPROB_MISMATCH, ban_now=True)
+            log.warning("actor %s: group %s (claimed v%d) has logprobs %.4f nats off the learner's on average (max "
+                        "%.3f; security.max_logprob_gap %s); banned, %d of its buffered groups dropped, %d leases "
+                        "re-queued", shown(group.actor_id), group.group_id, group.policy_version, gap.mean, gap.max,
+                        self.rules.max_logprob_gap, len(dropped), released)
 
     def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
         """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""

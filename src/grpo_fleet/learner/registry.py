@@ -177,10 +177,10 @@ class Registry:
         self.rate.add(tokens)
         self.groups_accepted += 1
 
-    def record_violation(self, key: str, reason: str) -> None:
-        """Count malformed or hostile input from a peer key (see learner/bans.py for the policy)."""
+    def record_violation(self, key: str, reason: str, *, ban_now: bool = False) -> None:
+        """Count malformed or hostile input from a peer key (see learner/bans.py); `ban_now` bans it at once."""
         self.metrics.violations.labels(reason=reason).inc()
-        if self.bans.record(key):
+        if self.bans.record(key, self.bans.max_violations if ban_now else 1):
             self.metrics.bans.inc()
             log.warning("peer %s banned for %.0fs after %d violations (last: %s)", key,
                         self.bans.ban_seconds, self.bans.max_violations, reason)

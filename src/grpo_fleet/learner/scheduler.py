@@ -123,6 +123,13 @@ class PromptScheduler:
         self._requeued.append(ticket)
         return ticket
 
+    def retry_prompt(self, prompt_index: int) -> GroupTicket:
+        """Queue an accepted group's prompt again as a new group (its old group id stays finished)."""
+        self._serial += 1
+        ticket = GroupTicket(group_id=f"g{self._serial:08d}", prompt_index=prompt_index)
+        self._requeued.append(ticket)
+        return ticket
+
     def _take(self, lease_id: str, group_id: str) -> GroupTicket:
         lease = self.leases[lease_id]
         ticket = lease.tickets.pop(group_id)

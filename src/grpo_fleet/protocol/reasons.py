@@ -24,6 +24,11 @@ class RejectReason(str, Enum):
     # Groups the sender was never given: a violation.
     NOT_YOUR_LEASE = "not_your_lease"
     NOT_LEASED = "not_leased"
+    # What the learner recomputed disagrees with what the actor reported (learner/verification.py): a violation.
+    REWARD_MISMATCH = "reward_mismatch"
+    LOGPROB_MISMATCH = "logprob_mismatch"
+    # The learner's own reward check failed (a reward timed out here): not the actor's fault, re-queued.
+    REWARD_UNVERIFIABLE = "reward_unverifiable"
     # One group that cannot count (again): the network's or the learner's doing.
     DUPLICATE = "duplicate"
     STALE_LEASE = "stale_lease"
@@ -53,5 +58,5 @@ class RejectReason(str, Enum):
 _VIOLATIONS = frozenset({
     RejectReason.DUPLICATE_GROUP_IN_MESSAGE, RejectReason.BAD_GROUP_SIZE, RejectReason.LENGTH_MISMATCH,
     RejectReason.TOO_LONG, RejectReason.TOKEN_OUT_OF_RANGE, RejectReason.BAD_LOGPROB, RejectReason.BAD_REWARD,
-    RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED,
+    RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED, RejectReason.REWARD_MISMATCH, RejectReason.LOGPROB_MISMATCH,
 })

@@ -57,3 +57,11 @@ def check_prompt_lengths(
         f"{length} tokens, and the model's context of {context} tokens minus generation.max_tokens = {max_new_tokens} "
         f"leaves {max(room, 0)}; drop or shorten those rows, or lower generation.max_tokens"
     )
+
+
+def decode_completion(tokenizer: Any, tokens: Sequence[int], finish_reason: str, eos_ids: set[int]) -> str:
+    """A completion's text as rewards see it: decoded without its stop token (actor and learner alike)."""
+    ids = [int(t) for t in tokens]
+    if finish_reason == "stop" and ids and ids[-1] in eos_ids:
+        ids = ids[:-1]
+    return str(tokenizer.decode(ids))

@@ -241,8 +241,8 @@ def test_json_file_with_unknown_key_is_rejected(tmp_path: Path):
     ids=[p.name for p in REPO_CONFIGS] or ["none"],
 )
 def test_repository_configs_load_and_validate(config_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from grpo_fleet.tasks import rewards as registry
     from grpo_fleet.tasks import reward_module
+    from grpo_fleet.tasks import rewards as registry
 
     cfg = load_run_config(config_path)
     assert isinstance(cfg, RunConfig)

@@ -43,6 +43,9 @@ def run_config(model_dir: Path, run_dir: Path, **sections: dict) -> RunConfig:
         "grpo": {"groups_per_step": GROUPS_PER_STEP, "beta": 0.04},
         "train": {"steps": 3, "checkpoint_every": 1},
         "metrics": {"port": 0},
+        # These tests send crafted rollouts; the checks of honest ones are tested in test_verification.py
+        # (and re-scoring starts a process, which unit tests may not).
+        "security": {"verify_rewards": False, "verify_logprobs": False},
     }
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}

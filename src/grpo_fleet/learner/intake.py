@@ -291,9 +291,9 @@ class Intake:
             released = self.state.scheduler.release_actor(key)
             self.registry.record_violation(key, RejectReason.LOGPROB_MISMATCH, ban_now=True)
             log.warning("actor %s: group %s (claimed v%d) has logprobs %.4f nats off the learner's on average (max "
-                        "%.3f; security.max_logprob_gap %s); banned, %d of its buffered groups dropped, %d leases "
-                        "re-queued", shown(group.actor_id), group.group_id, group.policy_version, gap.mean, gap.max,
-                        self.rules.max_logprob_gap, len(dropped), released)
+                        "%.3f; security.max_logprob_gap %s); banned after step %d, %d of its buffered groups dropped, "
+                        "%d leases re-queued", shown(group.actor_id), group.group_id, group.policy_version, gap.mean,
+                        gap.max, self.rules.max_logprob_gap, self.state.step, len(dropped), released)
 
     def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
         """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""

@@ -1,0 +1,65 @@
+"""Actors that lie (actor/corruption.py) are caught within one lease; nothing of theirs trains; honest ones go on."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import jsonl, scrape, wait_for
+
+KINDS = ("rewards", "logprobs", "weights", "version")
+
+
+@pytest.mark.slow
+def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, spawn, free_port, monkeypatch):
+    port = free_port()
+    config, cfg = run_config(
+        train={"steps": 250, "checkpoint_every": 250, "log_samples_every": 1, "log_samples_count": 256},
+        optim={"lr": 1e-3},  # the policy moves fast, so an actor stuck at version 0 is far from what it claims
+        metrics={"port": port},
+        server={"max_groups_per_lease": 2},
+    )
+    run_dir = Path(cfg.run_dir)
+    learner = spawn("learner", "--config", str(config), name="learner")
+    actor_args = ["--connect", cfg.server.bind, "--metrics-port", "0", "--model-dir", str(run_dir), "--max-groups", "2"]
+    for i in range(2):
+        spawn("actor", *actor_args, "--actor-id", f"honest-{i}", name=f"honest-{i}")
+    # The version liar joins once the policy has moved; the others at once.
+    wait_for(lambda: len([r for r in jsonl(run_dir / "metrics.jsonl") if "event" not in r]) >= 8,
+             "8 honest steps", procs=[learner])
+    for kind in KINDS:
+        monkeypatch.setenv("GRPO_FLEET_TEST_CORRUPT", kind)
+        spawn("actor", *actor_args, "--actor-id", f"liar-{kind}", name=f"liar-{kind}")
+    monkeypatch.delenv("GRPO_FLEET_TEST_CORRUPT")
+
+    def rejected() -> dict:
+        samples = scrape(port).by_label("reason")
+        return {reason: value for (name, reason), value in samples.items() if name == "grpo_fleet_learner_rejections_total"}
+
+    wait_for(lambda: rejected().get("reward_mismatch", 0) > 0 and rejected().get("logprob_mismatch", 0) >= 3,
+             "the liars to be caught", procs=[learner], timeout=180)
+    gaps = scrape(port)
+    honest_checks = gaps.total("grpo_fleet_learner_logprob_gap_nats_count") - 3
+    assert honest_checks > 20 and gaps.by_label("le")[("grpo_fleet_learner_logprob_gap_nats_bucket", "0.001")] \
+        >= honest_checks, "every honest group checked was within 1e-3 nats of the learner"
+    assert learner.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
+
+    log = learner.log_path.read_text()
+    bans = {actor: (group, int(step)) for actor, group, step in re.findall(
+        r"actor (liar-\w+): group (\S+) \(claimed v\d+\) has logprobs .* banned after step (\d+)", log)}
+    assert set(bans) == {"liar-logprobs", "liar-weights", "liar-version"}, log[-3000:]
+    ledger = jsonl(run_dir / "ledger.jsonl")
+    accepted = {kind: [e for e in ledger if e["actor_id"] == f"liar-{kind}"] for kind in KINDS}
+    assert accepted["rewards"] == [], "every group is re-scored: none with altered rewards is accepted"
+    for kind in ("logprobs", "weights", "version"):
+        group, step = bans[f"liar-{kind}"]
+        assert all(e["step"] <= step for e in accepted[kind]), f"{kind}: a group was accepted after the ban"
+        # Its first group that could train was the one checked: the others before it had no reward spread.
+        assert group in {e["group_id"] for e in accepted[kind]}
+    trained_by = {row["actor_id"] for row in jsonl(run_dir / "samples.jsonl")}
+    assert trained_by <= {"honest-0", "honest-1"}, f"a liar's group was trained: {trained_by}"
+    steps = [r for r in jsonl(run_dir / "metrics.jsonl") if "event" not in r]
+    assert steps[-1]["step"] == 250, "the honest fleet finished the run"
+    assert "honest" not in " ".join(re.findall(r"actor (\S+) reported rewards", log)), "no honest false rejection"

@@ -7,9 +7,11 @@ why on the console and leave none of its processes behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ class DemoRun:
     output: str
     seconds: float
     children: set[int]  # every learner and actor pid seen while it ran
+    survivors: set[int]  # those still alive once the demo had exited, and any other naming its run dir
 
 
 def _fleet_pids(run_dir: Path, demo_pid: int) -> set[int]:
@@ -69,17 +72,28 @@ def run_demo(cwd: Path, model_path: str, steps: int) -> DemoRun:
             children |= _fleet_pids(run_dir, demo.pid)
             time.sleep(0.2)
     finally:
-        if demo.poll() is None:
+        seconds = time.monotonic() - started
+        _stop_overrun(demo)
+        survivors = {pid for pid in children if _alive(pid)} | _fleet_pids(run_dir, demo.pid)
+        for pid in survivors:  # the test fails on them; they are not to outlive it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return DemoRun(demo.returncode, out.read_text(), seconds, children, survivors)
+
+
+def _stop_overrun(demo: subprocess.Popen) -> None:
+    if demo.poll() is None:
+        demo.terminate()  # the demo stops its fleet on SIGTERM
+        try:
+            demo.wait(timeout=20)
+        except subprocess.TimeoutExpired:
             demo.kill()
-        demo.wait()
-    seconds = time.monotonic() - started
-    return DemoRun(demo.returncode, out.read_text(), seconds, children)
+    demo.wait()
 
 
-def assert_nothing_left(run: DemoRun, run_dir: Path) -> None:
+def assert_nothing_left(run: DemoRun) -> None:
     assert len(run.children) >= 3, f"saw only {run.children}: the learner and two actors should have run"
-    assert not [pid for pid in run.children if _alive(pid)], run.output
-    assert not _fleet_pids(run_dir, demo_pid=-1), run.output
+    assert not run.survivors, run.output
 
 
 def test_demo_trains_on_a_model_directory_given_by_a_relative_path(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -92,7 +106,7 @@ def test_demo_trains_on_a_model_directory_given_by_a_relative_path(tmp_path: Pat
     assert f"learner ready: model {(tmp_path / 'my-model').resolve()}," in learner_log
     for actor in ("actor-0", "actor-1"):
         assert "joined run" in (tmp_path / "demo" / f"{actor}.log").read_text(), run.output
-    assert_nothing_left(run, tmp_path / "demo")
+    assert_nothing_left(run)
 
 
 @pytest.mark.parametrize(("extra_file", "target", "who", "reason"), [
@@ -116,4 +130,4 @@ def test_demo_stops_with_the_reason_when_a_process_exits(
     assert run.seconds < FAILS_WITHIN_SECONDS, run.output
     assert f"the demo stopped: {who}" in run.output and reason in run.output, run.output
     assert "held-out reward:" not in run.output  # no summary of a run that did not happen
-    assert_nothing_left(run, tmp_path / "demo")
+    assert_nothing_left(run)

@@ -17,15 +17,19 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from grpo_fleet.blas import child_env
 
-# Measured on 2 busy cores: a failing demo ends 20-25 s after it starts (the
-# evaluation before training and the learner's start take most of it).
+# Measured on 2 cores: a failing demo ends 1.7 s after its first child exits, and
+# 10-35 s after it starts (busy cores), most of it the learner's start.
+REACTS_WITHIN_SECONDS = 8.0
 FAILS_WITHIN_SECONDS = 60.0
 HARD_LIMIT_SECONDS = 180.0
+# A smaller held-out set than the demo's 128 prompts: the evaluations are not what is tested.
+EVAL_PROMPTS = 16
 
 
 @dataclass
@@ -34,6 +38,7 @@ class DemoRun:
     output: str
     seconds: float
     children: set[int]  # every learner and actor pid seen while it ran
+    reaction: Optional[float]  # seconds from the first child's exit to the demo's own
     survivors: set[int]  # those still alive once the demo had exited, and any other naming its run dir
 
 
@@ -62,23 +67,29 @@ def run_demo(cwd: Path, model_path: str, steps: int) -> DemoRun:
     run_dir = cwd / "demo"
     out = cwd / "demo.out"
     args = [sys.executable, "-m", "grpo_fleet", "demo", "--steps", str(steps), "--run-dir", str(run_dir),
-            "--no-progress", "--set", f"model.path={model_path}"]
+            "--no-progress", "--set", f"model.path={model_path}", "--set", f"task.num_eval={EVAL_PROMPTS}"]
     started = time.monotonic()
     with open(out, "w") as sink:
         demo = subprocess.Popen(args, cwd=cwd, env=child_env(), stdout=sink, stderr=subprocess.STDOUT)
     children: set[int] = set()
+    first_exit: Optional[float] = None
     try:
         while demo.poll() is None and time.monotonic() - started < HARD_LIMIT_SECONDS:
-            children |= _fleet_pids(run_dir, demo.pid)
+            running = _fleet_pids(run_dir, demo.pid)
+            if first_exit is None and children - running:
+                first_exit = time.monotonic()
+            children |= running
             time.sleep(0.2)
     finally:
-        seconds = time.monotonic() - started
+        ended = time.monotonic()
+        seconds = ended - started
         _stop_overrun(demo)
         survivors = {pid for pid in children if _alive(pid)} | _fleet_pids(run_dir, demo.pid)
         for pid in survivors:  # the test fails on them; they are not to outlive it
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    return DemoRun(demo.returncode, out.read_text(), seconds, children, survivors)
+    reaction = None if first_exit is None else ended - first_exit
+    return DemoRun(demo.returncode, out.read_text(), seconds, children, reaction, survivors)
 
 
 def _stop_overrun(demo: subprocess.Popen) -> None:
@@ -128,6 +139,7 @@ def test_demo_stops_with_the_reason_when_a_process_exits(
     run = run_demo(tmp_path, str(model), steps=1000)
     assert run.returncode == 1, run.output
     assert run.seconds < FAILS_WITHIN_SECONDS, run.output
+    assert run.reaction is not None and run.reaction < REACTS_WITHIN_SECONDS, run
     assert f"the demo stopped: {who}" in run.output and reason in run.output, run.output
     assert "held-out reward:" not in run.output  # no summary of a run that did not happen
     assert_nothing_left(run)

@@ -140,18 +140,23 @@ def actor_model_dirs(cfg: RunConfig) -> list[str]:
     return dirs
 
 
+def actor_args(cfg: RunConfig, index: int, metrics_port: int) -> list[str]:
+    """`grpo-fleet actor` arguments for this fleet's actor `index`: allowed what its learner uses
+    from this machine, the model directory and the reward module (they are the same files here)."""
+    args = ["actor", "--connect", cfg.server.bind, "--actor-id", f"demo-actor-{index}",
+            "--metrics-port", str(metrics_port), "--max-groups", str(cfg.server.max_groups_per_lease)]
+    args += [arg for path in actor_model_dirs(cfg) for arg in ("--model-dir", path)]
+    if cfg.task.reward_module:
+        args += ["--reward-module", cfg.task.reward_module]
+    return args
+
+
 def start_fleet(cfg: RunConfig, config_path: Path, actors: int) -> Fleet:
     """Start the learner and `actors` actor processes, each logging to RUN_DIR/NAME.log."""
     run_dir = Path(cfg.run_dir)
     learner = _spawn("learner", ["learner", "--config", str(config_path)], run_dir / "learner.log")
     ports = [free_port() for _ in range(actors)]
-    allowed = [arg for path in actor_model_dirs(cfg) for arg in ("--model-dir", path)]
-    fleet = [
-        _spawn(f"actor-{i}", ["actor", "--connect", cfg.server.bind, "--actor-id", f"demo-actor-{i}",
-                              "--metrics-port", str(port), "--max-groups", str(cfg.server.max_groups_per_lease),
-                              *allowed], run_dir / f"actor-{i}.log")
-        for i, port in enumerate(ports)
-    ]
+    fleet = [_spawn(f"actor-{i}", actor_args(cfg, i, port), run_dir / f"actor-{i}.log") for i, port in enumerate(ports)]
     return Fleet(learner, fleet, ports)
 
 

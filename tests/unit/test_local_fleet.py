@@ -9,7 +9,15 @@ import pytest
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.demo import local_model_path
-from grpo_fleet.local_fleet import TAIL_BYTES, TAIL_LINE_CHARS, FleetStop, actor_model_dirs, exit_status, log_tail
+from grpo_fleet.local_fleet import (
+    TAIL_BYTES,
+    TAIL_LINE_CHARS,
+    FleetStop,
+    actor_args,
+    actor_model_dirs,
+    exit_status,
+    log_tail,
+)
 
 
 def test_log_tail_keeps_the_last_lines_and_skips_blank_ones(tmp_path: Path) -> None:
@@ -60,6 +68,20 @@ def test_actors_may_load_from_the_run_dir_and_a_model_directory(tmp_path: Path, 
     (tmp_path / "models" / "mine").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert actor_model_dirs(_cfg(tmp_path, "models/mine")) == [str(tmp_path / "run"), str(tmp_path / "models" / "mine")]
+
+
+def test_the_fleets_actors_are_given_the_learners_model_dir_and_reward_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "model": {"path": "mine"},
+                                    "task": {"reward_module": "my_rewards.py"}, "server": {"bind": "tcp://127.0.0.1:5999"}})
+    args = actor_args(cfg, 1, 9411)
+    assert args[:9] == ["actor", "--connect", "tcp://127.0.0.1:5999", "--actor-id", "demo-actor-1",
+                        "--metrics-port", "9411", "--max-groups", str(cfg.server.max_groups_per_lease)]
+    assert args[9:] == ["--model-dir", str(tmp_path / "run"), "--model-dir", str(tmp_path / "mine"),
+                        "--reward-module", "my_rewards.py"]
 
 
 @pytest.mark.parametrize("model_path", ["tiny", "mlx-community/Qwen2.5-0.5B-Instruct-4bit"])

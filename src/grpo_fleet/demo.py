@@ -7,16 +7,14 @@ through mlx_lm, held-out reward measured before and after.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig, apply_overrides, load_run_config, toml_string
+from grpo_fleet.local_fleet import Fleet, FleetStop, early_stop, running
 from grpo_fleet.protocol.endpoints import free_port, loopback_endpoint
 
 # The demo's defaults: small enough for 2 CPU cores, tuned so learning is visible
@@ -55,75 +53,38 @@ def demo_config(options: DemoOptions) -> RunConfig:
     return RunConfig.model_validate(apply_overrides(data, options.overrides + flags))
 
 
-def fleet_env() -> dict:
-    """Environment for processes that share this machine: OpenBLAS, one BLAS thread each.
-
-    Learner and actors already keep every core busy; BLAS threads on top of that
-    oversubscribe the CPU (measured: 500 demo steps took 49 s with OpenBLAS's
-    default threads and 37 s with one per process on 2 cores).
-    """
-    env = child_env()
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    return env
-
-
-def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "grpo_fleet", *args], stdout=log, stderr=subprocess.STDOUT,
-        env=fleet_env(), start_new_session=True,
-    )
-
-
-def start_fleet(cfg: RunConfig, config_path: Path, actors: int) -> tuple[subprocess.Popen, list[subprocess.Popen], list[int]]:
-    """Start the learner and `actors` actor processes; returns them and the actors' metrics ports."""
-    run_dir = Path(cfg.run_dir)
-    learner = _spawn(["learner", "--config", str(config_path)], run_dir / "learner.log")
-    ports = [free_port() for _ in range(actors)]
-    fleet = [
-        _spawn(["actor", "--connect", cfg.server.bind, "--actor-id", f"demo-actor-{i}", "--metrics-port", str(port),
-                "--max-groups", str(cfg.server.max_groups_per_lease), "--model-dir", str(run_dir)],
-               run_dir / f"actor-{i}.log")
-        for i, port in enumerate(ports)
-    ]
-    return learner, fleet, ports
-
-
-def stop(processes: list[subprocess.Popen], timeout: float = 10.0) -> None:
-    """SIGTERM, wait, then SIGKILL whatever is left; only our own processes."""
-    for proc in processes:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in processes:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def follow(learner: subprocess.Popen, cfg: RunConfig, progress: bool) -> list[dict]:
-    """Wait for the learner to finish, showing a progress bar fed by metrics.jsonl."""
+def follow(fleet: Fleet, cfg: RunConfig, progress: bool) -> tuple[list[dict], Optional[FleetStop]]:
+    """Wait for the learner to finish, showing a progress bar fed by metrics.jsonl; the step records,
+    and why the fleet stopped early if a child's exit ended the run (see local_fleet.early_stop)."""
     from tqdm import tqdm
 
     from grpo_fleet.plotting import load_step_records
 
     path = Path(cfg.run_dir) / "metrics.jsonl"
+
+    def finished() -> bool:
+        records = load_step_records(path)
+        return bool(records) and records[-1]["step"] >= cfg.train.steps
+
     bar = tqdm(total=cfg.train.steps, desc="training", unit="step", disable=not progress, file=sys.stdout)
     seen = 0
     while True:
-        records = load_step_records(path)
-        if len(records) > seen:
-            bar.update(len(records) - seen)
-            seen = len(records)
-            last = records[-1]
-            bar.set_postfix(reward=f"{last['reward_mean']:.3f}", kl=f"{last['kl']:.4f}", v=last["policy_version"])
-        if learner.poll() is not None:
+        seen = _show_progress(bar, load_step_records(path), seen)
+        failure = early_stop(fleet, finished)
+        if failure is not None or fleet.learner.proc.poll() is not None:
             break
         time.sleep(0.5)
     bar.close()
-    return load_step_records(path)
+    return load_step_records(path), failure or early_stop(fleet, finished)
+
+
+def _show_progress(bar: Any, records: list[dict], seen: int) -> int:
+    """Advance the bar to `records`; returns how many it has shown."""
+    if len(records) > seen:
+        bar.update(len(records) - seen)
+        last = records[-1]
+        bar.set_postfix(reward=f"{last['reward_mean']:.3f}", kl=f"{last['kl']:.4f}", v=last["policy_version"])
+    return max(seen, len(records))
 
 
 def held_out_reward(model_or_checkpoint: str, cfg: RunConfig) -> float:
@@ -140,34 +101,50 @@ def held_out_reward(model_or_checkpoint: str, cfg: RunConfig) -> float:
     return evaluate(model, tokenizer, build_task(cfg.task), cfg)
 
 
-def run_demo(options: DemoOptions) -> dict:
-    """Build the tiny model, measure, train with a real fleet, measure again, summarise."""
+def local_model_path(path: str) -> str:
+    """A model directory as an absolute path, so learner, actors and checkpoints agree on it whatever
+    the working directory; a hub id unchanged."""
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.is_dir() else path
+
+
+def prepare(options: DemoOptions) -> tuple[RunConfig, Path]:
+    """The demo's config with its model resolved (the tiny one built), written where the learner reads it."""
     from grpo_fleet.learner.setup import resolve_model_path
-    from grpo_fleet.model import latest_checkpoint
     from grpo_fleet.tasks import build_task
 
-    started = time.monotonic()
     cfg = demo_config(options)
     run_dir = Path(cfg.run_dir)
     for stale in ("metrics.jsonl", "ledger.jsonl"):
         (run_dir / stale).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_path = resolve_model_path(cfg, build_task(cfg.task))
+    model_path = local_model_path(resolve_model_path(cfg, build_task(cfg.task)))
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_path})})
     config_path = run_dir / "demo-config.json"
     config_path.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
-    before = held_out_reward(model_path, cfg)
+    return cfg, config_path
+
+
+def run_demo(options: DemoOptions) -> dict:
+    """Build the tiny model, measure, train with a real fleet, measure again, summarise."""
+    from grpo_fleet.model import latest_checkpoint
+    from grpo_fleet.tasks import build_task
+
+    started = time.monotonic()
+    cfg, config_path = prepare(options)
+    run_dir = Path(cfg.run_dir)
+    before = held_out_reward(cfg.model.path, cfg)
     print(f"held-out reward before training: {before:.3f}  ({len(build_task(cfg.task).eval)} prompts)")
-    learner, actors, actor_ports = start_fleet(cfg, config_path, options.actors)
-    print(f"learner on {cfg.server.bind}, metrics http://127.0.0.1:{cfg.metrics.port}/metrics; "
-          f"actors' metrics on ports {actor_ports}; logs in {run_dir}")
-    try:
-        records = follow(learner, cfg, options.progress)
-    finally:
-        stop([learner, *actors])
+    with running(cfg, config_path, options.actors) as fleet:
+        print(f"learner on {cfg.server.bind}, metrics http://127.0.0.1:{cfg.metrics.port}/metrics; "
+              f"actors' metrics on ports {fleet.actor_ports}; logs in {run_dir}")
+        records, failure = follow(fleet, cfg, options.progress)
+    if failure is not None:
+        print(f"the demo stopped: {failure.describe()}", file=sys.stderr)
+        return {"ok": False, "stopped_by": failure.name, "returncode": failure.returncode}
     checkpoint = latest_checkpoint(run_dir)
-    if learner.returncode != 0 or checkpoint is None:
-        print(f"the learner failed (exit {learner.returncode}); see {run_dir / 'learner.log'}")
+    if checkpoint is None:
+        print(f"the learner wrote no checkpoint; see {run_dir / 'learner.log'}", file=sys.stderr)
         return {"ok": False}
     after = held_out_reward(str(checkpoint), cfg)
     return summarise(cfg, records, before, after, time.monotonic() - started, checkpoint)

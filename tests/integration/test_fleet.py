@@ -102,3 +102,19 @@ def test_sigterm_checkpoints_and_resume_continues_the_run(run_config, spawn):
     ids = [entry["group_id"] for entry in jsonl(run_dir / "ledger.jsonl")]
     assert len(ids) == len(set(ids))
     assert [row["step"] for row in jsonl(run_dir / "samples.jsonl")] == [s for s in range(1, target + 1) for _ in range(4)]
+
+
+def test_an_actor_asked_to_stop_before_any_learner_answers_stops_at_once(free_port, spawn):
+    import signal
+
+    # Nothing listens on the learner's port: the actor's Hello waits for an answer (up to its
+    # 30 s request timeout) that never comes. With nothing in hand to deliver, SIGTERM ends the wait.
+    metrics = free_port()
+    actor = spawn("actor", "--connect", f"tcp://127.0.0.1:{free_port()}", "--metrics-port", str(metrics), name="alone")
+    wait_for(lambda: scrape(metrics), "the actor's /metrics (served just before it says Hello)", procs=[actor])
+    time.sleep(1.0)
+    actor.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert actor.wait(timeout=30) == 0
+    assert time.monotonic() - started < 5, actor.log_path.read_text()
+    assert "asked to stop while waiting for the learner's answer to Hello" in actor.log_path.read_text()

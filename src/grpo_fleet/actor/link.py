@@ -77,14 +77,14 @@ class LearnerLink:
         self._sub: Any = None
         self._last_heartbeat = 0.0
 
-    def open(self, hello: m.Hello) -> m.Welcome:
-        """A fresh request socket, registered with the learner."""
+    def open(self, hello: m.Hello, give_up: Callable[[], bool] = lambda: False) -> m.Welcome:
+        """A fresh request socket, registered with the learner (unless `give_up()` first, see `request`)."""
         self.close()
         self._dealer = dealer_socket(
             self.ctx, self.connect, identity=self.actor_id.encode(),
             max_message_bytes=self.limits.max_message_bytes, curve=self.curve,
         )
-        return self.request(hello, m.Welcome)
+        return self.request(hello, m.Welcome, give_up)
 
     def listen(self, pub_address: Optional[str]) -> None:
         """Subscribe to the learner's notices (PolicyUpdated, Heartbeat, Shutdown)."""
@@ -106,11 +106,16 @@ class LearnerLink:
         """Send without waiting: its answer comes to `on_answer`, or to whoever awaits it."""
         send_message(self._dealer, msg)
 
-    def request(self, msg: BaseModel, expected: type[Reply]) -> Reply:
-        """Send and wait for a reply of the expected type; other answers are routed as they come."""
+    def request(self, msg: BaseModel, expected: type[Reply], give_up: Callable[[], bool] = lambda: False) -> Reply:
+        """Send and wait for a reply of the expected type; other answers are routed as they come.
+
+        `give_up()` is asked between polls: true means stop waiting (StopActor).
+        """
         self.send(msg)
         deadline = time.monotonic() + self.timeout
         while not isinstance(reply := self._next_reply(deadline, type(msg).__name__), expected):
+            if give_up():
+                raise StopActor(f"asked to stop while waiting for the learner's answer to {type(msg).__name__}")
             self._route(reply)
         return reply
 

@@ -119,7 +119,8 @@ class ActorWorker:
             versions={"mlx": mlx_version(), "python": platform.python_version()}, metrics_port=self.metrics_port,
             holding=self.inflight.holding(),
         )
-        return self.link.open(hello)
+        # Asked to stop with nothing to deliver: no reason to wait for a learner that may never answer.
+        return self.link.open(hello, give_up=lambda: self.stopping and self.inflight.drained)
 
     def fetch_weights(self, version: int) -> FetchedWeights:
         """One version's verified blob over this actor's link (the weights benchmark calls it)."""

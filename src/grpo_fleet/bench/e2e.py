@@ -34,12 +34,13 @@ from grpo_fleet.actor.rollout import GeneratedCompletion, SamplingSettings, comp
 from grpo_fleet.bench import Figure, Report
 from grpo_fleet.bench.rollout import naive_completion
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DemoOptions, demo_config, held_out_reward, start_fleet, stop
+from grpo_fleet.demo import DemoOptions, demo_config, held_out_reward
 from grpo_fleet.evaluate import evaluate
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.trainer import trainer_from_config
+from grpo_fleet.local_fleet import running
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.tasks import Task, build_task
 
@@ -89,11 +90,8 @@ def fleet_curve(cfg: RunConfig, actors: int = 2) -> list[Point]:
     config_path = run_dir / "bench-config.json"
     config_path.write_text(json.dumps(cfg.model_dump(mode="json")))
     launched = time.time()
-    learner, fleet, _ = start_fleet(cfg, config_path, actors)
-    try:
-        learner.wait(timeout=1800)
-    finally:
-        stop([learner, *fleet])
+    with running(cfg, config_path, actors) as fleet:
+        fleet.learner.proc.wait(timeout=1800)
     curve = []
     for checkpoint in sorted((run_dir / "checkpoints").glob("step_*")):
         meta = json.loads((checkpoint / "grpo_fleet.json").read_text())

@@ -1,7 +1,8 @@
 """`grpo-fleet demo`: a learner and N actors on this machine learn to reverse digits.
 
 Real processes talking ZeroMQ over 127.0.0.1, the tiny self-built model loaded
-through mlx_lm, held-out reward measured before and after.
+through mlx_lm, held-out reward measured before, during and after training by
+the learner's own eval rounds (train.eval_every: eval leases the actors take).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Optional
 
 from grpo_fleet.config import RunConfig, apply_overrides, load_run_config, toml_string
 from grpo_fleet.local_fleet import Fleet, FleetStop, early_stop, running
+from grpo_fleet.plotting import load_eval_records
 from grpo_fleet.protocol.endpoints import free_port, loopback_endpoint
 
 # The demo's defaults: small enough for 2 CPU cores, tuned so learning is visible
@@ -25,7 +27,7 @@ DEMO_SETTINGS: dict = {
     "task": {"name": "reverse", "digits": 3, "num_train": 800, "num_eval": 128},
     "grpo": {"beta": 0.04, "groups_per_step": 8, "max_staleness": 2},
     "optim": {"lr": 1e-4},
-    "train": {"steps": 1500, "checkpoint_every": 250},
+    "train": {"steps": 1500, "checkpoint_every": 250, "eval_every": 250},
     "server": {"max_groups_per_lease": 4, "lease_seconds": 30.0},
 }
 
@@ -50,7 +52,10 @@ def demo_config(options: DemoOptions) -> RunConfig:
              f"metrics.port={free_port()}"]
     if options.steps is not None:
         flags.append(f"train.steps={options.steps}")
-    return RunConfig.model_validate(apply_overrides(data, options.overrides + flags))
+    cfg = RunConfig.model_validate(apply_overrides(data, options.overrides + flags))
+    if cfg.train.eval_every == 0:  # the demo's before and after are the learner's first and last eval rounds
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_every": cfg.train.steps})})
+    return cfg
 
 
 def follow(fleet: Fleet, cfg: RunConfig, progress: bool) -> tuple[list[dict], Optional[FleetStop]]:
@@ -133,8 +138,8 @@ def run_demo(options: DemoOptions) -> dict:
     started = time.monotonic()
     cfg, config_path = prepare(options)
     run_dir = Path(cfg.run_dir)
-    before = held_out_reward(cfg.model.path, cfg)
-    print(f"held-out reward before training: {before:.3f}  ({len(build_task(cfg.task).eval)} prompts)")
+    print(f"held-out reward is measured at step 0, every {cfg.train.eval_every} steps and at the end "
+          f"({len(build_task(cfg.task).eval)} prompts, {cfg.train.eval_mode})")
     with running(cfg, config_path, options.actors) as fleet:
         print(f"learner on {cfg.server.bind}, metrics http://127.0.0.1:{cfg.metrics.port}/metrics; "
               f"actors' metrics on ports {fleet.actor_ports}; logs in {run_dir}")
@@ -146,18 +151,25 @@ def run_demo(options: DemoOptions) -> dict:
     if checkpoint is None:
         print(f"the learner wrote no checkpoint; see {run_dir / 'learner.log'}", file=sys.stderr)
         return {"ok": False}
-    after = held_out_reward(str(checkpoint), cfg)
-    return summarise(cfg, records, before, after, time.monotonic() - started, checkpoint)
+    rounds = load_eval_records(run_dir / "metrics.jsonl")
+    if not rounds or rounds[0]["step"] != 0 or rounds[-1]["step"] != records[-1]["step"]:
+        print(f"the learner did not write the eval rounds at step 0 and the end; see {run_dir / 'learner.log'}",
+              file=sys.stderr)
+        return {"ok": False}
+    return summarise(cfg, records, rounds, time.monotonic() - started, checkpoint)
 
 
-def summarise(cfg: RunConfig, records: list[dict], before: float, after: float, wall: float, checkpoint: Path) -> dict:
+def summarise(cfg: RunConfig, records: list[dict], rounds: list[dict], wall: float, checkpoint: Path) -> dict:
+    """summary.json from the step records and the eval rounds (the first is before training, the last after)."""
     from grpo_fleet.plotting import plot_run
 
     run_dir = Path(cfg.run_dir)
     plot = run_dir / "curves.png"
+    before, after = float(rounds[0]["eval_reward"]), float(rounds[-1]["eval_reward"])
     summary = {
         "eval_reward_before": before,
         "eval_reward_after": after,
+        "eval_curve": [[r["step"], r["eval_reward"]] for r in rounds],
         "steps": records[-1]["step"] if records else 0,
         "policy_version": records[-1]["policy_version"] if records else 0,
         "wall_seconds": wall,
@@ -169,7 +181,7 @@ def summarise(cfg: RunConfig, records: list[dict], before: float, after: float, 
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if records:
-        plot_run(run_dir, plot)  # after summary.json: it draws the held-out before/after from there
+        plot_run(run_dir, plot)
     print(f"held-out reward: {before:.3f} -> {after:.3f} in {summary['steps']} steps, {wall:.0f}s wall")
     print(f"summary {run_dir / 'summary.json'}, plot {plot}, checkpoint {checkpoint}")
     if not summary["ok"]:

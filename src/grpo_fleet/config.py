@@ -181,6 +181,12 @@ class GRPOConfig(_Section):
         description="Reject rollouts sampled more than this many versions behind the policy they arrive at "
         "(accepted groups then wait their turn in the buffer, usually 1-2 more steps; server.in_flight_steps bounds it).",
     )
+    max_train_staleness: Optional[int] = Field(
+        None, ge=0,
+        description="The bound at train time: a buffered group more than this many versions behind the policy it "
+        "would train is dropped (its prompt re-queued, counted as stale_at_train). Default: max_staleness + "
+        "server.in_flight_steps, which the in-flight cap already guarantees, so nothing is dropped.",
+    )
 
 
 class OptimConfig(_Section):

@@ -19,6 +19,7 @@ PREFIX = "grpo_fleet"
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 LEASE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LENGTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 GAP_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.003, 0.01, 0.03, 0.05, 0.1, 0.3, 1.0, 3.0)
 REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -62,6 +63,9 @@ class LearnerMetrics:
     groups_unscored: Counter
     groups_unscorable: Counter
     logprob_gap: Histogram
+    train_staleness: Histogram
+    stale_group_tokens: Histogram
+    accepted_group_tokens: Histogram
     eval_reward: Gauge
     eval_pass_at_k: Gauge
     eval_rounds: Counter
@@ -136,6 +140,14 @@ def learner_metrics() -> LearnerMetrics:
             f"{p}_logprob_gap_nats", "Mean |reported - recomputed| token logprob of each checked group "
             "(security.max_logprob_gap)", buckets=GAP_BUCKETS, registry=r,
         ),
+        train_staleness=Histogram(f"{p}_train_staleness_versions", "Policy versions behind when trained",
+                                  buckets=STALENESS_BUCKETS, registry=r),
+        stale_group_tokens=Histogram(
+            f"{p}_stale_group_tokens", "Mean completion length of groups refused as too stale (length bias check)",
+            buckets=LENGTH_BUCKETS, registry=r,
+        ),
+        accepted_group_tokens=Histogram(f"{p}_accepted_group_tokens", "Mean completion length of accepted groups",
+                                        buckets=LENGTH_BUCKETS, registry=r),
         eval_reward=Gauge(f"{p}_eval_reward", "Held-out avg@k reward of the last complete eval round", registry=r),
         eval_pass_at_k=Gauge(f"{p}_eval_pass_at_k", "Held-out pass@k of the last complete eval round", registry=r),
         eval_rounds=Counter(f"{p}_eval_rounds", "Eval rounds started (train.eval_every)", registry=r),

@@ -16,7 +16,8 @@ def _record(step: int) -> StepRecord:
     return StepRecord(step=step, policy_version=step, reward_mean=0.5, reward_std=0.1, loss=0.2, kl=0.01,
                       clip_fraction=0.0, grad_norm=1.0, ratio_mean=1.0, learning_rate=1e-4, skipped=None,
                       peak_memory_bytes=1, groups=2, tokens=16,
-                      staleness_mean=1.0, zero_variance_fraction=0.0, step_seconds=0.1, wall_seconds=1.0, actors=2)
+                      staleness_mean=1.0, staleness_max=1, zero_variance_fraction=0.0, step_seconds=0.1, wall_seconds=1.0,
+                      actors=2)
 
 
 def _entry(group_id: str) -> LedgerEntry:

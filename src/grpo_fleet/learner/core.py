@@ -231,6 +231,7 @@ class Learner:
                 self.lock, self.state, self.intake, self.logprob_check, self.cfg.grpo.groups_per_step):
             return None
         with self.lock:
+            self.training.drop_too_stale(self.state)
             if not self.training.ready(self.state):
                 return None
             groups, trained_on = self.training.take_batch(self.state)

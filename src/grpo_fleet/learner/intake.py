@@ -139,6 +139,10 @@ def accepted_group(group: m.GroupResult, prompt_index: int, prompt_tokens: np.nd
                          actor_key=actor.principal)
 
 
+def mean_completion_tokens(group: m.GroupResult) -> float:
+    return sum(c.tokens.shape[0] for c in group.completions) / max(1, len(group.completions))
+
+
 def suspect_groups(groups: list[AcceptedGroup], reward_bound: float) -> dict[str, RejectReason]:
     """group_id -> reason for every group holding a value out of its float32 bounds."""
     suspects: dict[str, RejectReason] = {}
@@ -236,6 +240,8 @@ class Intake:
             if refusal is None:
                 self.state.scheduler.requeue(msg.lease_id, group_id)
         self.metrics.rejections.labels(reason=reason).inc(len(msg.groups))
+        for group in msg.groups:  # do long completions come back too late more often? (README: staleness)
+            self.metrics.stale_group_tokens.observe(mean_completion_tokens(group))
         return m.Ack(lease_id=msg.lease_id, status="stale", reason=reason,
                      groups={**{g: "stale" for g in refused}, **requeued})
 
@@ -303,6 +309,7 @@ class Intake:
                                        policy_version=record.policy_version, step=state.step))
         mt.groups_accepted.inc()
         mt.tokens_accepted.inc(record.num_tokens)
+        mt.accepted_group_tokens.observe(record.num_tokens / max(1, len(record.completions)))
         self.registry.credit(actor, record.num_tokens, record.policy_version)
         mt.staleness.observe(state.version - record.policy_version)
         mt.group_reward.observe(float(record.rewards.mean()))

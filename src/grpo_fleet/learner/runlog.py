@@ -37,6 +37,7 @@ class StepRecord:
     tokens: int
     # Versions between the snapshot that sampled a group and the policy it trained.
     staleness_mean: float
+    staleness_max: int
     zero_variance_fraction: float
     step_seconds: float
     wall_seconds: float

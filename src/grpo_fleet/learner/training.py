@@ -15,6 +15,7 @@ from grpo_fleet.learner.snapshots import SnapshotStore
 from grpo_fleet.learner.state import LearnerState
 from grpo_fleet.learner.trainer import StepStats, Trainer
 from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.weights import Snapshot
 
 
@@ -50,15 +51,30 @@ class Training:
     def __init__(self, cfg: RunConfig, trainer: Trainer, snapshots: SnapshotStore, runlog: RunLog,
                  metrics: LearnerMetrics) -> None:
         self.grpo, self.train = cfg.grpo, cfg.train
+        self.max_train_staleness = (cfg.grpo.max_train_staleness if cfg.grpo.max_train_staleness is not None
+                                    else cfg.grpo.max_staleness + cfg.server.in_flight_steps)
         self.trainer, self.snapshots, self.runlog, self.metrics = trainer, snapshots, runlog, metrics
 
     def ready(self, state: LearnerState) -> bool:
         return not state.done and len(state.buffer) >= self.grpo.groups_per_step
 
+    def drop_too_stale(self, state: LearnerState) -> int:
+        """Drop buffered groups beyond grpo.max_train_staleness, re-queueing their prompts; returns how many."""
+        bound = self.max_train_staleness
+        stale = [g for g in state.buffer if state.version - g.policy_version > bound]
+        if stale:
+            state.buffer = [g for g in state.buffer if state.version - g.policy_version <= bound]
+            for group in stale:
+                state.scheduler.retry_prompt(group.prompt_index)
+            self.metrics.rejections.labels(reason=RejectReason.STALE_AT_TRAIN).inc(len(stale))
+        return len(stale)
+
     def take_batch(self, state: LearnerState) -> tuple[list[AcceptedGroup], int]:
         """The oldest informative groups, removed from the buffer, and the version they will train."""
         count = self.grpo.groups_per_step
         groups, state.buffer = state.buffer[:count], state.buffer[count:]
+        for group in groups:  # staleness as trained, not only as it arrived
+            self.metrics.train_staleness.observe(state.version - group.policy_version)
         return groups, state.version
 
     def run(self, groups: list[AcceptedGroup], trained_on: int, step: int) -> TrainedBatch:
@@ -110,6 +126,7 @@ class Training:
             peak_memory_bytes=stats.peak_memory_bytes,
             groups=len(groups), tokens=int(sum(g.num_tokens for g in groups)),
             staleness_mean=float(np.mean([done.trained_on - g.policy_version for g in groups])),
+            staleness_max=int(max(done.trained_on - g.policy_version for g in groups)),
             zero_variance_fraction=zero_var, step_seconds=time.perf_counter() - done.started,
             wall_seconds=state.wall_seconds(), actors=actors,
         )

@@ -36,6 +36,7 @@ class RejectReason(str, Enum):
     UNPUBLISHED_VERSION = "unpublished_version"
     PREVIOUS_INCARNATION = "previous_incarnation"
     STALE_VERSION = "stale_version"
+    STALE_AT_TRAIN = "stale_at_train"  # buffered too long for grpo.max_train_staleness: dropped and re-queued
     RUN_DONE = "run_done"
 
     def __str__(self) -> str:

@@ -1,0 +1,99 @@
+"""The learner's checks of what actors report (learner/verification.py), on a real tiny learner; no sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+from test_learner_core import ACTOR_A, ask, generated_rollouts, hello, lease, run_config
+
+from grpo_fleet.learner.core import Learner
+from grpo_fleet.learner.setup import build_learner
+from grpo_fleet.learner.verification import RewardCheck, reward_gap
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.tasks.prompts import decode_completion
+from grpo_fleet.tasks.reward_runner import InlineScorer
+
+
+@pytest.fixture
+def make(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Learner]]:
+    built: list[Learner] = []
+
+    def build(**sections: dict) -> Learner:
+        built.append(build_learner(run_config(tiny_model_dir, tmp_path / f"run{len(built)}", **sections)))
+        return built[-1]
+
+    yield build
+    for learner in built:
+        learner.close()
+
+
+def rejections(learner: Learner, reason: RejectReason) -> float:
+    return learner.metrics.registry.get_sample_value("grpo_fleet_learner_rejections_total", {"reason": reason}) or 0.0
+
+
+def test_reward_gap_is_relative_to_the_reward() -> None:
+    assert reward_gap([1.0, 100.0], [1.0, 100.00001]) < 1e-6
+    assert reward_gap([1.25], [1.0]) == pytest.approx(0.25)
+
+
+def test_rewards_are_re_scored_from_the_tokens_and_the_learners_answer(make: Callable[..., Learner]) -> None:
+    learner = make()
+    hello(learner)
+    msg = generated_rollouts(learner, lease(learner))
+    task, tokenizer = learner.task, learner.policy.tokenizer
+    eos = set(tokenizer.eos_token_ids)
+    honest_groups = []
+    for item, group in zip(learner.state.scheduler.leases[msg.lease_id].tickets.values(), msg.groups):
+        example = task.train[item.prompt_index]
+        rewards = [task.score(decode_completion(tokenizer, c.tokens.to_numpy().tolist(), c.finish_reason, eos), example)
+                   for c in group.completions]
+        honest = group.model_copy(update={"completions": [c.model_copy(update={"reward": r})
+                                                          for c, r in zip(group.completions, rewards)]})
+        honest_groups.append((honest, item.prompt_index))
+    check = RewardCheck(task, task.train, tokenizer, InlineScorer(task.reward_set()))
+    assert set(check.verdicts(honest_groups).values()) == {None}
+    lied = [(g.model_copy(update={"completions": [c.model_copy(update={"reward": c.reward + 0.25})
+                                                  for c in g.completions]}), i) for g, i in honest_groups]
+    assert set(check.verdicts(lied).values()) == {RejectReason.REWARD_MISMATCH}
+
+
+def test_honest_logprobs_pass_and_the_group_trains(make: Callable[..., Learner]) -> None:
+    learner = make(security={"verify_logprobs": True})
+    hello(learner)
+    assert ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner))).status == "accepted"
+    assert sum(g.check_logprobs for g in learner.state.buffer) == 1, "one group per submission is checked"
+    record = learner.train_step()
+    assert record is not None and learner.state.step == 1
+    count = learner.metrics.registry.get_sample_value("grpo_fleet_learner_logprob_gap_nats_count")
+    under = learner.metrics.registry.get_sample_value("grpo_fleet_learner_logprob_gap_nats_bucket", {"le": "0.001"})
+    assert count == 1 and under == 1, "the actor's sampler and the learner agree to under 1e-3 nats"
+
+
+def test_altered_logprobs_ban_the_actor_and_nothing_of_it_trains(make: Callable[..., Learner]) -> None:
+    learner = make(security={"verify_logprobs": True})
+    hello(learner)
+    msg = generated_rollouts(learner, lease(learner))
+    halved = [g.model_copy(update={"completions": [
+        c.model_copy(update={"logprobs": m.Tensor.from_numpy((c.logprobs.to_numpy() * 0.5).astype(np.float32))})
+        for c in g.completions]}) for g in msg.groups]
+    assert ask(learner, ACTOR_A, msg.model_copy(update={"groups": halved})).status == "accepted"
+    assert learner.train_step() is None, "no step: the batch's checked group failed"
+    assert learner.state.step == 0 and learner.state.buffer == []
+    assert learner.registry.is_banned(next(iter(learner.registry.actors.values())).principal)
+    assert rejections(learner, RejectReason.LOGPROB_MISMATCH) == len(halved)
+    assert len(learner.state.scheduler.queued_groups) == len(halved), "their prompts go to other actors"
+
+
+def test_groups_beyond_max_train_staleness_are_dropped_when_the_batch_is_taken(make: Callable[..., Learner]) -> None:
+    learner = make(grpo={"max_staleness": 2, "max_train_staleness": 0})
+    hello(learner)
+    ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner)))
+    accepted = len(learner.state.buffer)
+    learner.state.version += 1  # as if a step had published meanwhile
+    assert learner.train_step() is None
+    assert rejections(learner, RejectReason.STALE_AT_TRAIN) == accepted
+    assert len(learner.state.scheduler.queued_groups) == accepted

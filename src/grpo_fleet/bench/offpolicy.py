@@ -23,16 +23,16 @@ from typing import Any, Optional
 
 from mlx.utils import tree_flatten, tree_unflatten
 
+from grpo_fleet.actor.rollout import SamplingSettings
 from grpo_fleet.bench import Figure, Report
 from grpo_fleet.bench.e2e import _config, _sampled_groups, batched_rollout
 from grpo_fleet.config import RunConfig
 from grpo_fleet.evaluate import evaluate
-from grpo_fleet.learner.batch import LengthShaping, build_train_batch
+from grpo_fleet.learner.batch import AcceptedGroup, LengthShaping, build_train_batch
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.trainer import trainer_from_config
 from grpo_fleet.model import load_policy
-from grpo_fleet.actor.rollout import SamplingSettings
 from grpo_fleet.tasks import build_task
 
 EVAL_EVERY = 100
@@ -74,7 +74,7 @@ def lagged_run(cfg: RunConfig, model_path: str, lag: int) -> list[tuple[int, flo
     for step in range(1, cfg.train.steps + 1):
         started = time.perf_counter()
         sampler.model.update(tree_unflatten(list(history[0])))  # the oldest kept: `lag` updates back
-        batch = []
+        batch: list[AcceptedGroup] = []
         while len(batch) < cfg.grpo.groups_per_step:
             lease = scheduler.issue("offpolicy", cfg.grpo.groups_per_step - len(batch))
             assert lease is not None  # nothing is left out on a lease: the scheduler always has prompts

@@ -105,12 +105,15 @@ class LengthShaping:
         return rewards + penalty
 
 
+NO_LENGTH_SHAPING = LengthShaping()
+
+
 def _bucketed(length: int) -> int:
     return max(LENGTH_BUCKET, -(-length // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
 def build_train_batch(
-    groups: list[AcceptedGroup], *, scale_by_std: bool = True, lengths: LengthShaping = LengthShaping()
+    groups: list[AcceptedGroup], *, scale_by_std: bool = True, lengths: LengthShaping = NO_LENGTH_SHAPING
 ) -> TrainBatch:
     """Pack groups into shifted, masked arrays and compute group-relative advantages."""
     if not groups:

@@ -78,7 +78,9 @@ def step_record(step: int, **changes: Any) -> StepRecord:
     """A plausible metrics.jsonl record for `step`, its values moving with the step, `changes` applied."""
     values: dict[str, Any] = dict(
         step=step, policy_version=step, reward_mean=0.25 * step, reward_std=0.5, loss=-0.125 * step, kl=0.01,
-        clip_fraction=0.0625, grad_norm=1.5, ratio_mean=1.0, learning_rate=1e-4, skipped=None,
+        clip_fraction=0.0625, grad_norm=1.5, ratio_mean=1.0, offpolicy_gap_mean=0.01 * step, offpolicy_gap_max=0.5,
+        is_capped_fraction=0.001 * step, completion_length_mean=4.5, completion_length_max=8.0, truncated_fraction=0.25,
+        learning_rate=1e-4, skipped=None,
         peak_memory_bytes=1 << 20, groups=2, tokens=24 + step, staleness_mean=0.5, staleness_max=1, zero_variance_fraction=0.0,
         step_seconds=0.75, wall_seconds=10.0 * step, actors=1,
     )

@@ -166,14 +166,69 @@ class TaskConfig(_Section):
         return self
 
 
+# GSPO clips a per-sequence geometric-mean ratio, which moves far less than a token's ratio: the paper's
+# range is 3e-4 / 4e-4, and a PPO-sized one (0.1-0.3) leaves it effectively unclipped.
+GSPO_EPSILONS = (3e-4, 4e-4)
+GSPO_MAX_EPSILON = 0.05
+
+
 class GRPOConfig(_Section):
     """The objective."""
 
     beta: float = Field(0.04, ge=0, description="KL (k3) coefficient against pi_ref; 0 skips the reference forward.")
-    epsilon_low: float = Field(0.2, gt=0, description="Lower clip range: ratio >= 1 - epsilon_low.")
-    epsilon_high: Optional[float] = Field(None, description="Upper clip range (DAPO clip-higher); default = epsilon_low.")
+    epsilon_low: Optional[float] = Field(
+        None, gt=0,
+        description="Lower clip range: ratio >= 1 - epsilon_low. Default per loss_type: 0.2, or 3e-4 for gspo "
+        "(whose ratio is a per-sequence geometric mean; gspo refuses 0.05 and above, which would never clip).",
+    )
+    epsilon_high: Optional[float] = Field(
+        None, gt=0,
+        description="Upper clip range (DAPO clip-higher). Default: epsilon_low; for gspo with neither set, 4e-4.",
+    )
     loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo"] = Field("grpo", description="Token aggregation.")
-    scale_by_std: bool = Field(True, description="Divide advantages by the group std (off = Dr. GRPO).")
+    scale_by_std: Optional[bool] = Field(
+        None,
+        description="Divide advantages by the group std. Default: true, and false for dr_grpo, which is defined "
+        "without it (dr_grpo with true is refused).",
+    )
+    objective: Literal["coupled", "decoupled"] = Field(
+        "decoupled",
+        description="'coupled': clip pi_theta / pi_behav, the actor's logprobs (PPO as if on-policy). 'decoupled' "
+        "(AReaL): clip pi_theta / pi_prox, the learner's policy before this step's update, and weight each token by "
+        "pi_prox / pi_behav (detached, capped by is_cap), so stale groups neither lose their gradient to the clip nor "
+        "get an unbounded ratio. Free at ppo_epochs = 1; one no-grad forward per step more at ppo_epochs > 1.",
+    )
+    is_cap: float = Field(
+        2.0, ge=1.0,
+        description="Decoupled only: the cap C on the behaviour weight pi_prox / pi_behav (verl's rollout_is_threshold "
+        "default).",
+    )
+    is_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="Decoupled only: 'truncate' (TIS) uses min(weight, is_cap); 'mask' (MIS, as AReaL's "
+        "behav_imp_weight_cap) gives tokens beyond is_cap weight 0. Loss normalisers are unchanged either way.",
+    )
+    is_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="Decoupled only: one behaviour weight per token, or per completion as the geometric mean of its "
+        "token weights (length-independent; the product of hundreds of token ratios would exceed any cap).",
+    )
+    dual_clip: Optional[float] = Field(
+        None, gt=1.0,
+        description="Dual-clip c (e.g. 3): for negative advantages the per-token objective is never below c x A, so a "
+        "token whose ratio has run far above 1 cannot dominate the batch. Default: off.",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="DAPO's overlong filtering: completions that hit generation.max_tokens (finish_reason 'length') get "
+        "zero loss weight. Their rewards still enter their group's mean and std.",
+    )
+    overlong_buffer: int = Field(
+        0, ge=0,
+        description="DAPO's soft overlong penalty: over the last this many tokens before generation.max_tokens the "
+        "reward falls linearly, to -overlong_penalty at max_tokens; applied before advantages. 0 = off.",
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="The soft overlong penalty at generation.max_tokens.")
     groups_per_step: int = Field(8, ge=1, description="B: informative groups per optimizer batch.")
     ppo_epochs: int = Field(1, ge=1, description="Optimizer steps taken on each batch.")
     max_staleness: int = Field(
@@ -187,6 +242,36 @@ class GRPOConfig(_Section):
         "would train is dropped (its prompt re-queued, counted as stale_at_train). Default: max_staleness + "
         "server.in_flight_steps, which the in-flight cap already guarantees, so nothing is dropped.",
     )
+
+    @model_validator(mode="after")
+    def _loss_type_settings(self) -> "GRPOConfig":
+        if self.loss_type == "dr_grpo" and self.scale_by_std:
+            raise ValueError("grpo.loss_type = 'dr_grpo' with grpo.scale_by_std = true is not Dr. GRPO, which removes "
+                             "the std division along with the length normalisation; drop scale_by_std (or use 'grpo')")
+        if self.loss_type == "gspo":
+            for name in ("epsilon_low", "epsilon_high"):
+                value = getattr(self, name)
+                if value is not None and value >= GSPO_MAX_EPSILON:
+                    raise ValueError(
+                        f"grpo.{name} = {value} with loss_type 'gspo': its ratio is a per-sequence geometric mean, "
+                        f"which a range that wide never clips; the GSPO paper uses {GSPO_EPSILONS[0]} / "
+                        f"{GSPO_EPSILONS[1]} (the default), keep it below {GSPO_MAX_EPSILON}"
+                    )
+        return self
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(epsilon_low, epsilon_high) with the per-loss-type defaults filled in."""
+        if self.loss_type == "gspo" and self.epsilon_low is None:
+            low, high = GSPO_EPSILONS
+        else:
+            low = high = 0.2 if self.epsilon_low is None else self.epsilon_low
+        return low, high if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def scales_by_std(self) -> bool:
+        """scale_by_std with its per-loss-type default filled in."""
+        return self.loss_type != "dr_grpo" if self.scale_by_std is None else self.scale_by_std
 
 
 class OptimConfig(_Section):
@@ -410,6 +495,16 @@ class RunConfig(_Section):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> "RunConfig":
+        if self.grpo.overlong_buffer >= self.generation.max_tokens:
+            raise ValueError(
+                f"grpo.overlong_buffer = {self.grpo.overlong_buffer} must be below generation.max_tokens = "
+                f"{self.generation.max_tokens}: the penalty ramps over the buffer's last tokens before max_tokens, "
+                "and a buffer that long would penalise every completion"
+            )
+        return self
 
 
 class ActorConfig(_Section):

@@ -36,6 +36,12 @@ class LearnerMetrics:
     kl: Gauge
     clip_fraction: Gauge
     ratio_mean: Gauge
+    offpolicy_gap_mean: Gauge
+    offpolicy_gap_max: Gauge
+    is_capped_fraction: Gauge
+    completion_length_mean: Gauge
+    completion_length_max: Gauge
+    truncated_fraction: Gauge
     learning_rate: Gauge
     zero_variance_fraction: Gauge
     tokens_accepted: Counter
@@ -86,8 +92,21 @@ def learner_metrics() -> LearnerMetrics:
         loss=Gauge(f"{p}_loss", "Loss of the last step", registry=r),
         kl=Gauge(f"{p}_kl", "Masked mean k3 KL to pi_ref in the last step", registry=r),
         clip_fraction=Gauge(f"{p}_clip_fraction", "Fraction of clipped tokens in the last step", registry=r),
-        ratio_mean=Gauge(f"{p}_ratio_mean", "Mean pi_theta / pi_old importance ratio over the last step's tokens",
-                         registry=r),
+        ratio_mean=Gauge(f"{p}_ratio_mean", "Mean importance ratio over the last step's tokens: pi_theta / pi_behav "
+                         "(coupled) or pi_theta / pi_prox (decoupled)", registry=r),
+        offpolicy_gap_mean=Gauge(f"{p}_offpolicy_gap_mean", "Mean |log pi_prox - log pi_behav| over the last step's tokens",
+                                 registry=r),
+        offpolicy_gap_max=Gauge(f"{p}_offpolicy_gap_max", "Max |log pi_prox - log pi_behav| over the last step's tokens",
+                                registry=r),
+        is_capped_fraction=Gauge(f"{p}_is_capped_fraction",
+                                 "Share of the last step's tokens whose behaviour weight was truncated or masked at "
+                                 "grpo.is_cap", registry=r),
+        completion_length_mean=Gauge(f"{p}_completion_length_mean", "Mean completion length of the last step, in tokens",
+                                     registry=r),
+        completion_length_max=Gauge(f"{p}_completion_length_max", "Longest completion of the last step, in tokens",
+                                    registry=r),
+        truncated_fraction=Gauge(f"{p}_truncated_fraction",
+                                 "Share of the last step's completions cut off at generation.max_tokens", registry=r),
         learning_rate=Gauge(f"{p}_learning_rate", "Learning rate of the last applied update (the schedule's value)",
                             registry=r),
         zero_variance_fraction=Gauge(

@@ -1,8 +1,8 @@
-"""Training curves of a run directory as one PNG: reward, KL, throughput, staleness.
+"""Training curves of a run directory as one PNG: reward, KL, throughput, staleness, off-policy gap, lengths.
 
 Reads only files the learner writes: RUN_DIR/metrics.jsonl (one line per optimizer
 step, see `training.Training._step_record`, and one per eval round, `"event": "eval"`)
-and RUN_DIR/config.json (`grpo.max_staleness`).
+and RUN_DIR/config.json (`grpo.max_staleness`, `grpo.objective`).
 Works on a run that is still going: an incomplete last line is skipped.
 """
 
@@ -155,7 +155,8 @@ def _no_data(ax: Axes, what: str) -> None:
 
 
 def plot_run(run_dir: Path, out: Optional[Path] = None) -> Path:
-    """Render RUN_DIR's training curves (2x2: reward, KL, tokens/s, staleness) to a PNG; returns its path.
+    """Render RUN_DIR's training curves (3x2: reward, KL, tokens/s, staleness, off-policy gap, completion
+    lengths) to a PNG; returns its path.
 
     `out` defaults to RUN_DIR/curves.png. Raises RunDataError (a ValueError) when
     RUN_DIR/metrics.jsonl is missing or holds no step records.
@@ -167,14 +168,17 @@ def plot_run(run_dir: Path, out: Optional[Path] = None) -> Path:
     records = sorted(read_step_records(run_dir), key=lambda r: r["step"])
     out = Path(out) if out is not None else run_dir / DEFAULT_NAME
     window = _window(len(records))
-    fig = Figure(figsize=(12, 8), dpi=100)
+    fig = Figure(figsize=(12, 11), dpi=100)
     FigureCanvasAgg(fig)
-    (ax_reward, ax_kl), (ax_tps, ax_stale) = fig.subplots(2, 2, sharex=True)
+    (ax_reward, ax_kl), (ax_tps, ax_stale), (ax_gap, ax_length) = fig.subplots(3, 2, sharex=True)
+    config = _read_json(run_dir / "config.json")
     _plot_reward(ax_reward, records, load_eval_records(run_dir / "metrics.jsonl"), window)
     _plot_kl(ax_kl, records, window)
     _plot_throughput(ax_tps, records, window)
-    _plot_staleness(ax_stale, records, _read_json(run_dir / "config.json"), window)
-    _finish(fig, (ax_reward, ax_kl, ax_tps, ax_stale), records, run_dir)
+    _plot_staleness(ax_stale, records, config, window)
+    _plot_offpolicy(ax_gap, records, config, window)
+    _plot_lengths(ax_length, records, window)
+    _finish(fig, (ax_reward, ax_kl, ax_tps, ax_stale, ax_gap, ax_length), records, run_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return out
@@ -234,12 +238,59 @@ def _plot_staleness(ax: Axes, records: list[dict], config: dict, window: int) ->
         _no_data(ax, "staleness_mean")
 
 
+def _with_fractions(ax: Axes, records: list[dict], series: Sequence[tuple[str, str, str]], window: int,
+                    ylabel: str) -> None:
+    """(key, color, label) curves on a right-hand axis of their own, one legend for both axes."""
+    twin = ax.twinx()
+    for key, color, label in series:
+        _curve(twin, *_series(records, key), color, label, window)
+    twin.set_ylabel(ylabel)
+    twin.set_ylim(bottom=0)
+    # The left axis in front (with a see-through background), so its legend is not drawn under the twin's lines.
+    ax.set_zorder(twin.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    handles, labels = ax.get_legend_handles_labels()
+    more_handles, more_labels = twin.get_legend_handles_labels()
+    if handles or more_handles:
+        ax.legend(handles + more_handles, labels + more_labels, loc="upper left", fontsize=8)
+
+
+def _plot_offpolicy(ax: Axes, records: list[dict], config: dict, window: int) -> None:
+    """How far the actors' pi_behav is from the learner's pi_prox, and what the clip and the behaviour weight did."""
+    steps, gap = _series(records, "offpolicy_gap_mean")
+    _curve(ax, steps, gap, "tab:red", "mean |log pi_prox - log pi_behav|", window)
+    _curve(ax, *_series(records, "offpolicy_gap_max"), "tab:pink", "max |log pi_prox - log pi_behav|", window)
+    ratio_steps, ratios = _series(records, "ratio_mean")
+    logged = [(s, math.log(r)) for s, r in zip(ratio_steps, ratios) if r > 0]
+    _curve(ax, [s for s, _ in logged], [v for _, v in logged], "tab:olive", "log ratio_mean (pi_theta / anchor)", window)
+    objective = (config.get("grpo") or {}).get("objective")
+    ax.set_title("off-policy gap" + (f" ({objective} objective)" if isinstance(objective, str) else ""))
+    ax.set_ylabel("nats")
+    fractions = (("is_capped_fraction", "tab:gray", "tokens capped at is_cap (right)"),
+                 ("clip_fraction", "tab:purple", "tokens clipped (right)"))
+    _with_fractions(ax, records, fractions, window, "fraction of tokens")
+    if not gap:
+        _no_data(ax, "offpolicy_gap_mean")
+
+
+def _plot_lengths(ax: Axes, records: list[dict], window: int) -> None:
+    steps, mean = _series(records, "completion_length_mean")
+    _curve(ax, steps, mean, "tab:cyan", "mean completion length", window)
+    _curve(ax, *_series(records, "completion_length_max"), "tab:blue", "longest completion", window)
+    ax.set_title("completion length")
+    ax.set_ylabel("tokens")
+    ax.set_ylim(bottom=0)
+    _with_fractions(ax, records, (("truncated_fraction", "black", "cut off at max_tokens (right)"),), window, "fraction")
+    if not mean:
+        _no_data(ax, "completion_length_mean")
+
+
 def _finish(fig: Figure, axes: tuple, records: list[dict], run_dir: Path) -> None:
     for ax in axes:
         ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)
-    for ax in axes[2:]:
+    for ax in axes[-2:]:
         ax.set_xlabel("learner step")
     last = records[-1]
     wall = last.get("wall_seconds")

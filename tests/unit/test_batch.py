@@ -5,12 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from grpo_reference import ref_group_is_informative
+from grpo_reference import ref_group_advantages, ref_group_is_informative, ref_overlong_penalty
 
 from grpo_fleet.learner.batch import (
     LENGTH_BUCKET,
     AcceptedGroup,
     CompletionRecord,
+    LengthShaping,
     TrainBatch,
     batch_totals,
     build_train_batch,
@@ -22,14 +23,16 @@ from grpo_fleet.learner.batch import (
 from grpo_fleet.learner.grpo import group_advantages
 
 
-def completion(tokens: list[int], reward: float, *, logprobs: list[float] | None = None) -> CompletionRecord:
+def completion(
+    tokens: list[int], reward: float, *, logprobs: list[float] | None = None, finish_reason: str = "length"
+) -> CompletionRecord:
     if logprobs is None:
         logprobs = [-0.1 * (i + 1) - 0.01 * t for i, t in enumerate(tokens)]
     return CompletionRecord(
         tokens=np.asarray(tokens, dtype=np.int32),
         logprobs=np.asarray(logprobs, dtype=np.float32),
         reward=reward,
-        finish_reason="length",
+        finish_reason=finish_reason,
     )
 
 
@@ -241,3 +244,49 @@ def test_unpack_completions_inverts_the_packing_and_totals_count_the_batch(two_g
     unpacked = unpack_completions(micro, [m.old_logprobs for m in micro], tuple(batch.mask.shape))
     np.testing.assert_array_equal(unpacked, np.array(batch.old_logprobs))
     np.testing.assert_array_equal(np.array(batch_totals(batch)), [13.0, 6.0])
+
+
+# ------------------------------------------------------- overlong completions
+
+
+@pytest.fixture
+def length_group() -> AcceptedGroup:
+    """max_tokens 6: two completions cut off at 6 tokens, two that stopped (one of them 5 tokens long)."""
+    return group([5, 6], [
+        completion([1, 2, 3, 4, 5, 6], 0.0), completion([1, 2], 1.0, finish_reason="stop"),
+        completion([7, 8, 9, 1, 2], 0.5, finish_reason="stop"), completion([3, 3, 3, 3, 3, 3], 0.25),
+    ])
+
+
+def test_mask_truncated_zeroes_the_loss_weight_of_cut_off_completions(length_group):
+    plain = build_train_batch([length_group])
+    filtered = build_train_batch([length_group], lengths=LengthShaping(max_tokens=6, mask_truncated=True))
+    per_row = np.array(filtered.mask).sum(axis=1)
+    np.testing.assert_array_equal(per_row, [0, 2, 5, 0])
+    np.testing.assert_array_equal(np.array(plain.mask).sum(axis=1), [6, 2, 5, 6])
+    # The rewards, and so the advantages of the others, are untouched: they still share the group's baseline.
+    np.testing.assert_array_equal(np.array(filtered.advantages), np.array(plain.advantages))
+    assert float(batch_totals(filtered)[0]) == 7.0  # dapo's token normaliser counts only what is trained
+    # Their logprobs are still packed: only the mask decides what the loss counts.
+    np.testing.assert_array_equal(np.array(filtered.old_logprobs), np.array(plain.old_logprobs))
+
+
+def test_overlong_penalty_shapes_the_rewards_before_the_advantages(length_group):
+    shaping = LengthShaping(max_tokens=6, overlong_buffer=3, overlong_penalty=0.5)
+    batch = build_train_batch([length_group], lengths=shaping)
+    lengths = np.array([6, 2, 5, 6])
+    shaped = np.array([0.0, 1.0, 0.5, 0.25]) + ref_overlong_penalty(lengths, 6, 3, 0.5)
+    np.testing.assert_allclose(shaped - [0.0, 1.0, 0.5, 0.25], [-0.5, 0.0, -1 / 3, -0.5], rtol=1e-6)
+    np.testing.assert_allclose(np.array(batch.advantages), ref_group_advantages(shaped, 4), rtol=1e-5)
+    np.testing.assert_array_equal(np.array(batch.rewards), [0.0, 1.0, 0.5, 0.25])  # the task's rewards, as logged
+
+
+def test_length_shaping_comes_from_the_run_config():
+    from grpo_fleet.config import load_run_config
+
+    cfg = load_run_config(None, ["generation.max_tokens=12", "grpo.mask_truncated=true", "grpo.overlong_buffer=4",
+                                 "grpo.overlong_penalty=0.3"])
+    assert LengthShaping.from_config(cfg) == LengthShaping(max_tokens=12, mask_truncated=True, overlong_buffer=4,
+                                                           overlong_penalty=0.3)
+    assert LengthShaping.from_config(load_run_config()) == LengthShaping(max_tokens=8)
+

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from grpo_fleet.config import (
     ActorConfig,
+    GRPOConfig,
     RunConfig,
     TaskConfig,
     apply_overrides,
@@ -256,3 +257,62 @@ def test_repository_configs_load_and_validate(config_path: Path, monkeypatch: py
 @pytest.mark.parametrize("text", ["runs/demo", 'a "quoted" dir', "C:\\runs\\x", "tcp://0.0.0.0:5555"])
 def test_toml_string_survives_an_override_round_trip(text):
     assert parse_override(f"run_dir={toml_string(text)}") == (["run_dir"], text)
+
+
+# ------------------------------------------------------------- the objective
+
+
+def test_grpo_defaults_are_the_decoupled_objective_with_tis():
+    grpo = GRPOConfig()
+    assert (grpo.objective, grpo.is_mode, grpo.is_level, grpo.is_cap) == ("decoupled", "truncate", "token", 2.0)
+    assert grpo.dual_clip is None and grpo.mask_truncated is False and grpo.overlong_buffer == 0
+
+
+@pytest.mark.parametrize("loss_type, low, high, want", [
+    ("grpo", None, None, (0.2, 0.2)),
+    ("dapo", None, 0.28, (0.2, 0.28)),
+    ("dr_grpo", 0.1, None, (0.1, 0.1)),
+    ("gspo", None, None, (3e-4, 4e-4)),
+    ("gspo", 1e-3, None, (1e-3, 1e-3)),
+    ("gspo", None, 1e-3, (3e-4, 1e-3)),
+])
+def test_clip_range_defaults_per_loss_type(loss_type, low, high, want):
+    assert GRPOConfig(loss_type=loss_type, epsilon_low=low, epsilon_high=high).clip_range == pytest.approx(want)
+
+
+@pytest.mark.parametrize("override", ["grpo.epsilon_low=0.2", "grpo.epsilon_high=0.28"])
+def test_gspo_with_a_ppo_sized_clip_range_is_refused(override):
+    with pytest.raises(ValidationError, match="geometric mean"):
+        load_run_config(None, ["grpo.loss_type=gspo", override])
+    # The same range is fine for a token-level loss.
+    load_run_config(None, [override])
+
+
+def test_dr_grpo_is_defined_without_the_std_division():
+    assert GRPOConfig(loss_type="dr_grpo").scales_by_std is False
+    assert GRPOConfig(loss_type="dr_grpo", scale_by_std=False).scales_by_std is False
+    assert GRPOConfig().scales_by_std is True and GRPOConfig(scale_by_std=False).scales_by_std is False
+    with pytest.raises(ValidationError, match="not Dr. GRPO"):
+        load_run_config(None, ["grpo.loss_type=dr_grpo", "grpo.scale_by_std=true"])
+    cfg = RunConfig()
+    with pytest.raises(ValidationError, match="not Dr. GRPO"):
+        cfg.grpo.loss_type = "dr_grpo"
+        cfg.grpo.scale_by_std = True
+
+
+@pytest.mark.parametrize("override, field", [
+    ("grpo.is_cap=0.5", "is_cap"), ("grpo.is_mode=clip", "is_mode"), ("grpo.is_level=group", "is_level"),
+    ("grpo.dual_clip=1.0", "dual_clip"), ("grpo.objective=ppo", "objective"), ("grpo.overlong_penalty=-1", "overlong"),
+    ("grpo.epsilon_low=0", "epsilon_low"),
+])
+def test_bad_objective_settings_are_refused(override, field):
+    with pytest.raises(ValidationError, match=field):
+        load_run_config(None, [override])
+
+
+def test_overlong_buffer_must_leave_room_below_max_tokens():
+    ok = load_run_config(None, ["generation.max_tokens=16", "grpo.overlong_buffer=4"])
+    assert ok.grpo.overlong_buffer == 4
+    with pytest.raises(ValidationError, match="overlong_buffer"):
+        load_run_config(None, ["generation.max_tokens=16", "grpo.overlong_buffer=16"])
+

@@ -11,18 +11,26 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 from grpo_reference import (
+    ref_behaviour_weights,
     ref_group_advantages,
     ref_grpo_loss,
     ref_kl_k3,
+    ref_offpolicy_stats,
+    ref_overlong_penalty,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_fleet.learner.grpo import (
+    BehaviourCorrection,
+    behaviour_weights,
     group_advantages,
     grpo_loss,
     kl_k3,
+    log_gap,
     masked_mean,
+    offpolicy_stats,
+    overlong_penalty,
 )
 from grpo_fleet.learner.logprobs import token_logprobs
 
@@ -56,32 +64,46 @@ def make_batch(
     if empty_row and b > 1:
         lengths[-1] = 0
     mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float64)
-    batch = {"lp": lp, "old": old, "ref": ref, "adv": adv, "mask": mask}
+    # The proximal policy sits between the behaviour one (old) and the current one (lp).
+    prox = lp + rng.normal(0.0, spread, size=(b, t))
+    batch = {"lp": lp, "old": old, "ref": ref, "adv": adv, "mask": mask, "prox": prox}
     # Round through float32 so both implementations see identical inputs.
     return {k: v.astype(np.float32).astype(np.float64) for k, v in batch.items()}
 
 
+CORRECTION_KEYS = ("is_cap", "is_mode", "is_level")
+
+
 def mx_loss(
-    batch: dict[str, np.ndarray], lp: Any = None, *, use_ref: bool = False, **kw: Any
+    batch: dict[str, np.ndarray], lp: Any = None, *, use_ref: bool = False, use_prox: bool = False, **kw: Any
 ) -> tuple[mx.array, dict[str, mx.array]]:
-    """grpo_loss on a NumPy batch; `lp` (an mx array) overrides batch["lp"] for grad tests."""
+    """grpo_loss on a NumPy batch; `lp` (an mx array) overrides batch["lp"] for grad tests.
+
+    `use_prox` makes it decoupled against batch["prox"]; the reference's is_cap / is_mode /
+    is_level keywords become a BehaviourCorrection.
+    """
+    names = {"is_cap": "cap", "is_mode": "mode", "is_level": "level"}
+    correction = BehaviourCorrection(**{names[k]: kw.pop(k) for k in CORRECTION_KEYS if k in kw})
     return grpo_loss(
         _mx(batch["lp"]) if lp is None else lp,
         _mx(batch["old"]),
         _mx(batch["adv"]),
         _mx(batch["mask"]),
         ref_logprobs=_mx(batch["ref"]) if use_ref else None,
+        proximal_logprobs=_mx(batch["prox"]) if use_prox else None,
+        correction=correction,
         **kw,
     )
 
 
 def run_both(batch: dict[str, np.ndarray], **kw: Any) -> tuple[float, dict, float, dict]:
     """Evaluate the mx loss and the reference on the same batch and options."""
-    use_ref = kw.pop("use_ref", False)
+    use_ref, use_prox = kw.pop("use_ref", False), kw.pop("use_prox", False)
     ref_lp = batch["ref"] if use_ref else None
-    loss, stats = mx_loss(batch, use_ref=use_ref, **kw)
+    loss, stats = mx_loss(batch, use_ref=use_ref, use_prox=use_prox, **dict(kw))
     want, want_stats = ref_grpo_loss(
-        batch["lp"], batch["old"], batch["adv"], batch["mask"], ref_logprobs=ref_lp, **kw
+        batch["lp"], batch["old"], batch["adv"], batch["mask"], ref_logprobs=ref_lp,
+        proximal_logprobs=batch["prox"] if use_prox else None, **kw,
     )
     return loss.item(), {k: v.item() for k, v in stats.items()}, want, want_stats
 
@@ -541,3 +563,232 @@ def test_an_extreme_old_logprob_cannot_overflow_the_loss(loss_type: str) -> None
     batch = {"lp": lp, "old": old, "adv": np.array([-1.0, 1.0]), "mask": np.ones((2, 3)), "ref": lp}
     got, _, want, _ = run_both(batch, loss_type=loss_type, max_tokens=3)
     assert math.isfinite(got) and got == pytest.approx(want, rel=1e-5)
+
+
+# ----------------------------------------------- decoupled objective (AReaL)
+
+IS_MODES = ["truncate", "mask"]
+IS_LEVELS = ["token", "sequence"]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("is_mode", IS_MODES)
+@pytest.mark.parametrize("is_level", IS_LEVELS)
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_decoupled_loss_matches_reference(loss_type: str, is_mode: str, is_level: str, dual_clip: Any) -> None:
+    rng = np.random.default_rng(7)
+    batch = make_batch(rng, 6, 8, empty_row=True, spread=0.8)
+    kw = dict(use_ref=True, beta=0.04, epsilon_high=0.28, loss_type=loss_type, max_tokens=9, dual_clip=dual_clip)
+    cap = 1.5 if is_level == "token" else 1.1  # a sequence's geometric mean strays less than its tokens
+    assert_matches_reference(batch, use_prox=True, is_cap=cap, is_mode=is_mode, is_level=is_level, **kw)
+    # The weights really acted: some but not all tokens are beyond the cap.
+    _, capped = ref_behaviour_weights(batch["prox"], batch["old"], batch["mask"], cap, is_mode, is_level)
+    assert 0 < capped[batch["mask"] > 0].mean() < 1
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(
+    b=st.integers(1, 6), t=st.integers(1, 10), seed=st.integers(0, 2**16),
+    loss_type=st.sampled_from(LOSS_TYPES), is_mode=st.sampled_from(IS_MODES), is_level=st.sampled_from(IS_LEVELS),
+    cap=st.floats(1.0, 5.0), spread=st.sampled_from([0.05, 0.3, 1.0]), dual_clip=st.sampled_from([None, 1.5, 3.0]),
+)
+def test_decoupled_loss_property(
+    b: int, t: int, seed: int, loss_type: str, is_mode: str, is_level: str, cap: float, spread: float, dual_clip: Any
+) -> None:
+    batch = make_batch(np.random.default_rng(seed), b, t, spread=spread)
+    assert_matches_reference(batch, use_prox=True, use_ref=True, beta=0.04, loss_type=loss_type, max_tokens=t,
+                             is_cap=cap, is_mode=is_mode, is_level=is_level, dual_clip=dual_clip)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("is_mode", IS_MODES)
+@pytest.mark.parametrize("is_level", IS_LEVELS)
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_decoupled_equals_coupled_exactly_when_behaviour_is_proximal(
+    loss_type: str, is_mode: str, is_level: str, beta: float
+) -> None:
+    """pi_prox = pi_behav gives w = 1 on every token: the same loss, stats and gradient, bit for bit."""
+    batch = make_batch(np.random.default_rng(3), 5, 7, empty_row=True, spread=0.6)
+    batch["prox"] = batch["old"].copy()
+    kw: dict[str, Any] = dict(use_ref=True, beta=beta, epsilon_high=0.28, loss_type=loss_type, max_tokens=7)
+    correction = dict(is_cap=1.0, is_mode=is_mode, is_level=is_level)  # the tightest cap: w = 1 still passes
+    coupled, coupled_stats = mx_loss(batch, **kw)
+    decoupled, decoupled_stats = mx_loss(batch, use_prox=True, **correction, **kw)
+    assert decoupled.item() == coupled.item()
+    assert {k: v.item() for k, v in decoupled_stats.items()} == {k: v.item() for k, v in coupled_stats.items()}
+
+    def grad(**extra: Any) -> np.ndarray:
+        return _np(mx.grad(lambda lp: mx_loss(batch, lp, **extra, **kw)[0])(_mx(batch["lp"])))
+
+    np.testing.assert_array_equal(grad(use_prox=True, **correction), grad())
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_decoupled_gradient_at_ratio_one_is_the_weighted_policy_gradient(loss_type: str) -> None:
+    """ppo_epochs = 1: pi_prox = stop_gradient(pi_theta), so d loss / d lp = -w * A * (aggregation weight)."""
+    batch = make_batch(np.random.default_rng(11), 4, 5, spread=0.8)
+    m, adv = batch["mask"], batch["adv"]
+    n = m.sum(axis=1)
+    per_row = {"grpo": 1.0 / (4 * n), "gspo": 1.0 / (4 * n), "dapo": np.full(4, 1.0 / n.sum()),
+               "dr_grpo": np.full(4, 1.0 / (4 * 5))}[loss_type]
+    weight, _ = ref_behaviour_weights(batch["lp"], batch["old"], m, 2.0, "truncate", "token")
+    if loss_type == "gspo":
+        # One ratio per sequence: every token's gradient carries the row's mean weight.
+        weight = np.broadcast_to(((weight * m).sum(axis=1) / n)[:, None], m.shape)
+
+    def loss_fn(x: mx.array) -> mx.array:
+        return grpo_loss(x, _mx(batch["old"]), _mx(adv), _mx(m), proximal_logprobs=mx.stop_gradient(x),
+                         loss_type=loss_type, max_tokens=5)[0]
+
+    grad = _np(mx.grad(loss_fn)(_mx(batch["lp"])))
+    np.testing.assert_allclose(grad, -(adv * per_row)[:, None] * weight * m, atol=1e-6)
+    _, stats = grpo_loss(_mx(batch["lp"]), _mx(batch["old"]), _mx(adv), _mx(m), proximal_logprobs=_mx(batch["lp"]),
+                         loss_type=loss_type, max_tokens=5)
+    assert stats["ratio_mean"].item() == 1.0 and stats["clip_fraction"].item() == 0.0
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("is_level", IS_LEVELS)
+def test_decoupled_gradient_matches_finite_differences(loss_type: str, is_level: str) -> None:
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, 3, 4, spread=0.4)
+    kw = dict(beta=0.2, epsilon_low=0.2, epsilon_high=0.3, loss_type=loss_type, max_tokens=4, dual_clip=2.0,
+              is_cap=1.3, is_level=is_level)
+
+    def f(lp: np.ndarray) -> float:
+        return ref_grpo_loss(lp, batch["old"], batch["adv"], batch["mask"], batch["ref"],
+                             proximal_logprobs=batch["prox"], **kw)[0]
+
+    h = 1e-6
+    numeric = np.zeros_like(batch["lp"])
+    for idx in np.ndindex(*batch["lp"].shape):
+        up, down = batch["lp"].copy(), batch["lp"].copy()
+        up[idx] += h
+        down[idx] -= h
+        numeric[idx] = (f(up) - f(down)) / (2 * h)
+    analytic = _np(mx.grad(lambda lp: mx_loss(batch, lp, use_ref=True, use_prox=True, **kw)[0])(_mx(batch["lp"])))
+    assert np.any(numeric != 0.0)
+    np.testing.assert_allclose(analytic, numeric, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("level", IS_LEVELS)
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_behaviour_weights_with_forced_ratios(mode: str, level: str) -> None:
+    # Row 0 token weights (4, 1, 0.5); row 1 (3, 1) with a padded slot holding garbage.
+    w = np.array([[4.0, 1.0, 0.5], [3.0, 1.0, 1e9]])
+    behav = np.full((2, 3), -2.0)
+    mask = np.array([[1, 1, 1], [1, 1, 0]], dtype=np.float64)
+    prox = behav + np.log(w)
+    got_w, got_capped = (_np(a) for a in behaviour_weights(_mx(prox), _mx(behav), _mx(mask),
+                                                           BehaviourCorrection(2.0, mode, level)))
+    want_w, want_capped = ref_behaviour_weights(prox, behav, mask, 2.0, mode, level)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-6)
+    np.testing.assert_array_equal(got_capped, want_capped)
+    if level == "token":
+        expected = [[2.0, 1.0, 0.5], [2.0, 1.0, 1.0]] if mode == "truncate" else [[0.0, 1.0, 0.5], [0.0, 1.0, 1.0]]
+        np.testing.assert_allclose(got_w, expected, rtol=1e-6)
+    else:
+        # Geometric means: (4 * 1 * 0.5)^(1/3) = 1.26 stays; sqrt(3) = 1.73 stays too (below the cap of 2).
+        np.testing.assert_allclose(got_w[0], [2 ** (1 / 3)] * 3, rtol=1e-6)
+        np.testing.assert_allclose(got_w[1, :2], [math.sqrt(3)] * 2, rtol=1e-6)
+        assert not got_capped.any()
+
+
+def test_masked_tokens_keep_their_place_in_the_normaliser() -> None:
+    """MIS zeroes a token's surrogate; dapo's denominator still counts it (fixed before any forward)."""
+    lp = np.full((1, 4), -1.0)
+    old = lp - np.log(np.array([[1.0, 1.0, 1.0, 5.0]]))  # pi_prox / pi_behav = 5 on the last token
+    batch = {"lp": lp, "old": old, "prox": lp.copy(), "adv": np.array([1.0]), "mask": np.ones((1, 4)), "ref": lp}
+    loss, _ = mx_loss(batch, use_prox=True, loss_type="dapo", is_cap=2.0, is_mode="mask")
+    assert loss.item() == pytest.approx(-3.0 / 4.0)
+    loss, _ = mx_loss(batch, use_prox=True, loss_type="dapo", is_cap=2.0, is_mode="truncate")
+    assert loss.item() == pytest.approx(-(3.0 + 2.0) / 4.0)
+
+
+def test_a_nan_behaviour_logprob_is_not_silently_weighted_zero() -> None:
+    batch = make_batch(np.random.default_rng(0), 2, 3)
+    batch["old"][0, 0] = np.nan
+    for mode in IS_MODES:
+        loss, _ = mx_loss(batch, use_prox=True, is_mode=mode)
+        assert math.isnan(loss.item())
+
+
+def test_dual_clip_bounds_negative_advantage_tokens() -> None:
+    lp = np.zeros((2, 2)) - 1.0
+    old = lp - np.log(np.array([[10.0, 1.1], [10.0, 0.5]]))  # ratios 10 and 1.1 / 10 and 0.5
+    batch = {"lp": lp, "old": old, "adv": np.array([-1.0, 1.0]), "mask": np.ones((2, 2)), "ref": lp}
+    plain, _, _, _ = run_both(batch, loss_type="dapo")
+    got, _, want, _ = run_both(batch, loss_type="dapo", dual_clip=3.0)
+    # Row 0 (A = -1): ratio 10 contributes -3 instead of -10; ratio 1.1 is untouched (-1.1).
+    # Row 1 (A = +1): min(10, 1.2) = 1.2 and 0.5, as without dual-clip.
+    assert plain == pytest.approx(-(-10.0 - 1.1 + 1.2 + 0.5) / 4)
+    assert got == pytest.approx(-(-3.0 - 1.1 + 1.2 + 0.5) / 4) and got == pytest.approx(want)
+    grad = _np(mx.grad(lambda x: mx_loss(batch, x, loss_type="dapo", dual_clip=3.0)[0])(_mx(lp)))
+    assert grad[0, 0] == 0.0 and grad[0, 1] != 0.0  # the bound is a constant: no gradient through it
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_decoupled_micro_batch_shares_sum_to_the_whole_batch_reference(seed: int, loss_type: str) -> None:
+    rng = np.random.default_rng(seed)
+    batch = make_batch(rng, 9, 6, empty_row=True, spread=0.7)
+    kw: dict[str, Any] = dict(beta=0.05, epsilon_high=0.28, loss_type=loss_type, max_tokens=6, dual_clip=3.0,
+                              is_mode="mask", is_level="sequence", is_cap=1.5)
+    want, want_stats = ref_grpo_loss(batch["lp"], batch["old"], batch["adv"], batch["mask"], ref_logprobs=batch["ref"],
+                                     proximal_logprobs=batch["prox"], **kw)
+    totals = mx.array([batch["mask"].sum(), 9.0])
+    loss, stats = mx.array(0.0), {key: mx.array(0.0) for key in STAT_KEYS}
+    for rows in np.array_split(rng.permutation(9), [2, 3, 7]):
+        part = {k: v[rows] for k, v in batch.items()}
+        share, share_stats = mx_loss(part, use_ref=True, use_prox=True, total_tokens=totals[0],
+                                     total_sequences=totals[1], **dict(kw))
+        loss = loss + share
+        stats = {key: stats[key] + share_stats[key] for key in STAT_KEYS}
+    assert loss.item() == pytest.approx(want, abs=ATOL, rel=RTOL)
+    for key in STAT_KEYS:
+        assert stats[key].item() == pytest.approx(want_stats[key], abs=ATOL, rel=RTOL), key
+
+
+@pytest.mark.parametrize("level", IS_LEVELS)
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_offpolicy_stats_match_reference(mode: str, level: str) -> None:
+    batch = make_batch(np.random.default_rng(2), 5, 6, spread=0.8)
+    batch["prox"][batch["mask"] == 0] = 50.0  # garbage off the mask must not reach the max
+    args = (_mx(batch["prox"]), _mx(batch["old"]), _mx(batch["mask"]))
+    got = {k: v.item() for k, v in offpolicy_stats(*args, BehaviourCorrection(1.5, mode, level)).items()}
+    want = ref_offpolicy_stats(batch["prox"], batch["old"], batch["mask"], 1.5, mode, level)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert 0 < got["is_capped_fraction"] < 1
+    coupled = offpolicy_stats(*args, None)
+    assert coupled["is_capped_fraction"].item() == 0.0
+    assert coupled["offpolicy_gap_max"].item() == pytest.approx(want["offpolicy_gap_max"], rel=1e-6)
+    assert np.all(_np(log_gap(*args))[batch["mask"] == 0] == 0.0)
+
+
+def test_behaviour_correction_and_loss_option_errors() -> None:
+    for bad in (dict(cap=0.5), dict(mode="clip"), dict(level="group")):
+        with pytest.raises(ValueError):
+            BehaviourCorrection(**bad)  # type: ignore[arg-type]
+    lp, adv, mask = mx.zeros((2, 3)), mx.zeros((2,)), mx.ones((2, 3))
+    with pytest.raises(ValueError, match="dual_clip"):
+        grpo_loss(lp, lp, adv, mask, dual_clip=1.0)
+    with pytest.raises(ValueError, match="proximal_logprobs"):
+        grpo_loss(lp, lp, adv, mask, proximal_logprobs=mx.zeros((2, 4)))
+
+
+# ------------------------------------------------------ overlong penalty
+
+
+def test_overlong_penalty_matches_reference() -> None:
+    lengths = np.arange(0, 21)
+    got = _np(overlong_penalty(mx.array(lengths), max_tokens=20, buffer=8, factor=0.5))
+    want = ref_overlong_penalty(lengths, 20, 8, 0.5)
+    np.testing.assert_allclose(got, want, atol=1e-7)
+    assert np.all(got[:13] == 0.0) and got[20] == pytest.approx(-0.5) and got[16] == pytest.approx(-0.25)
+    assert _np(overlong_penalty(mx.array([25]), 20, 8, 1.0))[0] == pytest.approx(-1.0)  # never below -factor
+
+
+@pytest.mark.parametrize("buffer, factor", [(0, 1.0), (20, 1.0), (4, -1.0)])
+def test_overlong_penalty_refuses_bad_settings(buffer: int, factor: float) -> None:
+    with pytest.raises(ValueError):
+        overlong_penalty(mx.array([3, 5]), max_tokens=20, buffer=buffer, factor=factor)

@@ -48,7 +48,7 @@ def assert_png(path: Path) -> None:
     assert data[:8] == PNG_MAGIC
     assert data[12:16] == b"IHDR"
     width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (1200, 800)
+    assert (width, height) == (1200, 1100)
     assert 20_000 < len(data) < 5_000_000
 
 
@@ -57,6 +57,24 @@ def test_default_output_is_run_dir_curves_png(tmp_path: Path) -> None:
     out = plot_run(run)
     assert out == run / "curves.png"
     assert_png(out)
+
+
+def test_off_policy_and_length_panels_draw_from_their_keys(tmp_path: Path) -> None:
+    """Records with the off-policy and length keys, and a truncated old run without them, both render."""
+    run = write_run(tmp_path / "run", steps=40)
+    rng = random.Random(1)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        record.update(offpolicy_gap_mean=rng.uniform(0.01, 0.1), offpolicy_gap_max=rng.uniform(0.5, 3.0),
+                      is_capped_fraction=rng.uniform(0, 0.05), ratio_mean=1.0, completion_length_mean=rng.uniform(3, 5),
+                      completion_length_max=5.0, truncated_fraction=rng.uniform(0.2, 0.9))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "config.json").write_text(json.dumps({"grpo": {"max_staleness": 2, "objective": "decoupled"}}))
+    with_keys = plot_run(run, tmp_path / "with.png")
+    assert_png(with_keys)
+    without = plot_run(write_run(tmp_path / "old", steps=40), tmp_path / "without.png")
+    assert_png(without)
+    assert with_keys.read_bytes() != without.read_bytes()
 
 
 def test_explicit_output_and_no_summary(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def _record(step: int) -> StepRecord:
     return StepRecord(step=step, policy_version=step, reward_mean=0.5, reward_std=0.1, loss=0.2, kl=0.01,
-                      clip_fraction=0.0, grad_norm=1.0, ratio_mean=1.0, learning_rate=1e-4, skipped=None,
+                      clip_fraction=0.0, grad_norm=1.0, ratio_mean=1.0, offpolicy_gap_mean=0.05, offpolicy_gap_max=0.9,
+                      is_capped_fraction=0.01, completion_length_mean=4.5, completion_length_max=8.0,
+                      truncated_fraction=0.25, learning_rate=1e-4, skipped=None,
                       peak_memory_bytes=1, groups=2, tokens=16,
                       staleness_mean=1.0, staleness_max=1, zero_variance_fraction=0.0, step_seconds=0.1, wall_seconds=1.0,
                       actors=2)

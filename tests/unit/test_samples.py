@@ -13,7 +13,7 @@ import pytest
 
 from grpo_fleet import cli
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, LengthShaping, build_train_batch
 from grpo_fleet.learner.runlog import SAMPLES_FILE, RunLog, SampleRow
 from grpo_fleet.learner.samples import SampleLog, extremes_first, pick_samples, sample_rows, samples_due
 from grpo_fleet.samples_view import SamplesRead, format_row, format_samples, read_last_rows, row_from_json, wrapped
@@ -83,6 +83,23 @@ def test_rows_carry_the_decoded_text_and_the_groups_advantage(scale_by_std):
         "step": 9, "policy_version": 5, "group_id": "b", "prompt_index": 7, "actor_id": "actor-b", "prompt": "1 2",
         "completion": "11 21 30", "reward": 1.0, "advantage": rows[0].advantage, "finish_reason": "stop", "num_tokens": 3,
     }
+
+
+@pytest.mark.parametrize("grpo", [{}, {"loss_type": "dr_grpo"}, {"overlong_buffer": 2, "overlong_penalty": 0.5}])
+def test_logged_advantages_are_the_ones_the_step_trains_on(tmp_path, grpo):
+    """The per-loss-type scale_by_std default and the overlong penalty shape both, the same way."""
+    cfg = RunConfig.model_validate({"train": {"log_samples_every": 1, "log_samples_count": 4},
+                                    "generation": {"max_tokens": 4}, "grpo": grpo})
+    groups = [_group("a", [0.0, 1.0, 0.5, 0.25])]
+    first = groups[0].completions[0]  # one completion of max_tokens
+    first.tokens, first.logprobs = np.array([10, 20, 30, 40], np.int32), np.full(4, -1.0, np.float32)
+    runlog = RunLog(tmp_path)
+    SampleLog(cfg, _decode, runlog).after_step(groups, 1)
+    runlog.close()
+    logged = {(r["completion"]): r["advantage"] for r in map(json.loads, (tmp_path / SAMPLES_FILE).read_text().splitlines())}
+    trained = np.array(build_train_batch(groups, scale_by_std=cfg.grpo.scales_by_std,
+                                         lengths=LengthShaping.from_config(cfg)).advantages)
+    assert [logged[_decode(c.tokens)] for c in groups[0].completions] == pytest.approx(trained.tolist(), rel=1e-6)
 
 
 def test_a_due_step_appends_its_rows_and_others_append_nothing(tmp_path):

@@ -12,9 +12,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch, split_batch
-from grpo_fleet.learner.grpo import grpo_loss
+from grpo_fleet.learner.grpo import BehaviourCorrection, grpo_loss
 from grpo_fleet.learner.schedule import learning_rate_schedule
-from grpo_fleet.learner.trainer import Trainer, policy_logprobs
+from grpo_fleet.learner.trainer import Trainer, behaviour_correction, policy_logprobs
 from grpo_fleet.model import Policy, adapters_disabled, load_policy, trainable_weights
 
 TEMPERATURE = 1.0
@@ -252,8 +252,9 @@ def test_resumed_trainer_continues_the_schedule_at_the_same_rate(tiny_model_dir,
         np.testing.assert_allclose(np.array(got[key]), np.array(want[key]), rtol=1e-5, atol=1e-7, err_msg=key)
 
 
+@pytest.mark.parametrize("objective", ["coupled", "decoupled"])
 @pytest.mark.parametrize("use_lora", [True, False])
-def test_compiled_update_matches_eager_update(tiny_model_dir, use_lora):
+def test_compiled_update_matches_eager_update(tiny_model_dir, use_lora, objective):
     """mx.compile must not change the numbers, including pi_ref under LoRA (adapters swapped, not rescaled)."""
     rng = np.random.default_rng(0)
     groups = [
@@ -270,8 +271,9 @@ def test_compiled_update_matches_eager_update(tiny_model_dir, use_lora):
         mx.random.seed(0)  # same adapter init for both runs
         policy = load_policy(str(tiny_model_dir), lora=lora)
         ref = None if use_lora else load_policy(str(tiny_model_dir)).model
-        trainer = Trainer(policy, GRPOConfig(beta=0.04, ppo_epochs=2), OptimConfig(lr=1e-2), temperature=1.0,
-                          max_tokens=5, ref_model=ref, compile=compiled)
+        # ppo_epochs = 2: decoupled, the micro-batches carry pi_prox into the compiled graph.
+        trainer = Trainer(policy, GRPOConfig(beta=0.04, ppo_epochs=2, objective=objective), OptimConfig(lr=1e-2),
+                          temperature=1.0, max_tokens=5, ref_model=ref, compile=compiled)
         stats = [trainer.step(batch) for _ in range(3)]
         finals.append((dict(tree_flatten(policy.model.trainable_parameters())), stats[-1]))
     (eager, eager_stats), (fast, fast_stats) = finals
@@ -297,7 +299,8 @@ def varied_batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> TrainBa
     return build_train_batch(made)
 
 
-def trainer_for(model_dir: Path, mode: str, *, loss_type: str = "grpo", compiled: bool = False, **memory) -> Trainer:
+def trainer_for(model_dir: Path, mode: str, *, loss_type: str = "grpo", compiled: bool = False,
+                objective: str = "decoupled", ppo_epochs: int = 1, **memory) -> Trainer:
     lora = LoraConfig(enabled=True, rank=4) if mode == "lora" else None
     mx.random.seed(0)  # the same adapter init in every trainer
     policy = load_policy(str(model_dir), lora=lora)
@@ -306,13 +309,16 @@ def trainer_for(model_dir: Path, mode: str, *, loss_type: str = "grpo", compiled
         policy.model.update(tree_unflatten([(k, mx.random.normal(v.shape, scale=0.05))
                                             for k, v in tree_flatten(policy.model.trainable_parameters())]))
     ref = None if lora else load_policy(str(model_dir)).model
-    return Trainer(policy, GRPOConfig(beta=0.04, loss_type=loss_type), OptimConfig(lr=1e-2), temperature=0.7,
-                   max_tokens=8, ref_model=ref, compile=compiled, **memory)
+    grpo = GRPOConfig(beta=0.04, loss_type=loss_type, objective=objective, ppo_epochs=ppo_epochs)
+    return Trainer(policy, grpo, OptimConfig(lr=1e-2), temperature=0.7, max_tokens=8, ref_model=ref, compile=compiled,
+                   **memory)
 
 
 def dense_gradients(trainer: Trainer, batch: TrainBatch) -> tuple[float, dict[str, np.ndarray]]:
-    """The old one-shot computation: full [N, L, V] logits, one batch, grpo_loss as is."""
+    """The old one-shot computation: full [N, L, V] logits, one batch, grpo_loss as is (pi_prox = the current weights)."""
     model, cfg = trainer.policy.model, trainer.grpo
+    correction = behaviour_correction(cfg)
+    low, high = cfg.clip_range
     if trainer.policy.lora is not None:
         with adapters_disabled(model):
             ref = policy_logprobs(model, batch.inputs, batch.targets, trainer.temperature)
@@ -321,8 +327,10 @@ def dense_gradients(trainer: Trainer, batch: TrainBatch) -> tuple[float, dict[st
 
     def loss(inputs, targets):
         lp = policy_logprobs(model, inputs, targets, trainer.temperature)
+        proximal = None if correction is None else mx.stop_gradient(lp)
         return grpo_loss(lp, batch.old_logprobs, batch.advantages, batch.mask, ref_logprobs=mx.stop_gradient(ref),
-                         beta=cfg.beta, loss_type=cfg.loss_type, max_tokens=8)[0]
+                         beta=cfg.beta, epsilon_low=low, epsilon_high=high, loss_type=cfg.loss_type, max_tokens=8,
+                         proximal_logprobs=proximal, correction=correction or BehaviourCorrection())[0]
 
     value, grads = nn.value_and_grad(model, loss)(batch.inputs, batch.targets)
     return float(value), {k: np.array(v) for k, v in tree_flatten(grads)}
@@ -337,12 +345,14 @@ def assert_close_trees(got: dict[str, np.ndarray], want: dict[str, np.ndarray], 
         assert err <= rel * max(np.linalg.norm(want[key].astype(np.float64)), 1e-3 * scale), key
 
 
+@pytest.mark.parametrize("objective", ["coupled", "decoupled"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("mode", ["lora", "full"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
-def test_accumulated_micro_batch_gradients_equal_the_one_batch_gradient(tiny_model_dir, loss_type, mode, compiled):
+def test_accumulated_micro_batch_gradients_equal_the_one_batch_gradient(tiny_model_dir, loss_type, mode, compiled,
+                                                                         objective):
     batch = varied_batch()
-    trainer = trainer_for(tiny_model_dir, mode, loss_type=loss_type, compiled=compiled,
+    trainer = trainer_for(tiny_model_dir, mode, loss_type=loss_type, compiled=compiled, objective=objective,
                           micro_batch_tokens=32, logprob_chunk_tokens=5)
     micro = split_batch(batch, trainer.micro_batch_tokens)
     assert len(micro) >= 4  # really accumulated, and chunked (K > 5 per micro-batch)
@@ -377,7 +387,8 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, mode):
     start = {k: np.array(v) for k, v in trainable_weights(one.policy.model).items()}
     stats_one, stats_many = one.step(batch), many.step(batch)
     assert stats_one.micro_batches == 1 and stats_many.micro_batches == 12
-    for key in ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean"):
+    for key in ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean", "offpolicy_gap_mean",
+                "offpolicy_gap_max", "is_capped_fraction"):
         assert getattr(stats_many, key) == pytest.approx(getattr(stats_one, key), rel=1e-5, abs=1e-6), key
     # Adam's first step is about lr * sign(g), so entries with a near-zero gradient may
     # differ by up to 2 lr; the update as a whole must agree.
@@ -451,3 +462,66 @@ def test_trainer_from_config_carries_the_memory_settings(tiny_model_dir):
     trainer = trainer_from_config(make_policy(tiny_model_dir, "full"), cfg)
     assert (trainer.micro_batch_tokens, trainer.chunk_tokens, trainer.compiled, trainer.temperature) == (64, 8, False, 0.7)
     assert trainer.step(varied_batch()).micro_batches == 3  # 12 rows of width 16, 4 per 64 tokens
+
+
+# ------------------------------------------------------ decoupled objective
+
+
+def masked_ratio_mean(log_ratio: np.ndarray, mask: np.ndarray) -> float:
+    return float((np.exp(log_ratio) * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_decoupled_one_epoch_gets_pi_prox_free_and_reports_the_gap(tiny_model_dir, mode):
+    batch = varied_batch(seed=3)
+    trainer = trainer_for(tiny_model_dir, mode, micro_batch_tokens=48)
+    before = np.array(policy_logprobs(trainer.policy.model, batch.inputs, batch.targets, trainer.temperature))
+    stats = trainer.step(batch)
+    mask, behaviour = np.array(batch.mask), np.array(batch.old_logprobs)
+    assert stats.proximal_seconds == 0.0 and stats.micro_batches > 1  # no extra forward
+    # pi_theta / pi_prox is exactly 1 in the only epoch, so nothing is clipped...
+    assert stats.ratio_mean == 1.0 and stats.clip_fraction == 0.0
+    # ...and pi_prox is the policy before the update, on the batch's grid.
+    assert stats.proximal_logprobs is not None
+    np.testing.assert_allclose(stats.proximal_logprobs, before * mask, atol=1e-5)
+    gap = np.abs(before - behaviour)[mask > 0]
+    assert stats.offpolicy_gap_mean == pytest.approx(gap.mean(), rel=1e-5)
+    assert stats.offpolicy_gap_max == pytest.approx(gap.max(), rel=1e-5)
+    capped = (np.exp(np.clip(before - behaviour, -20, 20)) > trainer.grpo.is_cap)[mask > 0].mean()
+    assert stats.is_capped_fraction == pytest.approx(capped) and 0 < capped < 1
+
+
+def test_decoupled_two_epochs_clip_against_the_weights_before_the_step(tiny_model_dir):
+    """ppo_epochs = 2 runs one no-grad pi_prox forward first; the second epoch's ratio is pi_theta(W1) / pi(W0)."""
+    batch = varied_batch(seed=4)
+    one = trainer_for(tiny_model_dir, "lora", micro_batch_tokens=48)
+    two = trainer_for(tiny_model_dir, "lora", micro_batch_tokens=48, ppo_epochs=2)
+    before = np.array(policy_logprobs(two.policy.model, batch.inputs, batch.targets, two.temperature))
+    one.step(batch)  # the same first update as `two`'s first epoch (the same pi_prox, weights and optimizer)
+    after_first = np.array(policy_logprobs(one.policy.model, batch.inputs, batch.targets, one.temperature))
+
+    stats = two.step(batch)
+
+    mask = np.array(batch.mask)
+    assert stats.epochs == 2 and stats.skipped is None and stats.proximal_seconds > 0
+    for key in ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean", "offpolicy_gap_mean",
+                "offpolicy_gap_max", "is_capped_fraction"):
+        assert np.isfinite(getattr(stats, key)), key
+    assert stats.proximal_logprobs is not None
+    np.testing.assert_allclose(stats.proximal_logprobs, before * mask, atol=1e-5)
+    # Epoch 1 has ratio 1; epoch 2 is against W0, not W1 (ratio 1 again) nor pi_behav (far off).
+    second = masked_ratio_mean(after_first - before, mask)
+    assert abs(second - 1.0) > 1e-3
+    assert stats.ratio_mean == pytest.approx((1.0 + second) / 2, rel=1e-4)
+    behaviour_ratio = masked_ratio_mean(after_first - np.array(batch.old_logprobs), mask)
+    assert abs(stats.ratio_mean - (1.0 + behaviour_ratio) / 2) > 1e-2
+
+
+def test_coupled_objective_reports_the_gap_but_caps_nothing(tiny_model_dir):
+    batch = varied_batch(seed=3)
+    coupled = trainer_for(tiny_model_dir, "full", objective="coupled").step(batch)
+    decoupled = trainer_for(tiny_model_dir, "full").step(batch)
+    assert coupled.is_capped_fraction == 0.0 and decoupled.is_capped_fraction > 0
+    assert coupled.offpolicy_gap_mean == pytest.approx(decoupled.offpolicy_gap_mean, rel=1e-6)
+    assert coupled.ratio_mean != 1.0 and coupled.loss != pytest.approx(decoupled.loss)
+

@@ -36,7 +36,7 @@ from grpo_fleet.bench.rollout import naive_completion
 from grpo_fleet.config import RunConfig
 from grpo_fleet.demo import DemoOptions, demo_config, held_out_reward
 from grpo_fleet.evaluate import evaluate
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
+from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, LengthShaping, build_train_batch
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.trainer import trainer_from_config
@@ -139,7 +139,7 @@ def loop_curve(cfg: RunConfig, model_path: str, rollout: Rollout, target: float)
             for group in groups:
                 scheduler.finish(lease.lease_id, group.group_id)
             batch += [g for g in groups if g.is_informative]
-        trainer.step(build_train_batch(batch, scale_by_std=cfg.grpo.scale_by_std))
+        trainer.step(build_train_batch(batch, scale_by_std=cfg.grpo.scales_by_std, lengths=LengthShaping.from_config(cfg)))
         if step % EVAL_EVERY == 0:
             seconds = time.time() - launched - paused
             eval_started = time.time()

@@ -314,7 +314,7 @@ def _step_groups(prompts: list[np.ndarray], vocab: int) -> list:
 def _step_seconds(model_dir: Path, root: Path, repeats: int) -> float:
     """Median wall time of `Trainer.step` on one batch of STEP_GROUPS groups (after a warm-up step)."""
     from grpo_fleet.config import RunConfig
-    from grpo_fleet.learner.batch import build_train_batch
+    from grpo_fleet.learner.batch import LengthShaping, build_train_batch
     from grpo_fleet.learner.setup import build_learner
 
     cfg = RunConfig.model_validate({
@@ -327,7 +327,7 @@ def _step_seconds(model_dir: Path, root: Path, repeats: int) -> float:
     learner = build_learner(cfg)
     try:
         groups = _step_groups(learner.prompt_tokens, learner.policy.vocab_size)
-        batch = build_train_batch(groups, scale_by_std=cfg.grpo.scale_by_std)
+        batch = build_train_batch(groups, scale_by_std=cfg.grpo.scales_by_std, lengths=LengthShaping.from_config(cfg))
         learner.trainer.step(batch)  # first call pays for graph and kernel setup
         times = []
         for _ in range(repeats):

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from grpo_fleet.learner.grpo import group_advantages
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.grpo import group_advantages, overlong_penalty
 
 # Sequence lengths are rounded up to a multiple of this, so shapes repeat and
 # compiled or cached kernels are reused instead of rebuilt for every length.
@@ -24,9 +25,13 @@ class CompletionRecord:
     """One completion as accepted from an actor."""
 
     tokens: np.ndarray  # int32 [T]
-    logprobs: np.ndarray  # float32 [T], under pi_old
+    logprobs: np.ndarray  # float32 [T], under pi_behav (the actor's snapshot)
     reward: float
-    finish_reason: str
+    finish_reason: str  # "stop", or "length": cut off at generation.max_tokens
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
 
 
 @dataclass
@@ -64,18 +69,52 @@ class TrainBatch:
 
     inputs: mx.array  # int32: prompt + completion, minus the last token
     targets: mx.array  # int32: inputs shifted by one
-    mask: mx.array  # float32: 1 where the target is a completion token
-    old_logprobs: mx.array  # float32: pi_old logprob at completion targets, 0 elsewhere
+    mask: mx.array  # float32: 1 where the target is a completion token the loss counts
+    old_logprobs: mx.array  # float32: pi_behav logprob at completion targets, 0 elsewhere
     advantages: mx.array  # float32 [N]
-    rewards: mx.array  # float32 [N]
+    rewards: mx.array  # float32 [N], the task's (before any length shaping)
     num_groups: int
+
+
+@dataclass(frozen=True)
+class LengthShaping:
+    """What a completion's length does to its training signal (DAPO's two remedies for overlong ones).
+
+    `mask_truncated`: completions cut off at `max_tokens` get zero loss weight (their
+    mask rows are zeroed), while their rewards still enter the group's mean and std.
+    `overlong_buffer` > 0: `grpo.overlong_penalty` is added to each reward before the
+    advantages, ramping from 0 to -overlong_penalty over the last `overlong_buffer`
+    tokens before `max_tokens`.
+    """
+
+    max_tokens: int = 0
+    mask_truncated: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "LengthShaping":
+        grpo = cfg.grpo
+        return cls(max_tokens=cfg.generation.max_tokens, mask_truncated=grpo.mask_truncated,
+                   overlong_buffer=grpo.overlong_buffer, overlong_penalty=grpo.overlong_penalty)
+
+    def shaped_rewards(self, rewards: mx.array, lengths: np.ndarray) -> mx.array:
+        if self.overlong_buffer == 0:
+            return rewards
+        penalty = overlong_penalty(mx.array(lengths), self.max_tokens, self.overlong_buffer, self.overlong_penalty)
+        return rewards + penalty
+
+
+NO_LENGTH_SHAPING = LengthShaping()
 
 
 def _bucketed(length: int) -> int:
     return max(LENGTH_BUCKET, -(-length // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
-def build_train_batch(groups: list[AcceptedGroup], *, scale_by_std: bool = True) -> TrainBatch:
+def build_train_batch(
+    groups: list[AcceptedGroup], *, scale_by_std: bool = True, lengths: LengthShaping = NO_LENGTH_SHAPING
+) -> TrainBatch:
     """Pack groups into shifted, masked arrays and compute group-relative advantages."""
     if not groups:
         raise ValueError("cannot build a batch from no groups")
@@ -94,10 +133,11 @@ def build_train_batch(groups: list[AcceptedGroup], *, scale_by_std: bool = True)
         inputs[row, :length] = sequence[:-1]
         targets[row, :length] = sequence[1:]
         start = len(prompt) - 1  # first position whose target is a completion token
-        mask[row, start:length] = 1.0
+        mask[row, start:length] = 0.0 if lengths.mask_truncated and completion.truncated else 1.0
         old[row, start:length] = completion.logprobs
     rewards = mx.array(np.concatenate([g.rewards for g in groups]))
-    advantages = group_advantages(rewards, group_size, scale_by_std=scale_by_std)
+    shaped = lengths.shaped_rewards(rewards, np.array([len(c.tokens) for _, c in rows]))
+    advantages = group_advantages(shaped, group_size, scale_by_std=scale_by_std)
     return TrainBatch(
         inputs=mx.array(inputs),
         targets=mx.array(targets),
@@ -124,8 +164,11 @@ class MicroBatch:
     targets: mx.array  # int32 [K]: the completion token at each position
     layout: mx.array  # int32 [n, T]: index into [K]; masked slots point at 0
     mask: mx.array  # float32 [n, T]: 1 for a real completion token
-    old_logprobs: mx.array  # float32 [n, T]
+    old_logprobs: mx.array  # float32 [n, T]: pi_behav
     advantages: mx.array  # float32 [n]
+    # float32 [n, T]: pi_prox, the weights before the step's first update, set by the trainer's extra
+    # no-grad forward when it needs one (decoupled objective, ppo_epochs > 1); None otherwise.
+    proximal_logprobs: Optional[mx.array] = None
     rows: Optional[np.ndarray] = None  # [n]: the TrainBatch rows, to scatter results back
     columns: Optional[np.ndarray] = None  # [n, T]: each slot's column in the TrainBatch
 

@@ -16,8 +16,9 @@ GradsFn = Callable[[MicroBatch, Optional[mx.array], mx.array], tuple[mx.array, d
 
 
 def micro_arrays(micro: MicroBatch) -> tuple[mx.array, ...]:
-    """The array fields of a micro-batch, in `MicroBatch`'s order (for compiled calls)."""
-    return (micro.inputs, micro.positions, micro.targets, micro.layout, micro.mask, micro.old_logprobs, micro.advantages)
+    """The array fields of a micro-batch, in `MicroBatch`'s order (for compiled calls); pi_prox only when set."""
+    arrays = (micro.inputs, micro.positions, micro.targets, micro.layout, micro.mask, micro.old_logprobs, micro.advantages)
+    return arrays if micro.proximal_logprobs is None else (*arrays, micro.proximal_logprobs)
 
 
 class CompiledUpdate:

@@ -66,6 +66,17 @@ def completion_logprobs(model: nn.Module, micro: MicroBatch, *, temperature: flo
     return mx.take(flat, micro.layout)
 
 
+def frozen_logprobs(model: nn.Module, micro_batches: list[MicroBatch], *, temperature: float,
+                    chunk_tokens: int) -> list[mx.array]:
+    """Stop-gradient `completion_logprobs` per micro-batch, evaluated one at a time (so memory stays one micro-batch's)."""
+    out: list[mx.array] = []
+    for micro in micro_batches:
+        logprobs = mx.stop_gradient(completion_logprobs(model, micro, temperature=temperature, chunk_tokens=chunk_tokens))
+        mx.eval(logprobs)
+        out.append(logprobs)
+    return out
+
+
 def enable_grad_checkpoint(model: nn.Module) -> None:
     """Recompute every transformer block in the backward pass, with mlx-lm's `grad_checkpoint`.
 

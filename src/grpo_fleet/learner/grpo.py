@@ -7,15 +7,24 @@ against a float64 NumPy reference.
 Conventions: token tensors are `[B, T]` (one row per completion, `T` the padded
 completion length), `mask` marks the completion tokens that count, and
 advantages are one scalar per completion, `[B]`.
+
+Three policies appear: pi_behav, the actor's snapshot that sampled the tokens
+(`old_logprobs`, reported by the actor); pi_prox, the learner's policy before
+this step's update (`proximal_logprobs`); pi_theta, the weights being trained.
+The coupled objective clips pi_theta / pi_behav; the decoupled one (AReaL) clips
+pi_theta / pi_prox and weights by pi_prox / pi_behav.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import mlx.core as mx
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo")
+IS_MODES = ("truncate", "mask")
+IS_LEVELS = ("token", "sequence")
 
 Axis = Optional[Union[int, tuple[int, ...]]]
 
@@ -62,6 +71,20 @@ def group_advantages(
     # "no variance" by exact comparison instead.
     flat = mx.max(g, axis=1, keepdims=True) == mx.min(g, axis=1, keepdims=True)
     return mx.where(flat, mx.zeros_like(centered), centered).reshape(-1)
+
+
+def overlong_penalty(lengths: mx.array, max_tokens: int, buffer: int, factor: float) -> mx.array:
+    """DAPO's soft overlong punishment, `[N]`, to add to the rewards before advantages.
+
+    0 up to `max_tokens - buffer` tokens, then falling linearly to `-factor` at
+    `max_tokens` (and no lower): `-factor * clip((len - (max_tokens - buffer)) / buffer, 0, 1)`.
+    """
+    if not 0 < buffer < max_tokens:
+        raise ValueError(f"overlong buffer must be in [1, max_tokens = {max_tokens}), got {buffer}")
+    if factor < 0:
+        raise ValueError(f"overlong penalty factor must be >= 0, got {factor}")
+    excess = (_as_float(lengths) - (max_tokens - buffer)) / buffer
+    return -factor * mx.clip(excess, 0.0, 1.0)
 
 
 def kl_k3(logprobs: mx.array, ref_logprobs: mx.array) -> mx.array:
@@ -117,13 +140,13 @@ def _aggregate(
 
 def _check_loss_args(
     logprobs: mx.array,
-    old_logprobs: mx.array,
     advantages: mx.array,
-    mask: mx.array,
     ref_logprobs: Optional[mx.array],
     beta: float,
     loss_type: str,
     max_tokens: Optional[int],
+    dual_clip: Optional[float],
+    same_shape: dict[str, Optional[mx.array]],
 ) -> None:
     """Raise ValueError for inconsistent shapes or option combinations."""
     if loss_type not in LOSS_TYPES:
@@ -134,10 +157,11 @@ def _check_loss_args(
         raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {logprobs.shape}")
-    named = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs}
-    for name, arr in named.items():
+    for name, arr in same_shape.items():
         if arr is not None and arr.shape != logprobs.shape:
             raise ValueError(f"{name} shape {arr.shape} != logprobs shape {logprobs.shape}")
     if advantages.shape != (logprobs.shape[0],):
@@ -154,13 +178,105 @@ def _bounded_exp(log_ratio: mx.array) -> mx.array:
     return mx.exp(mx.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
+def _per_sequence(log_ratio: mx.array, m: mx.array) -> mx.array:
+    """Each row's mean log-ratio over its own tokens, broadcast back to `[B, T]` (a geometric mean once exp'd)."""
+    return mx.broadcast_to(masked_mean(log_ratio, m, axis=1)[:, None], log_ratio.shape)
+
+
 def _ratio(log_ratio: mx.array, m: mx.array, loss_type: str) -> mx.array:
     """Importance ratio per token: token-level, or GSPO's broadcast sequence ratio."""
     if loss_type == "gspo":
-        # Geometric mean of the token ratios over the completion's own tokens.
-        seq = _bounded_exp(masked_mean(log_ratio, m, axis=1))
-        return mx.broadcast_to(seq[:, None], log_ratio.shape)
+        return _bounded_exp(_per_sequence(log_ratio, m))
     return _bounded_exp(log_ratio)
+
+
+@dataclass(frozen=True)
+class BehaviourCorrection:
+    """How the decoupled objective turns w = pi_prox / pi_behav into a token's weight.
+
+    `mode` "truncate" (TIS) weighs by min(w, cap); "mask" (MIS) by w up to `cap`
+    and 0 beyond. `level` "token" takes w per token; "sequence" one w per
+    completion, the geometric mean exp(mean_t log w_t) of its tokens. The product
+    (verl's `rollout_is = sequence`, TRL's `sequence_*` modes, prime-rl's sequence
+    ratio) grows with length: a 0.01-nat mismatch per token is e^5 over 500
+    tokens, so a cap would cut nearly every long completion. The geometric mean
+    (verl's `geometric` rejection, GSPO's ratio) does not depend on length.
+    """
+
+    cap: float = 2.0
+    mode: str = "truncate"
+    level: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.cap < 1.0:
+            raise ValueError(f"behaviour weight cap must be >= 1 (w = 1 when pi_prox = pi_behav), got {self.cap}")
+        if self.mode not in IS_MODES:
+            raise ValueError(f"unknown behaviour weight mode {self.mode!r}; expected one of {IS_MODES}")
+        if self.level not in IS_LEVELS:
+            raise ValueError(f"unknown behaviour weight level {self.level!r}; expected one of {IS_LEVELS}")
+
+
+def behaviour_weights(
+    proximal_logprobs: mx.array, behaviour_logprobs: mx.array, mask: mx.array, correction: BehaviourCorrection
+) -> tuple[mx.array, mx.array]:
+    """Detached weights `[B, T]` from pi_prox / pi_behav, and 1.0 where the cap truncated or masked them.
+
+    Off-mask positions get w = 1 and are never capped. A NaN logprob stays NaN
+    (so the step is skipped as non-finite, never silently weighted 0).
+    """
+    m = mask.astype(mx.float32)
+    on = m != 0
+    log_w = mx.where(on, _as_float(proximal_logprobs) - _as_float(behaviour_logprobs), 0.0)
+    if correction.level == "sequence":
+        log_w = mx.where(on, _per_sequence(log_w, m), 0.0)
+    w = _bounded_exp(log_w)
+    capped = w > correction.cap
+    kept = mx.minimum(w, correction.cap) if correction.mode == "truncate" else mx.where(capped, 0.0, w)
+    return mx.stop_gradient(kept), capped.astype(mx.float32)
+
+
+def log_gap(proximal_logprobs: mx.array, behaviour_logprobs: mx.array, mask: mx.array) -> mx.array:
+    """|log pi_prox - log pi_behav| per token `[B, T]`, 0 off the mask: staleness and numerical mismatch together."""
+    gap = mx.abs(_as_float(proximal_logprobs) - _as_float(behaviour_logprobs))
+    return mx.stop_gradient(mx.where(mask != 0, gap, 0.0))
+
+
+def offpolicy_stats(
+    proximal_logprobs: mx.array,
+    behaviour_logprobs: mx.array,
+    mask: mx.array,
+    correction: Optional[BehaviourCorrection],
+) -> dict[str, mx.array]:
+    """How far the batch's behaviour policy is from the proximal one, over its counted tokens.
+
+    `offpolicy_gap_mean` / `offpolicy_gap_max`: mean and max of `log_gap`. The
+    gap is taken absolute (as TRL's `sampling_logp_difference`): the signed mean
+    is second order, E_behav[log(pi_prox / pi_behav)] = -KL(pi_behav || pi_prox).
+    `is_capped_fraction`: share of tokens whose behaviour weight was truncated or
+    masked; 0 without a correction (the coupled objective weights nothing).
+    """
+    m = mask.astype(mx.float32)
+    gap = log_gap(proximal_logprobs, behaviour_logprobs, m)
+    capped = mx.array(0.0)
+    if correction is not None:
+        capped = masked_mean(behaviour_weights(proximal_logprobs, behaviour_logprobs, m, correction)[1], m)
+    return {"offpolicy_gap_mean": masked_mean(gap, m), "offpolicy_gap_max": mx.max(gap), "is_capped_fraction": capped}
+
+
+def _clipped_surrogate(
+    ratio: mx.array, adv: mx.array, epsilons: tuple[float, float], dual_clip: Optional[float]
+) -> mx.array:
+    """PPO's pessimistic `min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`.
+
+    With dual-clip c (Ye et al. 2020, verl's clip_ratio_c, AReaL's c_clip) a
+    negative-advantage token's objective is also kept >= c A: the min alone is
+    unbounded below as r grows, and one such token could outweigh the batch.
+    """
+    clipped = mx.clip(ratio, 1.0 - epsilons[0], 1.0 + epsilons[1])
+    surrogate = mx.minimum(ratio * adv, clipped * adv)
+    if dual_clip is None:
+        return surrogate
+    return mx.where(adv < 0, mx.maximum(surrogate, dual_clip * adv), surrogate)
 
 
 def grpo_loss(
@@ -177,31 +293,51 @@ def grpo_loss(
     max_tokens: Optional[int] = None,
     total_tokens: Optional[mx.array] = None,
     total_sequences: Optional[mx.array] = None,
+    proximal_logprobs: Optional[mx.array] = None,
+    correction: BehaviourCorrection = BehaviourCorrection(),
+    dual_clip: Optional[float] = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Clipped-surrogate GRPO loss (to minimise) and detached scalar stats.
 
-    Per token: `o = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) - beta * k3`,
-    aggregated per `loss_type` ("grpo", "dapo", "dr_grpo", "gspo") and negated.
-    Stats: `clip_fraction`, `kl`, `policy_objective`, `ratio_mean`.
+    `old_logprobs` are pi_behav's. Per token, with `s(r) = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`
+    (and `>= dual_clip * A` for A < 0 when set):
+    - coupled (`proximal_logprobs` None): `o = s(pi_theta / pi_behav) - beta * k3`;
+    - decoupled: `o = w * s(pi_theta / pi_prox) - beta * k3`, with `w` the detached
+      `behaviour_weights(pi_prox, pi_behav)` under `correction`. When pi_prox =
+      pi_behav, w = 1 and this is exactly the coupled loss.
+    `o` is aggregated per `loss_type` ("grpo", "dapo", "dr_grpo", "gspo") and negated.
+    A weight of 0 (MIS) removes a token's surrogate but not its place in the
+    normaliser, which is fixed before any forward (so micro-batch shares stay exact).
+
+    The k3 term estimates KL(pi_theta || pi_ref) against the reference policy
+    (the base model, or a frozen copy), not against pi_behav or pi_prox. It is not
+    multiplied by w (nor masked by MIS): it is a regulariser pulling pi_theta
+    towards pi_ref at the sampled tokens, not an estimate we need unbiased for
+    pi_theta's own samples; weighting it would switch it off exactly where the
+    policy has moved most, and make beta mean something different per objective.
+    TRL and verl leave it unweighted too.
+
+    Stats: `clip_fraction`, `kl`, `policy_objective`, `ratio_mean` (of pi_theta /
+    pi_behav coupled, pi_theta / pi_prox decoupled: 1 at ppo_epochs = 1).
 
     `total_tokens` / `total_sequences` are the whole batch's completion-token and
     sequence counts when these rows are one micro-batch of it: the loss and every
     stat are then this micro-batch's share, and the shares sum to the batch value.
     """
-    _check_loss_args(
-        logprobs, old_logprobs, advantages, mask, ref_logprobs, beta, loss_type, max_tokens
-    )
-    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    shapes = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs,
+              "proximal_logprobs": proximal_logprobs}
+    _check_loss_args(logprobs, advantages, ref_logprobs, beta, loss_type, max_tokens, dual_clip, shapes)
+    epsilons = (epsilon_low, epsilon_low if epsilon_high is None else epsilon_high)
     m = mask.astype(mx.float32)
     on = m != 0
     lp = _as_float(logprobs)
+    anchor = old_logprobs if proximal_logprobs is None else proximal_logprobs
     # Padding positions may hold garbage log-probs; zero their log ratio so exp()
     # cannot overflow into inf * 0 = NaN (in the value or the gradient).
-    log_ratio = mx.where(on, lp - _as_float(old_logprobs), 0.0)
-    ratio = _ratio(log_ratio, m, loss_type)
-    adv = _as_float(advantages)[:, None]
-    clipped = mx.clip(ratio, 1.0 - epsilon_low, 1.0 + eps_high)
-    surrogate = mx.minimum(ratio * adv, clipped * adv)
+    ratio = _ratio(mx.where(on, lp - _as_float(anchor), 0.0), m, loss_type)
+    surrogate = _clipped_surrogate(ratio, _as_float(advantages)[:, None], epsilons, dual_clip)
+    if proximal_logprobs is not None:
+        surrogate = behaviour_weights(proximal_logprobs, old_logprobs, m, correction)[0] * surrogate
 
     objective = surrogate
     k3 = None
@@ -212,7 +348,7 @@ def grpo_loss(
             objective = surrogate - beta * k3
     totals = (total_tokens, total_sequences)
     loss = -_aggregate(objective, m, loss_type, max_tokens, *totals)
-    stats = _loss_stats(ratio, surrogate, k3, m, (epsilon_low, eps_high), loss_type, max_tokens, totals)
+    stats = _loss_stats(ratio, surrogate, k3, m, epsilons, loss_type, max_tokens, totals)
     return loss, stats
 
 

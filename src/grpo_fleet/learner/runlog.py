@@ -29,7 +29,16 @@ class StepRecord:
     kl: float
     clip_fraction: float
     grad_norm: float
-    ratio_mean: float  # mean pi_theta / pi_old over the step's tokens: far from 1 means far off-policy
+    # Mean importance ratio over the step's tokens: pi_theta / pi_behav (coupled) or pi_theta / pi_prox (decoupled).
+    ratio_mean: float
+    # |log pi_prox - log pi_behav| over the step's tokens (staleness and numerical mismatch together), and the
+    # share of tokens whose behaviour weight grpo.is_cap truncated or masked (0 under the coupled objective).
+    offpolicy_gap_mean: float
+    offpolicy_gap_max: float
+    is_capped_fraction: float
+    completion_length_mean: float  # tokens per completion
+    completion_length_max: float
+    truncated_fraction: float  # completions cut off at generation.max_tokens
     learning_rate: float  # of the last applied update (optim.schedule's value at this step)
     skipped: Optional[str]  # why no update was applied (non-finite loss or gradient), or None
     peak_memory_bytes: int

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.batch import AcceptedGroup
+from grpo_fleet.learner.batch import NO_LENGTH_SHAPING, AcceptedGroup, LengthShaping
 from grpo_fleet.learner.grpo import group_advantages
 from grpo_fleet.learner.runlog import RunLog, SampleRow
 
@@ -53,14 +53,15 @@ def pick_samples(groups: Sequence[AcceptedGroup], count: int) -> list[tuple[int,
 
 
 def sample_rows(groups: Sequence[AcceptedGroup], picked: Sequence[tuple[int, int]], step: int, decode: Decode,
-                *, scale_by_std: bool) -> list[SampleRow]:
+                *, scale_by_std: bool, lengths: LengthShaping = NO_LENGTH_SHAPING) -> list[SampleRow]:
     """The picked completions as rows, prompt and completion decoded, with the advantage the step gave them."""
     per_group: dict[int, tuple[str, np.ndarray]] = {}  # prompt text and advantages, once per group
     rows = []
     for group_index, completion_index in picked:
         group = groups[group_index]
         if group_index not in per_group:
-            computed = group_advantages(mx.array(group.rewards), len(group.completions), scale_by_std=scale_by_std)
+            shaped = lengths.shaped_rewards(mx.array(group.rewards), np.array([len(c.tokens) for c in group.completions]))
+            computed = group_advantages(shaped, len(group.completions), scale_by_std=scale_by_std)
             per_group[group_index] = (decode(group.prompt_tokens), np.array(computed))
         prompt, advantages = per_group[group_index]
         completion = group.completions[completion_index]
@@ -83,13 +84,14 @@ class SampleLog:
 
     def __init__(self, cfg: RunConfig, decode: Decode, runlog: RunLog) -> None:
         self.every, self.count = cfg.train.log_samples_every, cfg.train.log_samples_count
-        self.scale_by_std = cfg.grpo.scale_by_std
+        self.scale_by_std, self.lengths = cfg.grpo.scales_by_std, LengthShaping.from_config(cfg)
         self.decode, self.runlog = decode, runlog
 
     def after_step(self, groups: Sequence[AcceptedGroup], step: int) -> int:
         """Log samples of the groups `step` trained on, if it is due; returns the rows written."""
         if not groups or not samples_due(step, self.every):
             return 0
-        rows = sample_rows(groups, pick_samples(groups, self.count), step, self.decode, scale_by_std=self.scale_by_std)
+        rows = sample_rows(groups, pick_samples(groups, self.count), step, self.decode, scale_by_std=self.scale_by_std,
+                           lengths=self.lengths)
         self.runlog.samples(rows)
         return len(rows)

@@ -1,9 +1,10 @@
 """The memory-bounded MLX update: micro-batches, chunked logprobs, accumulation, AdamW.
 
 A step splits the batch into token-budgeted micro-batches (`batch.split_batch`),
-runs pi_ref and then the policy on each, logprobs at completion positions only
-(`forward.completion_logprobs`), and accumulates gradients with the loss's
-batch-global normaliser, so the sum equals the one-batch gradient. Gradients
+runs pi_ref (and, for the decoupled objective at ppo_epochs > 1, pi_prox: the
+policy before the update) and then the policy on each, logprobs at completion
+positions only (`forward.completion_logprobs`), and accumulates gradients with
+the loss's batch-global normaliser, so the sum equals the one-batch gradient. Gradients
 and the update are separate: a non-finite loss or gradient norm skips the update
 and leaves weights and optimizer state exactly as they were.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, cast
@@ -24,13 +25,14 @@ from typing import Any, Callable, Optional, cast
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
 from grpo_fleet.learner.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
 from grpo_fleet.learner.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
-from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint
-from grpo_fleet.learner.grpo import grpo_loss
+from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint, frozen_logprobs
+from grpo_fleet.learner.grpo import BehaviourCorrection, grpo_loss, offpolicy_stats
 from grpo_fleet.learner.logprobs import head_logprobs
 from grpo_fleet.learner.schedule import learning_rate_schedule, with_decay_steps
 from grpo_fleet.model import Policy, adapters_disabled
@@ -38,6 +40,9 @@ from grpo_fleet.trees import flat_leaves, scalar
 
 _TRAIN_DEFAULTS = TrainConfig()
 LossFn = Callable[..., tuple[mx.array, dict]]
+# A loss's stats are scalars summed over micro-batches, except this per-token `[n, T]` entry: the
+# detached logprobs the loss saw, kept per micro-batch (the first epoch's are pi_prox).
+POLICY_LOGPROBS = "policy_logprobs"
 
 
 def policy_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, temperature: float) -> mx.array:
@@ -49,17 +54,50 @@ def policy_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, tempe
     return head_logprobs(model(inputs), targets, temperature)
 
 
+def behaviour_correction(grpo: GRPOConfig) -> Optional[BehaviourCorrection]:
+    """How the decoupled objective weights pi_prox / pi_behav; None for the coupled one, which weights nothing."""
+    if grpo.objective != "decoupled":
+        return None
+    return BehaviourCorrection(cap=grpo.is_cap, mode=grpo.is_mode, level=grpo.is_level)
+
+
 def default_loss(
     model: nn.Module, micro: MicroBatch, ref_logprobs: Optional[mx.array], totals: mx.array,
     *, grpo: GRPOConfig, temperature: float, max_tokens: int, chunk_tokens: int,
 ) -> tuple[mx.array, dict]:
-    """This micro-batch's share of the batch's GRPO objective under the current weights."""
+    """This micro-batch's share of the batch's GRPO objective under the current weights.
+
+    Decoupled, pi_prox is `micro.proximal_logprobs` when the trainer made the extra
+    forward (ppo_epochs > 1), else these very logprobs detached: before the first
+    update the current weights are the proximal ones, so one epoch gets it free.
+    """
     logprobs = completion_logprobs(model, micro, temperature=temperature, chunk_tokens=chunk_tokens)
-    return grpo_loss(
+    current = mx.stop_gradient(logprobs)
+    correction = behaviour_correction(grpo)
+    proximal = None
+    if correction is not None:
+        proximal = current if micro.proximal_logprobs is None else micro.proximal_logprobs
+    low, high = grpo.clip_range
+    loss, stats = grpo_loss(
         logprobs, micro.old_logprobs, micro.advantages, micro.mask,
-        ref_logprobs=ref_logprobs, beta=grpo.beta, epsilon_low=grpo.epsilon_low, epsilon_high=grpo.epsilon_high,
+        ref_logprobs=ref_logprobs, beta=grpo.beta, epsilon_low=low, epsilon_high=high,
         loss_type=grpo.loss_type, max_tokens=max_tokens, total_tokens=totals[0], total_sequences=totals[1],
+        proximal_logprobs=proximal, correction=correction or BehaviourCorrection(), dual_clip=grpo.dual_clip,
     )
+    return loss, {**stats, POLICY_LOGPROBS: current}
+
+
+def offpolicy_summary(
+    batch: TrainBatch, micro_batches: list[MicroBatch], proximal: list[mx.array],
+    correction: Optional[BehaviourCorrection],
+) -> tuple[Optional[np.ndarray], dict[str, float]]:
+    """pi_prox on the batch's `[N, L]` grid and the step's `offpolicy_stats` (none without a pi_prox per micro-batch)."""
+    if not micro_batches or len(proximal) != len(micro_batches):
+        return None, {}  # a custom loss_fn that returns no POLICY_LOGPROBS, and no extra forward
+    rows, width = batch.mask.shape
+    grid = unpack_completions(micro_batches, proximal, (rows, width))
+    stats = offpolicy_stats(mx.array(grid), batch.old_logprobs, batch.mask, correction)
+    return grid, {key: float(value) for key, value in stats.items()}
 
 
 @dataclass
@@ -69,6 +107,7 @@ class Gradients:
     loss: mx.array
     stats: dict[str, mx.array]
     grads: dict
+    policy_logprobs: list[mx.array] = field(default_factory=list)  # POLICY_LOGPROBS per micro-batch, if any
 
 
 @dataclass
@@ -80,7 +119,7 @@ class StepStats:
     clip_fraction: float
     grad_norm: float
     policy_objective: float
-    ratio_mean: float
+    ratio_mean: float  # pi_theta / pi_behav coupled, pi_theta / pi_prox decoupled (1 at ppo_epochs = 1)
     ref_seconds: float
     update_seconds: float
     train_seconds: float
@@ -90,6 +129,14 @@ class StepStats:
     learning_rate: float = 0.0  # the rate of this step's last applied update (the schedule's value)
     skipped: Optional[str] = None  # "nonfinite_loss" or "nonfinite_grad": that epoch applied no update
     extra: dict[str, float] = field(default_factory=dict)  # stats a custom loss_fn adds
+    proximal_seconds: float = 0.0  # the no-grad pi_prox forward (decoupled, ppo_epochs > 1); else 0
+    # grpo.offpolicy_stats of pi_prox (the weights before this step) against the actors' pi_behav.
+    offpolicy_gap_mean: float = 0.0
+    offpolicy_gap_max: float = 0.0
+    is_capped_fraction: float = 0.0
+    # pi_prox at the batch's completion positions, [N, L] like TrainBatch.old_logprobs (0 elsewhere), for
+    # comparing what the learner computes with what each actor reported; None if the loss_fn returned none.
+    proximal_logprobs: Optional[np.ndarray] = field(default=None, repr=False)
 
 
 def global_norm(grads: dict) -> mx.array:
@@ -150,20 +197,23 @@ class Trainer:
         self.optimizer.update(self.policy.model, tree_map(lambda g: g * scale, grads))
         return scale
 
-    def _micro_grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
-        compiled = None if self.compiled_update is None else self.compiled_update.grads(micro, ref, totals)
-        return self._grads(micro, ref, totals) if compiled is None else compiled
-
     def accumulate(self, micro_batches: list[MicroBatch], refs: list[Optional[mx.array]], totals: mx.array) -> Gradients:
         """Sum of the micro-batches' loss shares, stats and gradients (= the one-batch values)."""
         acc: Any = None
+        per_token: list[mx.array] = []
         for micro, ref in zip(micro_batches, refs):
-            part = self._micro_grads(micro, ref, totals)
+            compiled = None if self.compiled_update is None else self.compiled_update.grads(micro, ref, totals)
+            loss, stats, grads = self._grads(micro, ref, totals) if compiled is None else compiled
+            token_values = stats.pop(POLICY_LOGPROBS, None)
+            part = (loss, stats, grads)
             acc = part if acc is None else tree_map(mx.add, acc, part)
             # Evaluate per micro-batch: a lazy graph over all of them would hold every activation at once.
             mx.eval(acc)
+            if token_values is not None:
+                mx.eval(token_values)
+                per_token.append(token_values)
         loss, stats, grads = acc
-        return Gradients(loss=loss, stats=stats, grads=grads)
+        return Gradients(loss=loss, stats=stats, grads=grads, policy_logprobs=per_token)
 
     def gradients(self, batch: TrainBatch) -> Gradients:
         """The batch's gradients under the current weights, without applying them."""
@@ -202,14 +252,22 @@ class Trainer:
         if self.grpo.beta == 0:
             return [None] * len(micro_batches)
         model, context = self._reference_context()
-        refs: list[Optional[mx.array]] = []
         with context:
-            for micro in micro_batches:
-                lp = completion_logprobs(model, micro, temperature=self.temperature, chunk_tokens=self.chunk_tokens)
-                ref = mx.stop_gradient(lp)
-                mx.eval(ref)
-                refs.append(ref)
-        return refs
+            return [*frozen_logprobs(model, micro_batches, temperature=self.temperature, chunk_tokens=self.chunk_tokens)]
+
+    def _proximal(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """The micro-batches with pi_prox attached, where the objective needs a forward of its own for it.
+
+        Decoupled at ppo_epochs > 1 the weights move after the first epoch, so
+        pi_prox (the weights before the step) is one no-grad forward per
+        micro-batch, made first. Otherwise they come back as they are: with one
+        epoch the loss takes pi_prox from its own forward, and coupled needs none.
+        """
+        if self.grpo.objective != "decoupled" or self.grpo.ppo_epochs == 1:
+            return micro_batches
+        logprobs = frozen_logprobs(self.policy.model, micro_batches, temperature=self.temperature,
+                                   chunk_tokens=self.chunk_tokens)
+        return [replace(micro, proximal_logprobs=lp) for micro, lp in zip(micro_batches, logprobs)]
 
     def reference_logprobs(self, batch: TrainBatch) -> Optional[mx.array]:
         """pi_ref logprobs on the batch's `[N, L]` grid: completion positions, 0 elsewhere."""
@@ -228,25 +286,34 @@ class Trainer:
         totals = batch_totals(batch)
         refs = self._references(micro)
         ref_seconds = time.perf_counter() - start
+        with_proximal = self._proximal(micro)
+        proximal_seconds = 0.0 if with_proximal is micro else time.perf_counter() - start - ref_seconds
+        micro = with_proximal
+        proximal = [m.proximal_logprobs for m in micro if m.proximal_logprobs is not None]
         sums: dict[str, float] = {}
         epochs, skipped = 0, None
         while epochs < self.grpo.ppo_epochs and skipped is None:
             gradients = self.accumulate(micro, refs, totals)
             grad_norm, skipped = self.apply(gradients)
+            if epochs == 0 and not proximal:
+                # Only the first epoch's forward runs under the weights before the step: its logprobs are pi_prox.
+                proximal = gradients.policy_logprobs
             epochs += 1
             values: dict[str, Any] = {"loss": gradients.loss, "grad_norm": grad_norm, **gradients.stats}
             for key, value in values.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        grid, offpolicy = offpolicy_summary(batch, micro, proximal, behaviour_correction(self.grpo))
         train_seconds = time.perf_counter() - start
         peak = int(mx.get_peak_memory())
         self._trim_cache(peak)
         means = {key: value / epochs for key, value in sums.items()}
         known = {name: means.pop(name, 0.0) for name in
                  ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean")}
-        return StepStats(**known, ref_seconds=ref_seconds, update_seconds=train_seconds - ref_seconds,
-                         train_seconds=train_seconds, peak_memory_bytes=peak, micro_batches=len(micro),
-                         epochs=epochs, learning_rate=float(self.optimizer.learning_rate.item()), skipped=skipped,
-                         extra=means)
+        return StepStats(**known, **offpolicy, ref_seconds=ref_seconds, proximal_seconds=proximal_seconds,
+                         update_seconds=train_seconds - ref_seconds - proximal_seconds, train_seconds=train_seconds,
+                         peak_memory_bytes=peak, micro_batches=len(micro), epochs=epochs,
+                         learning_rate=float(self.optimizer.learning_rate.item()), skipped=skipped, extra=means,
+                         proximal_logprobs=grid)
 
     @staticmethod
     def _trim_cache(peak: int) -> None:

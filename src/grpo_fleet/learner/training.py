@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.batch import AcceptedGroup, build_train_batch
+from grpo_fleet.learner.batch import AcceptedGroup, LengthShaping, build_train_batch
 from grpo_fleet.learner.runlog import RunLog, StepRecord
 from grpo_fleet.learner.snapshots import SnapshotStore
 from grpo_fleet.learner.state import LearnerState
@@ -26,6 +26,7 @@ class StepPhases:
     data_prep: float
     ref_forward: float
     update: float
+    proximal_forward: Optional[float] = None  # only when the decoupled objective needs its own pi_prox forward
     publish: Optional[float] = None  # only on steps that publish a version
     checkpoint: Optional[float] = None  # only on steps that write a checkpoint
 
@@ -53,6 +54,7 @@ class Training:
         self.grpo, self.train = cfg.grpo, cfg.train
         self.max_train_staleness = (cfg.grpo.max_train_staleness if cfg.grpo.max_train_staleness is not None
                                     else cfg.grpo.max_staleness + cfg.server.in_flight_steps)
+        self.lengths = LengthShaping.from_config(cfg)
         self.trainer, self.snapshots, self.runlog, self.metrics = trainer, snapshots, runlog, metrics
 
     def ready(self, state: LearnerState) -> bool:
@@ -80,11 +82,12 @@ class Training:
     def run(self, groups: list[AcceptedGroup], trained_on: int, step: int) -> TrainedBatch:
         """Train on `groups` and serialise the new version if `step` publishes; touches no shared state."""
         started = time.perf_counter()
-        batch = build_train_batch(groups, scale_by_std=self.grpo.scale_by_std)
+        batch = build_train_batch(groups, scale_by_std=self.grpo.scales_by_std, lengths=self.lengths)
         data_prep = time.perf_counter() - started
         stats = self.trainer.step(batch)
         self.metrics.peak_memory.set(stats.peak_memory_bytes)
-        phases = StepPhases(data_prep=data_prep, ref_forward=stats.ref_seconds, update=stats.update_seconds)
+        phases = StepPhases(data_prep=data_prep, ref_forward=stats.ref_seconds, update=stats.update_seconds,
+                            proximal_forward=stats.proximal_seconds or None)
         snapshot = None
         if step % self.train.sync_every == 0:
             publish_started = time.perf_counter()
@@ -123,6 +126,8 @@ class Training:
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
             loss=stats.loss, kl=stats.kl, clip_fraction=stats.clip_fraction, grad_norm=stats.grad_norm,
             ratio_mean=stats.ratio_mean, learning_rate=stats.learning_rate, skipped=stats.skipped,
+            offpolicy_gap_mean=stats.offpolicy_gap_mean, offpolicy_gap_max=stats.offpolicy_gap_max,
+            is_capped_fraction=stats.is_capped_fraction, **_length_stats(groups),
             peak_memory_bytes=stats.peak_memory_bytes,
             groups=len(groups), tokens=int(sum(g.num_tokens for g in groups)),
             staleness_mean=float(np.mean([done.trained_on - g.policy_version for g in groups])),
@@ -140,6 +145,20 @@ class Training:
         mt.kl.set(record.kl)
         mt.clip_fraction.set(record.clip_fraction)
         mt.ratio_mean.set(record.ratio_mean)
+        mt.offpolicy_gap_mean.set(record.offpolicy_gap_mean)
+        mt.offpolicy_gap_max.set(record.offpolicy_gap_max)
+        mt.is_capped_fraction.set(record.is_capped_fraction)
+        mt.completion_length_mean.set(record.completion_length_mean)
+        mt.completion_length_max.set(record.completion_length_max)
+        mt.truncated_fraction.set(record.truncated_fraction)
         mt.learning_rate.set(record.learning_rate)
         mt.zero_variance_fraction.set(record.zero_variance_fraction)
         mt.step_seconds.observe(record.step_seconds)
+
+
+def _length_stats(groups: list[AcceptedGroup]) -> dict[str, float]:
+    """Completion length mean and max, and the share cut off at generation.max_tokens, over a batch's completions."""
+    completions = [c for g in groups for c in g.completions]
+    lengths = np.array([len(c.tokens) for c in completions])
+    return {"completion_length_mean": float(lengths.mean()), "completion_length_max": float(lengths.max()),
+            "truncated_fraction": float(np.mean([c.truncated for c in completions]))}

@@ -30,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from grpo_fleet.learner.batch import AcceptedGroup, build_train_batch, split_batch, unpack_completions
-from grpo_fleet.learner.forward import completion_logprobs
+from grpo_fleet.learner.forward import frozen_logprobs
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example, Task
@@ -120,9 +120,7 @@ class LogprobCheck:
         try:
             batch = build_train_batch([group])
             micro = split_batch(batch, self.micro_batch_tokens)
-            values = [mx.stop_gradient(completion_logprobs(self.model, mb, temperature=self.temperature,
-                                                           chunk_tokens=self.chunk_tokens)) for mb in micro]
-            mx.eval(values)
+            values = frozen_logprobs(self.model, micro, temperature=self.temperature, chunk_tokens=self.chunk_tokens)
             rows, width = batch.mask.shape
             ours = unpack_completions(micro, values, (rows, width))
         finally:

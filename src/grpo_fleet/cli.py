@@ -317,7 +317,7 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
 
     bench = sub.add_parser("bench", help="benchmarks: figures next to baselines, as ratios (see bench/RESULTS.md)")
     bench.add_argument("--only", help="comma-separated subset: rollout,ingest,weights,step,qwen_step,mixed,e2e,"
-                                      "offpolicy,logprob_gap")
+                                      "offpolicy,logprob_gap,stale_lengths")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     bench.add_argument("--out", default="bench/results.json", help="where to write every figure as JSON")
     bench.set_defaults(func=_bench)

@@ -36,7 +36,7 @@ from grpo_fleet.model import load_policy
 from grpo_fleet.tasks import build_task
 
 EVAL_EVERY = 100
-TARGET = 0.5  # held-out reward: the demo passes it around step 800 of 1500
+TARGET = 0.4  # held-out reward: on-policy, the in-process loop passes it around step 500
 
 
 @dataclass
@@ -96,7 +96,7 @@ def _median(values: list[Optional[float]]) -> Optional[float]:
 
 
 def run(report: Report, quick: bool) -> None:
-    steps, seeds, lags = (400, (0,), (0, 4)) if quick else (1000, (0, 1, 2), (0, 4))
+    steps, seeds, lags = (300, (0,), (0, 4)) if quick else (600, (0, 1, 2), (0, 4))
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="grpo-bench-offpolicy-") as tmp:
         for seed in seeds:

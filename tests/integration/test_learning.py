@@ -30,7 +30,12 @@ def test_demo_fleet_raises_held_out_reward(tmp_path: Path) -> None:
     assert summary["steps"] == STEPS
     rise = summary["eval_reward_after"] - summary["eval_reward_before"]
     assert rise >= RISE, summary
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if "event" not in r]
+    rounds = [r for r in lines if r.get("event") == "eval"]
+    # Before and after are the learner's own eval rounds: at step 0 and after the last step.
+    assert [r["step"] for r in rounds][0] == 0 and rounds[-1]["step"] == STEPS
+    assert summary["eval_reward_after"] == rounds[-1]["eval_reward"]
     # Training reward moved too, not only the final greedy evaluation.
     first, last = records[: len(records) // 10], records[-len(records) // 10 :]
     mean = lambda rows: sum(r["reward_mean"] for r in rows) / len(rows)  # noqa: E731

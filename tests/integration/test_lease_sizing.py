@@ -25,6 +25,8 @@ def test_fast_actor_gets_full_leases_and_slow_actor_small_ones(run_config, spawn
         grpo={"groups_per_step": 8},
         train={"steps": 10**6, "checkpoint_every": 10**6},
         server={"max_groups_per_lease": ASKED, "lease_target_seconds": 1.0, "lease_seconds": 30.0},
+        # The simulated actors' rewards and logprobs are made up; what is tested here is lease sizing.
+        security={"verify_rewards": False, "verify_logprobs": False},
     )
     learner = spawn("learner", "--config", str(config), name="learner")
     start = time.time()

@@ -160,7 +160,9 @@ def _learner_config(run_dir: Path, keys: Optional[Path]) -> dict[str, Any]:
             # A bug in the simulated actors should show up as counted rejections, not a ban.
             "max_violations": 10**9,
         },
-        "security": {"keys_dir": str(keys) if keys else None},
+        # Simulated actors send made-up tokens and rewards: these figures are the plumbing's, without the
+        # learner's re-scoring and logprob checks (security.verify_*), which real actors' groups pass.
+        "security": {"keys_dir": str(keys) if keys else None, "verify_rewards": False, "verify_logprobs": False},
         "metrics": {"port": 0},
     }
 

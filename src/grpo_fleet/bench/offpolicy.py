@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from grpo_fleet.actor.rollout import SamplingSettings
@@ -59,6 +60,9 @@ class Run:
 
 def lagged_run(cfg: RunConfig, model_path: str, lag: int) -> list[tuple[int, float, float]]:
     """Train for cfg.train.steps, sampling each batch from the weights of `lag` updates ago."""
+    # The same sampling stream for both objectives at a seed: at lag 0 their losses are the same, so what
+    # differs between them is the objective, not which completions happened to be drawn.
+    mx.random.seed(cfg.train.seed)
     policy = load_policy(model_path, dtype=cfg.model.dtype)
     sampler = load_policy(model_path, dtype=cfg.model.dtype)  # the late actor
     reference = load_policy(model_path, dtype=cfg.model.dtype).model if cfg.grpo.beta > 0 else None

@@ -119,8 +119,10 @@ class Learner:
         if self.weight_history is not None:
             self.weight_history.record(0)
         self.training = Training(cfg, trainer, self.snapshots, self.runlog, metrics)
+        eval_check = (None if self.reward_check is None
+                      else RewardCheck(task, task.eval, policy.tokenizer, self.reward_check.scorer))
         self.evaluation = Evaluation(cfg, task.eval, eval_prompt_tokens or [], policy.vocab_size, self.state,
-                                     self.registry, self.runlog, metrics)
+                                     self.registry, self.runlog, metrics, reward_check=eval_check)
         if self.evaluation.due(0, final=False):
             self.evaluation.start(0, 0)  # the baseline: held-out reward before any training
         self.samples = SampleLog(cfg, tokenizer_decode(policy.tokenizer), self.runlog)

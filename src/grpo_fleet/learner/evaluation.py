@@ -34,6 +34,7 @@ from grpo_fleet.tasks import Example
 if TYPE_CHECKING:
     from grpo_fleet.learner.registry import ActorInfo, Registry
     from grpo_fleet.learner.state import LearnerState
+    from grpo_fleet.learner.verification import RewardCheck
 
 log = logging.getLogger("grpo_fleet.learner")
 # An eval prompt unscored this many times is left out of its round (counted in the row).
@@ -93,7 +94,8 @@ class Evaluation:
 
     def __init__(self, cfg: RunConfig, examples: list[Example], prompt_tokens: list[np.ndarray], vocab_size: int,
                  state: LearnerState, registry: Registry, runlog: RunLog, metrics: LearnerMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, reward_check: Optional[RewardCheck] = None) -> None:
+        self.reward_check = reward_check  # eval rewards are re-scored like training ones (learner/verification.py)
         self.train, self.examples, self.prompt_tokens = cfg.train, examples, prompt_tokens
         self.lease_seconds, self.max_tokens = cfg.server.lease_seconds, cfg.generation.max_tokens
         self.max_groups_per_lease = cfg.server.max_groups_per_lease
@@ -174,6 +176,10 @@ class Evaluation:
                                       max_tokens=self.max_tokens, reward_bound=self.reward_bound)
         if invalid is None and any(group_id not in lease.tickets for group_id in submitted_ids(msg)):
             return RejectReason.NOT_LEASED
+        if invalid is None and self.reward_check is not None:
+            verdicts = self.reward_check.verdicts([(g, lease.tickets[g.group_id]) for g in msg.groups])
+            if RejectReason.REWARD_MISMATCH in verdicts.values():
+                return RejectReason.REWARD_MISMATCH  # the whole lease: its prompts go back in the round
         return invalid
 
     def _retry(self, round_: EvalRound, index: int) -> None:

@@ -6,7 +6,8 @@ lie in one way, as a broken or tampered Mac would:
 - `rewards`: every reported reward is 0.25 higher than its rewards gave;
 - `logprobs`: every reported logprob is halved;
 - `weights`: the model is perturbed after every load, so it samples from other weights;
-- `version`: it never loads a new snapshot but claims the newest version it has heard of.
+- `version`: it never loads a snapshot (it samples from the base model it loaded from disk, version 0)
+  but claims the newest version it has heard of.
 
 The learner must catch each within one lease (learner/verification.py).
 """
@@ -41,7 +42,7 @@ class Corruption:
 
     @property
     def frozen_weights(self) -> bool:
-        """`version`: keep the first weights loaded, whatever the learner publishes."""
+        """`version`: keep the base weights loaded from disk, whatever the learner publishes."""
         return self.kind == "version"
 
     def after_load(self, model: nn.Module) -> None:

@@ -136,7 +136,8 @@ class ActorWorker:
             self.metrics.submit_retries.inc()
             self._on_answer(self.link.request(self.inflight.submitted, m.Ack))
         assert self.policy is not None  # _adopt loaded it
-        self.weights.sync(self.link, self.policy.model)
+        if not self.corruption.frozen_weights:
+            self.weights.sync(self.link, self.policy.model)
         self.corruption.after_load(self.policy.model)
         # On SIGTERM, finish delivering what was leased and generated (drain), then stop.
         while not (self.stopping and self.inflight.drained):
@@ -208,7 +209,7 @@ class ActorWorker:
 
     def _work_once(self) -> None:
         self.link.poll_notices()
-        if self.weights.behind and not (self.corruption.frozen_weights and self.weights.loaded >= 0):
+        if self.weights.behind and not self.corruption.frozen_weights:
             assert self.policy is not None  # _adopt loaded it
             self.weights.sync(self.link, self.policy.model)
             self.corruption.after_load(self.policy.model)

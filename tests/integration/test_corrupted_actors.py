@@ -40,16 +40,18 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
 
     wait_for(lambda: rejected().get("reward_mismatch", 0) > 0 and rejected().get("logprob_mismatch", 0) >= 3,
              "the liars to be caught", procs=[learner], timeout=180)
-    gaps = scrape(port)
-    honest_checks = gaps.total("grpo_fleet_learner_logprob_gap_nats_count") - 3
-    assert honest_checks > 20 and gaps.by_label("le")[("grpo_fleet_learner_logprob_gap_nats_bucket", "0.001")] \
-        >= honest_checks, "every honest group checked was within 1e-3 nats of the learner"
+    buckets = {le: value for (name, le), value in scrape(port).by_label("le").items()
+               if name == "grpo_fleet_learner_logprob_gap_nats_bucket"}
+    # Every check is either an honest group within 1e-3 nats or a liar's beyond the 0.05 threshold.
+    assert buckets["0.001"] > 20 and buckets["0.05"] == buckets["0.001"], buckets
+    over_threshold = buckets["+Inf"] - buckets["0.05"]
     assert learner.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
 
     log = learner.log_path.read_text()
     bans = {actor: (group, int(step)) for actor, group, step in re.findall(
         r"actor (liar-\w+): group (\S+) \(claimed v\d+\) has logprobs .* banned after step (\d+)", log)}
     assert set(bans) == {"liar-logprobs", "liar-weights", "liar-version"}, log[-3000:]
+    assert over_threshold <= len(re.findall(r"actor liar-\w+: group \S+ \(claimed", log)), "only liars were over it"
     ledger = jsonl(run_dir / "ledger.jsonl")
     accepted = {kind: [e for e in ledger if e["actor_id"] == f"liar-{kind}"] for kind in KINDS}
     assert accepted["rewards"] == [], "every group is re-scored: none with altered rewards is accepted"

@@ -39,7 +39,7 @@ from grpo_fleet.evaluate import evaluate
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, LengthShaping, build_train_batch
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
-from grpo_fleet.learner.trainer import trainer_from_config
+from grpo_fleet.learner.trainer import Trainer, trainer_from_config
 from grpo_fleet.local_fleet import running
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.tasks import Task, build_task
@@ -116,34 +116,65 @@ def _sampled_groups(policy: Policy, prompts: list, tickets: list, settings: Samp
     return groups
 
 
+@dataclass
+class TrainLoop:
+    """One process that samples a batch, trains on it and repeats: the learner's parts without a fleet."""
+
+    cfg: RunConfig
+    policy: Policy
+    trainer: Trainer
+    task: Task
+    prompts: list
+    scheduler: PromptScheduler
+    settings: SamplingSettings
+
+    @classmethod
+    def build(cls, cfg: RunConfig, model_path: str) -> "TrainLoop":
+        policy = load_policy(model_path, dtype=cfg.model.dtype)
+        reference = load_policy(model_path, dtype=cfg.model.dtype).model if cfg.grpo.beta > 0 else None
+        task = build_task(cfg.task)
+        prompts = tokenize_prompts(policy.tokenizer, task, cfg)
+        gen = cfg.generation
+        settings = SamplingSettings(gen.group_size, gen.max_tokens, gen.temperature, gen.top_p,
+                                    sorted(policy.tokenizer.eos_token_ids))
+        return cls(cfg, policy, trainer_from_config(policy, cfg, reference), task, prompts,
+                   PromptScheduler(len(prompts), seed=cfg.train.seed, lease_seconds=1e9), settings)
+
+    def batch(self, sampler: Policy, rollout: Rollout) -> list[AcceptedGroup]:
+        """grpo.groups_per_step informative groups sampled by `sampler` (the policy itself, or a late copy)."""
+        wanted = self.cfg.grpo.groups_per_step
+        batch: list[AcceptedGroup] = []
+        while len(batch) < wanted:
+            lease = self.scheduler.issue("loop", wanted - len(batch))
+            if lease is None:  # nothing is ever left out on a lease, so this means no prompts at all
+                raise RuntimeError("the prompt scheduler issued nothing")
+            groups = _sampled_groups(sampler, self.prompts, list(lease.tickets.values()), self.settings, self.task,
+                                     rollout)
+            for group in groups:
+                self.scheduler.finish(lease.lease_id, group.group_id)
+            batch += [g for g in groups if g.is_informative]
+        return batch
+
+    def train(self, batch: list[AcceptedGroup]) -> None:
+        grpo = self.cfg.grpo
+        self.trainer.step(build_train_batch(batch, scale_by_std=grpo.scales_by_std,
+                                            lengths=LengthShaping.from_config(self.cfg)))
+
+    def held_out(self) -> float:
+        return evaluate(self.policy.model, self.policy.tokenizer, self.task, self.cfg)
+
+
 def loop_curve(cfg: RunConfig, model_path: str, rollout: Rollout, target: float) -> list[Point]:
     """Generate a batch, train on it, repeat, in this process, until the target or `train.steps`."""
     launched, paused = time.time(), 0.0
-    policy = load_policy(model_path, dtype=cfg.model.dtype)
-    reference = load_policy(model_path, dtype=cfg.model.dtype).model if cfg.grpo.beta > 0 else None
-    trainer = trainer_from_config(policy, cfg, reference)
-    task = build_task(cfg.task)
-    prompts = tokenize_prompts(policy.tokenizer, task, cfg)
-    scheduler = PromptScheduler(len(prompts), seed=cfg.train.seed, lease_seconds=1e9)
-    gen = cfg.generation
-    settings = SamplingSettings(gen.group_size, gen.max_tokens, gen.temperature, gen.top_p,
-                                sorted(policy.tokenizer.eos_token_ids))
+    loop = TrainLoop.build(cfg, model_path)
     curve: list[Point] = []
     for step in range(1, cfg.train.steps + 1):
-        batch: list[AcceptedGroup] = []
-        while len(batch) < cfg.grpo.groups_per_step:
-            lease = scheduler.issue("loop", cfg.grpo.groups_per_step - len(batch))
-            if lease is None:  # nothing is ever left out on a lease, so this means no prompts at all
-                raise RuntimeError("the prompt scheduler issued nothing")
-            groups = _sampled_groups(policy, prompts, list(lease.tickets.values()), settings, task, rollout)
-            for group in groups:
-                scheduler.finish(lease.lease_id, group.group_id)
-            batch += [g for g in groups if g.is_informative]
-        trainer.step(build_train_batch(batch, scale_by_std=cfg.grpo.scales_by_std, lengths=LengthShaping.from_config(cfg)))
+        loop.train(loop.batch(loop.policy, rollout))
         if step % EVAL_EVERY == 0:
             seconds = time.time() - launched - paused
             eval_started = time.time()
-            curve.append((step, seconds, evaluate(policy.model, policy.tokenizer, task, cfg)))
+            curve.append((step, seconds, loop.held_out()))
             paused += time.time() - eval_started
             if curve[-1][2] >= target:
                 break

@@ -24,15 +24,10 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from grpo_fleet.actor.rollout import SamplingSettings
 from grpo_fleet.bench import Figure, Report
-from grpo_fleet.bench.e2e import _config, _sampled_groups, batched_rollout
+from grpo_fleet.bench.e2e import TrainLoop, _config, batched_rollout
 from grpo_fleet.config import RunConfig
-from grpo_fleet.evaluate import evaluate
-from grpo_fleet.learner.batch import AcceptedGroup, LengthShaping, build_train_batch
-from grpo_fleet.learner.scheduler import PromptScheduler
-from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
-from grpo_fleet.learner.trainer import trainer_from_config
+from grpo_fleet.learner.setup import resolve_model_path
 from grpo_fleet.model import load_policy
 from grpo_fleet.tasks import build_task
 
@@ -63,34 +58,19 @@ def lagged_run(cfg: RunConfig, model_path: str, lag: int) -> list[tuple[int, flo
     # The same sampling stream for both objectives at a seed: at lag 0 their losses are the same, so what
     # differs between them is the objective, not which completions happened to be drawn.
     mx.random.seed(cfg.train.seed)
-    policy = load_policy(model_path, dtype=cfg.model.dtype)
+    loop = TrainLoop.build(cfg, model_path)
     sampler = load_policy(model_path, dtype=cfg.model.dtype)  # the late actor
-    reference = load_policy(model_path, dtype=cfg.model.dtype).model if cfg.grpo.beta > 0 else None
-    trainer = trainer_from_config(policy, cfg, reference)
-    task = build_task(cfg.task)
-    prompts = tokenize_prompts(policy.tokenizer, task, cfg)
-    scheduler = PromptScheduler(len(prompts), seed=cfg.train.seed, lease_seconds=1e9)
-    gen = cfg.generation
-    settings = SamplingSettings(gen.group_size, gen.max_tokens, gen.temperature, gen.top_p,
-                                sorted(policy.tokenizer.eos_token_ids))
-    history: deque[Any] = deque([tree_flatten(policy.model.trainable_parameters())], maxlen=lag + 1)
+    model = loop.policy.model
+    history: deque[Any] = deque([tree_flatten(model.trainable_parameters())], maxlen=lag + 1)
     points, trained_seconds = [], 0.0
     for step in range(1, cfg.train.steps + 1):
         started = time.perf_counter()
         sampler.model.update(tree_unflatten(list(history[0])))  # the oldest kept: `lag` updates back
-        batch: list[AcceptedGroup] = []
-        while len(batch) < cfg.grpo.groups_per_step:
-            lease = scheduler.issue("offpolicy", cfg.grpo.groups_per_step - len(batch))
-            assert lease is not None  # nothing is left out on a lease: the scheduler always has prompts
-            groups = _sampled_groups(sampler, prompts, list(lease.tickets.values()), settings, task, batched_rollout)
-            for group in groups:
-                scheduler.finish(lease.lease_id, group.group_id)
-            batch += [g for g in groups if g.is_informative]
-        trainer.step(build_train_batch(batch, scale_by_std=cfg.grpo.scales_by_std, lengths=LengthShaping.from_config(cfg)))
-        history.append(tree_flatten(policy.model.trainable_parameters()))
+        loop.train(loop.batch(sampler, batched_rollout))
+        history.append(tree_flatten(model.trainable_parameters()))
         trained_seconds += time.perf_counter() - started
         if step % EVAL_EVERY == 0:
-            points.append((step, trained_seconds, evaluate(policy.model, policy.tokenizer, task, cfg)))
+            points.append((step, trained_seconds, loop.held_out()))
     return points
 
 

@@ -172,6 +172,23 @@ def _build_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_gguf(args: argparse.Namespace) -> int:
+    import time
+
+    from grpo_fleet.gguf import GGUFError, import_gguf
+    from grpo_fleet.zoo import ZooError, gguf_file
+
+    start = time.perf_counter()
+    try:
+        path = import_gguf(gguf_file(args.file), args.out_dir, dtype=args.dtype)
+    except (GGUFError, ZooError, OSError) as exc:
+        print(f"grpo-fleet import-gguf: {exc}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    print(f"{path}  ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s); load it with mlx_lm.load({str(path)!r})")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -314,6 +331,13 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     build.add_argument("spec", help="e.g. realshape:qwen2.5-0.5b or 'realshape:qwen2.5-0.5b?layers=4&bits=4&seed=0'")
     build.add_argument("--cache-dir", help="model cache (default $GRPO_FLEET_MODEL_CACHE or ~/.cache/grpo-fleet/models)")
     build.set_defaults(func=_build_model)
+
+    gguf = sub.add_parser("import-gguf", help="turn a GGUF file (llama, qwen2) into an mlx-lm model directory")
+    gguf.add_argument("file", help="a .gguf file, or zoo:NAME for a model the zoo fetches (zoo:smollm2-135m-instruct)")
+    gguf.add_argument("out_dir", help="directory to write (replaced if it exists)")
+    gguf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                      help="dtype of the dequantised weights (default %(default)s)")
+    gguf.set_defaults(func=_import_gguf)
 
     bench = sub.add_parser("bench", help="benchmarks: figures next to baselines, as ratios (see bench/RESULTS.md)")
     bench.add_argument("--only", help="comma-separated subset: rollout,ingest,weights,step,qwen_step,mixed,e2e,"

@@ -18,6 +18,7 @@ from grpo_fleet.config import RunConfig, apply_overrides, load_run_config, toml_
 from grpo_fleet.local_fleet import Fleet, FleetStop, early_stop, running
 from grpo_fleet.plotting import load_eval_records
 from grpo_fleet.protocol.endpoints import free_port, loopback_endpoint
+from grpo_fleet.zoo import is_gguf_source, model_reference
 
 # The demo's defaults: small enough for 2 CPU cores, tuned so learning is visible
 # within a few minutes (lr >= 5e-4 collapsed the tiny model; beta 0.04 keeps groups informative).
@@ -124,6 +125,9 @@ def prepare(options: DemoOptions) -> tuple[RunConfig, Path]:
         (run_dir / stale).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = local_model_path(resolve_model_path(cfg, build_task(cfg.task)))
+    if is_gguf_source(cfg.model.path):
+        # Imported above into the run's cache; the learner and each actor still get the GGUF and import their own.
+        model_path = model_reference(cfg.model.path, model_path)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_path})})
     config_path = run_dir / "demo-config.json"
     config_path.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))

@@ -19,13 +19,14 @@ mlx-lm's rope sees the layout the model was trained with.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import blake3
 import mlx.core as mx
@@ -247,12 +248,18 @@ def build_tokenizer(metadata: dict[str, Any]) -> Any:
     tokenizer.pre_tokenizer = _pre_tokenizer(str(_meta(metadata, "tokenizer.ggml.pre", "default")))
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = mx.array(metadata["tokenizer.ggml.token_type"]).tolist() if "tokenizer.ggml.token_type" in metadata else []
+    types = _int_list(metadata.get("tokenizer.ggml.token_type"))
     tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                   for i, t in enumerate(types) if t == _CONTROL])
     tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                           for i, t in enumerate(types) if t == _USER_DEFINED])
     return tokenizer
+
+
+def _int_list(value: Any) -> list[int]:
+    """An int array from the metadata (absent: empty)."""
+    values = [] if value is None else mx.array(value).reshape(-1).tolist()
+    return [int(x) for x in cast(list[int], values)]
 
 
 def _token(metadata: dict[str, Any], key: str) -> Optional[str]:
@@ -304,9 +311,10 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, dtype: str = "float3
     tokenizer = _with_bos(build_tokenizer(metadata), metadata)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users of a shared cache
     try:
         mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
-        config = model_config(hyper, metadata, tied="lm_head.weight" not in weights)
+        config = model_config(hyper, metadata, tied="lm_head.weight" not in weights) | {"torch_dtype": dtype}
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save(str(staging / "tokenizer.json"))
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(metadata, hyper), indent=2) + "\n")
@@ -330,7 +338,7 @@ def _load(source: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         # MLX's reader fails on types it does not know; name them with the gguf package's reader instead.
         check_tensor_types(tensor_types(source), "unknown")
         raise GGUFError(f"MLX could not read {source}: {exc}") from exc
-    tensors, metadata = loaded  # type: ignore[misc]
+    tensors, metadata = cast(tuple[dict[str, mx.array], dict[str, Any]], loaded)
     return dict(tensors), dict(metadata)
 
 
@@ -338,7 +346,11 @@ def cached_import(source: str | Path, cache_root: str | Path, *, dtype: str = "f
     """The import of `source` under `cache_root`, keyed by the file's digest and the dtype; imported once."""
     digest = file_digest(source)
     target = Path(cache_root) / f"gguf-{digest[:24]}-{dtype}-v{IMPORT_FORMAT}"
-    marker = target / "gguf_source.json"
-    if marker.exists() and json.loads(marker.read_text()).get("blake3") == digest:
-        return target
-    return import_gguf(source, target, dtype=dtype)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Two actors on one machine share the cache: the second waits for the first import and reuses it.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        marker = target / "gguf_source.json"
+        if marker.exists() and json.loads(marker.read_text()).get("blake3") == digest:
+            return target
+        return import_gguf(source, target, dtype=dtype)

@@ -43,6 +43,7 @@ from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.tasks import Task
 from grpo_fleet.tasks.reward_runner import InlineScorer, Scorer
+from grpo_fleet.zoo import model_reference
 
 log = logging.getLogger("grpo_fleet.learner")
 
@@ -64,7 +65,7 @@ ActorHandler = Callable[[ActorInfo, Any], Reply]
 def run_card(cfg: RunConfig, policy: Policy, task: Task, model_digest: str) -> RunCard:
     """What Welcome tells every actor: the model to load, how to sample, which rewards to score with."""
     return RunCard(
-        model=m.ModelRef(path=policy.path, digest=model_digest,
+        model=m.ModelRef(path=model_reference(cfg.model.path, policy.path), digest=model_digest,
                          lora=cfg.lora.model_dump() if policy.lora is not None else None, dtype=cfg.model.dtype,
                          chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt),
         generation=m.GenerationParams(**cfg.generation.model_dump()),

@@ -268,11 +268,11 @@ class Intake:
 
     def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
         """The learner's own rewards for every group it would accept (security.verify_rewards)."""
-        if self.reward_check is None:
+        unrefused = [g for g in msg.groups if refused[g.group_id] is None]
+        if self.reward_check is None or not unrefused:  # a late submission's lease is gone, and all of it refused
             return {}
         lease = self.state.scheduler.leases[msg.lease_id]
-        pending = [(g, lease.tickets[g.group_id].prompt_index) for g in msg.groups if refused[g.group_id] is None]
-        return self.reward_check.verdicts(pending)
+        return self.reward_check.verdicts([(g, lease.tickets[g.group_id].prompt_index) for g in unrefused])
 
     def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
         """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""

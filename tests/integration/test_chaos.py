@@ -40,22 +40,27 @@ def _stale_lease_refusals(metrics_port: int) -> float:
     return scrape(metrics_port).by_label("reason").get(("grpo_fleet_learner_rejections_total", "stale_lease"), 0.0)
 
 
-def _freeze_past_lease(actor, learner, metrics_port: int, lease_seconds: float) -> None:
-    """SIGSTOP an actor past its lease (a Mac asleep), then SIGCONT: its work arrives after expiry.
+def _freeze_past_lease(actors: list, learner, metrics_port: int, lease_seconds: float) -> None:
+    """SIGSTOP every actor past its lease (Macs asleep), then SIGCONT: their work arrives after expiry.
 
-    Rewards are verified (security.verify_rewards, the default), and the late
-    groups must be refused as stale_lease: not answered `internal`, not a traceback.
+    With all of them frozen the learner cannot step past what it had buffered
+    (server.in_flight_steps), so the late work is from a version it can still
+    train: it reaches the reward check (security.verify_rewards, the default),
+    and must be refused as stale_lease, not answered `internal` with a traceback.
     """
     before = _stale_lease_refusals(metrics_port)
-    actor.send_signal(signal.SIGSTOP)
-    time.sleep(lease_seconds + 1.0)  # less than the learner's silence limit (10 heartbeats): it stays registered
-    actor.send_signal(signal.SIGCONT)
+    for actor in actors:
+        actor.send_signal(signal.SIGSTOP)
+    # Past the lease, but short of the learner's silence limit (10 heartbeats): the actors stay registered.
+    time.sleep(lease_seconds + 0.75)
+    for actor in actors:
+        actor.send_signal(signal.SIGCONT)
 
     def refused_as_stale() -> bool:
         assert "error handling" not in learner.log_path.read_text(), learner.log_path.read_text()[-3000:]
         return _stale_lease_refusals(metrics_port) > before
 
-    wait_for(refused_as_stale, "the late submission to be refused as stale_lease", timeout=60, procs=[learner])
+    wait_for(refused_as_stale, "the late submissions to be refused as stale_lease", timeout=60, procs=[learner])
 
 
 def _wait_for_offset(run_dir: Path, learner, offset: int, at_least: int) -> int:
@@ -113,7 +118,7 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
         learners[-1].wait()
         learners.append(spawn("learner", "--resume", str(run_dir), name="learner-resumed"))
         recoveries.append(_wait_for_progress(run_dir, learners[-1], beyond=died_at))
-    _freeze_past_lease(actors[0], learners[-1], metrics_port, cfg.server.lease_seconds)
+    _freeze_past_lease(actors, learners[-1], metrics_port, cfg.server.lease_seconds)
     for _ in range(ACTOR_KILLS):
         time.sleep(rng.uniform(0.3, 1.2))
         assert learners[-1].poll() is None, "the run ended before the chaos did; raise STEPS"

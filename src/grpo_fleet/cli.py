@@ -139,12 +139,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    from grpo_fleet.config import config_error_message
     from grpo_fleet.launch import load_fleet, run_fleet
 
     try:
         fleet = load_fleet(args.fleet)
     except (OSError, ValueError) as exc:  # a missing file, bad TOML, a schema or run-config error
-        print(f"grpo-fleet launch: {args.fleet}: {exc}", file=sys.stderr)
+        print(f"grpo-fleet launch: {args.fleet}: {config_error_message(exc) or exc}", file=sys.stderr)
         return 2
     return run_fleet(fleet)
 
@@ -342,7 +343,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         reexec_with_openblas()
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        from grpo_fleet.config import config_error_message  # lazily: only once something failed
+
+        message = config_error_message(exc)
+        if message is None:
+            raise
+        # The user's mistake is in a file or a flag: the message names the key and the fix; a traceback would bury it.
+        print(f"grpo-fleet {args.command}: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

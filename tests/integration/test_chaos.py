@@ -24,6 +24,7 @@ ACTOR_KILLS = 6
 # learner that refuses its actors' work (the livelock this test was written for)
 # never does; a healthy one needs a few seconds to load plus a few steps.
 RESUME_BOUND_SECONDS = 60.0
+FREEZE_TRIES = 10
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -40,27 +41,36 @@ def _stale_lease_refusals(metrics_port: int) -> float:
     return scrape(metrics_port).by_label("reason").get(("grpo_fleet_learner_rejections_total", "stale_lease"), 0.0)
 
 
-def _freeze_past_lease(actors: list, learner, metrics_port: int, lease_seconds: float) -> None:
-    """SIGSTOP every actor past its lease (Macs asleep), then SIGCONT: their work arrives after expiry.
+def _freeze_past_lease(actors: list, learner, metrics_port: int, lease_seconds: float) -> int:
+    """SIGSTOP every actor past its lease (Macs asleep), then SIGCONT, until late work has come back; returns the tries.
 
     With all of them frozen the learner cannot step past what it had buffered
     (server.in_flight_steps), so the late work is from a version it can still
     train: it reaches the reward check (security.verify_rewards, the default),
     and must be refused as stale_lease, not answered `internal` with a traceback.
+    An actor frozen while it held no lease (the learner's capacity was full) has
+    nothing late to send, hence the tries.
     """
     before = _stale_lease_refusals(metrics_port)
-    for actor in actors:
-        actor.send_signal(signal.SIGSTOP)
-    # Past the lease, but short of the learner's silence limit (10 heartbeats): the actors stay registered.
-    time.sleep(lease_seconds + 0.75)
-    for actor in actors:
-        actor.send_signal(signal.SIGCONT)
 
     def refused_as_stale() -> bool:
         assert "error handling" not in learner.log_path.read_text(), learner.log_path.read_text()[-3000:]
         return _stale_lease_refusals(metrics_port) > before
 
-    wait_for(refused_as_stale, "the late submissions to be refused as stale_lease", timeout=60, procs=[learner])
+    for tries in range(1, FREEZE_TRIES + 1):
+        for actor in actors:
+            actor.send_signal(signal.SIGSTOP)
+        # Past the lease, but short of the learner's silence limit (10 heartbeats): the actors stay registered.
+        time.sleep(lease_seconds + 0.75)
+        for actor in actors:
+            actor.send_signal(signal.SIGCONT)
+        try:
+            wait_for(refused_as_stale, "late submissions refused as stale_lease", timeout=5, procs=[learner])
+            return tries
+        except AssertionError as failed:
+            if "timed out" not in str(failed):
+                raise
+    raise AssertionError(f"no late submission reached the learner in {FREEZE_TRIES} freezes")
 
 
 def _wait_for_offset(run_dir: Path, learner, offset: int, at_least: int) -> int:
@@ -118,7 +128,7 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
         learners[-1].wait()
         learners.append(spawn("learner", "--resume", str(run_dir), name="learner-resumed"))
         recoveries.append(_wait_for_progress(run_dir, learners[-1], beyond=died_at))
-    _freeze_past_lease(actors, learners[-1], metrics_port, cfg.server.lease_seconds)
+    freezes = _freeze_past_lease(actors, learners[-1], metrics_port, cfg.server.lease_seconds)
     for _ in range(ACTOR_KILLS):
         time.sleep(rng.uniform(0.3, 1.2))
         assert learners[-1].poll() is None, "the run ended before the chaos did; raise STEPS"
@@ -156,4 +166,5 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
     assert isinstance(mlx_lm.generate(model, tokenizer, "123=", max_tokens=4), str)
     print(f"chaos: learner kills at {offsets} steps past a checkpoint, back past the kill in "
           f"{', '.join(f'{s:.1f}s' for s in recoveries)}; actor kills {ACTOR_KILLS}, groups accepted {len(ids)}, "
-          f"dropped {len(audit.dropped)}, duplicates {duplicates}, lost {len(lost)}, handed out {len(handed_out)}")
+          f"freezes until late work came back {freezes}, dropped {len(audit.dropped)}, duplicates {duplicates}, "
+          f"lost {len(lost)}, handed out {len(handed_out)}")

@@ -60,6 +60,10 @@ def test_systemd_unit() -> None:
     assert set(sections) == {"Unit", "Service", "Install"}
     service = dict(sections["Service"])
     assert service["Restart"] == "on-failure"
+    # A permanent refusal (exit_codes.PERMANENT) is not restarted, as grpo-fleet launch does not restart it.
+    from grpo_fleet.exit_codes import PERMANENT
+
+    assert {int(code) for code in service["RestartPreventExitStatus"].split()} == PERMANENT
     assert int(service["RestartSec"]) > 0
     assert service["User"] and service["User"] != "root"
     env = [v for k, v in sections["Service"] if k == "Environment"]

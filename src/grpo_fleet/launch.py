@@ -53,6 +53,7 @@ from grpo_fleet.launch_policy import (
     record_refusals,
 )
 from grpo_fleet.protocol.endpoints import dialable
+from grpo_fleet.tasks.reward_module import is_module_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -168,6 +169,26 @@ def load_fleet(path: str | Path) -> FleetConfig:
     })
     _learner_bind(resolved)
     return cfg.model_copy(update={"learner": resolved})
+
+
+def actor_gaps(cfg: FleetConfig, run: RunConfig) -> list[str]:
+    """What an actor's entry lacks for this run, one line per actor and gap: each is a refusal waiting to happen.
+
+    The run's reward file (task.reward_module) is run from each actor's own copy,
+    which it finds by --reward-module, or, for a file, by the same relative path in
+    its workdir (or a --model-dir). A learner with CURVE keys admits only actors with keys.
+    """
+    gaps = []
+    module = run.task.reward_module
+    for actor in cfg.actors:
+        found_by_path = module is not None and not is_module_name(module) and (
+            (actor.workdir is not None and not Path(module).is_absolute()) or "--model-dir" in actor.args)
+        if module is not None and "--reward-module" not in actor.args and not found_by_path:
+            gaps.append(f"actor {actor.name}: the run's rewards are in {module!r} (task.reward_module); add "
+                        f'"--reward-module", "PATH of its copy on {actor.host}" to its args, or it refuses the run')
+        if (cfg.learner.keys or run.security.keys_dir) and actor.key is None:
+            gaps.append(f"actor {actor.name}: the learner admits only actors with CURVE keys; set its key and learner_key")
+    return gaps
 
 
 # --------------------------------------------------------------------------- commands
@@ -426,11 +447,14 @@ def run_fleet(cfg: FleetConfig, *, stop_event: Optional[threading.Event] = None,
     stop = stop_event if stop_event is not None else threading.Event()
     printer = _Printer(sys.stdout)
     connect = learner_connect(cfg, resume)
-    run_dir = Path(learner_run_config(cfg.learner, resume).run_dir)
+    run = learner_run_config(cfg.learner, resume)
+    run_dir = Path(run.run_dir)
     slots = [_ActorSlot(spec, ssh_argv(cfg.ssh, spec.host, actor_command(cfg, spec, connect))) for spec in cfg.actors]
     refusals: list[Refusal] = []
     with _stop_on_signals(stop):
         printer.say(f"actors will dial {connect}")
+        for gap in actor_gaps(cfg, run):
+            printer.say(f"warning: {gap}")
         if refusals != read_refusals(run_dir):
             record_refusals(run_dir, refusals)  # a new launch tries every actor again
         # Unbuffered: the learner's lines should reach us as they are written, not per 8 KiB.

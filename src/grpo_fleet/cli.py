@@ -98,15 +98,18 @@ def actor_config(args: argparse.Namespace) -> "ActorConfig":
 
 
 def _actor(args: argparse.Namespace) -> int:
+    """Exit codes (exit_codes.py): 0 the run is over, 2 refused for good (a launcher does not restart it)."""
     from grpo_fleet.actor.worker import ActorRefused, ActorWorker
+    from grpo_fleet.exit_codes import DONE, REFUSED
 
     cfg = actor_config(args)
     try:
         ActorWorker(cfg).run()
     except ActorRefused as exc:
+        # One line, the last one: `grpo-fleet launch` shows it as the reason it stopped this actor.
         print(f"grpo-fleet actor: refusing to run: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return REFUSED
+    return DONE
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -145,14 +148,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from grpo_fleet.launch import load_fleet, run_fleet
+    from grpo_fleet.config import config_error_message
+    from grpo_fleet.launch import learner_run_config, load_fleet, run_fleet
 
     try:
         fleet = load_fleet(args.fleet)
+        resume = None if args.resume is None else (args.resume or learner_run_config(fleet.learner).run_dir)
     except (OSError, ValueError) as exc:  # a missing file, bad TOML, a schema or run-config error
-        print(f"grpo-fleet launch: {args.fleet}: {exc}", file=sys.stderr)
+        print(f"grpo-fleet launch: {args.fleet}: {config_error_message(exc) or exc}", file=sys.stderr)
         return 2
-    return run_fleet(fleet)
+    return run_fleet(fleet, resume=resume)
 
 
 def _doctor(_args: argparse.Namespace) -> int:
@@ -244,6 +249,9 @@ def _at_least_one(text: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grpo_fleet.launch_policy import format_refusals, read_refusals
     from grpo_fleet.protocol.client import format_status, request_status
 
     try:
@@ -252,6 +260,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"grpo-fleet status: {exc}", file=sys.stderr)
         return 1
     print(format_status(status))
+    if args.run_dir:
+        print(format_refusals(read_refusals(Path(args.run_dir))))
     return 0
 
 
@@ -297,6 +307,9 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
 
     launch = sub.add_parser("launch", help="the learner here, every actor of a fleet file over ssh, restarted when they die")
     launch.add_argument("fleet", help="fleet file (TOML): ssh template, [learner], [[actors]]; see deploy/fleet.toml")
+    launch.add_argument("--resume", nargs="?", const="", metavar="RUN_DIR",
+                        help="continue the run from its latest checkpoint, as `learner --resume` does "
+                        "(RUN_DIR defaults to the learner config's run_dir)")
     launch.set_defaults(func=_launch)
 
     demo = sub.add_parser("demo", help="learner + actors on this machine, tiny or --model, before/after eval")
@@ -318,6 +331,7 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     status.add_argument("--key", help="a CURVE secret key on the learner's allow-list")
     status.add_argument("--learner-key", help="the learner's public key file (learner.key)")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    status.add_argument("--run-dir", help="also list the actors `grpo-fleet launch` stopped for good (RUN_DIR/launch.json)")
     status.set_defaults(func=_status)
 
     keys = sub.add_parser("keys", help="CURVE keys: who may join the fleet")
@@ -374,7 +388,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         reexec_with_openblas()
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        from grpo_fleet.config import config_error_message  # lazily: only once something failed
+
+        message = config_error_message(exc)
+        if message is None:
+            raise
+        # The user's mistake is in a file or a flag: the message names the key and the fix; a traceback would bury it.
+        print(f"grpo-fleet {args.command}: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

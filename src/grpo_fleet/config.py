@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from grpo_fleet.protocol.messages import ACTOR_ID_PATTERN
 
@@ -539,10 +539,48 @@ def toml_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names each key at fault and what to change.
+
+    The CLI prints it as is and exits 2, with no traceback: the user's mistake
+    is in a file or a flag, not in the code.
+    """
+
+
+# What pydantic says about a field, made to say what to do about it.
+_HINTS = {"extra_forbidden": "not a known key (a typo? README's configuration reference lists every key)"}
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """One line per error: the dotted key, then pydantic's message (a validator's own already names the fix)."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = _HINTS.get(error["type"], str(error["msg"]).removeprefix("Value error, "))
+        lines.append(f"{key}: {message}")
+    return "\n".join(lines)
+
+
+def config_error_message(exc: BaseException) -> Optional[str]:
+    """What to print for a configuration mistake (a ConfigError, or a config model that failed to validate); None
+    for anything else, which is a bug and keeps its traceback."""
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    if isinstance(exc, ValidationError) and exc.title in _config_models():
+        return f"{exc.error_count()} configuration error(s) in {exc.title}:\n{describe_errors(exc)}"
+    return None
+
+
+def _config_models() -> set[str]:
+    """Names of the configuration models: this module's, and the fleet file's (launch.py)."""
+    names = {name for name, value in globals().items() if isinstance(value, type) and issubclass(value, BaseModel)}
+    return names | {"FleetConfig"}
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split 'a.b.c=value' into a key path and a TOML-parsed value (bare words stay strings)."""
     if "=" not in text:
-        raise ValueError(f"override {text!r} is not of the form key.path=value")
+        raise ConfigError(f"override {text!r} is not of the form key.path=value")
     key, raw = text.split("=", 1)
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
@@ -562,7 +600,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         for part in path[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ValueError(f"override {text!r}: {part} is not a section")
+                raise ConfigError(f"override {text!r}: {part} is not a section")
         node[path[-1]] = value
     return merged
 
@@ -572,8 +610,11 @@ def load_run_config(path: Optional[str | Path] = None, overrides: Optional[list[
     data: dict = {}
     if path is not None:
         with open(path, "rb") as handle:
-            # JSON is accepted too: the demo and tools write resolved configs as JSON.
-            data = json.load(handle) if str(path).endswith(".json") else tomllib.load(handle)
+            try:
+                # JSON is accepted too: the demo and tools write resolved configs as JSON.
+                data = json.load(handle) if str(path).endswith(".json") else tomllib.load(handle)
+            except ValueError as exc:  # tomllib.TOMLDecodeError and json.JSONDecodeError both are
+                raise ConfigError(f"{path} is not valid {'JSON' if str(path).endswith('.json') else 'TOML'}: {exc}") from None
     return RunConfig.model_validate(apply_overrides(data, overrides or []))
 
 

@@ -49,6 +49,7 @@ class LearnerMetrics:
     groups_zero_variance: Counter
     rejections: Counter
     protocol_errors: Counter
+    internal_errors: Counter
     leases_issued: Counter
     leases_expired: Counter
     leases_outstanding: Gauge
@@ -118,6 +119,8 @@ def learner_metrics() -> LearnerMetrics:
         rejections=Counter(f"{p}_rejections", "Rollout groups rejected, by reason", ["reason"], registry=r),
         protocol_errors=Counter(f"{p}_protocol_errors", "Messages that failed to decode or validate, by reason", ["reason"],
                                 registry=r),
+        internal_errors=Counter(f"{p}_internal_errors", "Requests the learner failed on by its own bug (never charged "
+                                "to the peer), by where: decode or handle", ["where"], registry=r),
         leases_issued=Counter(f"{p}_leases_issued", "Leases handed out", registry=r),
         leases_expired=Counter(f"{p}_leases_expired", "Leases that expired and were re-queued", registry=r),
         leases_outstanding=Gauge(f"{p}_leases_outstanding", "Leases not yet returned", registry=r),

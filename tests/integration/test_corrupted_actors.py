@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import jsonl, scrape, wait_for
+from helpers import audit_ledger, jsonl, scrape, wait_for
 
 KINDS = ("rewards", "logprobs", "weights", "version")
 
@@ -52,7 +52,8 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
         r"actor (liar-\w+): group (\S+) \(claimed v\d+\) has logprobs .* banned after step (\d+)", log)}
     assert set(bans) == {"liar-logprobs", "liar-weights", "liar-version"}, log[-3000:]
     assert over_threshold <= len(re.findall(r"actor liar-\w+: group \S+ \(claimed", log)), "only liars were over it"
-    ledger = jsonl(run_dir / "ledger.jsonl")
+    audit = audit_ledger(run_dir / "ledger.jsonl")  # each group accepted once, dropped at most once after that
+    ledger = [e for e in jsonl(run_dir / "ledger.jsonl") if "event" not in e]
     accepted = {kind: [e for e in ledger if e["actor_id"] == f"liar-{kind}"] for kind in KINDS}
     assert accepted["rewards"] == [], "every group is re-scored: none with altered rewards is accepted"
     for kind in ("logprobs", "weights", "version"):
@@ -60,6 +61,10 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
         assert all(e["step"] <= step for e in accepted[kind]), f"{kind}: a group was accepted after the ban"
         # Its first group that could train was the one checked: the others before it had no reward spread.
         assert group in {e["group_id"] for e in accepted[kind]}
+        # ... and the ledger says it, with every other buffered group of the liar, was dropped untrained.
+        assert audit.dropped[group]["reason"] == "logprob_mismatch" and audit.dropped[group]["step"] == step
+    assert {d["actor_id"] for d in audit.dropped.values() if d["reason"] == "logprob_mismatch"} <= {
+        "liar-logprobs", "liar-weights", "liar-version"}, "only liars' groups are dropped for their logprobs"
     trained_by = {row["actor_id"] for row in jsonl(run_dir / "samples.jsonl")}
     assert trained_by <= {"honest-0", "honest-1"}, f"a liar's group was trained: {trained_by}"
     steps = [r for r in jsonl(run_dir / "metrics.jsonl") if "event" not in r]

@@ -987,3 +987,31 @@ def test_samples_are_decoded_by_the_learner_and_cut_back_on_resume(tiny_model_di
             "step 3 came after the checkpoint, so its samples go with it"
     finally:
         second.close()
+
+
+# ----------------------------------------------------------------- the learner's own bugs are not the peer's fault
+
+
+def test_a_learner_bug_in_validation_is_internal_never_a_violation(make_learner, monkeypatch, caplog):
+    """A validator that raises (instead of refusing) is the learner's bug: logged with a traceback, never charged."""
+    from grpo_fleet.protocol.codec import ProtocolError, decode, encode
+
+    def buggy(cls: type, *args: object, **kwargs: object) -> object:
+        raise KeyError("learner-side validation bug")
+
+    learner = make_learner(server={"max_violations": 2})
+    hello(learner)
+    honest = encode(m.Heartbeat(actor_id="actor-a", policy_version=0, sent_at=0.0))
+    monkeypatch.setattr(m.Heartbeat, "model_validate", classmethod(buggy))
+    for _ in range(3):  # more than server.max_violations
+        try:
+            decoded: object = decode(honest)
+        except ProtocolError as error:
+            decoded = error
+        assert isinstance(decoded, ProtocolError) and decoded.reason == "internal"
+        reply = ask(learner, ACTOR_A, decoded)
+        assert isinstance(reply, m.ErrorReply) and reply.reason == "internal"
+    assert learner.registry.bans.violations(ACTOR_A.hex()) == 0 and not learner.registry.is_banned(ACTOR_A.hex())
+    assert sample(learner, "grpo_fleet_learner_internal_errors_total", {"where": "decode"}) == 3
+    assert sample(learner, "grpo_fleet_learner_protocol_errors_total", {"reason": "internal"}) == 0
+    assert "Traceback" in caplog.text and "KeyError: 'learner-side validation bug'" in caplog.text, "with its traceback"

@@ -16,6 +16,7 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.prompts import decode_completion
 from grpo_fleet.tasks.reward_runner import InlineScorer
+from helpers import audit_ledger
 
 
 @pytest.fixture
@@ -86,14 +87,27 @@ def test_altered_logprobs_ban_the_actor_and_nothing_of_it_trains(make: Callable[
     assert learner.registry.is_banned(next(iter(learner.registry.actors.values())).principal)
     assert rejections(learner, RejectReason.LOGPROB_MISMATCH) == len(halved)
     assert len(learner.state.scheduler.queued_groups) == len(halved), "their prompts go to other actors"
+    _assert_ledgered_drops(learner, {g.group_id for g in halved}, RejectReason.LOGPROB_MISMATCH)
+
+
+def _assert_ledgered_drops(learner: Learner, groups: set[str], reason: RejectReason) -> None:
+    """Each dropped group has its drop line in the ledger, naming the new group its prompt was retried as."""
+    learner.runlog.sizes()  # flushes
+    audit = audit_ledger(Path(learner.cfg.run_dir) / "ledger.jsonl")
+    assert set(audit.dropped) == groups
+    assert {d["reason"] for d in audit.dropped.values()} == {str(reason)}
+    retried = {d["retried_as"] for d in audit.dropped.values()}
+    assert retried == {t.group_id for t in learner.state.scheduler.queued_groups}
 
 
 def test_groups_beyond_max_train_staleness_are_dropped_when_the_batch_is_taken(make: Callable[..., Learner]) -> None:
     learner = make(grpo={"max_staleness": 2, "max_train_staleness": 0})
     hello(learner)
     ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner)))
-    accepted = len(learner.state.buffer)
+    buffered = {g.group_id for g in learner.state.buffer}
+    accepted = len(buffered)
     learner.state.version += 1  # as if a step had published meanwhile
     assert learner.train_step() is None
     assert rejections(learner, RejectReason.STALE_AT_TRAIN) == accepted
     assert len(learner.state.scheduler.queued_groups) == accepted
+    _assert_ledgered_drops(learner, buffered, RejectReason.STALE_AT_TRAIN)

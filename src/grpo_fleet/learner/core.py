@@ -154,10 +154,19 @@ class Learner:
         owner = peer_key(identity, principal)
         with self.lock:
             if isinstance(msg, ProtocolError):
-                self.metrics.protocol_errors.labels(reason=msg.reason).inc()
-                self.registry.record_violation(owner, msg.reason)
-                return Reply(m.ErrorReply(reason=msg.reason, detail=shown(msg, 400)))
+                return Reply(self._undecodable(owner, msg))
             return self._dispatch(Request(identity, owner, peer_address), msg)
+
+    def _undecodable(self, owner: str, error: ProtocolError) -> m.ErrorReply:
+        """The answer to a message that failed to decode: the sender's violation, unless the bug is ours."""
+        if not error.is_violation:
+            log.error("learner bug decoding a message from %s: %s", shown(owner), shown(error, 400),
+                      exc_info=error.__cause__ or error)
+            self.metrics.internal_errors.labels(where="decode").inc()
+            return m.ErrorReply(reason=error.reason, detail="the learner failed on this message; not your fault")
+        self.metrics.protocol_errors.labels(reason=error.reason).inc()
+        self.registry.record_violation(owner, error.reason)
+        return m.ErrorReply(reason=error.reason, detail=shown(error, 400))
 
     def _dispatch(self, req: Request, msg: BaseModel) -> Reply:
         kind = type(msg)

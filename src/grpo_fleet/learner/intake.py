@@ -17,6 +17,7 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.drops import drop_buffered
 from grpo_fleet.learner.runlog import LedgerEntry, RunLog
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
@@ -220,7 +221,7 @@ class Intake:
             reward = group.reward if group.reward in self.rules.reward_names else "*"
             error = group.error if group.error in REWARD_ERRORS else "other"  # labels stay a bounded set
             self.metrics.groups_unscored.labels(reward=reward, error=error).inc()
-            index = scheduler.leases[msg.lease_id].tickets[group.group_id].prompt_index
+            index = scheduler.leased_prompt(msg.lease_id, group.group_id)
             attempts[index] = attempts.get(index, 0) + 1
             if attempts[index] >= MAX_UNSCORED_ATTEMPTS:
                 del attempts[index]
@@ -268,11 +269,14 @@ class Intake:
 
     def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
         """The learner's own rewards for every group it would accept (security.verify_rewards)."""
-        unrefused = [g for g in msg.groups if refused[g.group_id] is None]
-        if self.reward_check is None or not unrefused:  # a late submission's lease is gone, and all of it refused
+        pending = [g for g in msg.groups if refused[g.group_id] is None]
+        if self.reward_check is None or not pending:
+            # A late submission (its lease expired, was released, or predates a resume) has every group
+            # refused as stale_lease and already re-queued: there is nothing to verify, and no lease to read.
             return {}
-        lease = self.state.scheduler.leases[msg.lease_id]
-        return self.reward_check.verdicts([(g, lease.tickets[g.group_id].prompt_index) for g in unrefused])
+        scheduler = self.state.scheduler
+        # A group nothing refused is still out under this lease (classify said so): its ticket names the prompt.
+        return self.reward_check.verdicts([(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in pending])
 
     def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
         """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""
@@ -290,9 +294,8 @@ class Intake:
         for group, gap in failures:
             key = group.actor_key
             dropped = [g for g in self.state.buffer if g.actor_key == key]
-            self.state.buffer = [g for g in self.state.buffer if g.actor_key != key]
-            for untrusted in dropped:  # their prompts go to honest actors, as new groups
-                self.state.scheduler.retry_prompt(untrusted.prompt_index)
+            # Their prompts go to honest actors, as new groups.
+            drop_buffered(self.state, self.runlog, dropped, RejectReason.LOGPROB_MISMATCH)
             self.metrics.rejections.labels(reason=RejectReason.LOGPROB_MISMATCH).inc(len(dropped))
             released = self.state.scheduler.release_actor(key)
             self.registry.record_violation(key, RejectReason.LOGPROB_MISMATCH, ban_now=True)

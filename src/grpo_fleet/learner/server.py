@@ -31,6 +31,7 @@ from grpo_fleet.protocol.auth import Keypair, KeyRing, load_keypair, start_authe
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.endpoints import advertised, is_loopback_endpoint, is_wildcard_host, pub_endpoint_for
 from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.sockets import (
     bound_endpoint,
     make_context,
@@ -262,8 +263,8 @@ class LearnerServer:
             return self.learner.handle(identity, msg, principal, peer_address)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling %s", type(msg).__name__)
-            self.learner.metrics.protocol_errors.labels(reason="internal").inc()
-            return Reply(m.ErrorReply(reason="internal", detail=type(exc).__name__))
+            self.learner.metrics.internal_errors.labels(where="handle").inc()
+            return Reply(m.ErrorReply(reason=RejectReason.INTERNAL.value, detail=type(exc).__name__))
 
     def _housekeeping(self) -> None:
         now = time.monotonic()

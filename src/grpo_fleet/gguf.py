@@ -95,11 +95,23 @@ def is_gguf_path(path: str) -> bool:
     return path.lower().endswith(".gguf")
 
 
-def tensor_types(path: str | Path) -> dict[str, str]:
-    """Each tensor's ggml type name, read with the `gguf` package (MLX's reader does not report them)."""
+def read_layout(path: str | Path) -> tuple[str, dict[str, str]]:
+    """The architecture and each tensor's ggml type name, read with the `gguf` package.
+
+    MLX's reader does not report tensor types and fails on the ones it cannot read, so the file is
+    checked with this before MLX opens it.
+    """
     from gguf import GGUFReader
 
-    return {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(path)).tensors}
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    architecture = str(field.contents()) if field is not None else "unknown"
+    return architecture, {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+
+
+def check_architecture(architecture: str) -> None:
+    if architecture not in ARCHITECTURES:
+        raise GGUFError(f"architecture {architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
 
 
 def _scalar(value: Any) -> Any:
@@ -117,8 +129,7 @@ def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
 def read_hyper(metadata: dict[str, Any]) -> Hyper:
     """The architecture and its shape from the metadata; an architecture not in ARCHITECTURES is refused."""
     arch = str(_meta(metadata, "general.architecture"))
-    if arch not in ARCHITECTURES:
-        raise GGUFError(f"architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    check_architecture(arch)
     hidden, heads = int(_meta(metadata, f"{arch}.embedding_length")), int(_meta(metadata, f"{arch}.attention.head_count"))
     vocab = metadata.get(f"{arch}.vocab_size")
     return Hyper(
@@ -169,7 +180,10 @@ def dequantized(tensors: dict[str, mx.array], name: str) -> mx.array:
     stem = name[: -len(".weight")] if name.endswith(".weight") else None
     if stem is None or f"{stem}.scales" not in tensors:
         return tensors[name]
-    packed, scales, biases = tensors[name], tensors[f"{stem}.scales"], tensors[f"{stem}.biases"]
+    # MLX keeps the blocks' fp16 scales and minimums as fp16; dequantising in fp16 would round most weights
+    # (d * q needs up to 19 bits of mantissa for Q8_0). In fp32 every product and sum is exact, as in llama.cpp.
+    packed = tensors[name]
+    scales, biases = tensors[f"{stem}.scales"].astype(mx.float32), tensors[f"{stem}.biases"].astype(mx.float32)
     group_size = 32  # every block type MLX reads has 32 weights per block
     bits = packed.shape[-1] * 32 // (scales.shape[-1] * group_size)
     return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
@@ -304,9 +318,13 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, dtype: str = "float3
     if dtype not in DTYPES:
         raise GGUFError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     source, out_dir = Path(source), Path(out_dir)
+    if not source.is_file():
+        raise GGUFError(f"no GGUF file at {source}")
+    architecture, types = read_layout(source)
+    check_architecture(architecture)
+    check_tensor_types(types, architecture)
     tensors, metadata = _load(source)
     hyper = read_hyper(metadata)
-    check_tensor_types(tensor_types(source), hyper.architecture)
     weights = convert_weights(tensors, hyper, dtype)
     tokenizer = _with_bos(build_tokenizer(metadata), metadata)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -330,13 +348,10 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, dtype: str = "float3
 
 
 def _load(source: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    if not source.is_file():
-        raise GGUFError(f"no GGUF file at {source}")
+    """MLX's read of a file whose architecture and tensor types were already checked."""
     try:
         loaded = mx.load(str(source), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
-        # MLX's reader fails on types it does not know; name them with the gguf package's reader instead.
-        check_tensor_types(tensor_types(source), "unknown")
         raise GGUFError(f"MLX could not read {source}: {exc}") from exc
     tensors, metadata = cast(tuple[dict[str, mx.array], dict[str, Any]], loaded)
     return dict(tensors), dict(metadata)

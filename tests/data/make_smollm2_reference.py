@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import tempfile
 from pathlib import Path
 
 import llama_cpp
@@ -77,30 +78,63 @@ def strings() -> list[str]:
     return list(dict.fromkeys(out))  # no duplicates, order kept
 
 
-def greedy(model_path: str, prompt_ids: list[int]) -> list[int]:
-    """llama.cpp's argmax continuation, one token at a time (no sampler in between)."""
-    llm = llama_cpp.Llama(model_path=model_path, n_ctx=512, n_threads=2, verbose=False)
+def f32_copy(model_path: str, out_path: str) -> str:
+    """The same model with every tensor dequantised to F32 by the gguf package: what the fp32 import computes with.
+
+    On the Q4_1 file llama.cpp multiplies 4-bit weights by activations it quantizes to 8 bits (Q8_1),
+    which the import does not do; on this copy it multiplies in fp32 like the import.
+    """
+    from gguf import GGUFReader, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(model_path)
+    writer = GGUFWriter(out_path, str(reader.fields["general.architecture"].contents()))
+    for name, kv in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        sub_type = kv.types[-1] if len(kv.types) > 1 else None
+        writer.add_key_value(name, kv.contents(), kv.types[0], sub_type=sub_type)
+    writer.add_file_type(0)  # ALL_F32
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def greedy(model_path: str, prompt_ids: list[int]) -> dict[str, list]:
+    """llama.cpp's argmax continuation, one token at a time (no sampler in between), and the first step's top 10."""
+    # logits_all: without it llama-cpp-python no longer copies the logits into `scores`.
+    llm = llama_cpp.Llama(model_path=model_path, n_ctx=512, n_threads=2, logits_all=True, verbose=False)
     llm.eval(prompt_ids)
+    first = np.array(llm.scores[llm.n_tokens - 1])
+    top = [int(i) for i in np.argsort(-first)[:10]]
     out: list[int] = []
     for _ in range(GREEDY_TOKENS):
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         out.append(token)
         llm.eval([token])
-    return out
+    return {"ids": out, "first_top10_ids": top, "first_top10_logits": [float(first[i]) for i in top]}
 
 
 def main(model_path: str) -> None:
     vocab = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
     cases = [{"text": s, "ids": vocab.tokenize(s.encode(), add_bos=False, special=True)} for s in strings()]
     prompt_ids = vocab.tokenize(CHAT_PROMPT.encode(), add_bos=False, special=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        greedy_f32 = greedy(f32_copy(model_path, str(Path(scratch) / "f32.gguf")), prompt_ids)
     OUT.write_text(json.dumps({
         "source": "llama.cpp via llama-cpp-python " + llama_cpp.__version__ + ", Llama(vocab_only=True).tokenize("
-                  "text, add_bos=False, special=True); greedy = argmax of the logits, one token at a time",
+                  "text, add_bos=False, special=True); greedy = argmax of the logits, one token at a time, on the "
+                  "Q4_1 file (greedy_q4_1) and on a copy with every tensor dequantised to F32 by gguf (greedy_f32)",
         "model": Path(model_path).name,
         "tokenize": cases,
         "chat_prompt": CHAT_PROMPT,
         "chat_prompt_ids": prompt_ids,
-        "greedy_ids": greedy(model_path, prompt_ids),
+        "greedy_q4_1": greedy(model_path, prompt_ids),
+        "greedy_f32": greedy_f32,
     }, ensure_ascii=False, indent=1) + "\n")
     print(f"wrote {OUT}: {len(cases)} strings")
 

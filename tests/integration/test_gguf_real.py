@@ -132,12 +132,17 @@ def test_greedy_generation_is_coherent_and_follows_llamacpp(smollm2_f32_dir: Pat
     ids = tokenizer.encode(prompt)
     assert ids == REFERENCE["chat_prompt_ids"]
     assert "Paris" in generate(model, tokenizer, prompt=ids, max_tokens=24)  # the default sampler is argmax
-    reference = REFERENCE["greedy_ids"]
-    greedy = [int(token) for token, _ in generate_step(mx.array(ids), model, max_tokens=len(reference))]
-    agreed = greedy[:AGREE_WITH_LLAMACPP] == reference[:AGREE_WITH_LLAMACPP]
-    assert agreed, (tokenizer.decode(greedy), tokenizer.decode(reference))
 
+    # llama.cpp on a copy of the file with every tensor dequantised to F32 computes what the fp32 import
+    # computes: the same 16 greedy tokens, and first-step logits equal up to float summation order.
+    reference = REFERENCE["greedy_f32"]
+    greedy = [int(token) for token, _ in generate_step(mx.array(ids), model, max_tokens=len(reference["ids"]))]
+    assert greedy == reference["ids"], (tokenizer.decode(greedy), tokenizer.decode(reference["ids"]))
+    logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
+    top = mx.array(reference["first_top10_ids"])
+    np.testing.assert_allclose(np.array(logits[top]), reference["first_top10_logits"], atol=0.02)
 
-# How many greedy tokens match llama.cpp's. llama.cpp multiplies Q4_1 weights by activations it quantizes
-# to 8 bits (Q8_1), where the import runs fp32 on the dequantised weights, so the two may part late.
-AGREE_WITH_LLAMACPP = 8
+    # On the Q4_1 file itself llama.cpp multiplies by activations quantized to 8 bits (Q8_1). Its first
+    # token then flips a near tie ("L" over "The", 0.08 apart here), but it ranks the same five first.
+    quantized = REFERENCE["greedy_q4_1"]
+    assert set(np.argsort(-np.array(logits))[:5].tolist()) == set(quantized["first_top10_ids"][:5])

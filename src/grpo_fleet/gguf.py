@@ -35,7 +35,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # The tensor types MLX's GGUF reader understands (mlx/io/gguf.cpp); anything else is refused by name.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
 ARCHITECTURES = ("llama", "qwen2")
-IMPORT_FORMAT = 1  # bump when the output of an import changes, so cached imports are redone
+IMPORT_FORMAT = 2  # 2: dequantised in fp32, not fp16. Bump when the output of an import changes, so cached imports are redone
 
 # llama.cpp's `tokenizer.ggml.pre` names -> how text is split before BPE (the regexes of each model's tokenizer.json).
 _GPT2_SPLIT = None  # ByteLevel's own GPT-2 regex

@@ -159,6 +159,15 @@ def test_bundled_jsonl_reads_as_a_dataset_too() -> None:
     assert len(task.eval) == 4 and all(ex.answer and "####" not in ex.answer for ex in task.train)
 
 
+def test_without_eval_split_rows_drawn_by_task_seed_are_held_out(tmp_path: Path) -> None:
+    Dataset.from_dict(GSM8K_ROWS).to_json(str(tmp_path / "d.jsonl"))
+    task = dataset_task(tmp_path / "d.jsonl", num_eval=3, seed=0)
+    held_out = [example.columns["level"] for example in task.eval]
+    assert len(held_out) == 3 and held_out != [7, 8, 9]  # not the file's tail
+    assert sorted(held_out + [example.columns["level"] for example in task.train]) == list(range(10))
+    assert [ex.columns["level"] for ex in dataset_task(tmp_path / "d.jsonl", num_eval=3, seed=0).eval] == held_out
+
+
 def test_is_saved_to_disk(tmp_path: Path) -> None:
     Dataset.from_dict({"a": [1]}).save_to_disk(str(tmp_path / "one"))
     assert is_saved_to_disk(tmp_path / "one") and not is_saved_to_disk(tmp_path)

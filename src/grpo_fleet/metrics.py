@@ -134,7 +134,9 @@ def learner_metrics() -> LearnerMetrics:
         weight_bytes_served=Counter(f"{p}_weight_sent_bytes", "Weight bytes sent to actors", registry=r),
         actors_connected=Gauge(f"{p}_actors_connected", "Actors heard from within the heartbeat timeout", registry=r),
         auth_failures=Counter(
-            f"{p}_auth_failures", "Refused CURVE handshakes and messages from revoked keys, by reason", ["reason"], registry=r
+            f"{p}_auth_failures",
+            "Refused CURVE handshakes, messages from revoked keys, and requests other than Status from observer keys, "
+            "by reason", ["reason"], registry=r,
         ),
         step_phase_seconds=Histogram(
             f"{p}_step_phase_seconds", "Wall time of each phase of a learner step", ["phase"], buckets=PHASE_BUCKETS, registry=r

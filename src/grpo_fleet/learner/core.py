@@ -57,6 +57,9 @@ class Request:
     peer_address: str = ""
 
 
+# What an observer key (`keys add-observer`) may ask; it can neither join, lease, submit nor read weights.
+OBSERVER_REQUESTS = (m.StatusRequest,)
+
 # Handlers for anyone, and for registered actors only; each message type has one.
 OpenHandler = Callable[[Request, Any], Reply]
 ActorHandler = Callable[[ActorInfo, Any], Reply]
@@ -145,17 +148,25 @@ class Learner:
     # ------------------------------------------------------------------ requests (I/O thread)
 
     def handle(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
-               peer_address: str = "") -> Reply:
+               peer_address: str = "", *, observer: bool = False) -> Reply:
         """Answer one decoded message (or a decoding failure) from `identity`.
 
         `principal` is the authenticated CURVE key; leases are bound to it, so a
-        peer reusing another actor's routing id cannot act for it.
+        peer reusing another actor's routing id cannot act for it. An `observer`
+        key (`keys add-observer`) may ask Status and nothing else.
         """
         owner = peer_key(identity, principal)
         with self.lock:
             if isinstance(msg, ProtocolError):
                 return Reply(self._undecodable(owner, msg))
+            if observer and not isinstance(msg, OBSERVER_REQUESTS):
+                return Reply(self._refuse_observer(owner, msg))
             return self._dispatch(Request(identity, owner, peer_address), msg)
+
+    def _refuse_observer(self, owner: str, msg: BaseModel) -> m.ErrorReply:
+        self.metrics.auth_failures.labels(reason="observer").inc()
+        log.warning("observer key %s sent %s; observers may ask Status only", shown(owner), type(msg).__name__)
+        return m.ErrorReply(reason="forbidden", detail=f"an observer key may ask Status only, not {type(msg).__name__}")
 
     def _undecodable(self, owner: str, error: ProtocolError) -> m.ErrorReply:
         """The answer to a message that failed to decode: the sender's violation, unless the bug is ours."""

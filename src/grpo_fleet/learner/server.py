@@ -90,7 +90,7 @@ class Doorman:
             self.keypair = load_keypair(keys / "learner.key_secret")
             self.keyring = KeyRing(keys / "authorized")
             self.auth = start_authenticator(ctx, self.keyring)
-            log.info("CURVE on: %d authorised actor keys in %s", len(self.keyring._keys), self.keyring.directory)
+            log.info("CURVE on: %d authorised keys in %s", len(self.keyring), self.keyring.directory)
 
     def watch(self, router: zmq.Socket) -> None:
         """Count the router's failed handshakes (they never reach the loop as messages)."""
@@ -109,6 +109,10 @@ class Doorman:
             self.learner.drop_actor(identity)
             return False
         return True
+
+    def is_observer(self, principal: Optional[str]) -> bool:
+        """Whether this CURVE key may only ask for the run's status (`keys add-observer`)."""
+        return self.keyring is not None and principal is not None and self.keyring.is_observer(principal.encode())
 
     def count_handshake_failures(self) -> None:
         while self.monitor is not None and self.monitor.poll(0):
@@ -249,18 +253,18 @@ class LearnerServer:
             routed = recv_routed_from(self.router, self.limits)
             if not self.door.admits(routed.identity, routed.principal):
                 continue
-            reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address)
+            reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address,
+                                 observer=self.door.is_observer(routed.principal))
             send_message(self.router, reply.message, identity=routed.identity, raw=reply.raw)
 
-    def _answer(
-        self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None, peer_address: str = ""
-    ) -> Reply:
+    def _answer(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
+                peer_address: str = "", *, observer: bool = False) -> Reply:
         if self.closing:
             if identity in self.learner.registry.actors:  # only registered actors are waited for; keeps the set bounded
                 self.told_to_stop.add(identity)
             return Reply(m.Shutdown(reason="done"))
         try:
-            return self.learner.handle(identity, msg, principal, peer_address)
+            return self.learner.handle(identity, msg, principal, peer_address, observer=observer)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling %s", type(msg).__name__)
             self.learner.metrics.internal_errors.labels(where="handle").inc()

@@ -21,7 +21,6 @@ import mlx.core as mx
 
 from grpo_fleet.actor import wire
 from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit, plan_rewards
-from grpo_fleet.actor.corruption import Corruption
 from grpo_fleet.actor.link import Answer, LearnerLink, LearnerUnavailable, Notice, StopActor
 from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rewarding import score_lease
@@ -73,7 +72,6 @@ class ActorWorker:
         self.model_key: Optional[ModelKey] = None
         self.rewards: Optional[RewardSet] = None
         self.scorer: Optional[Scorer] = None  # the rewards' own process, started on admission
-        self.corruption = Corruption.from_environment()  # tests only: an actor that lies (actor/corruption.py)
         self.welcome: Optional[m.Welcome] = None
         self.stopping = False
         self.metrics_port = 0
@@ -135,10 +133,7 @@ class ActorWorker:
             # Unacknowledged after a lost answer or a reconnect: resend it.
             self.metrics.submit_retries.inc()
             self._on_answer(self.link.request(self.inflight.submitted, m.Ack))
-        assert self.policy is not None  # _adopt loaded it
-        if not self.corruption.frozen_weights:
-            self.weights.sync(self.link, self.policy.model)
-        self.corruption.after_load(self.policy.model)
+        self._sync_weights()
         # On SIGTERM, finish delivering what was leased and generated (drain), then stop.
         while not (self.stopping and self.inflight.drained):
             self._work_once()
@@ -195,6 +190,11 @@ class ActorWorker:
             raise LearnerUnavailable(f"the learner restarted (incarnation {notice.incarnation})")
         self.weights.follow(notice.version if isinstance(notice, m.PolicyUpdated) else notice.policy_version)
 
+    def _sync_weights(self) -> None:
+        """Load the newest published snapshot the learner announced (if it is not loaded yet)."""
+        assert self.policy is not None  # _adopt loaded it
+        self.weights.sync(self.link, self.policy.model)
+
     def _on_answer(self, reply: Answer) -> None:
         """Book the answer to a pipelined request: a lease to generate next, or a submission's Ack."""
         if isinstance(reply, m.Lease):
@@ -209,10 +209,8 @@ class ActorWorker:
 
     def _work_once(self) -> None:
         self.link.poll_notices()
-        if self.weights.behind and not self.corruption.frozen_weights:
-            assert self.policy is not None  # _adopt loaded it
-            self.weights.sync(self.link, self.policy.model)
-            self.corruption.after_load(self.policy.model)
+        if self.weights.behind:
+            self._sync_weights()
         lease = self._take_lease()
         if lease is None:
             return
@@ -259,7 +257,6 @@ class ActorWorker:
         self.metrics.peak_memory.set(mx.get_peak_memory())
         assert self.scorer is not None  # _adopt started it
         scored, unscored = score_lease(lease.prompts, groups, self.scorer, policy.tokenizer, self.metrics)
-        version = self.corruption.claimed_version(version, self.weights.newest)
-        return self.corruption.rollouts(m.Rollouts(lease_id=lease.lease_id, policy_version=version,
-                                                   incarnation=incarnation, groups=scored, unscored=unscored))
+        return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=incarnation, groups=scored,
+                          unscored=unscored)
 

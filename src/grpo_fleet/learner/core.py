@@ -42,7 +42,7 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.tasks import Task
-from grpo_fleet.tasks.reward_runner import InlineScorer, Scorer
+from grpo_fleet.tasks.reward_runner import Scorer, ScoringProcess
 from grpo_fleet.zoo import model_reference
 
 log = logging.getLogger("grpo_fleet.learner")
@@ -108,8 +108,10 @@ class Learner:
         self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, task.train)
         self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
         security = cfg.security
-        # Rewards are re-scored in `scorer` (setup gives the learner its own process; tests run them inline).
-        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, scorer or InlineScorer(task.reward_set()))
+        # Rewards are re-scored in a process of the learner's own, which can kill a reward that hangs; never
+        # in this one, which could not. (A test may pass an in-process scorer, tests/ being where such hooks live.)
+        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer,
+                                         scorer if scorer is not None else ScoringProcess(task.reward_set()))
                              if security.verify_rewards else None)
         self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
                              self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify,

@@ -455,7 +455,10 @@ class SecurityConfig(_Section):
 class MetricsConfig(_Section):
     """Prometheus exporter."""
 
-    host: str = Field("127.0.0.1", description="Address the /metrics HTTP server binds.")
+    host: str = Field(
+        "127.0.0.1", description="Address the /metrics HTTP server binds. It has no authentication and shows actor "
+        "ids (the learner's /sd their hosts too): anything but loopback is warned about at start.",
+    )
     port: int = Field(9400, ge=0, le=65535, description="Port of /metrics; 0 disables it.")
 
 

@@ -28,7 +28,7 @@ from grpo_fleet.actor.rollout import generate_groups
 from grpo_fleet.actor.weights_sync import FetchedWeights, WeightsSync, fetch_weights
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.doctor import mlx_version
-from grpo_fleet.metrics import ActorMetrics, actor_metrics, serve_metrics
+from grpo_fleet.metrics import ActorMetrics, MetricsServer, actor_metrics, serve_metrics
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -46,16 +46,16 @@ def default_actor_id() -> str:
     return f"{host[:100]}-{os.getpid()}"
 
 
-def serve_actor_metrics(metrics: ActorMetrics, cfg: MetricsConfig) -> int:
-    """Serve /metrics; if the port is taken (a second actor on this Mac), take any free one.
+def serve_actor_metrics(metrics: ActorMetrics, cfg: MetricsConfig) -> Optional[MetricsServer]:
+    """Serve /metrics (None when port 0 disables it); if the port is taken (a second actor on this Mac), take any free one.
 
     The learner learns the real port from Hello, so service discovery still finds it.
     """
     try:
-        return serve_metrics(metrics.registry, cfg.host, cfg.port) or 0
+        return serve_metrics(metrics.registry, cfg.host, cfg.port)
     except OSError as exc:
         log.warning("metrics port %d unavailable (%s); using a free port instead", cfg.port, exc)
-        return serve_metrics(metrics.registry, cfg.host, 0, any_port=True) or 0
+        return serve_metrics(metrics.registry, cfg.host, 0, any_port=True)
 
 
 class ActorWorker:
@@ -83,7 +83,8 @@ class ActorWorker:
         """Work until Shutdown or a signal; reconnect with backoff whenever the learner goes away."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        self.metrics_port = serve_actor_metrics(self.metrics, self.cfg.metrics)
+        metrics_server = serve_actor_metrics(self.metrics, self.cfg.metrics)
+        self.metrics_port = metrics_server.port if metrics_server is not None else 0
         backoff = 0.2
         try:
             while not self.stopping:
@@ -103,6 +104,8 @@ class ActorWorker:
             self.link.shut()
             if self.scorer is not None:
                 self.scorer.close()
+            if metrics_server is not None:
+                metrics_server.close()
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

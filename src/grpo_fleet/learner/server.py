@@ -25,7 +25,7 @@ from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.intake import inbound_limits
 from grpo_fleet.learner.local_eval import LocalEvaluator
 from grpo_fleet.learner.replies import Reply
-from grpo_fleet.metrics import serve_metrics
+from grpo_fleet.metrics import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import Keypair, KeyRing, load_keypair, start_authenticator
 from grpo_fleet.protocol.codec import ProtocolError
@@ -159,6 +159,7 @@ class LearnerServer:
         self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind), curve=keypair)
         self.door.watch(self.router)
         self.metrics_target: Optional[str] = None
+        self.metrics_server: Optional[MetricsServer] = None
         self.endpoint = bound_endpoint(self.router)
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
@@ -171,13 +172,13 @@ class LearnerServer:
     def start_metrics(self) -> None:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
         cfg = self.learner.cfg
-        port = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
-                             sd_targets=lambda: self.learner.registry.sd_snapshot)
-        if port:
+        self.metrics_server = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
+                                            sd_targets=lambda: self.learner.registry.sd_snapshot)
+        if self.metrics_server is not None:
             host = cfg.metrics.host
             if is_wildcard_host(host):
                 host = cfg.server.advertise_host or socket.gethostname()
-            self.metrics_target = f"{host}:{port}"
+            self.metrics_target = f"{host}:{self.metrics_server.port}"
             log.info("metrics on http://%s/metrics, service discovery on http://%s/sd", self.metrics_target, self.metrics_target)
 
     def request_stop(self, *_args: object) -> None:
@@ -307,6 +308,8 @@ class LearnerServer:
             self._pump(timeout_ms=100)
 
     def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self.door.close(self.router)
         self.router.close(linger=0)
         self.pub.close(linger=0)

@@ -44,7 +44,9 @@ class LyingActor(ActorWorker):
 
     def _sync_weights(self) -> None:
         if self.kind == "version":
-            return  # keeps the base weights loaded from disk, whatever the learner publishes
+            # Keeps the base weights loaded from disk (v0 of a fresh run), whatever the learner publishes.
+            self.weights.loaded = 0
+            return
         super()._sync_weights()
         if self.kind == "weights":
             assert self.policy is not None

@@ -47,6 +47,7 @@ def test_each_liar_tells_its_own_lie(liar) -> None:
     version_liar = liar("version")
     assert version_liar._rollout(LEASE).policy_version == 7
     version_liar._sync_weights()  # never loads a snapshot: it has no policy and no link, and does not fail
+    assert version_liar.weights.loaded == 0  # the base model from disk, which its honest self would submit as v0
     assert submitted(liar("weights")) == HONEST.groups[0].completions[0]  # its lie is in the weights it samples from
 
 

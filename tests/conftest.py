@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -167,13 +167,14 @@ def peer_socket() -> Iterator[Callable[[str, bytes], Any]]:
 
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """Start `python -m grpo_fleet ARGS` processes; kills only those it started."""
+    """Start `python -m grpo_fleet ARGS` processes (or `python SCRIPT ARGS`); kills only those it started."""
     started: list[subprocess.Popen] = []
 
-    def start(*args: str, name: str = "proc") -> subprocess.Popen:
+    def start(*args: str, name: str = "proc", script: Optional[Path] = None) -> subprocess.Popen:
         log = open(tmp_path / f"{name}-{len(started)}.log", "w")
+        program = [str(script)] if script is not None else ["-m", "grpo_fleet"]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_fleet", *args], stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, *program, *args], stdout=log, stderr=subprocess.STDOUT,
             env=child_env(), start_new_session=True,
         )
         proc.log_path = Path(log.name)  # type: ignore[attr-defined]

@@ -123,6 +123,10 @@ def _keys(args: argparse.Namespace) -> int:
         print(f"actor {args.name} allowed. Copy {secret} and {args.dir}/learner.key to that Mac, then run:\n"
               f"  grpo-fleet actor --connect tcp://LEARNER:5555 --key {secret.name} --learner-key learner.key\n"
               f"and delete {secret} here.")
+    elif args.keys_command == "add-observer":
+        secret = auth.add_observer(args.dir, args.name)
+        print(f"observer {args.name} allowed to ask Status only. Run:\n"
+              f"  grpo-fleet status --connect tcp://LEARNER:5555 --key {secret} --learner-key {args.dir}/learner.key")
     elif args.keys_command == "revoke":
         found = auth.revoke_actor(args.dir, args.name)
         print(f"{args.name} {'revoked; a running learner drops it within seconds' if found else 'was not allowed'}")
@@ -328,7 +332,8 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     """Tools around a run: status, keys, doctor, build-model, bench, plot, samples."""
     status = sub.add_parser("status", help="the learner's step, version, throughput and actors")
     status.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
-    status.add_argument("--key", help="a CURVE secret key on the learner's allow-list")
+    status.add_argument("--key", help="an observer's CURVE secret key (`keys add-observer NAME`): it may ask Status "
+                        "and nothing else")
     status.add_argument("--learner-key", help="the learner's public key file (learner.key)")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
     status.add_argument("--run-dir", help="also list the actors `grpo-fleet launch` stopped for good (RUN_DIR/launch.json)")
@@ -341,7 +346,10 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     add = keys_sub.add_parser("add-actor", help="create an actor keypair and allow it")
     add.add_argument("name")
     add.add_argument("--dir", default="keys")
-    revoke = keys_sub.add_parser("revoke", help="remove an actor from the allow-list")
+    observer = keys_sub.add_parser("add-observer", help="create a key that may ask Status and nothing else")
+    observer.add_argument("name")
+    observer.add_argument("--dir", default="keys")
+    revoke = keys_sub.add_parser("revoke", help="remove an actor or an observer from the allow-list")
     revoke.add_argument("name")
     revoke.add_argument("--dir", default="keys")
     keys.set_defaults(func=_keys)

@@ -107,7 +107,10 @@ class TaskConfig(_Section):
         "read with Hugging Face `datasets`).",
     )
     train_path: Optional[str] = Field(None, description="JSONL training file for task 'jsonl'.")
-    eval_path: Optional[str] = Field(None, description="JSONL held-out file for task 'jsonl'.")
+    eval_path: Optional[str] = Field(
+        None, description="JSONL held-out file for task 'jsonl' (first num_eval rows); default: num_eval rows (at "
+        "most half) of train_path, drawn with task.seed, are held out.",
+    )
     dataset: Optional[str] = Field(
         None,
         description="For task 'dataset': a hub id (e.g. openai/gsm8k; downloaded by the learner only) or a local "
@@ -116,8 +119,8 @@ class TaskConfig(_Section):
     dataset_config: Optional[str] = Field(None, description="The hub dataset's configuration name (GSM8K: 'main').")
     split: str = Field("train", description="The split trained on (a single local file has only 'train').")
     eval_split: Optional[str] = Field(
-        None, description="Held-out split (GSM8K: 'test'), first num_eval rows; default: the last num_eval rows of "
-        "`split` (at most half) are held out.",
+        None, description="Held-out split (GSM8K: 'test'), first num_eval rows; default: num_eval rows of `split` "
+        "(at most half), drawn with task.seed, are held out.",
     )
     prompt_column: Optional[str] = Field(
         None,
@@ -132,7 +135,10 @@ class TaskConfig(_Section):
     digits: int = Field(3, ge=1, le=12, description="Digits per prompt for 'reverse'.")
     num_train: int = Field(800, ge=1, description="Training prompts generated for 'reverse' (train + eval <= 10**digits).")
     num_eval: int = Field(128, ge=1, description="Held-out prompts for evaluation.")
-    seed: int = Field(0, description="Seed for synthetic prompts and dataset shuffling.")
+    seed: int = Field(
+        0, description="Seed for the synthetic prompts ('reverse') and for which rows are held out for eval when no "
+        "eval_path / eval_split is given. The order prompts are trained in is train.seed's.",
+    )
     rewards: list[str] = Field(
         default_factory=lambda: ["reverse_positions"], description="Reward function names, summed with reward_weights."
     )
@@ -325,7 +331,10 @@ class TrainConfig(_Section):
     )
     sync_every: int = Field(1, ge=1, description="Publish a new policy version every this many steps.")
     checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the end).")
-    seed: int = Field(0, description="Seed for the learner's RNG (prompt order).")
+    seed: int = Field(
+        0, description="Seed for the order prompts are trained in: reshuffled every epoch, and resumed exactly "
+        "from a checkpoint.",
+    )
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
     compile: bool = Field(
         False,
@@ -446,7 +455,10 @@ class SecurityConfig(_Section):
 class MetricsConfig(_Section):
     """Prometheus exporter."""
 
-    host: str = Field("127.0.0.1", description="Address the /metrics HTTP server binds.")
+    host: str = Field(
+        "127.0.0.1", description="Address the /metrics HTTP server binds. It has no authentication and shows actor "
+        "ids (the learner's /sd their hosts too): anything but loopback is warned about at start.",
+    )
     port: int = Field(9400, ge=0, le=65535, description="Port of /metrics; 0 disables it.")
 
 

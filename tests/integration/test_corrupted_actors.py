@@ -1,4 +1,4 @@
-"""Actors that lie (actor/corruption.py) are caught within one lease; nothing of theirs trains; honest ones go on."""
+"""Actors that lie (tests/liars/corrupt_actor.py) are caught within one lease; nothing of theirs trains; honest ones go on."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 from helpers import audit_ledger, jsonl, scrape, wait_for
 
 KINDS = ("rewards", "logprobs", "weights", "version")
+LIAR = Path(__file__).resolve().parents[1] / "liars" / "corrupt_actor.py"
 
 
 @pytest.mark.slow
-def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, spawn, free_port, monkeypatch):
+def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, spawn, free_port):
     port = free_port()
     config, cfg = run_config(
         train={"steps": 250, "checkpoint_every": 250, "log_samples_every": 1, "log_samples_count": 256},
@@ -30,9 +31,7 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
     wait_for(lambda: len([r for r in jsonl(run_dir / "metrics.jsonl") if "event" not in r]) >= 8,
              "8 honest steps", procs=[learner])
     for kind in KINDS:
-        monkeypatch.setenv("GRPO_FLEET_TEST_CORRUPT", kind)
-        spawn("actor", *actor_args, "--actor-id", f"liar-{kind}", name=f"liar-{kind}")
-    monkeypatch.delenv("GRPO_FLEET_TEST_CORRUPT")
+        spawn(kind, *actor_args, "--actor-id", f"liar-{kind}", name=f"liar-{kind}", script=LIAR)
 
     def rejected() -> dict:
         samples = scrape(port).by_label("reason")

@@ -212,6 +212,33 @@ def test_requests_before_hello_are_refused(learner, request_msg):
     assert ledger(learner) == []
 
 
+OBSERVER = b"observer-identity"
+OBSERVER_KEY = "observer-curve-public-key"
+
+
+def test_an_observer_key_may_ask_status_and_nothing_else(learner):
+    """`keys add-observer`: Hello, leases, rollouts and weights are refused and counted; Status is answered."""
+    hello(learner)
+    actor_lease = lease(learner)  # a real actor's lease the observer tries to fill
+    refused = [
+        m.Hello(actor_id="peeker", host="h", backend="cpu", versions={}),
+        m.LeaseRequest(max_groups=1),
+        m.Rollouts(lease_id=actor_lease.lease_id, policy_version=0, incarnation=learner.state.incarnation,
+                   groups=[crafted_group(p.group_id, INFORMATIVE) for p in actor_lease.prompts]),
+        m.GetWeights(version=0),
+    ]
+    for request_msg in refused:
+        reply = ask(learner, OBSERVER, request_msg, principal=OBSERVER_KEY, observer=True)
+        assert isinstance(reply, m.ErrorReply), type(request_msg).__name__
+        assert reply.reason == "forbidden"
+    assert sample(learner, "grpo_fleet_learner_auth_failures_total", {"reason": "observer"}) == len(refused)
+    assert [info.principal for info in learner.registry.actors.values()] == [ACTOR_A.hex()]
+    assert ledger(learner) == [] and learner.state.buffer == []
+    assert isinstance(ask(learner, OBSERVER, m.StatusRequest(), principal=OBSERVER_KEY, observer=True), m.Status)
+    # The same requests from an actor key are answered as ever.
+    assert ask(learner, ACTOR_A, rollouts_for(actor_lease, incarnation=learner.state.incarnation)).status == "accepted"
+
+
 def test_registration_is_per_identity(learner):
     hello(learner, ACTOR_A)
     reply = ask(learner, ACTOR_B, m.LeaseRequest(max_groups=1))

@@ -12,6 +12,7 @@ from test_learner_core import ACTOR_A, ask, generated_rollouts, hello, lease, ru
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.setup import build_learner
 from grpo_fleet.learner.verification import RewardCheck, reward_gap
+from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.prompts import decode_completion
@@ -34,6 +35,39 @@ def make(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Learner
 
 def rejections(learner: Learner, reason: RejectReason) -> float:
     return learner.metrics.registry.get_sample_value("grpo_fleet_learner_rejections_total", {"reason": reason}) or 0.0
+
+
+def test_the_learner_re_scores_in_a_process_of_its_own_unless_given_a_scorer(
+        make: Callable[..., Learner], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never an in-process fallback, which could not interrupt a reward that hangs; a test passes its own scorer."""
+    import grpo_fleet.learner.core as core
+
+    started: list[object] = []
+
+    class RecordedProcess:  # stands in for ScoringProcess: a unit test starts no process
+        def __init__(self, rewards: object) -> None:
+            started.append(rewards)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(core, "ScoringProcess", RecordedProcess, raising=False)
+    parts = make()
+    cfg = parts.cfg.model_copy(update={"security": parts.cfg.security.model_copy(update={"verify_rewards": True})})
+
+    def learner_from_parts(name: str, **scorer: object) -> Learner:
+        (tmp_path / name).mkdir()
+        return Learner(cfg, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
+                       learner_metrics(), tmp_path / name, **scorer)  # type: ignore[arg-type]
+
+    default = learner_from_parts("default")
+    assert default.reward_check is not None and isinstance(default.reward_check.scorer, RecordedProcess)
+    assert started == [parts.task.reward_set()]
+    inline = InlineScorer(parts.task.reward_set())
+    given = learner_from_parts("given", scorer=inline)
+    assert given.reward_check is not None and given.reward_check.scorer is inline and len(started) == 1
+    for learner in (default, given):
+        learner.close()
 
 
 def test_reward_gap_is_relative_to_the_reward() -> None:

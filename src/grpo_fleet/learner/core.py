@@ -42,7 +42,7 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.tasks import Task
-from grpo_fleet.tasks.reward_runner import InlineScorer, Scorer
+from grpo_fleet.tasks.reward_runner import Scorer, ScoringProcess
 from grpo_fleet.zoo import model_reference
 
 log = logging.getLogger("grpo_fleet.learner")
@@ -56,6 +56,9 @@ class Request:
     owner: str
     peer_address: str = ""
 
+
+# What an observer key (`keys add-observer`) may ask; it can neither join, lease, submit nor read weights.
+OBSERVER_REQUESTS = (m.StatusRequest,)
 
 # Handlers for anyone, and for registered actors only; each message type has one.
 OpenHandler = Callable[[Request, Any], Reply]
@@ -105,8 +108,10 @@ class Learner:
         self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, task.train)
         self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
         security = cfg.security
-        # Rewards are re-scored in `scorer` (setup gives the learner its own process; tests run them inline).
-        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, scorer or InlineScorer(task.reward_set()))
+        # Rewards are re-scored in a process of the learner's own, which can kill a reward that hangs; never
+        # in this one, which could not. (A test may pass an in-process scorer, tests/ being where such hooks live.)
+        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer,
+                                         scorer if scorer is not None else ScoringProcess(task.reward_set()))
                              if security.verify_rewards else None)
         self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
                              self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify,
@@ -145,17 +150,25 @@ class Learner:
     # ------------------------------------------------------------------ requests (I/O thread)
 
     def handle(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
-               peer_address: str = "") -> Reply:
+               peer_address: str = "", *, observer: bool = False) -> Reply:
         """Answer one decoded message (or a decoding failure) from `identity`.
 
         `principal` is the authenticated CURVE key; leases are bound to it, so a
-        peer reusing another actor's routing id cannot act for it.
+        peer reusing another actor's routing id cannot act for it. An `observer`
+        key (`keys add-observer`) may ask Status and nothing else.
         """
         owner = peer_key(identity, principal)
         with self.lock:
             if isinstance(msg, ProtocolError):
                 return Reply(self._undecodable(owner, msg))
+            if observer and not isinstance(msg, OBSERVER_REQUESTS):
+                return Reply(self._refuse_observer(owner, msg))
             return self._dispatch(Request(identity, owner, peer_address), msg)
+
+    def _refuse_observer(self, owner: str, msg: BaseModel) -> m.ErrorReply:
+        self.metrics.auth_failures.labels(reason="observer").inc()
+        log.warning("observer key %s sent %s; observers may ask Status only", shown(owner), type(msg).__name__)
+        return m.ErrorReply(reason="forbidden", detail=f"an observer key may ask Status only, not {type(msg).__name__}")
 
     def _undecodable(self, owner: str, error: ProtocolError) -> m.ErrorReply:
         """The answer to a message that failed to decode: the sender's violation, unless the bug is ours."""

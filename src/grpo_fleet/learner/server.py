@@ -25,7 +25,7 @@ from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.intake import inbound_limits
 from grpo_fleet.learner.local_eval import LocalEvaluator
 from grpo_fleet.learner.replies import Reply
-from grpo_fleet.metrics import serve_metrics
+from grpo_fleet.metrics import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import Keypair, KeyRing, load_keypair, start_authenticator
 from grpo_fleet.protocol.codec import ProtocolError
@@ -90,7 +90,7 @@ class Doorman:
             self.keypair = load_keypair(keys / "learner.key_secret")
             self.keyring = KeyRing(keys / "authorized")
             self.auth = start_authenticator(ctx, self.keyring)
-            log.info("CURVE on: %d authorised actor keys in %s", len(self.keyring._keys), self.keyring.directory)
+            log.info("CURVE on: %d authorised keys in %s", len(self.keyring), self.keyring.directory)
 
     def watch(self, router: zmq.Socket) -> None:
         """Count the router's failed handshakes (they never reach the loop as messages)."""
@@ -109,6 +109,10 @@ class Doorman:
             self.learner.drop_actor(identity)
             return False
         return True
+
+    def is_observer(self, principal: Optional[str]) -> bool:
+        """Whether this CURVE key may only ask for the run's status (`keys add-observer`)."""
+        return self.keyring is not None and principal is not None and self.keyring.is_observer(principal.encode())
 
     def count_handshake_failures(self) -> None:
         while self.monitor is not None and self.monitor.poll(0):
@@ -155,6 +159,7 @@ class LearnerServer:
         self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind), curve=keypair)
         self.door.watch(self.router)
         self.metrics_target: Optional[str] = None
+        self.metrics_server: Optional[MetricsServer] = None
         self.endpoint = bound_endpoint(self.router)
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
@@ -167,13 +172,13 @@ class LearnerServer:
     def start_metrics(self) -> None:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
         cfg = self.learner.cfg
-        port = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
-                             sd_targets=lambda: self.learner.registry.sd_snapshot)
-        if port:
+        self.metrics_server = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
+                                            sd_targets=lambda: self.learner.registry.sd_snapshot)
+        if self.metrics_server is not None:
             host = cfg.metrics.host
             if is_wildcard_host(host):
                 host = cfg.server.advertise_host or socket.gethostname()
-            self.metrics_target = f"{host}:{port}"
+            self.metrics_target = f"{host}:{self.metrics_server.port}"
             log.info("metrics on http://%s/metrics, service discovery on http://%s/sd", self.metrics_target, self.metrics_target)
 
     def request_stop(self, *_args: object) -> None:
@@ -249,18 +254,18 @@ class LearnerServer:
             routed = recv_routed_from(self.router, self.limits)
             if not self.door.admits(routed.identity, routed.principal):
                 continue
-            reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address)
+            reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address,
+                                 observer=self.door.is_observer(routed.principal))
             send_message(self.router, reply.message, identity=routed.identity, raw=reply.raw)
 
-    def _answer(
-        self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None, peer_address: str = ""
-    ) -> Reply:
+    def _answer(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
+                peer_address: str = "", *, observer: bool = False) -> Reply:
         if self.closing:
             if identity in self.learner.registry.actors:  # only registered actors are waited for; keeps the set bounded
                 self.told_to_stop.add(identity)
             return Reply(m.Shutdown(reason="done"))
         try:
-            return self.learner.handle(identity, msg, principal, peer_address)
+            return self.learner.handle(identity, msg, principal, peer_address, observer=observer)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling %s", type(msg).__name__)
             self.learner.metrics.internal_errors.labels(where="handle").inc()
@@ -303,6 +308,8 @@ class LearnerServer:
             self._pump(timeout_ms=100)
 
     def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self.door.close(self.router)
         self.router.close(linger=0)
         self.pub.close(linger=0)

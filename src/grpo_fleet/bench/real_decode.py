@@ -146,6 +146,8 @@ def measure(report: Report, model_dir: Path, shape: LeaseShape, repeats: int) ->
         actor_runs.append(actor_lease(policy.model, prompts, shape, eos))
         mx.random.seed(turn)
         library_runs.append(library_lease(policy.model, tokenizer, prompts, shape))
+        print(f"  turn {turn}: actor {actor_runs[-1].tokens_per_second:.1f} tok/s, "
+              f"batch_generate {library_runs[-1].tokens_per_second:.1f} tok/s", flush=True)
     actor = max(actor_runs, key=lambda r: r.tokens_per_second)
     library = max(library_runs, key=lambda r: r.tokens_per_second)
     label = f"{model_dir.name}, {shape.prompts} prompts x G={shape.group_size}, max_tokens {shape.max_tokens}"

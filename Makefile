@@ -7,7 +7,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead.
 OPENBLAS = $$(ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1)
 
-.PHONY: demo demo-real test test-fast test-deps lint bench doctor system-deps clean readme
+.PHONY: demo demo-real test test-fast test-deps lint bench bench-full doctor system-deps clean readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,8 +54,12 @@ test: test-deps $(VENV)/.installed lint
 test-fast: test-deps $(VENV)/.installed
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
 
+# About 30 minutes on a 2-vCPU VM; bench-full adds the long sweeps (hours). Both write bench/results.json.
 bench: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet bench
+
+bench-full: system-deps $(VENV)/.installed
+	$(VENV)/bin/grpo-fleet bench --full
 
 doctor: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet doctor

@@ -207,10 +207,11 @@ def _import_gguf(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grpo_fleet.bench import run_benchmarks
+    from grpo_fleet.bench import Scale, run_benchmarks
 
     names = [n.strip() for n in args.only.split(",")] if args.only else None
-    run_benchmarks(names, args.quick, Path(args.out))
+    scale = Scale.QUICK if args.quick else Scale.FULL if args.full else Scale.DEFAULT
+    run_benchmarks(names, scale, Path(args.out))
     return 0
 
 
@@ -370,9 +371,11 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     gguf.set_defaults(func=_import_gguf)
 
     bench = sub.add_parser("bench", help="benchmarks: figures next to baselines, as ratios (see bench/RESULTS.md)")
-    bench.add_argument("--only", help="comma-separated subset: rollout,ingest,weights,step,qwen_step,mixed,e2e,"
-                                      "offpolicy,logprob_gap,stale_lengths")
-    bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    bench.add_argument("--only", help="comma-separated subset, e.g. rollout,real_decode (names: grpo_fleet.bench.BENCHMARKS)")
+    sizes = bench.add_mutually_exclusive_group()
+    sizes.add_argument("--full", action="store_true",
+                       help="every benchmark at full size, the long sweeps included (hours; make bench-full)")
+    sizes.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     bench.add_argument("--out", default="bench/results.json", help="where to write every figure as JSON")
     bench.set_defaults(func=_bench)
 

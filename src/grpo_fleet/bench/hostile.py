@@ -26,7 +26,7 @@ from typing import Any, Optional
 import msgpack
 import numpy as np
 
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.ingest import GROUP_SIZE, MAX_TOKENS, _start_learner, _stop_learner, _wait_serving
 
 ISSUE_COMPLETIONS = 100_000
@@ -153,13 +153,13 @@ def report_stalls(report: Report, results: dict[str, dict], baseline: Optional[t
     ))
 
 
-def run(report: Report, quick: bool) -> None:
+def run(report: Report, scale: Scale) -> None:
     """One learner, the hostile messages, the stall figures."""
     with tempfile.TemporaryDirectory(prefix="grpo-fleet-hostile-") as tmp:
         learner = _start_learner(Path(tmp), "hostile")
         try:
             _wait_serving(learner)
-            results = measure(learner.endpoint, repeats=2 if quick else 3)
+            results = measure(learner.endpoint, repeats=2 if scale is Scale.QUICK else 3)
             baseline = _baseline_seconds(learner.run_dir)
         finally:
             _stop_learner(learner)
@@ -181,7 +181,7 @@ if __name__ == "__main__":
     import sys
 
     standalone = Report()
-    run(standalone, quick=False)
+    run(standalone, Scale.FULL)
     print(standalone.table())
     if len(sys.argv) > 1:
         merge_into(Path(sys.argv[1]), standalone)

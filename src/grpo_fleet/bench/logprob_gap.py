@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.setup import resolve_model_path
@@ -47,7 +47,8 @@ def gaps(model_path: str, dtype: str, prompts: list[list[int]], max_tokens: int)
     return float(np.mean(means)), float(np.max(maxes))
 
 
-def run(report: Report, quick: bool) -> None:
+def run(report: Report, scale: Scale) -> None:
+    quick = scale is Scale.QUICK
     with tempfile.TemporaryDirectory(prefix="grpo-bench-gap-") as tmp:
         cfg = RunConfig.model_validate({"run_dir": str(Path(tmp) / "run"), "model": {"path": "tiny"}})
         tiny = resolve_model_path(cfg, build_task(cfg.task))

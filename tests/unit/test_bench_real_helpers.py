@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from grpo_fleet.bench import real_decode
 from grpo_fleet.bench.real_decode import REAL_MODEL_ENV, idle_slot_share, real_model_dir, returned_token_count
 from grpo_fleet.bench.real_step import batch_padding, micro_batch_padding, padding_share
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch, row_lengths, split_batch
@@ -42,7 +43,9 @@ def test_real_model_dir_prefers_argument_then_environment(monkeypatch, tmp_path)
     assert real_model_dir(tmp_path / "arg") == tmp_path / "arg"
     assert real_model_dir() == tmp_path / "env"
     monkeypatch.delenv(REAL_MODEL_ENV)
-    assert real_model_dir().name == "smollm2-f32"
+    imported: list[str] = []
+    monkeypatch.setattr(real_decode, "import_source", lambda source, cache: imported.append(source) or tmp_path / "zoo")
+    assert real_model_dir() == tmp_path / "zoo" and imported == ["zoo:smollm2-135m-instruct"]
 
 
 def test_padding_share_counts_pad_positions_over_all_positions():

@@ -135,6 +135,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("step", "step", True, 0.3, "learner step phases, eager vs mx.compile (50M and memory rows: full)"),
     Benchmark("real_decode", "real_decode", True, 1.0, "real model: actor lease vs mlx_lm.batch_generate, idle slots"),
     Benchmark("real_step", "real_step", True, 1.0, "real model: one Trainer.step tok/s, micro-batch padding"),
+    Benchmark("real", "real", True, 16.0, "real model learning: fleet vs in-process loop vs mlx-lm-lora, same task"),
     Benchmark("mixed", "mixed", True, 0.7, "capacity-sized leases with a 10x slower actor"),
     Benchmark("e2e", "e2e", True, 1.5, "wall time to the demo's target: fleet vs loops (notebook loop: full)"),
     Benchmark("logprob_gap", "logprob_gap", False, 2.8, "actor/learner logprob gap in fp32 and bf16"),

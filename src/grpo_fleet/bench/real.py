@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, batched_rollout
 from grpo_fleet.config import RunConfig
 from grpo_fleet.demo import DemoOptions, demo_config
@@ -141,12 +141,12 @@ def target_reward(before: float, after: float) -> float:
     return before + 0.5 * max(after - before, 0.0)
 
 
-def run(report: Report, quick: bool) -> None:
+def run(report: Report, scale: Scale) -> None:
     from grpo_fleet.learner.setup import resolve_model_path
     from grpo_fleet.tasks import build_task
 
     with tempfile.TemporaryDirectory(prefix="grpo-bench-real-") as tmp:
-        steps = 6 if quick else None
+        steps = 4 if scale is Scale.QUICK else None
         cfg = real_config(Path(tmp) / "fleet", steps=steps)
         model_path = resolve_model_path(cfg, build_task(cfg.task))
         fleet = fleet_run(cfg)

@@ -26,17 +26,22 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from grpo_fleet.bench import Figure, Report, Scale
+from grpo_fleet.realshape import default_cache_dir
+from grpo_fleet.zoo import import_source
 
-DEFAULT_REAL_MODEL = Path("/work/models/smollm2-f32")
+REAL_MODEL = "zoo:smollm2-135m-instruct"
 REAL_MODEL_ENV = "GRPO_FLEET_REAL_MODEL"
 GSM8K_MINI = Path(__file__).resolve().parents[1] / "tasks" / "data" / "gsm8k_mini.jsonl"
 
 
 def real_model_dir(path: Optional[Path] = None) -> Path:
-    """The real model's mlx-lm directory: `path`, else $GRPO_FLEET_REAL_MODEL, else the converted SmolLM2-135M."""
+    """The real model's mlx-lm directory: `path`, else $GRPO_FLEET_REAL_MODEL, else SmolLM2-135M-Instruct
+    from the zoo, imported once into the model cache (as an actor on this machine would)."""
     if path is not None:
         return Path(path)
-    return Path(os.environ.get(REAL_MODEL_ENV) or DEFAULT_REAL_MODEL)
+    if os.environ.get(REAL_MODEL_ENV):
+        return Path(os.environ[REAL_MODEL_ENV])
+    return import_source(REAL_MODEL, default_cache_dir())
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ BenchFn = Callable[[Report, bool], None]
 
 # Benchmark name -> module with `run(report, quick)`, in the order `make bench` runs them.
 BENCHMARKS = ("rollout", "ingest", "weights", "step", "qwen_step", "mixed", "e2e", "offpolicy", "logprob_gap",
-              "stale_lengths")
+              "stale_lengths", "liar_lags")
 
 
 def load_benchmark(name: str) -> BenchFn:

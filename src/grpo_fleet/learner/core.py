@@ -23,6 +23,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner import persistence
 from grpo_fleet.learner.bans import peer_key
 from grpo_fleet.learner.evaluation import Evaluation
+from grpo_fleet.learner.gap_bounds import compute_dtype
 from grpo_fleet.learner.intake import Intake, IntakeRules
 from grpo_fleet.learner.leasing import Leasing
 from grpo_fleet.learner.registry import ActorInfo, Registry, RunCard
@@ -108,7 +109,8 @@ class Learner:
         # Rewards are re-scored in `scorer` (setup gives the learner its own process; tests run them inline).
         self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, scorer or InlineScorer(task.reward_set()))
                              if security.verify_rewards else None)
-        self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
+        rules = IntakeRules.from_config(cfg, policy.vocab_size, compute_dtype(policy.model))
+        self.intake = Intake(rules, self.state, self.registry,
                              self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify,
                              self.reward_check)
         self.weight_history = (WeightHistory(policy.model, keep=cfg.grpo.max_staleness + cfg.server.in_flight_steps + 1)

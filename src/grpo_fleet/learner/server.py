@@ -93,8 +93,13 @@ class Doorman:
             log.info("CURVE on: %d authorised actor keys in %s", len(self.keyring._keys), self.keyring.directory)
 
     def watch(self, router: zmq.Socket) -> None:
-        """Count the router's failed handshakes (they never reach the loop as messages)."""
-        self.monitor = router.get_monitor_socket(sum(HANDSHAKE_FAILURES))
+        """Count the router's failed handshakes and dropped connections (they never reach the loop as messages).
+
+        libzmq drops a message over the router's MAXMSGSIZE, and the sender's
+        connection with it, without a word to the loop: the disconnect event is
+        the only trace it leaves. Its event looks the same as an actor leaving.
+        """
+        self.monitor = router.get_monitor_socket(sum(HANDSHAKE_FAILURES) | zmq.EVENT_DISCONNECTED)
 
     def request_reload(self, *_args: object) -> None:
         self.reload_requested = True
@@ -110,9 +115,12 @@ class Doorman:
             return False
         return True
 
-    def count_handshake_failures(self) -> None:
+    def count_connection_events(self) -> None:
         while self.monitor is not None and self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.learner.metrics.connections_dropped.inc()
+                continue
             reason = HANDSHAKE_FAILURES.get(event["event"])
             if reason is not None:
                 self.learner.metrics.auth_failures.labels(reason=reason).inc()
@@ -272,7 +280,7 @@ class LearnerServer:
         if now - self._last_housekeeping < min(0.5, period):
             return
         self._last_housekeeping = now
-        self.door.count_handshake_failures()
+        self.door.count_connection_events()
         self.door.reload_allow_list()
         self.learner.expire_leases()
         self._drop_silent_actors(now - SILENT_HEARTBEATS * period)

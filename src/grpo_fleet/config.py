@@ -439,8 +439,8 @@ class SecurityConfig(_Section):
     max_logprob_gap: Optional[float] = Field(
         None, gt=0,
         description="Largest mean |reported - recomputed| token logprob (nats) of an honest group. Default: from the "
-        "actor's and the learner's dtypes (learner/gap_bounds.py, measured by bench logprob_gap): 0.003 when both are "
-        "float32 (floor under 1e-6), 0.025 when either is bfloat16/float16 or the actor's is unknown (floor 0.001-0.004, "
+        "actor's and the learner's dtypes (learner/gap_bounds.py, measured by bench logprob_gap): 0.001 when both are "
+        "float32 (floor under 4e-6), 0.025 when either is bfloat16/float16 or the actor's is unknown (floor 0.001-0.004, "
         "largest honest token 0.021). A value here applies to every actor.",
     )
     logprob_checks_per_submission: int = Field(

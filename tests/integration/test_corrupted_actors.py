@@ -42,9 +42,9 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
              "the liars to be caught", procs=[learner], timeout=180)
     buckets = {le: value for (name, le), value in scrape(port).by_label("le").items()
                if name == "grpo_fleet_learner_logprob_gap_nats_bucket"}
-    # Every check is either an honest group within 1e-3 nats or a liar's beyond the float32 actors' bound (0.003).
-    assert buckets["0.001"] > 20 and buckets["0.003"] == buckets["0.001"], buckets
-    over_threshold = buckets["+Inf"] - buckets["0.003"]
+    # Every check is either an honest group within the float32 actors' bound (1e-3 nats) or a liar's beyond it.
+    assert buckets["0.001"] > 20 and buckets["0.01"] == buckets["0.001"], buckets
+    over_threshold = buckets["+Inf"] - buckets["0.001"]
     assert learner.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
 
     log = learner.log_path.read_text()

@@ -184,3 +184,28 @@ def test_security_max_logprob_gap_overrides_the_dtypes_bound(make: Callable[...,
     hello(learner)
     ask(learner, ACTOR_A, shifted(generated_rollouts(learner, lease(learner)), -0.02))
     assert learner.train_step() is not None and rejections(learner, RejectReason.LOGPROB_MISMATCH) == 0
+
+
+def test_rewards_scored_ahead_are_not_scored_again_under_the_lock(make: Callable[..., Learner]) -> None:
+    learner = make()
+    hello(learner)
+    msg = generated_rollouts(learner, lease(learner))
+    indexes = [t.prompt_index for t in learner.state.scheduler.leases[msg.lease_id].tickets.values()]
+    calls: list[int] = []
+    scorer = InlineScorer(learner.task.reward_set())
+
+    class Counting:
+        def score(self, jobs):  # type: ignore[no-untyped-def]
+            calls.append(len(jobs))
+            return scorer.score(jobs)
+
+    check = RewardCheck(learner.task, learner.task.train, learner.policy.tokenizer, Counting())  # type: ignore[arg-type]
+    jobs = list(zip(msg.groups, indexes))
+    check.score_ahead(jobs)
+    ahead = check.verdicts(jobs)
+    assert calls == [len(jobs)], "verdicts answered from what was scored ahead"
+    copies = [(g.model_copy(), i) for g, i in jobs]
+    assert check.verdicts(copies) == ahead and calls == [len(jobs), len(jobs)], "other objects are scored anew"
+    check.forget_ahead()
+    check.verdicts(jobs)
+    assert calls[-1] == len(jobs)

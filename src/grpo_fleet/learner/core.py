@@ -159,6 +159,28 @@ class Learner:
                 return Reply(self._undecodable(owner, msg))
             return self._dispatch(Request(identity, owner, peer_address), msg)
 
+    def handle_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str] = None,
+                        peer_address: str = "") -> Reply:
+        """`handle` for Rollouts, with the rewards re-scored first, outside the lock (the verifier thread only).
+
+        Scoring is a round trip to the reward process, as slow as the task's
+        reward; under the lock it would hold every other request that long.
+        What is scored is what `take` will accept; if the state moved meanwhile,
+        `take` scores the rest itself.
+        """
+        with self.lock:
+            actor = self.registry.known(identity, peer_key(identity, principal))
+            owner = self.evaluation if self.evaluation.owns(msg.lease_id) else self.intake
+            jobs = owner.reward_jobs(actor, msg) if actor is not None else []
+            check = owner.reward_check
+        if check is None or not jobs:
+            return self.handle(identity, msg, principal, peer_address)
+        check.score_ahead(jobs)
+        try:
+            return self.handle(identity, msg, principal, peer_address)
+        finally:
+            check.forget_ahead()
+
     def _undecodable(self, owner: str, error: ProtocolError) -> m.ErrorReply:
         """The answer to a message that failed to decode: the sender's violation, unless the bug is ours."""
         if not error.is_violation:

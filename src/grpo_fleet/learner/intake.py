@@ -214,6 +214,17 @@ class Intake:
         self.metrics.leases_outstanding.set(len(scheduler.leases))
         return ack
 
+    def reward_jobs(self, actor: ActorInfo, msg: m.Rollouts) -> list[tuple[m.GroupResult, int]]:
+        """The groups `take` would re-score, with their prompts; reads the state, changes nothing (under the lock)."""
+        rules, scheduler = self.rules, self.state.scheduler
+        if (self.reward_check is None or self.state.done or self.state.acks.get(msg.lease_id) is not None
+                or unusable_version(msg, self.state, rules.max_staleness) is not None
+                or m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
+                                       max_tokens=rules.max_tokens, reward_bound=rules.reward_bound) is not None):
+            return []
+        return [(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in msg.groups
+                if scheduler.classify(actor.principal, msg.lease_id, g.group_id) is None]
+
     def _invalid(self, actor: ActorInfo, lease_id: str, reason: RejectReason) -> m.Ack:
         """Refuse hostile or malformed rollouts; this counts toward the peer's ban and changes no state."""
         self.metrics.rejections.labels(reason=reason).inc()

@@ -55,9 +55,24 @@ class RewardCheck:
     def __init__(self, task: Task, examples: list[Example], tokenizer: Any, scorer: Scorer) -> None:
         self.task, self.examples, self.tokenizer, self.scorer = task, examples, tokenizer, scorer
         self.eos = set(tokenizer.eos_token_ids)
+        # Verdicts scored ahead of `verdicts` (outside the learner's lock), by the group object they are for.
+        self._ahead: dict[int, tuple[m.GroupResult, Optional[RejectReason]]] = {}
+
+    def score_ahead(self, groups: Sequence[tuple[m.GroupResult, int]]) -> None:
+        """Score `groups` now, so that `verdicts` on these same objects answers at once (one thread at a time)."""
+        scored = self._score(groups)
+        self._ahead = {id(group): (group, scored[group.group_id]) for group, _ in groups}
+
+    def forget_ahead(self) -> None:
+        self._ahead = {}
 
     def verdicts(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
         """group_id -> None (the rewards agree), REWARD_MISMATCH, or REWARD_UNVERIFIABLE (our check failed)."""
+        ahead = {group.group_id: self._ahead[id(group)][1] for group, _ in groups
+                 if self._ahead.get(id(group), (None,))[0] is group}
+        return {**self._score([(g, i) for g, i in groups if g.group_id not in ahead]), **ahead}
+
+    def _score(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
         jobs = [self.task.job(self.examples[index], [self._text(c) for c in group.completions])
                 for group, index in groups]
         verdicts: dict[str, Optional[RejectReason]] = {}

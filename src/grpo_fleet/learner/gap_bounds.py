@@ -10,13 +10,15 @@ is taken from the measured floor of the pair (bench/logprob_gap.py, bench/RESULT
 | actor vs learner | mean per-token floor | largest token | bound |
 |---|---|---|---|
 | float32 vs float32 | 7e-8 (tiny) .. 8e-7 (Qwen2.5 shape) .. 3e-6 (SmolLM2-135M, 30 blocks) | 1.5e-5 | 0.001 |
-| bfloat16 vs float32 | 0.001 (tiny) .. 0.0043 (Qwen2.5 shape) | 0.021 | 0.025 |
+| bfloat16 vs float32 | 0.001 (tiny) .. 0.0043 (Qwen2.5 shape) .. 0.045 (SmolLM2-135M) | 0.33 | 0.15 |
 
 The float32 bound is 300 times its largest floor and a third of the
-smallest stale-weights gap measured (0.0033 nats, bench/liar_lags.py). The half-precision
-bound is 6x its largest mean floor and above the largest single honest token
-ever measured, so a group fails only if its average token is further off than
-the worst honest token. float16 rounds finer than bfloat16 and gets its bound;
+smallest stale-weights gap measured (0.0033 nats, bench/liar_lags.py). The
+half-precision floor depends on the model: a real pretrained one (SmolLM2-135M,
+30 blocks) rounds ten times further than random weights at Qwen's shape, so its
+bound is 3.3x the largest mean floor measured. That still catches altered
+logprobs (about 1 nat) but not weights a version or two stale (0.01-0.06 nats):
+for a bf16 actor only a floor measured on the run's own model could. float16 rounds finer than bfloat16 and gets its bound;
 so does a half-precision learner, or an actor whose dtype is not known.
 `security.max_logprob_gap` overrides all of this.
 """
@@ -31,7 +33,7 @@ from mlx.utils import tree_flatten
 
 # Mean per-token gap (nats) an honest group stays under, by the least precise dtype of the pair.
 FLOAT32_PAIR_BOUND = 0.001
-HALF_PRECISION_BOUND = 0.025
+HALF_PRECISION_BOUND = 0.15
 EXACT_DTYPES = frozenset({"float32", "float64"})
 
 

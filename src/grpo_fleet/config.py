@@ -440,15 +440,22 @@ class SecurityConfig(_Section):
         "differs is refused as reward_mismatch (a violation). Turn off only for rewards that are not deterministic.",
     )
     verify_logprobs: bool = Field(
-        True, description="Recompute the first informative group of every lease under the version it claims before "
-        "it trains; a mean gap beyond max_logprob_gap bans the actor at once (logprob_mismatch). Keeps the trainable "
-        "weights of the last max_staleness + in_flight_steps + 1 versions (free under LoRA).",
+        True, description="Recompute a sample of the informative groups of every submission (logprob_checks_per_"
+        "submission) under the version it claims before they train; a mean gap beyond the bound bans the actor at once "
+        "(logprob_mismatch). Keeps the trainable weights of the last max_staleness + in_flight_steps + 1 versions "
+        "(free under LoRA).",
     )
-    max_logprob_gap: float = Field(
-        0.05, gt=0,
-        description="Largest mean |reported - recomputed| token logprob (nats) of an honest group. Measured "
-        "(bench logprob_gap): fp32 actors differ from the fp32 learner by under 1e-6, bf16 actors (a Mac's dtype) "
-        "by 0.004 at Qwen2.5's shape (largest token 0.02), so 0.05 is about 12x the bf16 floor.",
+    max_logprob_gap: Optional[float] = Field(
+        None, gt=0,
+        description="Largest mean |reported - recomputed| token logprob (nats) of an honest group. Default: from the "
+        "actor's and the learner's dtypes (learner/gap_bounds.py, measured by bench logprob_gap): 0.001 when both are "
+        "float32 (floor under 4e-6), 0.15 when either is bfloat16/float16 or the actor's is unknown (floor 0.001 on the "
+        "tiny model, 0.045 on SmolLM2-135M). A value here applies to every actor.",
+    )
+    logprob_checks_per_submission: int = Field(
+        4, ge=1,
+        description="Informative groups of each submission whose logprobs are recomputed, picked at random (all of "
+        "them when fewer). Each costs one forward pass of its G completions on the training thread.",
     )
 
 

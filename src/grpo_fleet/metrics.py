@@ -65,6 +65,7 @@ class LearnerMetrics:
     weight_bytes_served: Counter
     actors_connected: Gauge
     auth_failures: Counter
+    connections_dropped: Counter
     step_phase_seconds: Histogram
     weight_publish_seconds: Histogram
     weight_publish_bytes: Gauge
@@ -138,6 +139,11 @@ def learner_metrics() -> LearnerMetrics:
         step_seconds=Histogram(f"{p}_step_duration_seconds", "Wall time of one optimizer batch", registry=r),
         weight_bytes_served=Counter(f"{p}_weight_sent_bytes", "Weight bytes sent to actors", registry=r),
         actors_connected=Gauge(f"{p}_actors_connected", "Actors heard from within the heartbeat timeout", registry=r),
+        connections_dropped=Counter(
+            f"{p}_connections_dropped", "Actor connections that ended: libzmq drops one whose message is over the "
+            "inbound limit (server.max_message_bytes or less), with the message and unseen by anything else; an actor "
+            "that exits or loses its network ends one too", registry=r,
+        ),
         auth_failures=Counter(
             f"{p}_auth_failures",
             "Refused CURVE handshakes, messages from revoked keys, and requests other than Status from observer keys, "

@@ -141,6 +141,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("logprob_gap", "logprob_gap", False, 2.8, "actor/learner logprob gap in fp32 and bf16"),
     Benchmark("stale_lengths", "stale_lengths", False, 2.8, "stale rejections against completion length"),
     Benchmark("offpolicy", "offpolicy", False, 26.0, "coupled vs decoupled objective under lag (3 seeds x 600 steps)"),
+    Benchmark("liar_lags", "liar_lags", False, 3.0, "logprob check's catch rate against weights 1-2 versions stale"),
     Benchmark("qwen_step", "qwen_step", False, 120.0, "Qwen2.5-0.5B-shaped learner step sweep and actor lease"),
 )
 

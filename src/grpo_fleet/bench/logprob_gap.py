@@ -59,5 +59,5 @@ def run(report: Report, scale: Scale) -> None:
             for dtype in ("float32", "bfloat16"):
                 mean, worst = gaps(path, dtype, prompts, tokens)
                 report.add(Figure("logprob_gap", f"{name}: {dtype} actor vs float32 learner, mean per-token gap",
-                                  mean, "nats", goal="< security.max_logprob_gap 0.05",
+                                  mean, "nats", goal="< its bound (learner/gap_bounds.py)",
                                   notes=f"largest single-token gap {worst:.4f} nats; G=4 x {len(prompts)} prompts"))

@@ -23,6 +23,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner import persistence
 from grpo_fleet.learner.bans import peer_key
 from grpo_fleet.learner.evaluation import Evaluation
+from grpo_fleet.learner.gap_bounds import compute_dtype
 from grpo_fleet.learner.intake import Intake, IntakeRules
 from grpo_fleet.learner.leasing import Leasing
 from grpo_fleet.learner.registry import ActorInfo, Registry, RunCard
@@ -113,7 +114,8 @@ class Learner:
         self.reward_check = (RewardCheck(task, task.train, policy.tokenizer,
                                          scorer if scorer is not None else ScoringProcess(task.reward_set()))
                              if security.verify_rewards else None)
-        self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
+        rules = IntakeRules.from_config(cfg, policy.vocab_size, compute_dtype(policy.model))
+        self.intake = Intake(rules, self.state, self.registry,
                              self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify,
                              self.reward_check)
         self.weight_history = (WeightHistory(policy.model, keep=cfg.grpo.max_staleness + cfg.server.in_flight_steps + 1)
@@ -169,6 +171,28 @@ class Learner:
         self.metrics.auth_failures.labels(reason="observer").inc()
         log.warning("observer key %s sent %s; observers may ask Status only", shown(owner), type(msg).__name__)
         return m.ErrorReply(reason="forbidden", detail=f"an observer key may ask Status only, not {type(msg).__name__}")
+
+    def handle_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str] = None,
+                        peer_address: str = "") -> Reply:
+        """`handle` for Rollouts, with the rewards re-scored first, outside the lock (the verifier thread only).
+
+        Scoring is a round trip to the reward process, as slow as the task's
+        reward; under the lock it would hold every other request that long.
+        What is scored is what `take` will accept; if the state moved meanwhile,
+        `take` scores the rest itself.
+        """
+        with self.lock:
+            actor = self.registry.known(identity, peer_key(identity, principal))
+            owner = self.evaluation if self.evaluation.owns(msg.lease_id) else self.intake
+            jobs = owner.reward_jobs(actor, msg) if actor is not None else []
+            check = owner.reward_check
+        if check is None or not jobs:
+            return self.handle(identity, msg, principal, peer_address)
+        check.score_ahead(jobs)
+        try:
+            return self.handle(identity, msg, principal, peer_address)
+        finally:
+            check.forget_ahead()
 
     def _undecodable(self, owner: str, error: ProtocolError) -> m.ErrorReply:
         """The answer to a message that failed to decode: the sender's violation, unless the bug is ours."""

@@ -6,6 +6,7 @@ Running it (a venv, a subprocess, a model) is the bench's job, not a unit test's
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from dataclasses import fields, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from grpo_fleet.bench.mlx_lm_lora import (
     CONFIG_FIELDS,
     LikeForLike,
     apply_spec,
+    completions_per_second,
     parse_progress,
     runner_job,
     spec_from_config,
@@ -98,6 +100,8 @@ def test_progress_parsing_keeps_snapshots_in_step_order_and_times_every_step():
     assert [(s.step, s.completions, s.adapter) for s in snapshots] == [(0, 0, "a0"), (2, 32, "a2"), (4, 64, "a4")]
     ordered = sorted(lines, key=lambda line: json.loads(line)["step"])
     assert step_seconds(ordered) == pytest.approx([1.5] * 4)
+    assert completions_per_second(lines) == pytest.approx(64 / 6.0)  # from step 0's clock, not the launch
+    assert math.isnan(completions_per_second(lines[1:2]))  # step 0 alone
 
 
 def test_runner_log_snapshots_only_at_eval_steps_and_the_end(tmp_path):

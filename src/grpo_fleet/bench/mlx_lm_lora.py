@@ -233,6 +233,16 @@ def step_seconds(lines: list[str]) -> list[float]:
     return [b["wall_seconds"] - a["wall_seconds"] for a, b in zip(records, records[1:])]
 
 
+def completions_per_second(lines: list[str]) -> float:
+    """Training completions per wall second from step 1 on (start-up and snapshot saving excluded)."""
+    records = [json.loads(line) for line in lines if line.strip()]
+    first = next((r for r in records if r["step"] == 0), None)
+    last = max(records, key=lambda r: r["step"]) if records else None
+    if first is None or last is None or last["step"] == 0:
+        return float("nan")
+    return (last["completions"] - first["completions"]) / max(last["wall_seconds"] - first["wall_seconds"], 1e-9)
+
+
 def run_mlx_lm_lora(spec: LikeForLike, out_dir: Path, *, base: Optional[RunConfig] = None,
                     timeout_seconds: float = 6 * 3600) -> list[EvalPoint]:
     """Train with mlx-lm-lora on `spec` in its own venv; held-out reward of each snapshot.

@@ -27,6 +27,7 @@ from typing import Optional
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, batched_rollout
+from grpo_fleet.bench.mlx_lm_lora import BaselineUnavailable
 from grpo_fleet.config import RunConfig
 from grpo_fleet.demo import DemoOptions, demo_config
 from grpo_fleet.local_fleet import running
@@ -117,6 +118,17 @@ def loop_run(cfg: RunConfig, model_path: str) -> RealCurve:
     return curve
 
 
+def lora_baseline_run(cfg: RunConfig, model_path: str, out_dir: Path) -> RealCurve:
+    """mlx-lm-lora's GRPO trainer on the same config (its own venv; snapshots evaluated by our evaluate)."""
+    from grpo_fleet.bench.mlx_lm_lora import run_mlx_lm_lora, spec_from_config
+
+    local = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_path})})
+    points = run_mlx_lm_lora(spec_from_config(local), out_dir, base=local)
+    curve = RealCurve("mlx-lm-lora", [(p.step, p.wall_seconds, p.reward) for p in points])
+    curve.completions, curve.seconds = points[-1].completions, points[-1].wall_seconds
+    return curve
+
+
 def _time_figure(report: Report, fleet: RealCurve, other: RealCurve, target: float, goal: Optional[str]) -> None:
     fleet_s, other_s = fleet.time_to(target), other.time_to(target)
     report.add(Figure(
@@ -150,9 +162,13 @@ def run(report: Report, scale: Scale) -> None:
         cfg = real_config(Path(tmp) / "fleet", steps=steps)
         model_path = resolve_model_path(cfg, build_task(cfg.task))
         fleet = fleet_run(cfg)
-        loop_cfg = real_config(Path(tmp) / "loop", steps=steps)
-        loop = loop_run(loop_cfg, model_path)
+        loop = loop_run(real_config(Path(tmp) / "loop", steps=steps), model_path)
         curves = [fleet, loop]
+        try:
+            curves.append(lora_baseline_run(real_config(Path(tmp) / "lora", steps=steps), model_path, Path(tmp) / "lora"))
+        except BaselineUnavailable as exc:
+            report.add(Figure("real", "mlx-lm-lora baseline", float("nan"), "", notes=f"skipped: {exc}"))
+        Path("bench").mkdir(exist_ok=True)
         (Path("bench") / "real_curves.json").write_text(json.dumps([c.as_json() for c in curves], indent=2))
     before, after = fleet.points[0][2], fleet.points[-1][2]
     target = target_reward(before, after)
@@ -160,3 +176,5 @@ def run(report: Report, scale: Scale) -> None:
                       baseline_name="step 0", goal="a rise >= 0.2",
                       notes=f"{fleet.points[-1][0]} steps, {fleet.seconds:.0f} s (eval time excluded)"))
     _time_figure(report, fleet, loop, target, goal=None)
+    for baseline in curves[2:]:
+        _time_figure(report, fleet, baseline, target, goal="<= 1.0x")

@@ -1,10 +1,9 @@
-"""Rewards for configs/smollm2-135m-capitals.toml: name the capital, and nothing else.
+"""Rewards for the real-model demo (demo.toml beside this file): name the capital, in one short sentence.
 
-SmolLM2-135M-Instruct knows most capitals but answers in a sentence ("The
-capital of Kenya is Nairobi."), so the base model scores about half marks and
-GRPO has a clear thing to learn: drop the sentence, keep the city. Every actor
-needs the same file (`--reward-module configs/capitals_rewards.py`); the demo
-passes it for you.
+SmolLM2-135M-Instruct knows these capitals, but sampled at temperature 1 it
+often wanders: a wrong city, a second sentence, a reply cut off at the token
+budget. GRPO has a clear thing to learn: the right city, said once, finished.
+Every actor needs the same file (`--reward-module PATH`); the demo passes it for you.
 """
 
 from __future__ import annotations
@@ -48,3 +47,15 @@ def only_the_name(completion: str, prompt: str, *, answer: str, **columns: Any) 
     if not _names(completion, answer):
         return 0.0
     return len(_words(answer)) / len(_words(completion))
+
+
+# One sentence: no terminal punctuation before the end, and the end is terminal punctuation.
+_ONE_SENTENCE = re.compile(r"^[^.!?]+[.!?]$")
+
+
+@register_reward
+def one_short_sentence(completion: str, prompt: str, *, answer: str, **columns: Any) -> float:
+    """1.0 for a right answer said in exactly one finished sentence ("The capital of Kenya is Nairobi."),
+    else 0.0: a reply cut off at the token budget, or one that goes on after its first sentence, gets nothing."""
+    text = completion.strip()
+    return 1.0 if _names(text, answer) and _ONE_SENTENCE.match(text) else 0.0

@@ -68,7 +68,7 @@ def _anchored(data: dict, base: Path) -> dict:
 
 def demo_config(options: DemoOptions) -> RunConfig:
     """Demo defaults, then the user's config file, then --set overrides and flags."""
-    data = _base_settings(options)
+    data = demo_settings(options)
     flags = [f"run_dir={toml_string(str(Path(options.run_dir).resolve()))}",
              f"server.bind={toml_string(loopback_endpoint())}", f"server.pub_bind={toml_string(loopback_endpoint())}",
              f"metrics.port={free_port()}"]
@@ -80,7 +80,7 @@ def demo_config(options: DemoOptions) -> RunConfig:
     return cfg
 
 
-def _base_settings(options: DemoOptions) -> dict:
+def demo_settings(options: DemoOptions) -> dict:
     """The settings the overrides apply to: the user's config, a zoo model's packaged demo, or the tiny demo."""
     if options.config is not None:
         data = load_run_config(options.config, []).model_dump(mode="json")

@@ -91,8 +91,10 @@ BenchFn = Callable[[Report, bool], None]
 
 
 # Benchmark name -> module with `run(report, quick)`, in the order `make bench` runs them.
-BENCHMARKS = ("rollout", "ingest", "weights", "step", "qwen_step", "mixed", "e2e", "offpolicy", "logprob_gap",
-              "stale_lengths")
+BENCHMARKS: tuple[str, ...] = ("rollout", "ingest", "weights", "step", "qwen_step", "mixed", "e2e", "offpolicy",
+                               "logprob_gap", "stale_lengths")
+BENCHMARKS += ("offpolicy_real",)  # coupled vs decoupled on the real model, at the fleet's staleness and at lag 4
+BENCHMARKS += ("logprob_gap_real",)  # honest logprob gaps on real text against security.max_logprob_gap
 
 
 def load_benchmark(name: str) -> BenchFn:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from grpo_fleet.bench.logprob_gap_real import GapDistribution
-from grpo_fleet.bench.offpolicy import OffPolicyStats
+from grpo_fleet.bench.offpolicy import OffPolicyStats, lagged_training
 from grpo_fleet.bench.offpolicy_real import RealRun, by_staleness, staleness_of
 from grpo_fleet.bench.real_task import addition_rows, first_integer, first_integer_is_answer, real_config, real_model_dir
 from grpo_fleet.learner.trainer import StepStats
@@ -105,3 +108,35 @@ def test_the_stand_in_rows_are_json_lines(tmp_path):
     cfg = real_config(tmp_path / "run", model_dir="/models/m", seed=0, steps=1)
     lines = (tmp_path / "run" / "addition-train.jsonl").read_text().splitlines()
     assert cfg.task.train_path and len(lines) == 256 and set(json.loads(lines[0])) == {"prompt", "answer"}
+
+
+class _CountingLoop:
+    """A stand-in TrainLoop: one trainable scalar, each update adds 1, each batch records the value it sampled under."""
+
+    def __init__(self, steps: int) -> None:
+        self.policy = SimpleNamespace(model=nn.Linear(1, 1, bias=False))
+        self.policy.model.weight = mx.zeros((1, 1))
+        self.cfg = SimpleNamespace(train=SimpleNamespace(steps=steps))
+        self.sampled: list[float] = []
+
+    def batch(self, sampler, rollout) -> list:
+        assert sampler is self.policy
+        self.sampled.append(self.policy.model.weight.item())
+        return []
+
+    def train(self, batch: list) -> StepStats:
+        self.policy.model.weight = self.policy.model.weight + 1
+        return _stats(0.0, 0.0)
+
+    def held_out(self) -> float:
+        return self.policy.model.weight.item()
+
+
+def test_each_batch_is_sampled_under_the_weights_of_lag_updates_back_and_training_goes_on_from_the_live_ones():
+    loop = _CountingLoop(steps=6)
+    points, steps = lagged_training(loop, lag=2, eval_every=3)  # type: ignore[arg-type]
+    assert loop.sampled == [0.0, 0.0, 0.0, 1.0, 2.0, 3.0]
+    assert [(step, reward) for step, _, reward in points] == [(3, 3.0), (6, 6.0)] and len(steps) == 6
+    on_policy = _CountingLoop(steps=3)
+    lagged_training(on_policy, lag=0, eval_every=3)  # type: ignore[arg-type]
+    assert on_policy.sampled == [0.0, 1.0, 2.0]

@@ -36,6 +36,7 @@ ADDITION_SETTINGS: dict[str, Any] = {
     "task": {
         "name": "jsonl", "chat_template": True, "rewards": ["first_integer_is_answer"],
         "reward_module": "grpo_fleet.bench.real_task", "num_eval": 32,
+        "system_prompt": "Answer with the number only.",
     },
     "model": {"dtype": "float32"},
 }

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -81,13 +81,16 @@ def lagged_run(cfg: RunConfig, model_path: str, lag: int) -> list[tuple[int, flo
     return points
 
 
-def lagged_training(loop: TrainLoop, lag: int, eval_every: int) -> tuple[list[tuple[int, float, float]], list[StepStats]]:
+def lagged_training(
+    loop: TrainLoop, lag: int, eval_every: int, on_step: Optional[Callable[[int, StepStats], None]] = None,
+) -> tuple[list[tuple[int, float, float]], list[StepStats]]:
     """Train `loop` for its cfg.train.steps, each batch sampled under the weights of `lag` updates back.
 
     The sampler is the policy itself with the old trainable weights swapped in
     for the rollout, as an actor that pulls weights late, then swapped back; kept
     versions are references to immutable arrays (nothing extra under LoRA).
-    Held-out reward every `eval_every` steps, with the training clock stopped.
+    Held-out reward every `eval_every` steps, with the training clock stopped;
+    `on_step(step, stats)` after each step (progress for long runs).
     """
     model = loop.policy.model
     history: deque[Any] = deque([tree_flatten(model.trainable_parameters())], maxlen=lag + 1)
@@ -101,6 +104,8 @@ def lagged_training(loop: TrainLoop, lag: int, eval_every: int) -> tuple[list[tu
         finally:
             model.update(tree_unflatten(list(live)))
         steps.append(loop.train(batch))
+        if on_step is not None:
+            on_step(step, steps[-1])
         history.append(tree_flatten(model.trainable_parameters()))
         trained_seconds += time.perf_counter() - started
         if step % eval_every == 0:

@@ -80,7 +80,11 @@ def one_run(cfg: RunConfig, policy: Policy, start: list[Any], lag: int) -> RealR
     """Train `policy` from the adapters `start` with a fresh optimizer; held-out reward at the end only."""
     policy.model.update(tree_unflatten(list(start)))
     mx.random.seed(cfg.train.seed)  # the same sampling stream for both objectives at a seed
-    points, steps = lagged_training(TrainLoop.around(cfg, policy), lag, eval_every=cfg.train.steps)
+    def progress(step: int, stats: StepStats) -> None:
+        print(f"offpolicy_real {cfg.grpo.objective} lag {lag} seed {cfg.train.seed} step {step}: (staleness, gap mean, "
+              f"gap max, clip, capped, s) {_row(staleness_of(step, lag), stats)}", flush=True)
+
+    points, steps = lagged_training(TrainLoop.around(cfg, policy), lag, eval_every=cfg.train.steps, on_step=progress)
     return RealRun(cfg.grpo.objective, lag, cfg.train.seed, points[-1][2],
                    [(staleness_of(i, lag), s) for i, s in enumerate(steps, start=1)])
 
@@ -100,9 +104,7 @@ def compare(model_dir: str, config_path: Optional[str], *, steps: int, seeds: Se
                 for objective in OBJECTIVES:
                     run = one_run(_with(base, objective, seed), policy, start, lag)
                     runs.append(run)
-                    print(f"offpolicy_real {objective} lag {lag} seed {seed}: held-out {run.final:.3f}; "
-                          f"(staleness, gap mean, gap max, clip, capped, s) {[_row(k, s) for k, s in run.steps]}",
-                          flush=True)
+                    print(f"offpolicy_real {objective} lag {lag} seed {seed}: held-out {run.final:.3f}", flush=True)
     return before, runs
 
 

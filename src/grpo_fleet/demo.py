@@ -18,6 +18,7 @@ from grpo_fleet.config import RunConfig, apply_overrides, load_run_config, toml_
 from grpo_fleet.local_fleet import Fleet, FleetStop, early_stop, running
 from grpo_fleet.plotting import load_eval_records
 from grpo_fleet.protocol.endpoints import free_port, loopback_endpoint
+from grpo_fleet.zoo import ZOO_PREFIX, ZooError, is_gguf_source, lookup, model_reference
 
 # The demo's defaults: small enough for 2 CPU cores, tuned so learning is visible
 # within a few minutes (lr >= 5e-4 collapsed the tiny model; beta 0.04 keeps groups informative).
@@ -40,13 +41,34 @@ class DemoOptions:
     progress: bool = True
     config: Optional[str] = None
     overrides: list[str] = field(default_factory=list)
+    model: Optional[str] = None  # a zoo model: its packaged demo (task, data, rewards) unless `config` is given
+
+
+DEMOS_DIR = Path(__file__).parent / "demos"
+
+
+def packaged_demo(model: str) -> Path:
+    """The demo config shipped for a zoo model (grpo_fleet/demos/NAME/demo.toml)."""
+    name = lookup(model).name
+    path = DEMOS_DIR / name / "demo.toml"
+    if not path.exists():
+        raise ZooError(f"no packaged demo for {name!r}; pass --config with a task of yours")
+    return path
+
+
+def _anchored(data: dict, base: Path) -> dict:
+    """A packaged demo's relative data and reward paths, taken from its own folder rather than the cwd."""
+    task = dict(data.get("task", {}))
+    for key in ("train_path", "eval_path", "reward_module"):
+        value = task.get(key)
+        if isinstance(value, str) and not value.startswith("builtin:") and not Path(value).is_absolute():
+            task[key] = str((base / value).resolve())
+    return {**data, "task": task}
 
 
 def demo_config(options: DemoOptions) -> RunConfig:
     """Demo defaults, then the user's config file, then --set overrides and flags."""
-    base = DEMO_SETTINGS if options.config is None else {}
-    cfg = load_run_config(options.config, []) if options.config else None
-    data = base if cfg is None else cfg.model_dump(mode="json")
+    data = _base_settings(options)
     flags = [f"run_dir={toml_string(str(Path(options.run_dir).resolve()))}",
              f"server.bind={toml_string(loopback_endpoint())}", f"server.pub_bind={toml_string(loopback_endpoint())}",
              f"metrics.port={free_port()}"]
@@ -56,6 +78,20 @@ def demo_config(options: DemoOptions) -> RunConfig:
     if cfg.train.eval_every == 0:  # the demo's before and after are the learner's first and last eval rounds
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_every": cfg.train.steps})})
     return cfg
+
+
+def _base_settings(options: DemoOptions) -> dict:
+    """The settings the overrides apply to: the user's config, a zoo model's packaged demo, or the tiny demo."""
+    if options.config is not None:
+        data = load_run_config(options.config, []).model_dump(mode="json")
+    elif options.model is not None:
+        demo = packaged_demo(options.model)
+        data = _anchored(load_run_config(demo, []).model_dump(mode="json"), demo.parent)
+    else:
+        return DEMO_SETTINGS
+    if options.model is not None:
+        data["model"] = {**data.get("model", {}), "path": f"{ZOO_PREFIX}{lookup(options.model).name}"}
+    return data
 
 
 def follow(fleet: Fleet, cfg: RunConfig, progress: bool) -> tuple[list[dict], Optional[FleetStop]]:
@@ -124,6 +160,9 @@ def prepare(options: DemoOptions) -> tuple[RunConfig, Path]:
         (run_dir / stale).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = local_model_path(resolve_model_path(cfg, build_task(cfg.task)))
+    if is_gguf_source(cfg.model.path):
+        # Imported above into the run's cache; the learner and each actor still get the GGUF and import their own.
+        model_path = model_reference(cfg.model.path, model_path)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_path})})
     config_path = run_dir / "demo-config.json"
     config_path.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))

@@ -19,13 +19,14 @@ mlx-lm's rope sees the layout the model was trained with.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import blake3
 import mlx.core as mx
@@ -34,7 +35,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # The tensor types MLX's GGUF reader understands (mlx/io/gguf.cpp); anything else is refused by name.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
 ARCHITECTURES = ("llama", "qwen2")
-IMPORT_FORMAT = 1  # bump when the output of an import changes, so cached imports are redone
+IMPORT_FORMAT = 2  # 2: dequantised in fp32, not fp16. Bump when the output of an import changes, so cached imports are redone
 
 # llama.cpp's `tokenizer.ggml.pre` names -> how text is split before BPE (the regexes of each model's tokenizer.json).
 _GPT2_SPLIT = None  # ByteLevel's own GPT-2 regex
@@ -94,11 +95,23 @@ def is_gguf_path(path: str) -> bool:
     return path.lower().endswith(".gguf")
 
 
-def tensor_types(path: str | Path) -> dict[str, str]:
-    """Each tensor's ggml type name, read with the `gguf` package (MLX's reader does not report them)."""
+def read_layout(path: str | Path) -> tuple[str, dict[str, str]]:
+    """The architecture and each tensor's ggml type name, read with the `gguf` package.
+
+    MLX's reader does not report tensor types and fails on the ones it cannot read, so the file is
+    checked with this before MLX opens it.
+    """
     from gguf import GGUFReader
 
-    return {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(path)).tensors}
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    architecture = str(field.contents()) if field is not None else "unknown"
+    return architecture, {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+
+
+def check_architecture(architecture: str) -> None:
+    if architecture not in ARCHITECTURES:
+        raise GGUFError(f"architecture {architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
 
 
 def _scalar(value: Any) -> Any:
@@ -116,8 +129,7 @@ def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
 def read_hyper(metadata: dict[str, Any]) -> Hyper:
     """The architecture and its shape from the metadata; an architecture not in ARCHITECTURES is refused."""
     arch = str(_meta(metadata, "general.architecture"))
-    if arch not in ARCHITECTURES:
-        raise GGUFError(f"architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    check_architecture(arch)
     hidden, heads = int(_meta(metadata, f"{arch}.embedding_length")), int(_meta(metadata, f"{arch}.attention.head_count"))
     vocab = metadata.get(f"{arch}.vocab_size")
     return Hyper(
@@ -168,7 +180,10 @@ def dequantized(tensors: dict[str, mx.array], name: str) -> mx.array:
     stem = name[: -len(".weight")] if name.endswith(".weight") else None
     if stem is None or f"{stem}.scales" not in tensors:
         return tensors[name]
-    packed, scales, biases = tensors[name], tensors[f"{stem}.scales"], tensors[f"{stem}.biases"]
+    # MLX keeps the blocks' fp16 scales and minimums as fp16; dequantising in fp16 would round most weights
+    # (d * q needs up to 19 bits of mantissa for Q8_0). In fp32 every product and sum is exact, as in llama.cpp.
+    packed = tensors[name]
+    scales, biases = tensors[f"{stem}.scales"].astype(mx.float32), tensors[f"{stem}.biases"].astype(mx.float32)
     group_size = 32  # every block type MLX reads has 32 weights per block
     bits = packed.shape[-1] * 32 // (scales.shape[-1] * group_size)
     return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
@@ -247,12 +262,18 @@ def build_tokenizer(metadata: dict[str, Any]) -> Any:
     tokenizer.pre_tokenizer = _pre_tokenizer(str(_meta(metadata, "tokenizer.ggml.pre", "default")))
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = mx.array(metadata["tokenizer.ggml.token_type"]).tolist() if "tokenizer.ggml.token_type" in metadata else []
+    types = _int_list(metadata.get("tokenizer.ggml.token_type"))
     tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                   for i, t in enumerate(types) if t == _CONTROL])
     tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                           for i, t in enumerate(types) if t == _USER_DEFINED])
     return tokenizer
+
+
+def _int_list(value: Any) -> list[int]:
+    """An int array from the metadata (absent: empty)."""
+    values = [] if value is None else mx.array(value).reshape(-1).tolist()
+    return [int(x) for x in cast(list[int], values)]
 
 
 def _token(metadata: dict[str, Any], key: str) -> Optional[str]:
@@ -297,16 +318,21 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, dtype: str = "float3
     if dtype not in DTYPES:
         raise GGUFError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     source, out_dir = Path(source), Path(out_dir)
+    if not source.is_file():
+        raise GGUFError(f"no GGUF file at {source}")
+    architecture, types = read_layout(source)
+    check_architecture(architecture)
+    check_tensor_types(types, architecture)
     tensors, metadata = _load(source)
     hyper = read_hyper(metadata)
-    check_tensor_types(tensor_types(source), hyper.architecture)
     weights = convert_weights(tensors, hyper, dtype)
     tokenizer = _with_bos(build_tokenizer(metadata), metadata)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users of a shared cache
     try:
         mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
-        config = model_config(hyper, metadata, tied="lm_head.weight" not in weights)
+        config = model_config(hyper, metadata, tied="lm_head.weight" not in weights) | {"torch_dtype": dtype}
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save(str(staging / "tokenizer.json"))
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(metadata, hyper), indent=2) + "\n")
@@ -322,15 +348,12 @@ def import_gguf(source: str | Path, out_dir: str | Path, *, dtype: str = "float3
 
 
 def _load(source: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    if not source.is_file():
-        raise GGUFError(f"no GGUF file at {source}")
+    """MLX's read of a file whose architecture and tensor types were already checked."""
     try:
         loaded = mx.load(str(source), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
-        # MLX's reader fails on types it does not know; name them with the gguf package's reader instead.
-        check_tensor_types(tensor_types(source), "unknown")
         raise GGUFError(f"MLX could not read {source}: {exc}") from exc
-    tensors, metadata = loaded  # type: ignore[misc]
+    tensors, metadata = cast(tuple[dict[str, mx.array], dict[str, Any]], loaded)
     return dict(tensors), dict(metadata)
 
 
@@ -338,7 +361,11 @@ def cached_import(source: str | Path, cache_root: str | Path, *, dtype: str = "f
     """The import of `source` under `cache_root`, keyed by the file's digest and the dtype; imported once."""
     digest = file_digest(source)
     target = Path(cache_root) / f"gguf-{digest[:24]}-{dtype}-v{IMPORT_FORMAT}"
-    marker = target / "gguf_source.json"
-    if marker.exists() and json.loads(marker.read_text()).get("blake3") == digest:
-        return target
-    return import_gguf(source, target, dtype=dtype)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Two actors on one machine share the cache: the second waits for the first import and reuses it.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        marker = target / "gguf_source.json"
+        if marker.exists() and json.loads(marker.read_text()).get("blake3") == digest:
+            return target
+        return import_gguf(source, target, dtype=dtype)

@@ -4,7 +4,10 @@ The fleet file names the learner's run config and one `[[actors]]` entry per
 actor. The launcher starts the learner here, then each actor through an ssh
 command template, copies every process's output to its own stdout with a
 `[learner]` / `[ACTOR]` prefix, restarts actors that exit while the learner runs
-(exponential backoff), and stops everything cleanly on Ctrl-C or SIGTERM.
+(exponential backoff) unless their exit is permanent (exit_codes.py: a refusal
+fails the same way on every start; it is stopped with its reason, recorded in
+RUN_DIR/launch.json for `grpo-fleet status --run-dir`), and stops everything
+cleanly on Ctrl-C or SIGTERM.
 
 Example::
 
@@ -40,8 +43,17 @@ from typing import IO, Iterator, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from grpo_fleet.blas import child_env
-from grpo_fleet.config import load_run_config, toml_string
+from grpo_fleet.config import RunConfig, load_run_config, toml_string
+from grpo_fleet.exit_codes import NOT_FOUND
+from grpo_fleet.launch_policy import (
+    FIRST_BACKOFF_SECONDS,
+    Refusal,
+    after_exit,
+    read_refusals,
+    record_refusals,
+)
 from grpo_fleet.protocol.endpoints import dialable
+from grpo_fleet.tasks.reward_module import is_module_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,9 +61,6 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 DEFAULT_SSH = "ssh -o BatchMode=yes {host} {command}"
-FIRST_BACKOFF_SECONDS = 1.0
-# An actor that stayed up this long was healthy: its next failure starts the backoff afresh.
-BACKOFF_RESET_SECONDS = 60.0
 # After the learner's own exit it has already waited (up to 10 s) for every actor to hear
 # Shutdown, so actors still running by then are exiting or never will: wait only briefly.
 ACTOR_GRACE_SECONDS = 5.0
@@ -162,6 +171,26 @@ def load_fleet(path: str | Path) -> FleetConfig:
     return cfg.model_copy(update={"learner": resolved})
 
 
+def actor_gaps(cfg: FleetConfig, run: RunConfig) -> list[str]:
+    """What an actor's entry lacks for this run, one line per actor and gap: each is a refusal waiting to happen.
+
+    The run's reward file (task.reward_module) is run from each actor's own copy,
+    which it finds by --reward-module, or, for a file, by the same relative path in
+    its workdir (or a --model-dir). A learner with CURVE keys admits only actors with keys.
+    """
+    gaps = []
+    module = run.task.reward_module
+    for actor in cfg.actors:
+        found_by_path = module is not None and not is_module_name(module) and (
+            (actor.workdir is not None and not Path(module).is_absolute()) or "--model-dir" in actor.args)
+        if module is not None and "--reward-module" not in actor.args and not found_by_path:
+            gaps.append(f"actor {actor.name}: the run's rewards are in {module!r} (task.reward_module); add "
+                        f'"--reward-module", "PATH of its copy on {actor.host}" to its args, or it refuses the run')
+        if (cfg.learner.keys or run.security.keys_dir) and actor.key is None:
+            gaps.append(f"actor {actor.name}: the learner admits only actors with CURVE keys; set its key and learner_key")
+    return gaps
+
+
 # --------------------------------------------------------------------------- commands
 
 
@@ -189,29 +218,41 @@ def actor_command(cfg: FleetConfig, actor: ActorSpec, connect: str) -> str:
     return f"cd {_remote_path(actor.workdir)} && {command}" if actor.workdir else command
 
 
-def learner_argv(cfg: FleetConfig) -> list[str]:
-    """The local learner command; this interpreter, so it runs the same installation."""
-    argv = [sys.executable, "-m", "grpo_fleet", "learner", "--config", cfg.learner.config]
+def learner_argv(cfg: FleetConfig, resume: Optional[str] = None) -> list[str]:
+    """The local learner command; this interpreter, so it runs the same installation.
+
+    `resume` is a run directory to continue from its latest checkpoint (the learner's `--resume`).
+    """
+    start = ["--resume", resume] if resume is not None else ["--config", cfg.learner.config]
+    argv = [sys.executable, "-m", "grpo_fleet", "learner", *start]
     if cfg.learner.keys:
         argv += ["--keys", cfg.learner.keys]
     return argv + list(cfg.learner.args)
 
 
-def learner_connect(cfg: FleetConfig) -> str:
+def learner_connect(cfg: FleetConfig, resume: Optional[str] = None) -> str:
     """Where actors dial: `learner.connect`, or the learner's bind with a wildcard made reachable."""
     if cfg.learner.connect:
         return cfg.learner.connect
-    return dialable(_learner_bind(cfg.learner), socket.gethostname())
+    return dialable(learner_run_config(cfg.learner, resume).server.bind, socket.gethostname())
 
 
-def _learner_bind(learner: LearnerSpec) -> str:
-    """The bind the learner will use: its run config plus the --bind/--set flags it is given."""
+def learner_run_config(learner: LearnerSpec, resume: Optional[str] = None) -> RunConfig:
+    """The run config the learner will use: its file (RUN_DIR/config.json when resuming) plus its flags."""
     flags = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     flags.add_argument("--bind")
+    flags.add_argument("--run-dir")
     flags.add_argument("--set", action="append", default=[])
     known, _ = flags.parse_known_args(learner.args)
     overrides = list(known.set) + ([f"server.bind={toml_string(known.bind)}"] if known.bind else [])
-    return load_run_config(learner.config, overrides).server.bind
+    run_dir = resume or known.run_dir
+    if run_dir:
+        overrides.append(f"run_dir={toml_string(run_dir)}")
+    return load_run_config(Path(resume) / "config.json" if resume else learner.config, overrides)
+
+
+def _learner_bind(learner: LearnerSpec) -> str:
+    return learner_run_config(learner).server.bind
 
 
 # --------------------------------------------------------------------------- processes
@@ -241,11 +282,17 @@ class _Printer:
         self.line("[launch] ", text)
 
 
-def _copy_lines(pipe: IO[bytes], prefix: str, printer: _Printer) -> None:
-    """Reader thread: child output to ours, line by line, until every writer has closed the pipe."""
+def _copy_lines(pipe: IO[bytes], prefix: str, printer: _Printer, last: list[str]) -> None:
+    """Reader thread: child output to ours, line by line, until every writer has closed the pipe.
+
+    The last non-blank line is kept in `last`: a refused actor's reason is what it printed last.
+    """
     with pipe:
         for raw in iter(pipe.readline, b""):
-            printer.line(prefix, raw.decode("utf-8", errors="replace"))
+            text = raw.decode("utf-8", errors="replace")
+            printer.line(prefix, text)
+            if text.strip():
+                last[:] = [text.strip()]
 
 
 class _Child:
@@ -254,6 +301,7 @@ class _Child:
     def __init__(self, name: str, argv: list[str], printer: _Printer, env: Optional[dict] = None, note: str = "") -> None:
         self.name = name
         self.started = time.monotonic()
+        self._last: list[str] = []  # written by the reader thread
         # Holding the output lock until our "started" line is out keeps it ahead of the child's first line.
         with printer.lock:
             # stdin from /dev/null: ssh must not eat our terminal's input; a new session: Ctrl-C on
@@ -264,7 +312,8 @@ class _Child:
             )
             assert self.proc.stdout is not None
             self.reader = threading.Thread(
-                target=_copy_lines, args=(self.proc.stdout, f"[{name}] ", printer), name=f"launch-{name}", daemon=True,
+                target=_copy_lines, args=(self.proc.stdout, f"[{name}] ", printer, self._last), name=f"launch-{name}",
+                daemon=True,
             )
             self.reader.start()
             details = ", ".join(filter(None, [note, f"pid {self.proc.pid}"]))
@@ -285,6 +334,11 @@ class _Child:
         self.proc.wait()
         # Wait for the last lines, boundedly: a leftover grandchild (an ssh ControlMaster) may hold the pipe open.
         self.reader.join(timeout=2.0)
+
+    @property
+    def last_line(self) -> str:
+        """What the process printed last (reap first, so the reader has seen it all)."""
+        return self._last[0] if self._last else ""
 
 
 def _wait_all(children: list[_Child], seconds: float) -> None:
@@ -320,27 +374,40 @@ class _ActorSlot:
         self.backoff = FIRST_BACKOFF_SECONDS
         self.next_start = 0.0
         self.starts = 0
+        self.refusal: Optional[Refusal] = None
 
-    def tick(self, learner: _Child, printer: _Printer, backoff_max: float) -> None:
-        """Notice an exit and schedule a restart; start when due and the learner still runs."""
+    def tick(self, learner: _Child, printer: _Printer, backoff_max: float) -> Optional[Refusal]:
+        """Notice an exit and schedule a restart; start when due and the learner still runs.
+
+        Returns the refusal when this tick found the actor refused for good.
+        """
+        if self.refusal is not None:
+            return None
         now = time.monotonic()
         if self.child is not None:
             if self.child.running():
-                return
-            self._schedule(self.child.proc.returncode, now - self.child.started, printer, backoff_max)
-            self.child = None
+                return None
+            self.child.reap()  # its last line is its reason, if it refused
+            child, self.child = self.child, None
+            self._schedule(child.proc.returncode, now - child.started, printer, backoff_max, child.last_line)
+            if self.refusal is not None:
+                return self.refusal
         # Checked again here: an actor that saw the learner's Shutdown must not come back after it.
         if now >= self.next_start and learner.running():
             self._start(printer, backoff_max)
+        return self.refusal  # set when the command could not even be started (127: no such program here)
 
-    def _schedule(self, code: int, ran: float, printer: _Printer, backoff_max: float) -> None:
-        if ran > BACKOFF_RESET_SECONDS:
-            self.backoff = FIRST_BACKOFF_SECONDS
-        delay = min(self.backoff, backoff_max)
-        self.backoff = min(self.backoff * 2, backoff_max)
-        self.next_start = time.monotonic() + delay
+    def _schedule(self, code: int, ran: float, printer: _Printer, backoff_max: float, last_line: str = "") -> None:
+        code = _exit_code(code)
+        decision = after_exit(code, ran, self.backoff, backoff_max)
         name = self.spec.name
-        printer.say(f"{name} exited with code {code} after {ran:.1f}s; restarting {name} in {delay:g}s")
+        if not decision.restart:
+            self.refusal = Refusal(actor=name, host=self.spec.host, exit_code=code, reason=last_line or "(no output)")
+            printer.say(f"{name} refused to run (exit code {code}, permanent); not restarting it: {self.refusal.reason}")
+            return
+        self.backoff = decision.backoff
+        self.next_start = time.monotonic() + decision.delay
+        printer.say(f"{name} exited with code {code} after {ran:.1f}s; restarting {name} in {decision.delay:g}s")
 
     def _start(self, printer: _Printer, backoff_max: float) -> None:
         self.starts += 1
@@ -348,7 +415,7 @@ class _ActorSlot:
             self.child = _Child(self.spec.name, self.argv, printer, note=f"start {self.starts}")
         except OSError as exc:  # e.g. no ssh binary: back off like any other failure
             printer.say(f"cannot run {self.argv[0]!r} for {self.spec.name}: {exc}")
-            self._schedule(127, 0.0, printer, backoff_max)
+            self._schedule(NOT_FOUND, 0.0, printer, backoff_max, f"cannot run {self.argv[0]!r}: {exc}")
 
 
 @contextmanager
@@ -370,24 +437,35 @@ def _exit_code(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def run_fleet(cfg: FleetConfig, *, stop_event: Optional[threading.Event] = None) -> int:
+def run_fleet(cfg: FleetConfig, *, stop_event: Optional[threading.Event] = None, resume: Optional[str] = None) -> int:
     """Run the learner here and the actors over ssh until the learner exits or we are stopped.
 
     Returns the learner's exit code. `stop_event` (or SIGINT/SIGTERM when called from the
     main thread) stops the fleet: actors and learner get SIGTERM, the learner checkpoints.
+    `resume` continues the run in that directory from its latest checkpoint (the learner's `--resume`).
     """
     stop = stop_event if stop_event is not None else threading.Event()
     printer = _Printer(sys.stdout)
-    connect = learner_connect(cfg)
+    connect = learner_connect(cfg, resume)
+    run = learner_run_config(cfg.learner, resume)
+    run_dir = Path(run.run_dir)
     slots = [_ActorSlot(spec, ssh_argv(cfg.ssh, spec.host, actor_command(cfg, spec, connect))) for spec in cfg.actors]
+    refusals: list[Refusal] = []
     with _stop_on_signals(stop):
         printer.say(f"actors will dial {connect}")
+        for gap in actor_gaps(cfg, run):
+            printer.say(f"warning: {gap}")
+        if refusals != read_refusals(run_dir):
+            record_refusals(run_dir, refusals)  # a new launch tries every actor again
         # Unbuffered: the learner's lines should reach us as they are written, not per 8 KiB.
-        learner = _Child("learner", learner_argv(cfg), printer, env={**child_env(), "PYTHONUNBUFFERED": "1"})
+        learner = _Child("learner", learner_argv(cfg, resume), printer, env={**child_env(), "PYTHONUNBUFFERED": "1"})
         try:
             while not stop.is_set() and learner.running():
                 for slot in slots:
-                    slot.tick(learner, printer, cfg.restart_backoff_max)
+                    refused = slot.tick(learner, printer, cfg.restart_backoff_max)
+                    if refused is not None:
+                        refusals.append(refused)
+                        record_refusals(run_dir, refusals)
                 stop.wait(POLL_SECONDS)
         finally:
             _wind_down(learner, slots, cfg, stop, printer)

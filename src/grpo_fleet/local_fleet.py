@@ -137,6 +137,8 @@ def actor_model_dirs(cfg: RunConfig) -> list[str]:
     model = Path(cfg.model.path).expanduser()
     if model.is_dir():
         dirs.append(str(model.resolve()))
+    elif model.is_file():  # a GGUF: each actor imports it from where it lies
+        dirs.append(str(model.resolve().parent))
     return dirs
 
 

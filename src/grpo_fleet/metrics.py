@@ -7,6 +7,7 @@ name, `_total` on counters, low-cardinality labels only.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
@@ -14,6 +15,10 @@ from typing import Callable, Optional
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from grpo_fleet.protocol.endpoints import is_loopback_host
+
+log = logging.getLogger("grpo_fleet.metrics")
 
 PREFIX = "grpo_fleet"
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
@@ -49,6 +54,7 @@ class LearnerMetrics:
     groups_zero_variance: Counter
     rejections: Counter
     protocol_errors: Counter
+    internal_errors: Counter
     leases_issued: Counter
     leases_expired: Counter
     leases_outstanding: Gauge
@@ -59,6 +65,7 @@ class LearnerMetrics:
     weight_bytes_served: Counter
     actors_connected: Gauge
     auth_failures: Counter
+    connections_dropped: Counter
     step_phase_seconds: Histogram
     weight_publish_seconds: Histogram
     weight_publish_bytes: Gauge
@@ -118,6 +125,8 @@ def learner_metrics() -> LearnerMetrics:
         rejections=Counter(f"{p}_rejections", "Rollout groups rejected, by reason", ["reason"], registry=r),
         protocol_errors=Counter(f"{p}_protocol_errors", "Messages that failed to decode or validate, by reason", ["reason"],
                                 registry=r),
+        internal_errors=Counter(f"{p}_internal_errors", "Requests the learner failed on by its own bug (never charged "
+                                "to the peer), by where: decode or handle", ["where"], registry=r),
         leases_issued=Counter(f"{p}_leases_issued", "Leases handed out", registry=r),
         leases_expired=Counter(f"{p}_leases_expired", "Leases that expired and were re-queued", registry=r),
         leases_outstanding=Gauge(f"{p}_leases_outstanding", "Leases not yet returned", registry=r),
@@ -130,8 +139,15 @@ def learner_metrics() -> LearnerMetrics:
         step_seconds=Histogram(f"{p}_step_duration_seconds", "Wall time of one optimizer batch", registry=r),
         weight_bytes_served=Counter(f"{p}_weight_sent_bytes", "Weight bytes sent to actors", registry=r),
         actors_connected=Gauge(f"{p}_actors_connected", "Actors heard from within the heartbeat timeout", registry=r),
+        connections_dropped=Counter(
+            f"{p}_connections_dropped", "Actor connections that ended: libzmq drops one whose message is over the "
+            "inbound limit (server.max_message_bytes or less), with the message and unseen by anything else; an actor "
+            "that exits or loses its network ends one too", registry=r,
+        ),
         auth_failures=Counter(
-            f"{p}_auth_failures", "Refused CURVE handshakes and messages from revoked keys, by reason", ["reason"], registry=r
+            f"{p}_auth_failures",
+            "Refused CURVE handshakes, messages from revoked keys, and requests other than Status from observer keys, "
+            "by reason", ["reason"], registry=r,
         ),
         step_phase_seconds=Histogram(
             f"{p}_step_phase_seconds", "Wall time of each phase of a learner step", ["phase"], buckets=PHASE_BUCKETS, registry=r
@@ -254,15 +270,48 @@ def metrics_app(registry: CollectorRegistry, sd_targets: Optional[SdSource] = No
     return app
 
 
+class MetricsServer:
+    """A running /metrics (and /sd) HTTP server; `close` stops its thread and frees its port."""
+
+    def __init__(self, server: WSGIServer) -> None:
+        self._server = server
+        self.port: int = server.server_port
+        self._thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop serving (a scrape in progress finishes) and close the listening socket; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def exposure_warning(host: str, port: int) -> Optional[str]:
+    """What to warn about when /metrics listens beyond loopback: it has no authentication, CURVE or not."""
+    if is_loopback_host(host):
+        return None
+    return (f"metrics on {host or '*'}:{port} answer anyone who reaches them, without authentication (CURVE does "
+            "not cover HTTP): /metrics shows actor ids, throughput and rewards, and the learner's /sd lists every "
+            "actor's id and host:port. Bind 127.0.0.1 (metrics.host, --metrics-host) unless Prometheus scrapes "
+            "from another machine, and then firewall the port to it.")
+
+
 def serve_metrics(
     registry: CollectorRegistry, host: str, port: int, sd_targets: Optional[SdSource] = None, *, any_port: bool = False
-) -> Optional[int]:
-    """Serve /metrics (and /sd) from a daemon thread; returns the bound port.
+) -> Optional[MetricsServer]:
+    """Serve /metrics (and /sd) from a daemon thread until `close()`; warns when it listens beyond loopback.
 
-    Port 0 disables it, unless `any_port` asks the OS for a free one.
+    Port 0 disables it (None), unless `any_port` asks the OS for a free one.
     """
     if not port and not any_port:
         return None
     server = make_server(host, port, metrics_app(registry, sd_targets), _ThreadingWSGIServer, handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-    return server.server_port
+    served = MetricsServer(server)
+    warning = exposure_warning(host, served.port)
+    if warning is not None:
+        log.warning("%s", warning)
+    return served

@@ -14,6 +14,7 @@ import pytest
 
 from grpo_fleet.learner.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
+from helpers import audit_ledger, scrape, wait_for
 
 STEPS = 400
 CHECKPOINT_EVERY = 10
@@ -23,6 +24,7 @@ ACTOR_KILLS = 6
 # learner that refuses its actors' work (the livelock this test was written for)
 # never does; a healthy one needs a few seconds to load plus a few steps.
 RESUME_BOUND_SECONDS = 60.0
+FREEZE_TRIES = 10
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -33,6 +35,42 @@ def _steps_done(run_dir: Path) -> int:
 def _checkpointed_step(run_dir: Path) -> int:
     latest = run_dir / "checkpoints" / "latest.json"
     return json.loads(latest.read_text())["step"] if latest.exists() else 0
+
+
+def _stale_lease_refusals(metrics_port: int) -> float:
+    return scrape(metrics_port).by_label("reason").get(("grpo_fleet_learner_rejections_total", "stale_lease"), 0.0)
+
+
+def _freeze_past_lease(actors: list, learner, metrics_port: int, lease_seconds: float) -> int:
+    """SIGSTOP every actor past its lease (Macs asleep), then SIGCONT, until late work has come back; returns the tries.
+
+    With all of them frozen the learner cannot step past what it had buffered
+    (server.in_flight_steps), so the late work is from a version it can still
+    train: it reaches the reward check (security.verify_rewards, the default),
+    and must be refused as stale_lease, not answered `internal` with a traceback.
+    An actor frozen while it held no lease (the learner's capacity was full) has
+    nothing late to send, hence the tries.
+    """
+    before = _stale_lease_refusals(metrics_port)
+
+    def refused_as_stale() -> bool:
+        assert "error handling" not in learner.log_path.read_text(), learner.log_path.read_text()[-3000:]
+        return _stale_lease_refusals(metrics_port) > before
+
+    for tries in range(1, FREEZE_TRIES + 1):
+        for actor in actors:
+            actor.send_signal(signal.SIGSTOP)
+        # Past the lease, but short of the learner's silence limit (10 heartbeats): the actors stay registered.
+        time.sleep(lease_seconds + 0.75)
+        for actor in actors:
+            actor.send_signal(signal.SIGCONT)
+        try:
+            wait_for(refused_as_stale, "late submissions refused as stale_lease", timeout=5, procs=[learner])
+            return tries
+        except AssertionError as failed:
+            if "timed out" not in str(failed):
+                raise
+    raise AssertionError(f"no late submission reached the learner in {FREEZE_TRIES} freezes")
 
 
 def _wait_for_offset(run_dir: Path, learner, offset: int, at_least: int) -> int:
@@ -62,9 +100,11 @@ def _wait_for_progress(run_dir: Path, learner, beyond: int) -> float:
 
 
 @pytest.mark.slow
-def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config, spawn):
+def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config, spawn, free_port):
     # Short leases and heartbeats so killed actors' work is re-queued within the test.
+    metrics_port = free_port()
     config, cfg = run_config(
+        metrics={"port": metrics_port},
         task={"num_train": 300},
         train={"steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY},
         server={"lease_seconds": 3.0, "heartbeat_seconds": 0.5, "max_groups_per_lease": 2, "max_violations": 5},
@@ -88,6 +128,7 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
         learners[-1].wait()
         learners.append(spawn("learner", "--resume", str(run_dir), name="learner-resumed"))
         recoveries.append(_wait_for_progress(run_dir, learners[-1], beyond=died_at))
+    freezes = _freeze_past_lease(actors, learners[-1], metrics_port, cfg.server.lease_seconds)
     for _ in range(ACTOR_KILLS):
         time.sleep(rng.uniform(0.3, 1.2))
         assert learners[-1].poll() is None, "the run ended before the chaos did; raise STEPS"
@@ -101,16 +142,15 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
 
     learner_logs = "".join(proc.log_path.read_text() for proc in learners)
     assert " banned " not in learner_logs, "an honest actor was banned"
+    assert "error handling" not in learner_logs, "a request raised in the learner"
     for proc in actors:
         assert "learner rejected lease" not in proc.log_path.read_text(), "an honest actor's work was refused as invalid"
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "the run reaches its step target once"
 
-    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
-    ids = [entry["group_id"] for entry in ledger]
-    duplicates = len(ids) - len(set(ids))
-    assert duplicates == 0
+    audit = audit_ledger(run_dir / "ledger.jsonl")  # each group accepted once, dropped at most once after that
+    ids, duplicates = audit.accepted, 0
 
     checkpoint = latest_checkpoint(run_dir)
     state = read_state(checkpoint)["scheduler"]
@@ -119,9 +159,12 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
     lost = handed_out - set(ids) - queued
     assert lost == set(), f"{len(lost)} groups vanished"
     assert set(ids) == set(state["finished"])
+    retried = {drop["retried_as"] for drop in audit.dropped.values()}
+    assert retried <= handed_out, "a dropped group's prompt was queued again as a new group"
 
     model, tokenizer = mlx_lm.load(str(checkpoint))
     assert isinstance(mlx_lm.generate(model, tokenizer, "123=", max_tokens=4), str)
     print(f"chaos: learner kills at {offsets} steps past a checkpoint, back past the kill in "
           f"{', '.join(f'{s:.1f}s' for s in recoveries)}; actor kills {ACTOR_KILLS}, groups accepted {len(ids)}, "
-          f"duplicates {duplicates}, lost {len(lost)}, handed out {len(handed_out)}")
+          f"freezes until late work came back {freezes}, dropped {len(audit.dropped)}, duplicates {duplicates}, "
+          f"lost {len(lost)}, handed out {len(handed_out)}")

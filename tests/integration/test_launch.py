@@ -241,3 +241,45 @@ def test_restarts_back_off_and_ctrl_c_stops_everything(tmp_path: Path, run_confi
     assert "[launch] stopping" in out and "SIGKILL" not in out
     latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
     assert latest["step"] >= 3 and latest["step"] == _metrics_lines(run_dir), "the stop checkpoint holds the last step"
+
+
+def test_a_refused_actor_is_stopped_with_its_reason_and_launch_resume_continues_the_run(
+        tmp_path: Path, run_config, capsys) -> None:
+    config, cfg = run_config(task={"num_train": 100, "num_eval": 8}, train={"steps": 12, "checkpoint_every": 100000})
+    run_dir = Path(cfg.run_dir)
+    fleet = _write_fleet(tmp_path, config, ["hostA"], ["--model-dir", str(run_dir), "--metrics-port", "0"])
+    # No --model-dir: the learner's model lies outside what this actor may load, so it refuses on every start (exit 2).
+    with fleet.open("a") as handle:
+        handle.write('[[actors]]\nhost = "refuser"\nargs = ["--metrics-port", "0"]\n')
+    stop = threading.Event()
+    stopper = threading.Thread(target=lambda: (_wait_lines(run_dir, 4, stop, 120), stop.set()), daemon=True)
+    stopper.start()
+    assert run_fleet(load_fleet(fleet), stop_event=stop) == 0
+    first = capsys.readouterr().out
+    assert 4 <= _metrics_lines(run_dir) < 12, first[-4000:]
+    assert re.search(r"\[launch\] refuser refused to run \(exit code 2, permanent\); not restarting it: "
+                     r"grpo-fleet actor: refusing to run: .*model", first), first[-4000:]
+    assert "started refuser (start 1" in first and "started refuser (start 2" not in first
+    assert "restarting refuser" not in first
+    recorded = json.loads((run_dir / "launch.json").read_text())["refused"]
+    assert [(r["actor"], r["exit_code"]) for r in recorded] == [("refuser", 2)]
+    assert "refusing to run" in recorded[0]["reason"]
+
+    stop = threading.Event()
+    watchdog = threading.Timer(150, stop.set)
+    watchdog.start()
+    try:
+        code = run_fleet(load_fleet(fleet), stop_event=stop, resume=str(run_dir))
+    finally:
+        watchdog.cancel()
+    second = capsys.readouterr().out
+    assert not stop.is_set() and code == 0, second[-4000:]
+    assert "--resume" in second and any("resumed run" in line for line in _prefixed(second, "[learner] "))
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "event" not in json.loads(line)] == list(range(1, 13)), "the resumed run continued to its target"
+
+
+def _wait_lines(run_dir: Path, count: int, stop: threading.Event, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _metrics_lines(run_dir) < count and time.monotonic() < deadline and not stop.is_set():
+        time.sleep(0.2)

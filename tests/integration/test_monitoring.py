@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -16,6 +18,9 @@ import pytest
 from grpo_fleet.actor.worker import ActorWorker, serve_actor_metrics
 from grpo_fleet.blas import child_env
 from grpo_fleet.config import ActorConfig, MetricsConfig
+from grpo_fleet.learner.server import LearnerServer
+from grpo_fleet.learner.setup import build_learner
+from grpo_fleet.metrics import learner_metrics, serve_metrics
 from helpers import wait_for
 
 PROMETHEUS = shutil.which("prometheus")
@@ -125,11 +130,70 @@ def test_actor_metrics_fall_back_to_a_free_port_when_taken():
     taken.listen()
     port = taken.getsockname()[1]
     worker = ActorWorker(ActorConfig(metrics=MetricsConfig(host="127.0.0.1", port=port)))
+    served = None
     try:
-        actual = serve_actor_metrics(worker.metrics, worker.cfg.metrics)
-        assert actual and actual != port
-        with urllib.request.urlopen(f"http://127.0.0.1:{actual}/metrics", timeout=5) as response:
+        served = serve_actor_metrics(worker.metrics, worker.cfg.metrics)
+        assert served is not None and served.port != port
+        with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/metrics", timeout=5) as response:
             assert b"grpo_fleet_actor_tokens_generated_total" in response.read()
     finally:
         taken.close()
         worker.link.shut()
+        if served is not None:
+            served.close()
+
+
+def _metrics_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "metrics-http"]
+
+
+def _port_is_free(port: int) -> bool:
+    probe = socket.socket()
+    # SO_REUSEADDR, as servers bind: the closed scrape's TIME_WAIT does not count, a listener still there does.
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(("127.0.0.1", port))
+        probe.listen()
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def test_a_closed_metrics_server_leaves_no_thread_and_no_port_behind():
+    before = _metrics_threads()
+    served = serve_metrics(learner_metrics().registry, "127.0.0.1", 0, any_port=True)
+    assert served is not None
+    assert b"grpo_fleet_learner_steps_total" in _get(f"http://127.0.0.1:{served.port}/metrics")
+    assert len(_metrics_threads()) == len(before) + 1
+    served.close()
+    served.close()  # twice is harmless
+    assert _metrics_threads() == before
+    with pytest.raises(OSError):  # connection refused
+        _get(f"http://127.0.0.1:{served.port}/metrics")
+    assert _port_is_free(served.port)
+
+
+def test_a_stopped_learner_closes_its_metrics_server(run_config, free_port):
+    _, cfg = run_config(metrics={"port": free_port()})
+    server = LearnerServer(build_learner(cfg))
+    server.start_metrics()
+    assert b"grpo_fleet_learner" in _get(f"http://127.0.0.1:{cfg.metrics.port}/metrics")
+    server.close()
+    assert _port_is_free(cfg.metrics.port)
+    assert all(thread.name != "metrics-http" for thread in threading.enumerate())
+
+
+def test_a_stopped_actor_closes_its_metrics_server(free_port):
+    port = free_port()
+    worker = ActorWorker(ActorConfig(metrics=MetricsConfig(host="127.0.0.1", port=port)))
+    worker.stopping = True  # asked to stop before it ever reached the learner
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        worker.run()
+    finally:  # run() installs its own; give pytest's back
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+    assert worker.metrics_port == port
+    assert _port_is_free(port)

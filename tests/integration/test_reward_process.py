@@ -114,3 +114,52 @@ def test_a_module_that_cannot_load_is_refused_with_its_error(tmp_path: Path) -> 
         process(str(broken), "anything")
     with pytest.raises(RewardsRefused, match="unknown reward 'nope'"):
         ScoringProcess(RewardSet(names=("nope",), weights=(1.0,)))
+
+
+CTRL_C_SCRIPT = '''
+import sys, time
+from grpo_fleet.tasks.reward_runner import RewardSet, ScoringProcess
+from grpo_fleet.tasks.scoring import ScoringJob
+
+def main():
+    scorer = ScoringProcess(RewardSet(names=("fine",), weights=(1.0,), module=sys.argv[1], timeout_seconds=5.0))
+    job = ScoringJob(prompt="p", columns={"answer": "42"}, completions=("42",))
+    print("child", scorer._process.pid, flush=True)
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        # What an actor does on Ctrl-C: finish in order, which still needs its reward process.
+        print("scored", scorer.score([job])[0].rewards, flush=True)
+        scorer.close()
+
+if __name__ == "__main__":  # spawn re-imports this file in the child
+    main()
+'''
+
+
+def test_ctrl_c_leaves_the_reward_process_to_its_parent(tmp_path: Path) -> None:
+    """Ctrl-C goes to the whole process group; the reward process must not die of it before its parent
+    has shut down (it did, and actors died with BrokenPipeError on the next score)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    module = tmp_path / "user_rewards.py"
+    module.write_text(USER_REWARDS)
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(module)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # its own group, as a terminal's foreground job
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("child "), first + proc.stderr.read() if proc.stderr else first
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "scored [1.0]" in out, out + err
+    assert "BrokenPipeError" not in err and "EOFError" not in err, err
+    assert proc.returncode == 0, err

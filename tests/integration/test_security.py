@@ -10,7 +10,9 @@ from pathlib import Path
 
 from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig
-from grpo_fleet.protocol.auth import add_actor, init_keys, load_keypair, revoke_actor
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.auth import add_actor, add_observer, client_curve, init_keys, load_keypair, revoke_actor
+from grpo_fleet.protocol.client import Client, request_status
 from helpers import jsonl, scrape
 
 
@@ -96,7 +98,7 @@ def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, run_conf
 
     after = jsonl(run_dir / "ledger.jsonl")[cutoff:]
     assert after, "training went on with the remaining actor"
-    assert {e["actor_key"] for e in after} == {load_keypair(secrets["stays"]).public.decode()}
+    assert {e["actor_key"] for e in after if "event" not in e} == {load_keypair(secrets["stays"]).public.decode()}
     from grpo_fleet.learner.persistence import read_state
     from grpo_fleet.model import latest_checkpoint
 
@@ -122,4 +124,25 @@ def test_actor_refuses_a_model_outside_its_allowed_dirs(tmp_path, free_port, spa
     actor = spawn("actor", "--connect", bind, "--metrics-port", "0", "--model-dir", str(tmp_path / "elsewhere"), name="actor")
     assert actor.wait(timeout=120) == 2
     assert "outside the allowed directories" in actor.log_path.read_text()
+    assert learner.poll() is None
+
+
+def test_an_observer_key_reads_status_but_cannot_join(tmp_path, run_config, free_port, spawn):
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    observer = add_observer(keys, "grafana")
+    config, cfg = _config(run_config, free_port, keys, steps=100000)
+    learner = spawn("learner", "--config", str(config), name="learner")
+    deadline = time.monotonic() + 180
+    while _metric(cfg.metrics.port, "grpo_fleet_learner_auth_failures_total") < 0:  # up once /metrics answers
+        assert time.monotonic() < deadline and learner.poll() is None, learner.log_path.read_text()[-3000:]
+        time.sleep(0.3)
+    curve = client_curve(observer, keys / "learner.key")
+    status = request_status(cfg.server.bind, key_file=str(observer), learner_key_file=str(keys / "learner.key"),
+                            timeout_s=30)
+    assert status.step == 0
+    with Client(cfg.server.bind, identity="peeker", curve=curve) as client:
+        reply = client.request(m.Hello(actor_id="peeker", host="h", backend="cpu", versions={}), 30)
+    assert isinstance(reply, m.ErrorReply) and reply.reason == "forbidden", reply
+    assert scrape(cfg.metrics.port).by_label("reason")[("grpo_fleet_learner_auth_failures_total", "observer")] == 1
     assert learner.poll() is None

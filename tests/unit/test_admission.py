@@ -9,6 +9,7 @@ import pytest
 from grpo_fleet.actor import admission
 from grpo_fleet.actor.admission import ActorRefused, admit, model_key, model_path_allowed
 from grpo_fleet.config import LoraConfig
+from grpo_fleet.gguf import GGUFError
 from grpo_fleet.protocol import messages as m
 
 DIGEST = "ab" * 32
@@ -188,3 +189,32 @@ def test_built_in_rewards_need_no_module() -> None:
     spec = m.RewardSpec(names=["exact_match"], weights=[2.0])
     rewards = admission.plan_rewards(spec, None, [])
     assert rewards.module is None and rewards.weights == (2.0,)
+
+
+def test_a_gguf_outside_the_allowed_dirs_is_refused_before_any_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    imported: list[str] = []
+    monkeypatch.setattr(admission, "import_source", lambda path, cache: imported.append(path) or tmp_path)
+    outside = tmp_path / "elsewhere" / "model.gguf"
+    with pytest.raises(ActorRefused, match="outside the allowed directories"):
+        admission.local_model_path(str(outside), [str(tmp_path / "allowed")])
+    assert imported == []
+
+
+def test_a_gguf_is_imported_into_this_machines_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "default_cache_dir", lambda: tmp_path / "cache")
+    calls: list[tuple[str, Path]] = []
+    monkeypatch.setattr(admission, "import_source", lambda path, cache: calls.append((path, cache)) or cache / "imported")
+    inside = tmp_path / "models" / "model.gguf"
+    assert admission.local_model_path(str(inside), [str(tmp_path / "models")]) == str(tmp_path / "cache" / "imported")
+    # A zoo model is pinned by its digest, so it needs no --model-dir.
+    assert admission.local_model_path("zoo:smollm2-135m-instruct", []) == str(tmp_path / "cache" / "imported")
+    assert calls == [(str(inside), tmp_path / "cache"), ("zoo:smollm2-135m-instruct", tmp_path / "cache")]
+
+
+def test_a_gguf_that_cannot_be_imported_refuses_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(path: str, cache: Path) -> Path:
+        raise GGUFError("tensor 'blk.0.attn_q.weight' has type Q4_K, which MLX cannot read (llama model)")
+
+    monkeypatch.setattr(admission, "import_source", broken)
+    with pytest.raises(ActorRefused, match="cannot import the learner's model .*Q4_K"):
+        admission.local_model_path("zoo:smollm2-135m-instruct", [])

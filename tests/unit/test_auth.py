@@ -11,7 +11,7 @@ import pytest
 from grpo_fleet.actor.admission import ActorRefused
 from grpo_fleet.actor.worker import ActorWorker
 from grpo_fleet.config import ActorConfig, MetricsConfig
-from grpo_fleet.protocol.auth import KeyRing, add_actor, init_keys, load_keypair, revoke_actor
+from grpo_fleet.protocol.auth import KeyRing, add_actor, add_observer, init_keys, load_keypair, revoke_actor
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "grpo_fleet"
 
@@ -50,6 +50,22 @@ def test_keyring_reloads_when_the_allow_list_changes(tmp_path):
     assert ring.reload_if_changed()
     assert not ring.allows(key_a)
     assert not revoke_actor(keys, "a")
+
+
+def test_an_observer_key_passes_the_handshake_as_an_observer_only(tmp_path):
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    actor = load_keypair(add_actor(keys, "mac1")).public
+    secret = add_observer(keys, "grafana")
+    assert secret == keys / "observers" / "grafana.key_secret"
+    assert secret.stat().st_mode & 0o077 == 0
+    observer = load_keypair(secret).public
+    ring = KeyRing(keys / "authorized")
+    assert ring.allows(observer) and ring.is_observer(observer)  # CURVE lets it in; the learner answers Status only
+    assert ring.allows(actor) and not ring.is_observer(actor)
+    assert revoke_actor(keys, "grafana")
+    assert ring.reload_if_changed()
+    assert not ring.allows(observer) and not ring.is_observer(observer)
 
 
 def test_actor_needs_both_curve_key_files(tmp_path):

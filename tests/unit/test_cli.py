@@ -1,10 +1,10 @@
-"""The CLI's actor flags: unset ones take ActorConfig's defaults, and --help shows those."""
+"""The CLI's actor flags (unset ones take ActorConfig's defaults, and --help shows those), and its config errors."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo_fleet.cli import actor_config, build_parser
+from grpo_fleet.cli import actor_config, build_parser, main
 from grpo_fleet.config import ActorConfig
 
 
@@ -36,3 +36,24 @@ def test_help_shows_the_config_models_defaults(capsys):
     assert f"prompts per lease (default {defaults.max_groups})" in text
     assert f"(default {defaults.request_timeout})" in text
     assert f"0 disables (default {defaults.metrics.port})" in text
+
+
+def test_a_config_error_prints_the_key_and_the_fix_and_exits_2(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text('[task]\nname = "reverse"\ndataset = "openai/gsm8k"\n[grpo]\ngroups_per_stepp = 4\n')
+    assert main(["learner", "--config", str(config), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "task.dataset is set but task.name is 'reverse': set task.name = 'dataset'" in err
+    assert "grpo.groups_per_stepp: not a known key" in err
+    assert "Traceback" not in err and "pydantic" not in err and len(err.splitlines()) == 3, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["learner", "--set", "grpo.groups_per_step=0"],  # a value out of range, in an override
+    ["learner", "--set", "grpo"],  # an override that is not key=value
+    ["actor", "--connect", "tcp://10.0.0.7:5555", "--max-groups", "0"],  # an actor flag
+])
+def test_every_configuration_mistake_is_one_message_and_exit_2(argv, tmp_path, capsys):
+    assert main([*argv, *(["--run-dir", str(tmp_path / "run")] if argv[0] == "learner" else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"grpo-fleet {argv[0]}: ") and "Traceback" not in err, err

@@ -42,14 +42,15 @@ def test_local_gsm8k_in_every_form_reads_the_same(tmp_path: Path, form: str) -> 
     task = dataset_task(target, num_eval=3)
 
     assert len(task.train) == 7 and len(task.eval) == 3
-    first = task.train[0]
-    assert first.prompt == GSM8K_ROWS["question"][0]  # 'question' is found without prompt_column
-    assert task.train[4].answer == "8000"  # "#### 8,000": the part after ####, commas dropped
-    assert first.columns == {"answer": GSM8K_ROWS["answer"][0], "level": 0}  # all but the prompt, as loaded
-    assert task.eval[-1].answer == "18000"
+    row = {example.columns["level"]: example for example in task.train + task.eval}  # the held-out rows are drawn
+    assert sorted(row) == list(range(10))
+    assert row[0].prompt == GSM8K_ROWS["question"][0]  # 'question' is found without prompt_column
+    assert row[4].answer == "8000"  # "#### 8,000": the part after ####, commas dropped
+    assert row[0].columns == {"answer": GSM8K_ROWS["answer"][0], "level": 0}  # all but the prompt, as loaded
+    assert row[9].answer == "18000"
     # Every column reaches the rewards; `answer` is the reference answer as read.
-    assert task.fields(task.train[4]) == {"answer": "8000", "level": 4}
-    assert task.score("<think>4+4</think><answer>8 000</answer>", task.train[4]) == 1.0
+    assert task.fields(row[4]) == {"answer": "8000", "level": 4}
+    assert task.score("<think>4+4</think><answer>8 000</answer>", row[4]) == 1.0
 
 
 def test_dataset_dict_on_disk_gives_train_and_eval_splits(tmp_path: Path) -> None:
@@ -86,10 +87,12 @@ def test_chat_format_prompts_and_mapped_columns(tmp_path: Path) -> None:
 
     task = dataset_task(tmp_path / "chat", prompt_column="messages", answer_column="solution", num_eval=1)
 
-    assert task.train[0].prompt == tuple(conversation)
-    assert task.train[0].answer == "4"
-    assert task.train[0].columns == {"solution": "4", "source": "x"}
-    assert task.eval[0].prompt == ({"role": "user", "content": "3+3?"},)
+    assert len(task.train) == len(task.eval) == 1
+    row = {example.columns["source"]: example for example in task.train + task.eval}  # the held-out row is drawn
+    assert row["x"].prompt == tuple(conversation)
+    assert row["x"].answer == "4"
+    assert row["x"].columns == {"solution": "4", "source": "x"}
+    assert row["y"].prompt == ({"role": "user", "content": "3+3?"},)
 
 
 def test_hub_id_is_loaded_with_its_config_and_split() -> None:
@@ -157,6 +160,15 @@ def test_missing_local_path_is_not_sent_to_the_hub(tmp_path: Path) -> None:
 def test_bundled_jsonl_reads_as_a_dataset_too() -> None:
     task = dataset_task("builtin:gsm8k_mini", eval_split=None, num_eval=4)
     assert len(task.eval) == 4 and all(ex.answer and "####" not in ex.answer for ex in task.train)
+
+
+def test_without_eval_split_rows_drawn_by_task_seed_are_held_out(tmp_path: Path) -> None:
+    Dataset.from_dict(GSM8K_ROWS).to_json(str(tmp_path / "d.jsonl"))
+    task = dataset_task(tmp_path / "d.jsonl", num_eval=3, seed=0)
+    held_out = [example.columns["level"] for example in task.eval]
+    assert len(held_out) == 3 and held_out != [7, 8, 9]  # not the file's tail
+    assert sorted(held_out + [example.columns["level"] for example in task.train]) == list(range(10))
+    assert [ex.columns["level"] for ex in dataset_task(tmp_path / "d.jsonl", num_eval=3, seed=0).eval] == held_out
 
 
 def test_is_saved_to_disk(tmp_path: Path) -> None:

@@ -60,6 +60,10 @@ def test_systemd_unit() -> None:
     assert set(sections) == {"Unit", "Service", "Install"}
     service = dict(sections["Service"])
     assert service["Restart"] == "on-failure"
+    # A permanent refusal (exit_codes.PERMANENT) is not restarted, as grpo-fleet launch does not restart it.
+    from grpo_fleet.exit_codes import PERMANENT
+
+    assert {int(code) for code in service["RestartPreventExitStatus"].split()} == PERMANENT
     assert int(service["RestartSec"]) > 0
     assert service["User"] and service["User"] != "root"
     env = [v for k, v in sections["Service"] if k == "Environment"]
@@ -94,3 +98,28 @@ def test_fleet_file_loads_as_the_launcher_reads_it() -> None:
     for actor in fleet.actors:
         command = actor_command(fleet, actor, connect)
         assert command.count("--actor-id") == 1 and "--key" in command and "--learner-key" in command
+
+
+def test_every_actor_of_the_shipped_fleet_file_has_what_its_run_requires() -> None:
+    """The recipe's reward file needs --reward-module on every actor (or a workdir holding it); keys need keys."""
+    from grpo_fleet.launch import actor_gaps, learner_run_config, load_fleet
+
+    fleet = load_fleet(DEPLOY / "fleet.toml")
+    run = learner_run_config(fleet.learner)
+    assert run.task.reward_module and fleet.learner.keys, "the shipped fleet runs the recipe, with CURVE keys"
+    assert actor_gaps(fleet, run) == []
+    for actor in fleet.actors:
+        flag = actor.args.index("--reward-module")
+        assert actor.args[flag + 1].endswith(Path(run.task.reward_module).name), actor.name
+        # No workdir: the path is resolved in the ssh login directory, so it must be absolute.
+        assert actor.workdir or actor.args[flag + 1].startswith("/"), actor.name
+
+
+def test_an_actor_without_the_reward_file_is_a_gap_named_before_launch() -> None:
+    from grpo_fleet.launch import actor_gaps, learner_run_config, load_fleet
+
+    fleet = load_fleet(DEPLOY / "fleet.toml")
+    bare = [actor.model_copy(update={"args": [], "workdir": None}) for actor in fleet.actors]
+    gaps = actor_gaps(fleet.model_copy(update={"actors": bare}), learner_run_config(fleet.learner))
+    assert [gap.split(":", 1)[0] for gap in gaps] == [f"actor {actor.name}" for actor in fleet.actors]
+    assert all("--reward-module" in gap for gap in gaps)

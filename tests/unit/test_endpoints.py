@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from grpo_fleet.metrics import exposure_warning
 from grpo_fleet.protocol.endpoints import (
     advertised,
     dialable,
     endpoint_host,
     is_loopback_endpoint,
+    is_loopback_host,
     is_wildcard_host,
     pub_endpoint_for,
     reachable_host,
@@ -72,3 +74,17 @@ def test_pub_endpoint_defaults_to_the_next_port(bind, pub):
 def test_advertised_host_replaces_the_bound_one():
     assert advertised("tcp://0.0.0.0:5556", "learner.local") == "tcp://learner.local:5556"
     assert advertised("tcp://0.0.0.0:5556", None) == "tcp://0.0.0.0:5556"  # the actor resolves it
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_metrics_on_loopback_are_not_warned_about(host: str) -> None:
+    assert is_loopback_host(host)
+    assert exposure_warning(host, 9400) is None
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "", "::", "192.168.1.10", "studio.local"])
+def test_metrics_beyond_loopback_are_warned_about_with_what_they_expose(host: str) -> None:
+    warning = exposure_warning(host, 9400)
+    assert warning is not None
+    assert ":9400" in warning and "without authentication" in warning
+    assert "actor ids" in warning and "/sd" in warning and "host:port" in warning

@@ -251,3 +251,33 @@ def test_an_unscored_group_that_was_never_leased_is_a_violation(rooms):
     ack = rooms.intake.take(rooms.registry.actors[b"id"], msg)
     assert (ack.status, ack.reason) == ("invalid", RejectReason.NOT_LEASED)
     assert rooms.state.scheduler.outstanding_groups == 1, "nothing changed"
+
+
+class AgreeingRewardCheck:
+    """Stands in for verification.RewardCheck: agrees with every group, and remembers what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, int]] = []
+
+    def verdicts(self, groups: list[tuple[m.GroupResult, int]]) -> dict[str, RejectReason | None]:
+        self.asked += [(group.group_id, index) for group, index in groups]
+        return {group.group_id: None for group, _ in groups}
+
+
+def test_a_late_submission_with_rewards_verified_is_stale_not_an_error(rooms, clock):
+    check = rooms.intake.reward_check = AgreeingRewardCheck()
+    late = _rollouts(rooms)
+    clock.advance(61.0)  # past the lease's 60 s: the learner re-queues its groups
+    assert rooms.state.scheduler.expire()
+    ack = rooms.intake.take(rooms.registry.actors[b"id"], late)
+    assert ack.status == "stale" and set(ack.groups.values()) == {"stale"}
+    assert rooms.rejections(RejectReason.STALE_LEASE) == 2 and rooms.registry.bans.violations(KEY) == 0
+    assert check.asked == [] and rooms.ledger() == [] and len(rooms.state.scheduler.queued_groups) == 2
+
+
+def test_rewards_are_verified_for_the_groups_of_an_open_lease(rooms):
+    check = rooms.intake.reward_check = AgreeingRewardCheck()
+    msg = _rollouts(rooms)
+    indices = {t.group_id: t.prompt_index for t in rooms.state.scheduler.leases[msg.lease_id].tickets.values()}
+    assert rooms.intake.take(rooms.registry.actors[b"id"], msg).status == "accepted"
+    assert sorted(check.asked) == sorted(indices.items())

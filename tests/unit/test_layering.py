@@ -75,3 +75,13 @@ def test_the_model_does_not_know_the_wire():
 
 def test_the_learner_does_not_import_the_actor():
     assert not _offenders("learner/*", "grpo_fleet.actor")
+
+
+def test_a_production_actor_has_no_lie_switch():
+    """The corrupted actors of the tests live in tests/liars/: nothing installed can be told to lie."""
+    modules = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")}
+    assert "actor/corruption.py" not in modules
+    assert not any(_imports(imported, "grpo_fleet.actor.corruption") for imported in _package_imports().values())
+    mentions = [name for name in sorted(modules)
+                if "GRPO_FLEET_TEST_CORRUPT" in (PACKAGE / name).read_text(encoding="utf-8")]
+    assert mentions == [], f"the lie switch is read in {mentions}"

@@ -212,6 +212,33 @@ def test_requests_before_hello_are_refused(learner, request_msg):
     assert ledger(learner) == []
 
 
+OBSERVER = b"observer-identity"
+OBSERVER_KEY = "observer-curve-public-key"
+
+
+def test_an_observer_key_may_ask_status_and_nothing_else(learner):
+    """`keys add-observer`: Hello, leases, rollouts and weights are refused and counted; Status is answered."""
+    hello(learner)
+    actor_lease = lease(learner)  # a real actor's lease the observer tries to fill
+    refused = [
+        m.Hello(actor_id="peeker", host="h", backend="cpu", versions={}),
+        m.LeaseRequest(max_groups=1),
+        m.Rollouts(lease_id=actor_lease.lease_id, policy_version=0, incarnation=learner.state.incarnation,
+                   groups=[crafted_group(p.group_id, INFORMATIVE) for p in actor_lease.prompts]),
+        m.GetWeights(version=0),
+    ]
+    for request_msg in refused:
+        reply = ask(learner, OBSERVER, request_msg, principal=OBSERVER_KEY, observer=True)
+        assert isinstance(reply, m.ErrorReply), type(request_msg).__name__
+        assert reply.reason == "forbidden"
+    assert sample(learner, "grpo_fleet_learner_auth_failures_total", {"reason": "observer"}) == len(refused)
+    assert [info.principal for info in learner.registry.actors.values()] == [ACTOR_A.hex()]
+    assert ledger(learner) == [] and learner.state.buffer == []
+    assert isinstance(ask(learner, OBSERVER, m.StatusRequest(), principal=OBSERVER_KEY, observer=True), m.Status)
+    # The same requests from an actor key are answered as ever.
+    assert ask(learner, ACTOR_A, rollouts_for(actor_lease, incarnation=learner.state.incarnation)).status == "accepted"
+
+
 def test_registration_is_per_identity(learner):
     hello(learner, ACTOR_A)
     reply = ask(learner, ACTOR_B, m.LeaseRequest(max_groups=1))
@@ -987,3 +1014,31 @@ def test_samples_are_decoded_by_the_learner_and_cut_back_on_resume(tiny_model_di
             "step 3 came after the checkpoint, so its samples go with it"
     finally:
         second.close()
+
+
+# ----------------------------------------------------------------- the learner's own bugs are not the peer's fault
+
+
+def test_a_learner_bug_in_validation_is_internal_never_a_violation(make_learner, monkeypatch, caplog):
+    """A validator that raises (instead of refusing) is the learner's bug: logged with a traceback, never charged."""
+    from grpo_fleet.protocol.codec import ProtocolError, decode, encode
+
+    def buggy(cls: type, *args: object, **kwargs: object) -> object:
+        raise KeyError("learner-side validation bug")
+
+    learner = make_learner(server={"max_violations": 2})
+    hello(learner)
+    honest = encode(m.Heartbeat(actor_id="actor-a", policy_version=0, sent_at=0.0))
+    monkeypatch.setattr(m.Heartbeat, "model_validate", classmethod(buggy))
+    for _ in range(3):  # more than server.max_violations
+        try:
+            decoded: object = decode(honest)
+        except ProtocolError as error:
+            decoded = error
+        assert isinstance(decoded, ProtocolError) and decoded.reason == "internal"
+        reply = ask(learner, ACTOR_A, decoded)
+        assert isinstance(reply, m.ErrorReply) and reply.reason == "internal"
+    assert learner.registry.bans.violations(ACTOR_A.hex()) == 0 and not learner.registry.is_banned(ACTOR_A.hex())
+    assert sample(learner, "grpo_fleet_learner_internal_errors_total", {"where": "decode"}) == 3
+    assert sample(learner, "grpo_fleet_learner_protocol_errors_total", {"reason": "internal"}) == 0
+    assert "Traceback" in caplog.text and "KeyError: 'learner-side validation bug'" in caplog.text, "with its traceback"

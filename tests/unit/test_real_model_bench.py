@@ -96,7 +96,7 @@ def test_steps_pool_by_the_staleness_they_trained_at_per_objective():
 
 
 def test_gap_distribution_counts_groups_beyond_the_bound_as_false_rejections():
-    gaps = [LogprobGap(f"g{i}", mean, mean * 10) for i, mean in enumerate([0.001, 0.002, 0.003, 0.06])]
+    gaps = [LogprobGap(f"g{i}", mean, mean * 10, 0.05) for i, mean in enumerate([0.001, 0.002, 0.003, 0.06])]
     dist = GapDistribution.of(gaps, bound=0.05)
     assert dist.groups == 4 and dist.rejected == 1
     assert dist.max == 0.06 and dist.token_max == pytest.approx(0.6) and dist.p50 == pytest.approx(0.0025)

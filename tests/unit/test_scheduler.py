@@ -249,6 +249,26 @@ def test_epochs_are_shuffled_by_seed(make_scheduler):
     assert order(1) != list(range(20))
 
 
+def test_a_resumed_scheduler_continues_the_same_shuffled_order_mid_epoch(make_scheduler):
+    """The order survives a checkpoint (state_dict through msgpack, as persistence.py writes it) exactly."""
+    import msgpack
+
+    def prompts(scheduler, count: int) -> list[int]:
+        return [t.prompt_index for t in scheduler.issue("actor-a", count).tickets.values()]
+
+    uninterrupted = make_scheduler(num_prompts=7, seed=5)
+    expected = prompts(uninterrupted, 30)  # four epochs and a bit
+
+    first_life = make_scheduler(num_prompts=7, seed=5)
+    before = prompts(first_life, 10)  # stops in the second epoch
+    saved = msgpack.unpackb(msgpack.packb(first_life.state_dict(), use_bin_type=True), raw=False)
+    second_life = make_scheduler(num_prompts=7, seed=99)  # the seed a new life is built with does not matter
+    second_life.load_state_dict(saved)
+    assert before + prompts(second_life, 20) == expected
+    assert second_life.epoch == uninterrupted.epoch == 5
+    assert expected[7:14] != expected[:7]  # every epoch is reshuffled
+
+
 def test_requeued_groups_do_not_consume_the_fresh_epoch(make_scheduler):
     num_prompts = 4
     scheduler = make_scheduler(num_prompts=num_prompts)

@@ -224,11 +224,23 @@ def make_jsonl(path: Path, count: int) -> Path:
     return write_lines(path, [json.dumps({"prompt": f"p{i}", "answer": str(i)}) for i in range(count)])
 
 
-def test_build_jsonl_task_holds_out_tail(tmp_path: Path) -> None:
-    path = make_jsonl(tmp_path / "train.jsonl", 20)
-    task = build_task(TaskConfig(name="jsonl", train_path=str(path), num_eval=5, rewards=["exact_match"]))
-    assert [example.prompt for example in task.train] == [f"p{i}" for i in range(15)]
-    assert [example.prompt for example in task.eval] == [f"p{i}" for i in range(15, 20)]
+def test_build_jsonl_task_holds_out_rows_drawn_by_task_seed_not_the_tail(tmp_path: Path) -> None:
+    # A sorted file: its tail would be its 8 largest rows.
+    path = make_jsonl(tmp_path / "train.jsonl", 40)
+
+    def split(seed: int) -> tuple[list[str], list[str]]:
+        task = build_task(TaskConfig(name="jsonl", train_path=str(path), num_eval=8, seed=seed, rewards=["exact_match"]))
+        return [example.prompt for example in task.train], [example.prompt for example in task.eval]
+
+    train, held_out = split(seed=0)
+    assert len(held_out) == 8 and len(train) == 32
+    assert held_out != [f"p{i}" for i in range(32, 40)]
+    assert sorted(train + held_out) == sorted(f"p{i}" for i in range(40))
+    # Both keep the file's order; the training order is the scheduler's to shuffle.
+    file_order = [f"p{i}" for i in range(40)]
+    assert train == [p for p in file_order if p in train] and held_out == [p for p in file_order if p in held_out]
+    assert split(seed=0) == (train, held_out)
+    assert split(seed=1)[1] != held_out
 
 
 def test_build_jsonl_task_holds_out_at_most_half(tmp_path: Path) -> None:

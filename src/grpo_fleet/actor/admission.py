@@ -16,12 +16,14 @@ from typing import Callable, Optional, get_args
 
 from grpo_fleet.actor.rollout import TruncatedSamplingError, refuse_truncated_sampling
 from grpo_fleet.config import LoraConfig, ModelConfig
+from grpo_fleet.gguf import GGUFError
 from grpo_fleet.model import model_digest
 from grpo_fleet.protocol import messages as m
-from grpo_fleet.realshape import local_copy
+from grpo_fleet.realshape import default_cache_dir, local_copy
 from grpo_fleet.tasks import UnknownRewardError, validate_rewards
 from grpo_fleet.tasks.reward_module import RewardModuleError, is_module_name, module_digest
 from grpo_fleet.tasks.reward_runner import RewardSet
+from grpo_fleet.zoo import ZooError, import_source, is_gguf_source, is_zoo_path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # The dtypes a learner's config can name ([model] dtype); anything else is not a cast we agree to.
@@ -79,15 +81,21 @@ def check_run(welcome: m.Welcome) -> None:
 
 def local_model_path(path: str, model_dirs: list[str]) -> str:
     """Where to load the learner's model from: a real-shape model is (re)built in this machine's
-    own cache, which needs no --model-dir; any other local path must be allowed."""
+    own cache, and a zoo model fetched and imported there, which needs no --model-dir (both are pinned);
+    any other local path must be allowed, and a GGUF file among them is imported into the cache once."""
     built = local_copy(path)
     if built is not None:
         return str(built)
-    if not model_path_allowed(path, model_dirs):
+    if not is_zoo_path(path) and not model_path_allowed(path, model_dirs):
         raise ActorRefused(
             f"model path {path!r} is outside the allowed directories "
             f"{model_dirs or [os.getcwd()]}; pass --model-dir to allow it"
         )
+    if is_gguf_source(path):
+        try:
+            return str(import_source(path, default_cache_dir()))
+        except (GGUFError, ZooError, OSError) as exc:
+            raise ActorRefused(f"cannot import the learner's model {path!r} here: {exc}") from exc
     return path
 
 

@@ -21,7 +21,6 @@ import mlx.core as mx
 
 from grpo_fleet.actor import wire
 from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit, plan_rewards
-from grpo_fleet.actor.corruption import Corruption
 from grpo_fleet.actor.link import Answer, LearnerLink, LearnerUnavailable, Notice, StopActor
 from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rewarding import score_lease
@@ -29,7 +28,7 @@ from grpo_fleet.actor.rollout import generate_groups
 from grpo_fleet.actor.weights_sync import FetchedWeights, WeightsSync, fetch_weights
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.doctor import mlx_version
-from grpo_fleet.metrics import ActorMetrics, actor_metrics, serve_metrics
+from grpo_fleet.metrics import ActorMetrics, MetricsServer, actor_metrics, serve_metrics
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -47,16 +46,16 @@ def default_actor_id() -> str:
     return f"{host[:100]}-{os.getpid()}"
 
 
-def serve_actor_metrics(metrics: ActorMetrics, cfg: MetricsConfig) -> int:
-    """Serve /metrics; if the port is taken (a second actor on this Mac), take any free one.
+def serve_actor_metrics(metrics: ActorMetrics, cfg: MetricsConfig) -> Optional[MetricsServer]:
+    """Serve /metrics (None when port 0 disables it); if the port is taken (a second actor on this Mac), take any free one.
 
     The learner learns the real port from Hello, so service discovery still finds it.
     """
     try:
-        return serve_metrics(metrics.registry, cfg.host, cfg.port) or 0
+        return serve_metrics(metrics.registry, cfg.host, cfg.port)
     except OSError as exc:
         log.warning("metrics port %d unavailable (%s); using a free port instead", cfg.port, exc)
-        return serve_metrics(metrics.registry, cfg.host, 0, any_port=True) or 0
+        return serve_metrics(metrics.registry, cfg.host, 0, any_port=True)
 
 
 class ActorWorker:
@@ -73,7 +72,6 @@ class ActorWorker:
         self.model_key: Optional[ModelKey] = None
         self.rewards: Optional[RewardSet] = None
         self.scorer: Optional[Scorer] = None  # the rewards' own process, started on admission
-        self.corruption = Corruption.from_environment()  # tests only: an actor that lies (actor/corruption.py)
         self.welcome: Optional[m.Welcome] = None
         self.stopping = False
         self.metrics_port = 0
@@ -85,7 +83,8 @@ class ActorWorker:
         """Work until Shutdown or a signal; reconnect with backoff whenever the learner goes away."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        self.metrics_port = serve_actor_metrics(self.metrics, self.cfg.metrics)
+        metrics_server = serve_actor_metrics(self.metrics, self.cfg.metrics)
+        self.metrics_port = metrics_server.port if metrics_server is not None else 0
         backoff = 0.2
         try:
             while not self.stopping:
@@ -105,6 +104,8 @@ class ActorWorker:
             self.link.shut()
             if self.scorer is not None:
                 self.scorer.close()
+            if metrics_server is not None:
+                metrics_server.close()
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -135,10 +136,7 @@ class ActorWorker:
             # Unacknowledged after a lost answer or a reconnect: resend it.
             self.metrics.submit_retries.inc()
             self._on_answer(self.link.request(self.inflight.submitted, m.Ack))
-        assert self.policy is not None  # _adopt loaded it
-        if not self.corruption.frozen_weights:
-            self.weights.sync(self.link, self.policy.model)
-        self.corruption.after_load(self.policy.model)
+        self._sync_weights()
         # On SIGTERM, finish delivering what was leased and generated (drain), then stop.
         while not (self.stopping and self.inflight.drained):
             self._work_once()
@@ -195,6 +193,11 @@ class ActorWorker:
             raise LearnerUnavailable(f"the learner restarted (incarnation {notice.incarnation})")
         self.weights.follow(notice.version if isinstance(notice, m.PolicyUpdated) else notice.policy_version)
 
+    def _sync_weights(self) -> None:
+        """Load the newest published snapshot the learner announced (if it is not loaded yet)."""
+        assert self.policy is not None  # _adopt loaded it
+        self.weights.sync(self.link, self.policy.model)
+
     def _on_answer(self, reply: Answer) -> None:
         """Book the answer to a pipelined request: a lease to generate next, or a submission's Ack."""
         if isinstance(reply, m.Lease):
@@ -209,10 +212,8 @@ class ActorWorker:
 
     def _work_once(self) -> None:
         self.link.poll_notices()
-        if self.weights.behind and not self.corruption.frozen_weights:
-            assert self.policy is not None  # _adopt loaded it
-            self.weights.sync(self.link, self.policy.model)
-            self.corruption.after_load(self.policy.model)
+        if self.weights.behind:
+            self._sync_weights()
         lease = self._take_lease()
         if lease is None:
             return
@@ -259,7 +260,6 @@ class ActorWorker:
         self.metrics.peak_memory.set(mx.get_peak_memory())
         assert self.scorer is not None  # _adopt started it
         scored, unscored = score_lease(lease.prompts, groups, self.scorer, policy.tokenizer, self.metrics)
-        version = self.corruption.claimed_version(version, self.weights.newest)
-        return self.corruption.rollouts(m.Rollouts(lease_id=lease.lease_id, policy_version=version,
-                                                   incarnation=incarnation, groups=scored, unscored=unscored))
+        return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=incarnation, groups=scored,
+                          unscored=unscored)
 

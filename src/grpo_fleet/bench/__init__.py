@@ -2,7 +2,11 @@
 
 Each benchmark measures a figure and its baseline in the same run and reports
 the ratio; nothing here asserts on time. Results go to stdout as a table and to
-`bench/results.json` with a description of the machine.
+`bench/results.json` with a description of the machine and the set that ran.
+
+`make bench` runs the default set (`BENCHMARKS` rows with default=True, at
+`Scale.DEFAULT`), about 30 minutes on the 2-vCPU reference VM; `make bench-full`
+runs every row at `Scale.FULL`, the long sweeps included (hours).
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 
 @dataclass
@@ -42,6 +47,9 @@ class Report:
 
     figures: list[Figure] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    scale: str = "default"
+    selection: str = "default"  # "default" (make bench), "full" (make bench-full) or "only" (--only)
+    durations: dict[str, float] = field(default_factory=dict)  # benchmark -> seconds
 
     def add(self, figure: Figure) -> Figure:
         self.figures.append(figure)
@@ -64,6 +72,9 @@ class Report:
             "machine": machine_description(),
             "started": self.started,
             "seconds": time.time() - self.started,
+            "set": self.selection,
+            "scale": self.scale,
+            "benchmark_seconds": self.durations,
             "figures": [{**asdict(f), "ratio": f.ratio} for f in self.figures],
         }
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,32 +98,88 @@ def machine_description() -> dict:
     }
 
 
-BenchFn = Callable[[Report, bool], None]
+class Scale(str, Enum):
+    """How big a run is: every benchmark picks its sizes from this."""
+
+    QUICK = "quick"  # smoke sizes, a few minutes in all
+    DEFAULT = "default"  # `make bench`: about 30 minutes on the 2-vCPU reference VM
+    FULL = "full"  # `make bench-full`: every size and sweep (hours: the Qwen-shape step alone is one)
 
 
-# Benchmark name -> module with `run(report, quick)`, in the order `make bench` runs them.
-BENCHMARKS: tuple[str, ...] = ("rollout", "ingest", "weights", "step", "qwen_step", "mixed", "e2e", "offpolicy",
-                               "logprob_gap", "stale_lengths")
-BENCHMARKS += ("offpolicy_real",)  # coupled vs decoupled on the real model, at the fleet's staleness and at lag 4
-BENCHMARKS += ("logprob_gap_real",)  # honest logprob gaps on real text against security.max_logprob_gap
+BenchFn = Callable[[Report, Scale], None]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One entry of the table below: a name, the function that runs it, and whether `make bench` runs it.
+
+    `target` is "module:function" under grpo_fleet.bench (function defaults to
+    `run`), called as `function(report, scale)`. `minutes` is what it took at the
+    default scale (the full one for full-only entries) on the 2-vCPU reference
+    VM, to keep the default set within its budget.
+    """
+
+    name: str
+    target: str
+    default: bool
+    minutes: float
+    about: str = ""
+
+
+# The registration point: add a row here and `--only NAME` runs it; `default=True` puts it in `make bench`.
+# In the order both sets run them.
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark("rollout", "rollout", True, 1.0, "actor tok/s vs a naive mlx_lm.generate loop; shared-prefix prefill"),
+    Benchmark("ingest", "ingest", True, 1.5, "learner intake tok/s and ack latency by actor count; CURVE; hostile"),
+    Benchmark("weights", "weights", True, 0.5, "LoRA and full weight broadcast vs raw ZeroMQ"),
+    Benchmark("step", "step", True, 0.3, "learner step phases, eager vs mx.compile (50M and memory rows: full)"),
+    Benchmark("real_decode", "real_decode", True, 1.0, "real model: actor lease vs mlx_lm.batch_generate, idle slots"),
+    Benchmark("real_step", "real_step", True, 1.0, "real model: one Trainer.step tok/s, micro-batch padding"),
+    Benchmark("real", "real", True, 16.0, "real model learning: fleet vs in-process loop vs mlx-lm-lora, same task"),
+    Benchmark("mixed", "mixed", True, 0.7, "capacity-sized leases with a 10x slower actor"),
+    Benchmark("e2e", "e2e", True, 1.5, "wall time to the demo's target: fleet vs loops (notebook loop: full)"),
+    Benchmark("logprob_gap", "logprob_gap", False, 2.8, "actor/learner logprob gap in fp32 and bf16"),
+    Benchmark("stale_lengths", "stale_lengths", False, 2.8, "stale rejections against completion length"),
+    Benchmark("offpolicy", "offpolicy", False, 26.0, "coupled vs decoupled objective under lag (3 seeds x 600 steps)"),
+    Benchmark("liar_lags", "liar_lags", False, 3.0, "logprob check's catch rate against weights 1-2 versions stale"),
+    Benchmark("qwen_step", "qwen_step", False, 120.0, "Qwen2.5-0.5B-shaped learner step sweep and actor lease"),
+    Benchmark("offpolicy_real", "offpolicy_real", False, 45.0, "real model: coupled vs decoupled at staleness 1 and 4"),
+    Benchmark("logprob_gap_real", "logprob_gap_real", False, 7.0, "real model: honest logprob gaps vs the check's bound"),
+)
+
+
+def benchmark_named(name: str) -> Benchmark:
+    for bench in BENCHMARKS:
+        if bench.name == name:
+            return bench
+    raise SystemExit(f"unknown benchmark {name!r}; choose from {', '.join(b.name for b in BENCHMARKS)}")
 
 
 def load_benchmark(name: str) -> BenchFn:
-    """Import one benchmark module only when it is asked for."""
+    """Import one benchmark's module only when it is asked for."""
     import importlib
 
-    if name not in BENCHMARKS:
-        raise SystemExit(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
-    return importlib.import_module(f"grpo_fleet.bench.{name}").run
+    module, _, function = benchmark_named(name).target.partition(":")
+    return cast(BenchFn, getattr(importlib.import_module(f"grpo_fleet.bench.{module}"), function or "run"))
 
 
-def run_benchmarks(names: Optional[list[str]], quick: bool, out: Path) -> Report:
-    """Run the chosen benchmarks (all by default), print the table, write results.json."""
-    report = Report()
-    for name in names or list(BENCHMARKS):
-        runner = load_benchmark(name)
-        print(f"== {name}", flush=True)
-        runner(report, quick)
+def selected(names: Optional[list[str]], scale: Scale) -> list[Benchmark]:
+    """The benchmarks a run covers: `names` if given, else the default set (every one at the full scale)."""
+    if names:
+        return [benchmark_named(name) for name in names]
+    return [b for b in BENCHMARKS if b.default or scale is Scale.FULL]
+
+
+def run_benchmarks(names: Optional[list[str]], scale: Scale, out: Path) -> Report:
+    """Run the chosen benchmarks, print the table, write results.json (with the set and scale that ran)."""
+    chosen = selected(names, scale)
+    report = Report(scale=scale.value, selection="only" if names else ("full" if scale is Scale.FULL else "default"))
+    for bench in chosen:
+        runner = load_benchmark(bench.name)
+        print(f"== {bench.name}", flush=True)
+        start = time.perf_counter()
+        runner(report, scale)
+        report.durations[bench.name] = time.perf_counter() - start
     print("\n" + report.table())
     report.save(out)
     print(f"\nwrote {out}")

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from grpo_fleet.actor.rollout import GeneratedCompletion, SamplingSettings, completion_text, generate_groups
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.rollout import naive_completion
 from grpo_fleet.config import RunConfig
 from grpo_fleet.demo import DemoOptions, demo_config, held_out_reward
@@ -208,8 +208,11 @@ def _seconds(value: Optional[float]) -> str:
     return "not reached" if value is None else f"{value:.1f} s"
 
 
-def run(report: Report, quick: bool) -> None:
-    steps, seeds = (400, (0,)) if quick else (1000, (0, 1))
+def run(report: Report, scale: Scale) -> None:
+    quick = scale is Scale.QUICK
+    steps, seeds = (400, (0,)) if quick else (1000, (0, 1) if scale is Scale.FULL else (0,))
+    # The notebook-style loop takes about 3 minutes a seed on 2 cores: the full run only.
+    with_notebook = scale is Scale.FULL
     curves: dict[str, list[Curve]] = {"fleet": [], "batched": [], "notebook": []}
     with tempfile.TemporaryDirectory(prefix="grpo-bench-e2e-") as tmp:
         for seed in seeds:
@@ -222,7 +225,7 @@ def run(report: Report, quick: bool) -> None:
                 target = max(before + (0.1 if quick else 0.3), 2 * before)
             curves["fleet"].append(Curve("fleet", seed, fleet_curve(cfg)))
             curves["batched"].append(Curve("batched", seed, loop_curve(cfg, model_path, batched_rollout, target)))
-            if seed == seeds[0]:  # ten times slower; one seed settles a ratio this far from 1
+            if with_notebook and seed == seeds[0]:  # ten times slower; one seed settles a ratio this far from 1
                 curves["notebook"].append(Curve("notebook", seed, loop_curve(cfg, model_path, per_completion_rollout, target)))
             for curve in (c for runs in curves.values() for c in runs if c.seed == seed):
                 print(f"{curve.contender} seed {seed} (step, s, reward):",
@@ -233,11 +236,12 @@ def run(report: Report, quick: bool) -> None:
 def _report(report: Report, curves: dict[str, list[Curve]], target: float, before: float) -> None:
     fleet_s = _median_time(curves["fleet"], target)
     notes = f"target held-out reward {target:.3f} (before {before:.3f}); median of seeds; "
-    report.add(Figure(
-        "e2e", "wall time to target, learner + 2 actors vs notebook-style loop", fleet_s or float("nan"), "s",
-        baseline=_median_time(curves["notebook"], target), baseline_name="notebook-style loop s", goal="<= 0.6x",
-        notes=notes + f"fleet {_describe(curves['fleet'], target)}; notebook {_describe(curves['notebook'], target)}",
-    ))
+    if curves["notebook"]:
+        report.add(Figure(
+            "e2e", "wall time to target, learner + 2 actors vs notebook-style loop", fleet_s or float("nan"), "s",
+            baseline=_median_time(curves["notebook"], target), baseline_name="notebook-style loop s", goal="<= 0.6x",
+            notes=notes + f"fleet {_describe(curves['fleet'], target)}; notebook {_describe(curves['notebook'], target)}",
+        ))
     report.add(Figure(
         "e2e", "wall time to target, learner + 2 actors vs batched single-process loop", fleet_s or float("nan"), "s",
         baseline=_median_time(curves["batched"], target), baseline_name="batched loop s",

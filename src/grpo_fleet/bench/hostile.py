@@ -13,6 +13,10 @@ The figure is the time to the learner's answer. A message over the inbound byte
 limit gets no answer (libzmq drops it and closes that connection); for it the
 figure is the round trip of a Heartbeat another actor sends once it is dropped.
 Messages are built as raw msgpack, so this file runs against older learners too.
+
+A second learner re-scores rewards (security.verify_rewards) with a reward that
+takes 2 seconds a group: the figure is the round trip of a Heartbeat sent while
+it re-scores one honest submission.
 """
 
 from __future__ import annotations
@@ -26,13 +30,21 @@ from typing import Any, Optional
 import msgpack
 import numpy as np
 
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.ingest import GROUP_SIZE, MAX_TOKENS, _start_learner, _stop_learner, _wait_serving
 
 ISSUE_COMPLETIONS = 100_000
 LEASE_GROUPS = 256  # the ingest learner's max_groups_per_lease
 OUT_OF_VOCAB = 10**6
 ANSWER_TIMEOUT_S = 60.0
+SLOW_REWARD_SECONDS = 2.0  # per group, spread over its completions
+SLOW_REWARD = f"""
+import time
+
+def slow(completion, prompt, **columns):
+    time.sleep({SLOW_REWARD_SECONDS} / {GROUP_SIZE})
+    return 0.0
+"""
 
 
 def rollouts_payload(groups: int, per_group: int, tokens: int, token_id: int) -> bytes:
@@ -153,17 +165,65 @@ def report_stalls(report: Report, results: dict[str, dict], baseline: Optional[t
     ))
 
 
-def run(report: Report, quick: bool) -> None:
-    """One learner, the hostile messages, the stall figures."""
+def _slow_submission_stall(submitter: Any, probe: Any) -> float:
+    """Seconds a Heartbeat waits while the learner re-scores one group with the slow reward."""
+    from grpo_fleet.bench.simulated_actor import timed_request
+    from grpo_fleet.protocol import messages as m
+    from grpo_fleet.protocol.codec import decode, encode
+    from grpo_fleet.protocol.sockets import recv_frames, send_frames
+
+    lease = submitter.request(m.LeaseRequest(max_groups=1), ANSWER_TIMEOUT_S)
+    completion = m.Completion(tokens=m.Tensor.from_numpy(np.asarray([5], np.int32)),
+                              logprobs=m.Tensor.from_numpy(np.asarray([-1.0], np.float32)), reward=0.0,
+                              finish_reason="length")
+    groups = [m.GroupResult(group_id=p.group_id, completions=[completion] * GROUP_SIZE) for p in lease.prompts]
+    send_frames(submitter.socket, [encode(m.Rollouts(lease_id=lease.lease_id, policy_version=lease.policy_version,
+                                                     groups=groups))])
+    time.sleep(0.2)  # the learner is re-scoring it now
+    _, stall = timed_request(probe, encode(m.Heartbeat(actor_id="probe")), ANSWER_TIMEOUT_S)
+    frames = recv_frames(submitter.socket, timeout_s=ANSWER_TIMEOUT_S)
+    assert frames is not None and isinstance(decode(frames[0]), m.Ack), "the submission was never answered"
+    return stall
+
+
+def slow_reward_stalls(root: Path, repeats: int) -> list[float]:
+    """Heartbeat round trips while a 2-second reward re-scores a submission, on a learner that verifies rewards."""
+    from grpo_fleet.protocol.sockets import make_context
+
+    rewards = root / "slow_rewards.py"
+    rewards.write_text(SLOW_REWARD)
+    learner = _start_learner(root, "slow-reward", overrides={
+        "task": {"reward_module": str(rewards), "rewards": ["slow"], "reward_timeout_seconds": 10.0},
+        "security": {"verify_rewards": True}})
+    ctx = make_context()
+    try:
+        _wait_serving(learner)
+        submitter, probe = _registered(ctx, learner.endpoint, "submitter"), _registered(ctx, learner.endpoint, "probe")
+        try:
+            return [_slow_submission_stall(submitter, probe) for _ in range(repeats)]
+        finally:
+            submitter.close()
+            probe.close()
+    finally:
+        ctx.term()
+        _stop_learner(learner)
+
+
+def run(report: Report, scale: Scale) -> None:
+    """One learner, the hostile messages, the stall figures; then the slow reward's."""
     with tempfile.TemporaryDirectory(prefix="grpo-fleet-hostile-") as tmp:
         learner = _start_learner(Path(tmp), "hostile")
         try:
             _wait_serving(learner)
-            results = measure(learner.endpoint, repeats=2 if quick else 3)
+            results = measure(learner.endpoint, repeats=2 if scale is Scale.QUICK else 3)
             baseline = _baseline_seconds(learner.run_dir)
         finally:
             _stop_learner(learner)
+        slow = slow_reward_stalls(Path(tmp), repeats=2 if scale is Scale.QUICK else 3)
     report_stalls(report, results, baseline)
+    report.add(Figure("hostile", f"worst request stall while a {SLOW_REWARD_SECONDS:g} s reward re-scores a "
+                      "submission", max(slow) * 1000, "ms", goal="<= 100 ms",
+                      notes=f"Heartbeat round trips {', '.join(f'{x * 1000:.0f}' for x in slow)} ms"))
 
 
 def merge_into(path: Path, report: Report) -> None:
@@ -181,7 +241,7 @@ if __name__ == "__main__":
     import sys
 
     standalone = Report()
-    run(standalone, quick=False)
+    run(standalone, Scale.FULL)
     print(standalone.table())
     if len(sys.argv) > 1:
         merge_into(Path(sys.argv[1]), standalone)

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.ingest import START_TIMEOUT_S, ActorPool, _start_learner, _stop_learner, _wait_serving
 
 FAST_SECONDS_PER_GROUP = 0.005
@@ -84,8 +84,8 @@ def _summary(phase: dict) -> str:
     return "; ".join(parts)
 
 
-def run(report: Report, quick: bool) -> None:
-    warmup, window = (2.0, 6.0) if quick else (3.0, 15.0)
+def run(report: Report, scale: Scale) -> None:
+    warmup, window = {Scale.QUICK: (2.0, 6.0), Scale.DEFAULT: (2.0, 10.0), Scale.FULL: (3.0, 15.0)}[scale]
     with tempfile.TemporaryDirectory(prefix="grpo-bench-mixed-") as tmp:
         pool = ActorPool(2)
         try:

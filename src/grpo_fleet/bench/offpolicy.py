@@ -25,7 +25,7 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, _config, batched_rollout
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.setup import resolve_model_path
@@ -118,8 +118,8 @@ def _median(values: list[Optional[float]]) -> Optional[float]:
     return statistics.median([v for v in values if v is not None]) if values and None not in values else None
 
 
-def run(report: Report, quick: bool) -> None:
-    steps, seeds, lags = (300, (0,), (0, 4)) if quick else (600, (0, 1, 2), (0, 4))
+def run(report: Report, scale: Scale) -> None:
+    steps, seeds, lags = (300, (0,), (0, 4)) if scale is Scale.QUICK else (600, (0, 1, 2), (0, 4))
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="grpo-bench-offpolicy-") as tmp:
         for seed in seeds:

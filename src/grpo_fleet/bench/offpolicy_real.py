@@ -30,7 +30,7 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop
 from grpo_fleet.bench.offpolicy import OffPolicyStats, lagged_training
 from grpo_fleet.bench.real_task import real_config, real_model_dir, real_task_config
@@ -113,7 +113,8 @@ def _row(staleness: int, stats: StepStats) -> tuple:
             round(stats.clip_fraction, 4), round(stats.is_capped_fraction, 4), round(stats.train_seconds, 1))
 
 
-def run(report: Report, quick: bool) -> None:
+def run(report: Report, scale: Scale) -> None:
+    quick = scale is Scale.QUICK
     seeds = SEEDS[:1] if quick else SEEDS
     config_path = real_task_config()
     before, runs = compare(real_model_dir(), config_path, steps=STEPS, seeds=seeds, lags=LAGS)

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.step import one_shot_step, synthetic_groups
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
 from grpo_fleet.learner.batch import TrainBatch, build_train_batch
@@ -163,8 +163,8 @@ def measure(report: Report, shape: Shape) -> None:
                           goal="<= 1.15x"))
 
 
-def run(report: Report, quick: bool) -> None:
-    shape = QUICK if quick else FULL
+def run(report: Report, scale: Scale) -> None:
+    shape = QUICK if scale is Scale.QUICK else FULL
     measure_actor(report, shape)
     compare_paths(report, shape)
     measure(report, shape)

@@ -21,9 +21,6 @@ from typing import Any, Optional
 
 from grpo_fleet.config import RunConfig, apply_overrides, load_run_config
 
-# Where the fp32 import of SmolLM2-135M-Instruct lives until the package resolves it from the GGUF itself.
-DEFAULT_REAL_MODEL = "/work/models/smollm2-f32"
-REAL_MODEL_ENV = "GRPO_FLEET_REAL_MODEL"
 REAL_TASK_CONFIG_ENV = "GRPO_FLEET_REAL_TASK_CONFIG"
 # The demo-real task's config (relative to where `make bench` runs) once it lands; None means the stand-in.
 DEFAULT_REAL_TASK_CONFIG: Optional[str] = None
@@ -45,8 +42,10 @@ ADDITION_SETTINGS: dict[str, Any] = {
 
 
 def real_model_dir() -> str:
-    """The real model's mlx-lm directory: $GRPO_FLEET_REAL_MODEL, else the fp32 SmolLM2 import."""
-    return os.environ.get(REAL_MODEL_ENV, DEFAULT_REAL_MODEL)
+    """The real model's mlx-lm directory: $GRPO_FLEET_REAL_MODEL, else SmolLM2-135M-Instruct from the zoo."""
+    from grpo_fleet.bench.real_decode import real_model_dir as resolve
+
+    return str(resolve())
 
 
 def real_task_config() -> Optional[str]:

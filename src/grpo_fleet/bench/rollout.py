@@ -38,7 +38,7 @@ from grpo_fleet.actor.rollout import (
     generate_groups,
     sampler_and_processors,
 )
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.config import TaskConfig, TinyModelConfig
 from grpo_fleet.model import Policy, build_tiny_model, load_policy, parameter_count
 
@@ -59,8 +59,9 @@ class Case:
     notes: str
 
 
-def run(report: Report, quick: bool) -> None:
+def run(report: Report, scale: Scale) -> None:
     """Measure every figure of this benchmark into `report`; quick sizes finish in well under a minute."""
+    quick = scale is Scale.QUICK
     with tempfile.TemporaryDirectory(prefix="grpo-bench-rollout-") as tmp:
         tiny = _tiny_policy(Path(tmp) / "tiny")
         for case in _tiny_cases(tiny, quick):

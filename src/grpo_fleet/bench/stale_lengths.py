@@ -20,7 +20,7 @@ from typing import Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import _config
 from grpo_fleet.learner.setup import resolve_model_path
 from grpo_fleet.local_fleet import running
@@ -44,8 +44,8 @@ def scrape(port: int) -> Optional[dict[str, tuple[float, float]]]:
     return found
 
 
-def run(report: Report, quick: bool) -> None:
-    steps, max_tokens = (150, 24) if quick else (400, 48)
+def run(report: Report, scale: Scale) -> None:
+    steps, max_tokens = (150, 24) if scale is Scale.QUICK else (400, 48)
     with tempfile.TemporaryDirectory(prefix="grpo-bench-stale-") as tmp:
         cfg = _config(Path(tmp), steps, seed=0)
         cfg = cfg.model_copy(update={

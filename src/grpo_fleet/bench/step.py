@@ -20,7 +20,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from grpo_fleet.bench import Figure, Report
+from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.models import model_50m, tiny_model
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
 from grpo_fleet.learner.batch import (
@@ -182,13 +182,13 @@ def memory_comparison(report: Report, *, layers: int = 2, shape: tuple[int, int,
                       baseline_name="one-shot s"))
 
 
-def run(report: Report, quick: bool) -> None:
-    repeats = 5 if quick else 20
+def run(report: Report, scale: Scale) -> None:
+    repeats = 5 if scale is Scale.QUICK else 20
     with tempfile.TemporaryDirectory(prefix="grpo-bench-step-") as tmp:
         root = Path(tmp)
         # The demo's batch: 8 groups of 8, 4-token prompts, 5-token completions, full fine-tuning.
         _measure(report, "tiny model, demo batch, full FT", tiny_model(root), False, (8, 8, 4, 5), repeats)
-        if not quick:
+        if scale is Scale.FULL:  # about 4 minutes here; the real-model step (real_step) runs by default
             # A 50M model with LoRA: 4 groups of 8, 32-token prompts, 64-token completions.
             _measure(report, "50M model, LoRA r8", model_50m(root), True, (4, 8, 32, 64), 5)
             memory_comparison(report)

@@ -23,6 +23,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner import persistence
 from grpo_fleet.learner.bans import peer_key
 from grpo_fleet.learner.evaluation import Evaluation
+from grpo_fleet.learner.gap_bounds import compute_dtype
 from grpo_fleet.learner.intake import Intake, IntakeRules
 from grpo_fleet.learner.leasing import Leasing
 from grpo_fleet.learner.registry import ActorInfo, Registry, RunCard
@@ -42,7 +43,8 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.tasks import Task
-from grpo_fleet.tasks.reward_runner import InlineScorer, Scorer
+from grpo_fleet.tasks.reward_runner import Scorer, ScoringProcess
+from grpo_fleet.zoo import model_reference
 
 log = logging.getLogger("grpo_fleet.learner")
 
@@ -56,6 +58,9 @@ class Request:
     peer_address: str = ""
 
 
+# What an observer key (`keys add-observer`) may ask; it can neither join, lease, submit nor read weights.
+OBSERVER_REQUESTS = (m.StatusRequest,)
+
 # Handlers for anyone, and for registered actors only; each message type has one.
 OpenHandler = Callable[[Request, Any], Reply]
 ActorHandler = Callable[[ActorInfo, Any], Reply]
@@ -64,7 +69,7 @@ ActorHandler = Callable[[ActorInfo, Any], Reply]
 def run_card(cfg: RunConfig, policy: Policy, task: Task, model_digest: str) -> RunCard:
     """What Welcome tells every actor: the model to load, how to sample, which rewards to score with."""
     return RunCard(
-        model=m.ModelRef(path=policy.path, digest=model_digest,
+        model=m.ModelRef(path=model_reference(cfg.model.path, policy.path), digest=model_digest,
                          lora=cfg.lora.model_dump() if policy.lora is not None else None, dtype=cfg.model.dtype,
                          chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt),
         generation=m.GenerationParams(**cfg.generation.model_dump()),
@@ -104,10 +109,13 @@ class Learner:
         self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, task.train)
         self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
         security = cfg.security
-        # Rewards are re-scored in `scorer` (setup gives the learner its own process; tests run them inline).
-        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, scorer or InlineScorer(task.reward_set()))
+        # Rewards are re-scored in a process of the learner's own, which can kill a reward that hangs; never
+        # in this one, which could not. (A test may pass an in-process scorer, tests/ being where such hooks live.)
+        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer,
+                                         scorer if scorer is not None else ScoringProcess(task.reward_set()))
                              if security.verify_rewards else None)
-        self.intake = Intake(IntakeRules.from_config(cfg, policy.vocab_size), self.state, self.registry,
+        rules = IntakeRules.from_config(cfg, policy.vocab_size, compute_dtype(policy.model))
+        self.intake = Intake(rules, self.state, self.registry,
                              self.leasing, self.runlog, metrics, prompt_tokens, self.batch_ready.notify,
                              self.reward_check)
         self.weight_history = (WeightHistory(policy.model, keep=cfg.grpo.max_staleness + cfg.server.in_flight_steps + 1)
@@ -144,19 +152,58 @@ class Learner:
     # ------------------------------------------------------------------ requests (I/O thread)
 
     def handle(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
-               peer_address: str = "") -> Reply:
+               peer_address: str = "", *, observer: bool = False) -> Reply:
         """Answer one decoded message (or a decoding failure) from `identity`.
 
         `principal` is the authenticated CURVE key; leases are bound to it, so a
-        peer reusing another actor's routing id cannot act for it.
+        peer reusing another actor's routing id cannot act for it. An `observer`
+        key (`keys add-observer`) may ask Status and nothing else.
         """
         owner = peer_key(identity, principal)
         with self.lock:
             if isinstance(msg, ProtocolError):
-                self.metrics.protocol_errors.labels(reason=msg.reason).inc()
-                self.registry.record_violation(owner, msg.reason)
-                return Reply(m.ErrorReply(reason=msg.reason, detail=shown(msg, 400)))
+                return Reply(self._undecodable(owner, msg))
+            if observer and not isinstance(msg, OBSERVER_REQUESTS):
+                return Reply(self._refuse_observer(owner, msg))
             return self._dispatch(Request(identity, owner, peer_address), msg)
+
+    def _refuse_observer(self, owner: str, msg: BaseModel) -> m.ErrorReply:
+        self.metrics.auth_failures.labels(reason="observer").inc()
+        log.warning("observer key %s sent %s; observers may ask Status only", shown(owner), type(msg).__name__)
+        return m.ErrorReply(reason="forbidden", detail=f"an observer key may ask Status only, not {type(msg).__name__}")
+
+    def handle_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str] = None,
+                        peer_address: str = "") -> Reply:
+        """`handle` for Rollouts, with the rewards re-scored first, outside the lock (the verifier thread only).
+
+        Scoring is a round trip to the reward process, as slow as the task's
+        reward; under the lock it would hold every other request that long.
+        What is scored is what `take` will accept; if the state moved meanwhile,
+        `take` scores the rest itself.
+        """
+        with self.lock:
+            actor = self.registry.known(identity, peer_key(identity, principal))
+            owner = self.evaluation if self.evaluation.owns(msg.lease_id) else self.intake
+            jobs = owner.reward_jobs(actor, msg) if actor is not None else []
+            check = owner.reward_check
+        if check is None or not jobs:
+            return self.handle(identity, msg, principal, peer_address)
+        check.score_ahead(jobs)
+        try:
+            return self.handle(identity, msg, principal, peer_address)
+        finally:
+            check.forget_ahead()
+
+    def _undecodable(self, owner: str, error: ProtocolError) -> m.ErrorReply:
+        """The answer to a message that failed to decode: the sender's violation, unless the bug is ours."""
+        if not error.is_violation:
+            log.error("learner bug decoding a message from %s: %s", shown(owner), shown(error, 400),
+                      exc_info=error.__cause__ or error)
+            self.metrics.internal_errors.labels(where="decode").inc()
+            return m.ErrorReply(reason=error.reason, detail="the learner failed on this message; not your fault")
+        self.metrics.protocol_errors.labels(reason=error.reason).inc()
+        self.registry.record_violation(owner, error.reason)
+        return m.ErrorReply(reason=error.reason, detail=shown(error, 400))
 
     def _dispatch(self, req: Request, msg: BaseModel) -> Reply:
         kind = type(msg)

@@ -169,6 +169,17 @@ class Evaluation:
         self.finish()
         return m.Ack(lease_id=msg.lease_id, status="accepted", groups={g: "eval" for g in returned})
 
+    def reward_jobs(self, actor: ActorInfo, msg: m.Rollouts) -> list[tuple[m.GroupResult, int]]:
+        """The groups `take` would re-score, with their examples; reads the state, changes nothing (under the lock)."""
+        lease = self.current.leases.get(msg.lease_id) if self.current is not None else None
+        if self.reward_check is None or lease is None or lease.actor != actor.principal:
+            return []
+        if any(group_id not in lease.tickets for group_id in submitted_ids(msg)) or m.validate_rollouts(
+                msg, group_size=self.sampling().samples, vocab_size=self.vocab_size, max_tokens=self.max_tokens,
+                reward_bound=self.reward_bound) is not None:
+            return []
+        return [(g, lease.tickets[g.group_id]) for g in msg.groups]
+
     def _invalid(self, lease: EvalLease, actor: ActorInfo, msg: m.Rollouts) -> Optional[RejectReason]:
         if lease.actor != actor.principal:
             return RejectReason.NOT_YOUR_LEASE

@@ -10,6 +10,7 @@ of the rejection metric.
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -17,6 +18,8 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.drops import drop_buffered
+from grpo_fleet.learner.gap_bounds import actor_dtype, logprob_gap_bound
 from grpo_fleet.learner.runlog import LedgerEntry, RunLog
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
@@ -46,6 +49,8 @@ MESSAGE_FRAMING_BYTES = 64 * 1024
 # otherwise have the fleet regenerate it forever.
 MAX_UNSCORED_ATTEMPTS = 3
 REWARD_ERRORS = frozenset(str(error) for error in RewardError)
+# Which groups of a submission get their logprobs checked: unpredictable, so a liar cannot put honest ones first.
+_CHECK_PICKER = random.SystemRandom()
 
 
 def inbound_limits(cfg: RunConfig) -> Limits:
@@ -98,15 +103,22 @@ class IntakeRules:
     max_staleness: int
     groups_per_step: int
     reward_names: frozenset[str] = frozenset()
-    max_logprob_gap: float = 0.05
+    logprob_checks: int = 4  # security.logprob_checks_per_submission
+    requested_dtype: Optional[str] = None  # model.dtype: what every actor is told to sample in
+    learner_dtype: str = "float32"  # what the learner recomputes logprobs in
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, vocab_size: int) -> "IntakeRules":
+    def from_config(cls, cfg: RunConfig, vocab_size: int, learner_dtype: str = "float32") -> "IntakeRules":
         gen = cfg.generation
         return cls(group_size=gen.group_size, vocab_size=vocab_size, max_tokens=gen.max_tokens,
                    reward_bound=cfg.task.reward_bound, max_staleness=cfg.grpo.max_staleness,
                    groups_per_step=cfg.grpo.groups_per_step, reward_names=frozenset(cfg.task.rewards),
-                   max_logprob_gap=cfg.security.max_logprob_gap)
+                   logprob_checks=cfg.security.logprob_checks_per_submission, requested_dtype=cfg.model.dtype,
+                   learner_dtype=learner_dtype)
+
+    def logprob_bound(self, backend: str) -> float:
+        """The honest gap of an actor on `backend` (its Hello's) from this learner (learner/gap_bounds.py)."""
+        return logprob_gap_bound(actor_dtype(self.requested_dtype, backend), self.learner_dtype)
 
 
 def unusable_version(msg: m.Rollouts, state: LearnerState, max_staleness: int) -> Optional[RejectReason]:
@@ -202,6 +214,17 @@ class Intake:
         self.metrics.leases_outstanding.set(len(scheduler.leases))
         return ack
 
+    def reward_jobs(self, actor: ActorInfo, msg: m.Rollouts) -> list[tuple[m.GroupResult, int]]:
+        """The groups `take` would re-score, with their prompts; reads the state, changes nothing (under the lock)."""
+        rules, scheduler = self.rules, self.state.scheduler
+        if (self.reward_check is None or self.state.done or self.state.acks.get(msg.lease_id) is not None
+                or unusable_version(msg, self.state, rules.max_staleness) is not None
+                or m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
+                                       max_tokens=rules.max_tokens, reward_bound=rules.reward_bound) is not None):
+            return []
+        return [(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in msg.groups
+                if scheduler.classify(actor.principal, msg.lease_id, g.group_id) is None]
+
     def _invalid(self, actor: ActorInfo, lease_id: str, reason: RejectReason) -> m.Ack:
         """Refuse hostile or malformed rollouts; this counts toward the peer's ban and changes no state."""
         self.metrics.rejections.labels(reason=reason).inc()
@@ -220,7 +243,7 @@ class Intake:
             reward = group.reward if group.reward in self.rules.reward_names else "*"
             error = group.error if group.error in REWARD_ERRORS else "other"  # labels stay a bounded set
             self.metrics.groups_unscored.labels(reward=reward, error=error).inc()
-            index = scheduler.leases[msg.lease_id].tickets[group.group_id].prompt_index
+            index = scheduler.leased_prompt(msg.lease_id, group.group_id)
             attempts[index] = attempts.get(index, 0) + 1
             if attempts[index] >= MAX_UNSCORED_ATTEMPTS:
                 del attempts[index]
@@ -249,7 +272,7 @@ class Intake:
                 requeued: dict[str, str]) -> m.Ack:
         answer: dict[str, str] = {}
         refused = {**refused, **self._reward_verdicts(msg, refused)}
-        check_next = True  # the first informative group of each submission has its logprobs checked
+        records = []
         for group in msg.groups:
             refusal = refused[group.group_id]
             if refusal is not None:  # a duplicate, a lease that expired meanwhile, or rewards that do not add up
@@ -258,21 +281,36 @@ class Intake:
             ticket = self.state.scheduler.finish(msg.lease_id, group.group_id)
             index = ticket.prompt_index
             self.state.unscored_attempts.pop(index, None)
-            record = accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor)
-            record.check_logprobs = check_next and record.is_informative
-            check_next = check_next and not record.check_logprobs
+            records.append(accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
+        self._pick_for_logprob_checks(actor, records)
+        for record in records:
             self._keep(actor, record)
-            answer[group.group_id] = "accepted"
+            answer[record.group_id] = "accepted"
         overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
         return m.Ack(lease_id=msg.lease_id, status=overall, groups={**answer, **requeued})  # type: ignore[arg-type]  # one of Ack's statuses
 
+    def _pick_for_logprob_checks(self, actor: ActorInfo, records: list[AcceptedGroup]) -> None:
+        """Flag a random sample of the submission's informative groups (only those train) for the logprob check.
+
+        A sample rather than the first: a proxy that lies about its version, or
+        serves weights a version or two stale, is only a few hundredths of a nat
+        off, and each checked group is another chance to see it.
+        """
+        informative = [r for r in records if r.is_informative]
+        bound = self.rules.logprob_bound(actor.backend)
+        for record in _CHECK_PICKER.sample(informative, min(len(informative), self.rules.logprob_checks)):
+            record.check_logprobs, record.logprob_bound = True, bound
+
     def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
         """The learner's own rewards for every group it would accept (security.verify_rewards)."""
-        if self.reward_check is None:
+        pending = [g for g in msg.groups if refused[g.group_id] is None]
+        if self.reward_check is None or not pending:
+            # A late submission (its lease expired, was released, or predates a resume) has every group
+            # refused as stale_lease and already re-queued: there is nothing to verify, and no lease to read.
             return {}
-        lease = self.state.scheduler.leases[msg.lease_id]
-        pending = [(g, lease.tickets[g.group_id].prompt_index) for g in msg.groups if refused[g.group_id] is None]
-        return self.reward_check.verdicts(pending)
+        scheduler = self.state.scheduler
+        # A group nothing refused is still out under this lease (classify said so): its ticket names the prompt.
+        return self.reward_check.verdicts([(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in pending])
 
     def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
         """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""
@@ -287,19 +325,22 @@ class Intake:
 
     def blame_tampered(self, failures: list[tuple[AcceptedGroup, LogprobGap]]) -> None:
         """Logprobs that the claimed version cannot have produced: ban the actor now, drop all it sent."""
+        blamed: set[str] = set()
         for group, gap in failures:
             key = group.actor_key
+            if key in blamed:  # several of its checked groups failed: one ban, one drop
+                continue
+            blamed.add(key)
             dropped = [g for g in self.state.buffer if g.actor_key == key]
-            self.state.buffer = [g for g in self.state.buffer if g.actor_key != key]
-            for untrusted in dropped:  # their prompts go to honest actors, as new groups
-                self.state.scheduler.retry_prompt(untrusted.prompt_index)
+            # Their prompts go to honest actors, as new groups.
+            drop_buffered(self.state, self.runlog, dropped, RejectReason.LOGPROB_MISMATCH)
             self.metrics.rejections.labels(reason=RejectReason.LOGPROB_MISMATCH).inc(len(dropped))
             released = self.state.scheduler.release_actor(key)
             self.registry.record_violation(key, RejectReason.LOGPROB_MISMATCH, ban_now=True)
             log.warning("actor %s: group %s (claimed v%d) has logprobs %.4f nats off the learner's on average (max "
-                        "%.3f; security.max_logprob_gap %s); banned after step %d, %d of its buffered groups dropped, "
+                        "%.3f; honest bound %s); banned after step %d, %d of its buffered groups dropped, "
                         "%d leases re-queued", shown(group.actor_id), group.group_id, group.policy_version, gap.mean,
-                        gap.max, self.rules.max_logprob_gap, self.state.step, len(dropped), released)
+                        gap.max, gap.bound, self.state.step, len(dropped), released)
 
     def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
         """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""

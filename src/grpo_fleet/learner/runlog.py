@@ -1,8 +1,11 @@
-"""The run's append-only logs: metrics.jsonl (a line per step), ledger.jsonl (a line per accepted group)
-and samples.jsonl (a few decoded completions every `train.log_samples_every` steps).
+"""The run's append-only logs: metrics.jsonl (a line per step), ledger.jsonl (a line per accepted group,
+and one per accepted group later dropped untrained) and samples.jsonl (a few decoded completions every
+`train.log_samples_every` steps).
 
-The ledger is what proves exactly-once: a resume cuts every log back to its
-length at the checkpoint, because the work they record after it is re-done.
+The ledger is what proves exactly-once: every accepted group is trained unless a
+later "dropped" line names it (and the new group its prompt was retried as). A
+resume cuts every log back to its length at the checkpoint, because the work
+they record after it is re-done.
 """
 
 from __future__ import annotations
@@ -86,6 +89,19 @@ class LedgerEntry:
 
 
 @dataclass(frozen=True)
+class DropEntry:
+    """An accepted group taken out of the buffer untrained, as its ledger.jsonl line (with "event": "dropped")."""
+
+    group_id: str
+    prompt_index: int
+    actor_id: str
+    actor_key: str
+    reason: str  # a RejectReason: logprob_mismatch (its actor lied) or stale_at_train (buffered too long)
+    step: int  # the step it was dropped during
+    retried_as: str  # the new group its prompt was queued as
+
+
+@dataclass(frozen=True)
 class SampleRow:
     """One completion the model wrote, decoded, as its samples.jsonl line (learner/samples.py picks them)."""
 
@@ -128,6 +144,9 @@ class RunLog:
 
     def ledger(self, entry: LedgerEntry) -> None:
         self._ledger.write(json.dumps(asdict(entry)) + "\n")
+
+    def dropped(self, entry: DropEntry) -> None:
+        self._ledger.write(json.dumps({"event": "dropped", **asdict(entry)}) + "\n")
 
     def samples(self, rows: list[SampleRow]) -> None:
         # json.dumps escapes control characters, so model output stays one line.

@@ -111,6 +111,10 @@ class PromptScheduler:
             return RejectReason.NOT_LEASED
         return None
 
+    def leased_prompt(self, lease_id: str, group_id: str) -> int:
+        """The prompt index of a group out under an open lease (one `classify` found nothing wrong with)."""
+        return self.leases[lease_id].tickets[group_id].prompt_index
+
     def finish(self, lease_id: str, group_id: str) -> GroupTicket:
         """Mark a group accepted; it will never be handed out again."""
         ticket = self._take(lease_id, group_id)

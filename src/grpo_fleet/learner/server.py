@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -25,12 +26,14 @@ from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.intake import inbound_limits
 from grpo_fleet.learner.local_eval import LocalEvaluator
 from grpo_fleet.learner.replies import Reply
-from grpo_fleet.metrics import serve_metrics
+from grpo_fleet.learner.verifying import RolloutsVerifier
+from grpo_fleet.metrics import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import Keypair, KeyRing, load_keypair, start_authenticator
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.endpoints import advertised, is_loopback_endpoint, is_wildcard_host, pub_endpoint_for
 from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.sockets import (
     bound_endpoint,
     make_context,
@@ -89,11 +92,16 @@ class Doorman:
             self.keypair = load_keypair(keys / "learner.key_secret")
             self.keyring = KeyRing(keys / "authorized")
             self.auth = start_authenticator(ctx, self.keyring)
-            log.info("CURVE on: %d authorised actor keys in %s", len(self.keyring._keys), self.keyring.directory)
+            log.info("CURVE on: %d authorised keys in %s", len(self.keyring), self.keyring.directory)
 
     def watch(self, router: zmq.Socket) -> None:
-        """Count the router's failed handshakes (they never reach the loop as messages)."""
-        self.monitor = router.get_monitor_socket(sum(HANDSHAKE_FAILURES))
+        """Count the router's failed handshakes and dropped connections (they never reach the loop as messages).
+
+        libzmq drops a message over the router's MAXMSGSIZE, and the sender's
+        connection with it, without a word to the loop: the disconnect event is
+        the only trace it leaves. Its event looks the same as an actor leaving.
+        """
+        self.monitor = router.get_monitor_socket(sum(HANDSHAKE_FAILURES) | zmq.EVENT_DISCONNECTED)
 
     def request_reload(self, *_args: object) -> None:
         self.reload_requested = True
@@ -109,9 +117,16 @@ class Doorman:
             return False
         return True
 
-    def count_handshake_failures(self) -> None:
+    def is_observer(self, principal: Optional[str]) -> bool:
+        """Whether this CURVE key may only ask for the run's status (`keys add-observer`)."""
+        return self.keyring is not None and principal is not None and self.keyring.is_observer(principal.encode())
+
+    def count_connection_events(self) -> None:
         while self.monitor is not None and self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.learner.metrics.connections_dropped.inc()
+                continue
             reason = HANDSHAKE_FAILURES.get(event["event"])
             if reason is not None:
                 self.learner.metrics.auth_failures.labels(reason=reason).inc()
@@ -154,6 +169,7 @@ class LearnerServer:
         self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind), curve=keypair)
         self.door.watch(self.router)
         self.metrics_target: Optional[str] = None
+        self.metrics_server: Optional[MetricsServer] = None
         self.endpoint = bound_endpoint(self.router)
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
@@ -162,17 +178,19 @@ class LearnerServer:
         self.closing = False
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
+        # Rollouts whose rewards are re-scored are answered off this thread (learner/verifying.py).
+        self.verifier = RolloutsVerifier() if learner.reward_check is not None else None
 
     def start_metrics(self) -> None:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
         cfg = self.learner.cfg
-        port = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
-                             sd_targets=lambda: self.learner.registry.sd_snapshot)
-        if port:
+        self.metrics_server = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
+                                            sd_targets=lambda: self.learner.registry.sd_snapshot)
+        if self.metrics_server is not None:
             host = cfg.metrics.host
             if is_wildcard_host(host):
                 host = cfg.server.advertise_host or socket.gethostname()
-            self.metrics_target = f"{host}:{port}"
+            self.metrics_target = f"{host}:{self.metrics_server.port}"
             log.info("metrics on http://%s/metrics, service discovery on http://%s/sd", self.metrics_target, self.metrics_target)
 
     def request_stop(self, *_args: object) -> None:
@@ -201,6 +219,7 @@ class LearnerServer:
                 self._announce_new_version()
             self.stopping = True
             training.join()
+            self._stop_verifier()  # before the last checkpoint: nothing may be taken after it is written
             if self.training_error is not None:
                 raise self.training_error
             self._announce_new_version()
@@ -213,6 +232,7 @@ class LearnerServer:
         finally:
             self.stopping = True
             training.join()
+            self._stop_verifier()
             self.close()
 
     def _train_loop(self) -> None:
@@ -240,30 +260,59 @@ class LearnerServer:
 
     def _pump(self, timeout_ms: int) -> None:
         """Answer every message that is waiting (bounded, so lease expiry and notices still get their turn)."""
+        self._send_verified()
         if not self.router.poll(timeout_ms, zmq.POLLIN):
+            self._send_verified()
             return
         for _ in range(256):
             if not self.router.poll(0, zmq.POLLIN):
-                return
+                break
             routed = recv_routed_from(self.router, self.limits)
             if not self.door.admits(routed.identity, routed.principal):
                 continue
-            reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address)
+            observer = self.door.is_observer(routed.principal)
+            if self.verifier is not None and isinstance(routed.message, m.Rollouts) and not self.closing and not observer:
+                self.verifier.submit(routed.identity, partial(self._answer_rollouts, routed.identity, routed.message,
+                                                              routed.principal, routed.peer_address))
+                continue
+            reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address,
+                                 observer=observer)
             send_message(self.router, reply.message, identity=routed.identity, raw=reply.raw)
+        self._send_verified()
 
-    def _answer(
-        self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None, peer_address: str = ""
-    ) -> Reply:
+    def _send_verified(self) -> None:
+        """Send the Acks the verifier thread has worked out since last time."""
+        for identity, reply in self.verifier.answers() if self.verifier is not None else []:
+            send_message(self.router, reply.message, identity=identity, raw=reply.raw)
+
+    def _stop_verifier(self) -> None:
+        """Answer the Rollouts already handed over, send those answers, and take later ones on this thread."""
+        if self.verifier is not None:
+            self.verifier.close()
+            self._send_verified()
+            self.verifier = None
+
+    def _answer_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str], peer_address: str) -> Reply:
+        """On the verifier thread: `_answer`, rewards scored outside the lock (`Learner.handle_rollouts`)."""
+        try:
+            return self.learner.handle_rollouts(identity, msg, principal, peer_address)
+        except Exception as exc:  # a bug must not take the learner down with it
+            log.exception("error handling Rollouts")
+            self.learner.metrics.internal_errors.labels(where="handle").inc()
+            return Reply(m.ErrorReply(reason=RejectReason.INTERNAL.value, detail=type(exc).__name__))
+
+    def _answer(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
+                peer_address: str = "", *, observer: bool = False) -> Reply:
         if self.closing:
             if identity in self.learner.registry.actors:  # only registered actors are waited for; keeps the set bounded
                 self.told_to_stop.add(identity)
             return Reply(m.Shutdown(reason="done"))
         try:
-            return self.learner.handle(identity, msg, principal, peer_address)
+            return self.learner.handle(identity, msg, principal, peer_address, observer=observer)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling %s", type(msg).__name__)
-            self.learner.metrics.protocol_errors.labels(reason="internal").inc()
-            return Reply(m.ErrorReply(reason="internal", detail=type(exc).__name__))
+            self.learner.metrics.internal_errors.labels(where="handle").inc()
+            return Reply(m.ErrorReply(reason=RejectReason.INTERNAL.value, detail=type(exc).__name__))
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -271,7 +320,7 @@ class LearnerServer:
         if now - self._last_housekeeping < min(0.5, period):
             return
         self._last_housekeeping = now
-        self.door.count_handshake_failures()
+        self.door.count_connection_events()
         self.door.reload_allow_list()
         self.learner.expire_leases()
         self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
@@ -302,6 +351,8 @@ class LearnerServer:
             self._pump(timeout_ms=100)
 
     def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self.door.close(self.router)
         self.router.close(linger=0)
         self.pub.close(linger=0)

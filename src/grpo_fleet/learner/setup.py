@@ -20,7 +20,7 @@ from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_p
 from grpo_fleet.realshape import build_realshape, is_realshape
 from grpo_fleet.tasks import Task, build_task
 from grpo_fleet.tasks.prompts import check_prompt_lengths, context_length, encode_prompt
-from grpo_fleet.tasks.reward_runner import ScoringProcess
+from grpo_fleet.zoo import import_source, is_gguf_source
 
 log = logging.getLogger("grpo_fleet.learner")
 
@@ -39,9 +39,11 @@ def tokenizer_corpus(task: Task) -> list[str]:
 
 
 def resolve_model_path(cfg: RunConfig, task: Task) -> str:
-    """The model directory or hub id to load; builds the tiny or a real-shape model when asked for one."""
+    """The model directory or hub id to load; builds the tiny or a real-shape model, or imports a GGUF, when asked."""
     if is_realshape(cfg.model.path):
         return str(build_realshape(cfg.model.path, cfg.model.cache_dir).resolve())
+    if is_gguf_source(cfg.model.path):
+        return str(import_source(cfg.model.path, cfg.model.cache_dir or Path(cfg.run_dir) / "models").resolve())
     if cfg.model.path != "tiny":
         return cfg.model.path
     target = Path(cfg.run_dir) / "tiny-model"
@@ -110,9 +112,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     learner = Learner(
         cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address,
-        eval_prompt_tokens=eval_prompts,
-        # The learner re-scores every group (security.verify_rewards) in a process of its own, with timeouts.
-        scorer=ScoringProcess(task.reward_set()) if cfg.security.verify_rewards else None,
+        eval_prompt_tokens=eval_prompts,  # Learner re-scores in a process of its own (security.verify_rewards)
     )
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if checkpoint is not None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, LengthShaping, build_train_batch
+from grpo_fleet.learner.drops import drop_buffered
 from grpo_fleet.learner.runlog import RunLog, StepRecord
 from grpo_fleet.learner.snapshots import SnapshotStore
 from grpo_fleet.learner.state import LearnerState
@@ -65,9 +66,7 @@ class Training:
         bound = self.max_train_staleness
         stale = [g for g in state.buffer if state.version - g.policy_version > bound]
         if stale:
-            state.buffer = [g for g in state.buffer if state.version - g.policy_version <= bound]
-            for group in stale:
-                state.scheduler.retry_prompt(group.prompt_index)
+            drop_buffered(state, self.runlog, stale, RejectReason.STALE_AT_TRAIN)
             self.metrics.rejections.labels(reason=RejectReason.STALE_AT_TRAIN).inc(len(stale))
         return len(stale)
 

@@ -8,13 +8,15 @@ reports besides tokens:
   (decoded with the learner's tokenizer, exactly as the actor must have) and the
   answer the learner holds. A reward that differs beyond float noise is
   `reward_mismatch`: the group is refused and the actor charged a violation.
-- **Logprobs.** The first informative group of every lease is re-scored under
-  the weights of the version it claims, kept for the versions still trainable
-  (`WeightHistory`), before it trains. A mean per-token gap beyond
-  `security.max_logprob_gap` is `logprob_mismatch`: wrong weights, altered
-  logprobs, and a lied-about version all show up as a large gap. Such an actor
-  is banned at once and its buffered groups are dropped, so nothing from it is
-  trained after that.
+- **Logprobs.** A random sample of the informative groups of every submission
+  (`security.logprob_checks_per_submission`) is re-scored under the weights of
+  the version it claims, kept for the versions still trainable
+  (`WeightHistory`), before it trains. A mean per-token gap beyond the honest
+  bound for the actor's and the learner's dtypes (learner/gap_bounds.py, or
+  `security.max_logprob_gap`) is `logprob_mismatch`: wrong weights, altered
+  logprobs, and a lied-about or stale version all show up as a gap. Such an
+  actor is banned at once and its buffered groups are dropped, so nothing from
+  it is trained after that.
 """
 
 from __future__ import annotations
@@ -53,9 +55,24 @@ class RewardCheck:
     def __init__(self, task: Task, examples: list[Example], tokenizer: Any, scorer: Scorer) -> None:
         self.task, self.examples, self.tokenizer, self.scorer = task, examples, tokenizer, scorer
         self.eos = set(tokenizer.eos_token_ids)
+        # Verdicts scored ahead of `verdicts` (outside the learner's lock), by the group object they are for.
+        self._ahead: dict[int, tuple[m.GroupResult, Optional[RejectReason]]] = {}
+
+    def score_ahead(self, groups: Sequence[tuple[m.GroupResult, int]]) -> None:
+        """Score `groups` now, so that `verdicts` on these same objects answers at once (one thread at a time)."""
+        scored = self._score(groups)
+        self._ahead = {id(group): (group, scored[group.group_id]) for group, _ in groups}
+
+    def forget_ahead(self) -> None:
+        self._ahead = {}
 
     def verdicts(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
         """group_id -> None (the rewards agree), REWARD_MISMATCH, or REWARD_UNVERIFIABLE (our check failed)."""
+        ahead = {group.group_id: self._ahead[id(group)][1] for group, _ in groups
+                 if self._ahead.get(id(group), (None,))[0] is group}
+        return {**self._score([(g, i) for g, i in groups if g.group_id not in ahead]), **ahead}
+
+    def _score(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
         jobs = [self.task.job(self.examples[index], [self._text(c) for c in group.completions])
                 for group, index in groups]
         verdicts: dict[str, Optional[RejectReason]] = {}
@@ -98,16 +115,17 @@ class LogprobGap:
     group_id: str
     mean: float
     max: float
+    bound: float  # the largest mean an honest group has
 
 
 class LogprobCheck:
     """Recomputes a group's logprobs under the version it claims (training thread only: it swaps weights)."""
 
     def __init__(self, model: nn.Module, history: WeightHistory, *, temperature: float, chunk_tokens: int,
-                 micro_batch_tokens: int, max_gap: float, observe: Optional[Any] = None) -> None:
+                 micro_batch_tokens: int, max_gap: Optional[float] = None, observe: Optional[Any] = None) -> None:
         self.model, self.history, self.observe = model, history, observe
         self.temperature, self.chunk_tokens, self.micro_batch_tokens = temperature, chunk_tokens, micro_batch_tokens
-        self.max_gap = max_gap
+        self.max_gap = max_gap  # security.max_logprob_gap: overrides each group's own bound when set
 
     def gap(self, group: AcceptedGroup) -> Optional[LogprobGap]:
         """Mean and max |reported - recomputed| over the group's tokens; None when that version is not kept."""
@@ -127,16 +145,17 @@ class LogprobCheck:
             self.model.update(tree_unflatten(live))
         mask = np.array(batch.mask) != 0
         diff = np.abs(np.array(batch.old_logprobs)[mask] - ours[mask])
-        return LogprobGap(group.group_id, float(diff.mean()), float(diff.max()))
+        bound = self.max_gap if self.max_gap is not None else group.logprob_bound
+        return LogprobGap(group.group_id, float(diff.mean()), float(diff.max()), bound)
 
     def failures(self, groups: Sequence[AcceptedGroup]) -> list[tuple[AcceptedGroup, LogprobGap]]:
-        """The groups among `groups` whose gap is beyond security.max_logprob_gap."""
+        """The groups among `groups` whose gap is beyond their bound (the dtypes', or security.max_logprob_gap)."""
         failed = []
         for group in groups:
             gap = self.gap(group)
             if gap is not None and self.observe is not None:
                 self.observe(gap.mean)
-            if gap is not None and gap.mean > self.max_gap:
+            if gap is not None and gap.mean > gap.bound:
                 failed.append((group, gap))
         return failed
 

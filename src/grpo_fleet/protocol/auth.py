@@ -7,6 +7,11 @@ Layout of a keys directory (`grpo-fleet keys init DIR`):
     DIR/authorized/NAME.key    the allow-list: public keys of actors that may join
     DIR/actors/NAME.key_secret an actor's keypair made by `keys add-actor NAME`
                                (mode 0600): copy to that actor's Mac, then delete here
+    DIR/authorized/observers/NAME.key
+                               observers: keys that may ask Status and nothing else
+    DIR/observers/NAME.key_secret
+                               an observer's keypair made by `keys add-observer NAME`
+                               (mode 0600), for `grpo-fleet status --key`
 
 An actor's identity is its CURVE public key (libzmq's ZAP User-Id), never a name
 it claims. The allow-list can be reloaded while the learner runs.
@@ -30,6 +35,8 @@ from grpo_fleet.protocol.logsafe import shown
 
 log = logging.getLogger("grpo_fleet.auth")
 LEARNER_NAME = "learner"
+# Under the allow-list directory: the keys that may only ask for the run's status.
+OBSERVERS = "observers"
 
 
 @dataclass(frozen=True)
@@ -63,23 +70,34 @@ def init_keys(directory: str | Path) -> Path:
 
 def add_actor(directory: str | Path, name: str) -> Path:
     """Create an actor keypair and allow its public key; returns the actor's secret key file."""
-    root = Path(directory)
+    return _add_key(Path(directory), name, keypair_dir="actors", allow_dir="authorized")
+
+
+def add_observer(directory: str | Path, name: str) -> Path:
+    """Create an observer keypair (Status only) and allow its public key; returns the secret key file."""
+    return _add_key(Path(directory), name, keypair_dir=OBSERVERS, allow_dir=f"authorized/{OBSERVERS}")
+
+
+def _add_key(root: Path, name: str, *, keypair_dir: str, allow_dir: str) -> Path:
     if not (root / f"{LEARNER_NAME}.key").exists():
         raise FileNotFoundError(f"{root} has no learner key; run `grpo-fleet keys init {root}` first")
     if not name.replace("-", "").replace("_", "").isalnum():
-        raise ValueError("actor names may use letters, digits, '-' and '_' only")
-    public, secret = _make_keypair(root / "actors", name)
-    shutil.copy(public, root / "authorized" / public.name)
+        raise ValueError("key names may use letters, digits, '-' and '_' only")
+    public, secret = _make_keypair(root / keypair_dir, name)
+    (root / allow_dir).mkdir(parents=True, exist_ok=True)
+    shutil.copy(public, root / allow_dir / public.name)
     return secret
 
 
 def revoke_actor(directory: str | Path, name: str) -> bool:
-    """Remove an actor from the allow-list; True if it was there."""
-    path = Path(directory) / "authorized" / f"{name}.key"
-    if path.exists():
-        path.unlink()
-        return True
-    return False
+    """Remove an actor or an observer from the allow-list; True if it was there."""
+    authorized = Path(directory) / "authorized"
+    found = False
+    for path in (authorized / f"{name}.key", authorized / OBSERVERS / f"{name}.key"):
+        if path.exists():
+            path.unlink()
+            found = True
+    return found
 
 
 def load_keypair(path: str | Path) -> Keypair:
@@ -101,27 +119,37 @@ def client_curve(key_file: Optional[str | Path], learner_key_file: Optional[str 
 
 
 class KeyRing:
-    """The allow-list, swapped atomically on reload so the ZAP thread always sees a whole set."""
+    """The allow-list, swapped atomically on reload so the ZAP thread always sees a whole set.
+
+    Actor keys lie in the directory itself, observer keys in its `observers/`;
+    both pass the CURVE handshake, and `is_observer` tells the learner which
+    of them may ask for nothing but Status.
+    """
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        self._keys: frozenset[bytes] = frozenset()
+        self._actors: frozenset[bytes] = frozenset()
+        self._observers: frozenset[bytes] = frozenset()
         self._stamp: tuple = ()
         self._lock = threading.Lock()
         self.reload()
 
+    def __len__(self) -> int:
+        return len(self._actors | self._observers)
+
     def _listing(self) -> tuple:
-        files = sorted(self.directory.glob("*.key"))
-        return tuple((f.name, f.stat().st_mtime_ns) for f in files)
+        files = sorted(self.directory.glob("*.key")) + sorted((self.directory / OBSERVERS).glob("*.key"))
+        return tuple((str(f), f.stat().st_mtime_ns) for f in files)
 
     def reload(self) -> bool:
         """Re-read the directory; True when the allow-list changed."""
-        keys = frozenset(zmq.auth.load_certificates(str(self.directory)).keys()) if self.directory.exists() else frozenset()
+        actors, observers = _public_keys(self.directory), _public_keys(self.directory / OBSERVERS)
         with self._lock:
-            changed = keys != self._keys
-            self._keys, self._stamp = keys, self._listing() if self.directory.exists() else ()
+            changed = (actors, observers) != (self._actors, self._observers)
+            self._actors, self._observers = actors, observers
+            self._stamp = self._listing() if self.directory.exists() else ()
         if changed:
-            log.info("allow-list now holds %d actor keys", len(keys))
+            log.info("allow-list now holds %d actor keys and %d observer keys", len(actors), len(observers))
         return changed
 
     def reload_if_changed(self) -> bool:
@@ -130,11 +158,19 @@ class KeyRing:
         return self.reload() if listing != self._stamp else False
 
     def allows(self, public_key_z85: bytes) -> bool:
-        return public_key_z85 in self._keys
+        return public_key_z85 in self._actors or public_key_z85 in self._observers
+
+    def is_observer(self, public_key_z85: bytes) -> bool:
+        """True for a key allowed only as an observer (on both lists, the lesser right wins)."""
+        return public_key_z85 in self._observers
 
     def callback(self, domain: str, key: bytes) -> bool:
         """The ZAP credentials provider hook."""
         return self.allows(key)
+
+
+def _public_keys(directory: Path) -> frozenset[bytes]:
+    return frozenset(zmq.auth.load_certificates(str(directory)).keys()) if directory.is_dir() else frozenset()
 
 
 class _LoggingAuthenticator(ThreadAuthenticator):

@@ -3,7 +3,10 @@
 Wire format: a msgpack map `{"v": PROTOCOL_VERSION, "type": <class name>,
 "body": <model_dump()>}`; bytes fields travel as msgpack bin (no base64).
 `decode` raises only `ProtocolError`, whose `reason` is a fixed short label so
-the learner can answer the peer and count failures by kind.
+the learner can answer the peer and count failures by kind. Every reason but
+`internal` is the sender's doing; `internal` is a bug on this side (a validator
+that raised instead of refusing), carries the exception as its `__cause__`, and
+must never be charged to the peer.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 
 from grpo_fleet.protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION
+from grpo_fleet.protocol.reasons import RejectReason
 
 MiB = 1024 * 1024
 
-REASONS = frozenset({"too_large", "malformed", "bad_version", "unknown_type", "invalid", "too_deep", "bad_frames"})
+INTERNAL = RejectReason.INTERNAL.value
+REASONS = frozenset({"too_large", "malformed", "bad_version", "unknown_type", "invalid", "too_deep", "bad_frames",
+                     INTERNAL})
 
 _ENVELOPE_KEYS = frozenset({"v", "type", "body"})
 _SCALARS = (str, bytes, int, float, bool, type(None))
@@ -61,6 +67,11 @@ class ProtocolError(Exception):
 
     def __repr__(self) -> str:
         return f"ProtocolError({self.reason!r}, {self.message!r})"
+
+    @property
+    def is_violation(self) -> bool:
+        """True when the sender is to blame (everything but this side's own bug)."""
+        return self.reason != INTERNAL
 
 
 class _ExtRejected(Exception):
@@ -189,4 +200,6 @@ def decode(data: Buffer, limits: Limits = DEFAULT_LIMITS) -> BaseModel:
     except ValidationError as exc:
         raise ProtocolError("invalid", f"{name}: {_summarize(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - a validator bug must not escape as a crash
-        raise ProtocolError("invalid", f"{name}: {type(exc).__name__}: {exc}") from None
+        # pydantic turns a validator's ValueError/AssertionError into ValidationError; anything else is our bug,
+        # not the peer's: kept as the cause, for the traceback.
+        raise ProtocolError(INTERNAL, f"{name}: {type(exc).__name__}: {exc}") from exc

@@ -66,13 +66,18 @@ def is_loopback_endpoint(endpoint: str) -> bool:
     parsed = urlsplit(endpoint)
     if parsed.scheme in ("ipc", "inproc"):
         return True
-    host = (parsed.hostname or "").strip("[]")
+    return is_loopback_host(parsed.hostname)
+
+
+def is_loopback_host(host: Optional[str]) -> bool:
+    """True for 127.x, localhost and ::1: an address only this machine can reach."""
+    host = (host or "").strip("[]")
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False  # a wildcard (*) or an interface name reaches the network
+        return False  # a wildcard (*, "") or an interface name reaches the network
 
 
 def free_port(host: str = "127.0.0.1") -> int:

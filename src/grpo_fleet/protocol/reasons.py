@@ -38,6 +38,9 @@ class RejectReason(str, Enum):
     STALE_VERSION = "stale_version"
     STALE_AT_TRAIN = "stale_at_train"  # buffered too long for grpo.max_train_staleness: dropped and re-queued
     RUN_DONE = "run_done"
+    # The learner's own bug while judging a message (an exception where a refusal was due): never the sender's
+    # fault, so never a violation; counted in grpo_fleet_learner_internal_errors_total and logged with a traceback.
+    INTERNAL = "internal"
 
     def __str__(self) -> str:
         # Prometheus labels and f-strings take str(): they must see the wire value.

@@ -9,6 +9,7 @@ policy for rewards that fail).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,7 +190,7 @@ def _reverse_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:
 
 
 def _jsonl_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:
-    """Train from train_path; eval from eval_path (first num_eval) or held out from train's tail."""
+    """Train from train_path; eval from eval_path (first num_eval) or rows of train held out by task.seed."""
     from grpo_fleet.tasks.jsonl import load_jsonl
 
     if not cfg.train_path:
@@ -200,11 +201,11 @@ def _jsonl_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:
         raise ValueError(f"{train_file}: no examples")
     if cfg.eval_path is not None:
         return train, load_jsonl(resolve_task_path(cfg.eval_path))[: cfg.num_eval]
-    return _hold_out(train, cfg.num_eval, str(train_file), "give eval_path")
+    return _hold_out(train, cfg.num_eval, cfg.seed, str(train_file), "give eval_path")
 
 
 def _dataset_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:
-    """Train from task.split of task.dataset; eval from task.eval_split (first num_eval) or held out from train's tail."""
+    """Train from task.split of task.dataset; eval from task.eval_split (first num_eval) or rows held out by task.seed."""
     from grpo_fleet.tasks.columns import examples_from_rows, prompt_column_of, require_column
     from grpo_fleet.tasks.hf_datasets import load_split
 
@@ -223,13 +224,22 @@ def _dataset_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:
     train = examples(cfg.split)
     if cfg.eval_split is not None:
         return train, examples(cfg.eval_split)[: cfg.num_eval]
-    return _hold_out(train, cfg.num_eval, f"{cfg.dataset} split {cfg.split!r}", "give task.eval_split")
+    return _hold_out(train, cfg.num_eval, cfg.seed, f"{cfg.dataset} split {cfg.split!r}", "give task.eval_split")
 
 
-def _hold_out(train: list[Example], num_eval: int, source: str, remedy: str) -> tuple[list[Example], list[Example]]:
-    """Split the last num_eval examples off for eval."""
+def _hold_out(train: list[Example], num_eval: int, seed: int, source: str,
+              remedy: str) -> tuple[list[Example], list[Example]]:
+    """Split num_eval examples, drawn by a permutation seeded with `seed`, off for eval; both keep file order.
+
+    Drawn, not the file's tail: a sorted or chronological file would otherwise
+    be evaluated on its largest or latest rows only.
+    """
     # Hold out at most half so a small file still leaves most of it for training.
     held_out = min(num_eval, len(train) // 2)
     if held_out == 0:
         raise ValueError(f"{source}: only {len(train)} example(s), too few to hold out an eval split; {remedy}")
-    return train[:-held_out], train[-held_out:]
+    permutation = list(range(len(train)))
+    random.Random(seed).shuffle(permutation)
+    chosen = set(permutation[:held_out])
+    kept = [example for index, example in enumerate(train) if index not in chosen]
+    return kept, [train[index] for index in sorted(chosen)]

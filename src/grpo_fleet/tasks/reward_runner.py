@@ -12,11 +12,13 @@ tasks/scoring.py's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import multiprocessing
 import signal
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional, Union
@@ -120,8 +122,27 @@ def _alarm(_signum: int, _frame: Any) -> None:
     raise _RewardTimeout()
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while the child starts, so it inherits SIG_IGN from its first instruction on.
+
+    Ctrl-C reaches the whole foreground process group: the reward process must not die of it
+    before its parent (the actor or the learner) has shut down in order and stopped it. A spawned
+    Python that starts with SIGINT ignored installs no KeyboardInterrupt handler of its own.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal dispositions can only change in the main thread; _serve ignores SIGINT itself
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
 def _serve(conn: Connection, rewards: RewardSet) -> None:
     """The child's loop: load the rewards, then score each batch of jobs, one answer per job."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops this process; Ctrl-C is the parent's to handle
     try:
         functions = load_rewards(rewards.names, rewards.module)
     except (RewardModuleError, UnknownRewardError) as exc:
@@ -161,7 +182,8 @@ class ScoringProcess:
         parent, child = self._context.Pipe()
         process = self._context.Process(target=_serve, args=(child, self.rewards), daemon=True,
                                         name="grpo-fleet-rewards")
-        process.start()
+        with _sigint_ignored():
+            process.start()
         child.close()
         self._process, self._conn = process, parent
         if not parent.poll(STARTUP_SECONDS):

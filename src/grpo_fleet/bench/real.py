@@ -1,0 +1,162 @@
+"""Benchmark `real`: learning on a real pretrained model, the fleet against what a user would run instead.
+
+The model is SmolLM2-135M-Instruct (the zoo's GGUF, imported once), the task and
+every hyperparameter are `make demo-real`'s (grpo_fleet/demos/NAME/demo.toml):
+same B x G, token budget, LoRA rank and learning rate for every contender.
+
+* fleet: learner + 2 actor processes, as `make demo-real` runs them. Its held-out
+  curve is the learner's own eval rounds; the clock starts before any process
+  starts, and the time the rounds themselves take is taken off it.
+* loop: the strongest single process this project can build, `TrainLoop`
+  (batched shared-prefix generation, the same Trainer), evaluated with its clock
+  stopped.
+* mlx-lm-lora: its GRPO trainer in its own venv (bench/mlx_lm_lora.py).
+
+Reported: time to a target held-out reward (the fleet's ratio to each
+baseline), steps/s and completions/s, and the curves themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from grpo_fleet.bench import Figure, Report, Scale
+from grpo_fleet.bench.e2e import TrainLoop, batched_rollout
+from grpo_fleet.config import RunConfig
+from grpo_fleet.demo import DemoOptions, demo_config
+from grpo_fleet.local_fleet import running
+from grpo_fleet.plotting import load_eval_records, load_step_records
+
+MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class RealCurve:
+    """One contender: held-out reward against steps and against seconds (eval time excluded)."""
+
+    contender: str
+    points: list[tuple[int, float, float]] = field(default_factory=list)  # (step, seconds, held-out reward)
+    completions: int = 0
+    seconds: float = 0.0
+
+    def time_to(self, target: float) -> Optional[float]:
+        return next((s for _, s, r in self.points if r >= target), None)
+
+    def steps_to(self, target: float) -> Optional[int]:
+        return next((step for step, _, r in self.points if r >= target), None)
+
+    @property
+    def completions_per_second(self) -> float:
+        return self.completions / self.seconds if self.seconds > 0 else float("nan")
+
+    def as_json(self) -> dict:
+        return {"contender": self.contender, "points": self.points, "completions": self.completions,
+                "seconds": self.seconds}
+
+
+def real_config(run_dir: Path, *, steps: Optional[int] = None, seed: int = 0,
+                overrides: Optional[list[str]] = None) -> RunConfig:
+    """The demo-real config (zoo model, packaged task) with a run dir and an optional step budget."""
+    cfg = demo_config(DemoOptions(model=MODEL, run_dir=str(run_dir), steps=steps, progress=False,
+                                  overrides=list(overrides or []) + [f"train.seed={seed}"]))
+    return cfg
+
+
+def fleet_run(cfg: RunConfig, actors: int = 2) -> RealCurve:
+    """Run the fleet to cfg.train.steps; its eval rounds, each stamped when it appeared, less eval time so far."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "bench-config.json"
+    config_path.write_text(json.dumps(cfg.model_dump(mode="json")))
+    metrics = run_dir / "metrics.jsonl"
+    launched, seen, stamps = time.monotonic(), 0, []
+    with running(cfg, config_path, actors) as fleet:
+        while fleet.learner.proc.poll() is None:
+            rounds = load_eval_records(metrics)
+            stamps += [time.monotonic() - launched] * (len(rounds) - seen)
+            seen = len(rounds)
+            time.sleep(0.25)
+    rounds = load_eval_records(metrics)
+    stamps += [time.monotonic() - launched] * (len(rounds) - len(stamps))
+    curve, eval_seconds = RealCurve("fleet"), 0.0
+    for stamp, record in zip(stamps, rounds):
+        eval_seconds += float(record.get("seconds", 0.0))
+        curve.points.append((int(record["step"]), max(stamp - eval_seconds, 0.0), float(record["eval_reward"])))
+    steps = load_step_records(metrics)
+    curve.completions = len(steps) * cfg.grpo.groups_per_step * cfg.generation.group_size
+    curve.seconds = curve.points[-1][1] if curve.points else 0.0
+    return curve
+
+
+def loop_run(cfg: RunConfig, model_path: str) -> RealCurve:
+    """TrainLoop in this process: sample a batch, train, and evaluate every train.eval_every steps (clock stopped)."""
+    launched, paused = time.monotonic(), 0.0
+    loop = TrainLoop.build(cfg, model_path)
+    curve = RealCurve("loop")
+
+    def evaluate(step: int) -> None:
+        nonlocal paused
+        started = time.monotonic()
+        reward = loop.held_out()
+        curve.points.append((step, started - launched - paused, reward))
+        paused += time.monotonic() - started
+
+    evaluate(0)
+    every = cfg.train.eval_every or cfg.train.steps
+    for step in range(1, cfg.train.steps + 1):
+        loop.train(loop.batch(loop.policy, batched_rollout))
+        curve.completions += cfg.grpo.groups_per_step * cfg.generation.group_size
+        if step % every == 0 or step == cfg.train.steps:
+            evaluate(step)
+    curve.seconds = curve.points[-1][1]
+    return curve
+
+
+def _time_figure(report: Report, fleet: RealCurve, other: RealCurve, target: float, goal: Optional[str]) -> None:
+    fleet_s, other_s = fleet.time_to(target), other.time_to(target)
+    report.add(Figure(
+        "real", f"time to held-out {target:.3f}, fleet vs {other.contender}", fleet_s if fleet_s is not None else float("nan"),
+        "s", baseline=other_s, baseline_name=f"{other.contender} s", goal=goal,
+        notes=f"steps to target: fleet {fleet.steps_to(target)}, {other.contender} {other.steps_to(target)}; "
+              f"curves (step, s, reward): fleet {_rounded(fleet)}; {other.contender} {_rounded(other)}",
+    ))
+    report.add(Figure(
+        "real", f"completions/s, fleet vs {other.contender}", fleet.completions_per_second, "completions/s",
+        baseline=other.completions_per_second, baseline_name=f"{other.contender} completions/s",
+    ))
+
+
+def _rounded(curve: RealCurve) -> list[tuple[int, float, float]]:
+    return [(step, round(seconds, 1), round(reward, 3)) for step, seconds, reward in curve.points]
+
+
+def target_reward(before: float, after: float) -> float:
+    """Half-way from the base model's held-out reward to where the fleet ended: a level every contender
+    that learns at all can reach within the budget, and one that says how fast each gets there."""
+    return before + 0.5 * max(after - before, 0.0)
+
+
+def run(report: Report, scale: Scale) -> None:
+    from grpo_fleet.learner.setup import resolve_model_path
+    from grpo_fleet.tasks import build_task
+
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-real-") as tmp:
+        steps = 4 if scale is Scale.QUICK else None
+        cfg = real_config(Path(tmp) / "fleet", steps=steps)
+        model_path = resolve_model_path(cfg, build_task(cfg.task))
+        fleet = fleet_run(cfg)
+        loop_cfg = real_config(Path(tmp) / "loop", steps=steps)
+        loop = loop_run(loop_cfg, model_path)
+        curves = [fleet, loop]
+        (Path("bench") / "real_curves.json").write_text(json.dumps([c.as_json() for c in curves], indent=2))
+    before, after = fleet.points[0][2], fleet.points[-1][2]
+    target = target_reward(before, after)
+    report.add(Figure("real", "fleet held-out reward, start -> end", after, "reward", baseline=before,
+                      baseline_name="step 0", goal="a rise >= 0.2",
+                      notes=f"{fleet.points[-1][0]} steps, {fleet.seconds:.0f} s (eval time excluded)"))
+    _time_figure(report, fleet, loop, target, goal=None)

@@ -143,6 +143,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("offpolicy", "offpolicy", False, 26.0, "coupled vs decoupled objective under lag (3 seeds x 600 steps)"),
     Benchmark("liar_lags", "liar_lags", False, 3.0, "logprob check's catch rate against weights 1-2 versions stale"),
     Benchmark("qwen_step", "qwen_step", False, 120.0, "Qwen2.5-0.5B-shaped learner step sweep and actor lease"),
+    Benchmark("offpolicy_real", "offpolicy_real", False, 60.0, "real model: coupled vs decoupled at staleness 1 and 4"),
+    Benchmark("logprob_gap_real", "logprob_gap_real", False, 7.0, "real model: honest logprob gaps vs the check's bound"),
 )
 
 

@@ -39,7 +39,7 @@ from grpo_fleet.evaluate import evaluate
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, LengthShaping, build_train_batch
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
-from grpo_fleet.learner.trainer import Trainer, trainer_from_config
+from grpo_fleet.learner.trainer import StepStats, Trainer, trainer_from_config
 from grpo_fleet.local_fleet import running
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.tasks import Task, build_task
@@ -130,8 +130,15 @@ class TrainLoop:
 
     @classmethod
     def build(cls, cfg: RunConfig, model_path: str) -> "TrainLoop":
-        policy = load_policy(model_path, dtype=cfg.model.dtype)
-        reference = load_policy(model_path, dtype=cfg.model.dtype).model if cfg.grpo.beta > 0 else None
+        lora = cfg.lora if cfg.lora.enabled else None
+        return cls.around(cfg, load_policy(model_path, lora=lora, dtype=cfg.model.dtype))
+
+    @classmethod
+    def around(cls, cfg: RunConfig, policy: Policy) -> "TrainLoop":
+        """A loop training `policy` as it stands (already loaded: several runs can share one load)."""
+        # Under LoRA, pi_ref is the base with adapters off; full fine-tuning needs a frozen copy.
+        full_reference = cfg.grpo.beta > 0 and policy.lora is None
+        reference = load_policy(policy.path, dtype=cfg.model.dtype).model if full_reference else None
         task = build_task(cfg.task)
         prompts = tokenize_prompts(policy.tokenizer, task, cfg)
         gen = cfg.generation
@@ -155,10 +162,10 @@ class TrainLoop:
             batch += [g for g in groups if g.is_informative]
         return batch
 
-    def train(self, batch: list[AcceptedGroup]) -> None:
+    def train(self, batch: list[AcceptedGroup]) -> StepStats:
         grpo = self.cfg.grpo
-        self.trainer.step(build_train_batch(batch, scale_by_std=grpo.scales_by_std,
-                                            lengths=LengthShaping.from_config(self.cfg)))
+        return self.trainer.step(build_train_batch(batch, scale_by_std=grpo.scales_by_std,
+                                                   lengths=LengthShaping.from_config(self.cfg)))
 
     def held_out(self) -> float:
         return evaluate(self.policy.model, self.policy.tokenizer, self.task, self.cfg)

@@ -12,7 +12,9 @@ like the CPU's bf16 here up to summation order; no Metal machine measured this.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -21,30 +23,41 @@ from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.setup import resolve_model_path
-from grpo_fleet.learner.verification import LogprobCheck, WeightHistory
-from grpo_fleet.model import load_policy
+from grpo_fleet.learner.verification import LogprobCheck, LogprobGap, WeightHistory
+from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.realshape import build_realshape
 from grpo_fleet.tasks import build_task
 
 
-def gaps(model_path: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-    """(mean, max) per-token gap between sampling in `dtype` and the learner's float32 recomputation."""
+def group_gaps(model_path: str, dtype: str, prompts: Sequence[Sequence[int]], max_tokens: int, *,
+               group_size: int = 4, temperature: float = 1.0, chunk_tokens: int = 256,
+               learner: Optional[Policy] = None) -> list[LogprobGap]:
+    """Each group's gap between sampling in `dtype` (the actor's path) and the learner's float32 `LogprobCheck`.
+
+    `learner`: the float32 policy that checks, if already loaded (else loaded here).
+    """
     actor = load_policy(model_path, dtype=dtype)
-    learner = load_policy(model_path, dtype="float32")
-    settings = SamplingSettings(group_size=4, max_tokens=max_tokens, temperature=1.0,
+    learner = learner or load_policy(model_path, dtype="float32")
+    settings = SamplingSettings(group_size=group_size, max_tokens=max_tokens, temperature=temperature,
                                 stop_token_ids=sorted(actor.tokenizer.eos_token_ids))
     history = WeightHistory(learner.model, keep=1)
     history.record(0)
-    check = LogprobCheck(learner.model, history, temperature=1.0, chunk_tokens=256, micro_batch_tokens=4096, max_gap=1.0)
-    means, maxes = [], []
+    check = LogprobCheck(learner.model, history, temperature=temperature, chunk_tokens=chunk_tokens,
+                         micro_batch_tokens=4096, max_gap=1.0)
+    found = []
     for index, (prompt, group) in enumerate(zip(prompts, generate_groups(actor.model, prompts, settings))):
         records = [CompletionRecord(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32), float(i),
                                     c.finish_reason) for i, c in enumerate(group)]
         gap = check.gap(AcceptedGroup(f"g{index}", index, np.asarray(prompt, np.int32), records, 0, "bench"))
         assert gap is not None
-        means.append(gap.mean)
-        maxes.append(gap.max)
-    return float(np.mean(means)), float(np.max(maxes))
+        found.append(gap)
+    return found
+
+
+def gaps(model_path: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """(mean, max) per-token gap between sampling in `dtype` and the learner's float32 recomputation."""
+    found = group_gaps(model_path, dtype, prompts, max_tokens)
+    return float(np.mean([g.mean for g in found])), float(np.max([g.max for g in found]))
 
 
 def run(report: Report, scale: Scale) -> None:

@@ -17,6 +17,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -28,11 +29,28 @@ from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, _config, batched_rollout
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.setup import resolve_model_path
-from grpo_fleet.model import load_policy
+from grpo_fleet.learner.trainer import StepStats
 from grpo_fleet.tasks import build_task
 
 EVAL_EVERY = 100
 TARGET = 0.4  # held-out reward: on-policy, the in-process loop passes it around step 500
+
+
+@dataclass(frozen=True)
+class OffPolicyStats:
+    """What the trainer saw of staleness over a run: means over its steps, and the largest single-token gap."""
+
+    gap_mean: float  # |log pi_prox - log pi_behav| over each step's tokens, averaged over steps
+    gap_max: float
+    clip_fraction: float
+    capped_fraction: float  # tokens whose behaviour weight the cap truncated or masked (0 under coupled)
+
+    @classmethod
+    def of(cls, steps: Sequence[StepStats]) -> "OffPolicyStats":
+        if not steps:
+            return cls(float("nan"), float("nan"), float("nan"), float("nan"))
+        return cls(statistics.fmean(s.offpolicy_gap_mean for s in steps), max(s.offpolicy_gap_max for s in steps),
+                   statistics.fmean(s.clip_fraction for s in steps), statistics.fmean(s.is_capped_fraction for s in steps))
 
 
 @dataclass
@@ -41,6 +59,7 @@ class Run:
     lag: int
     seed: int
     points: list[tuple[int, float, float]]  # (step, training seconds, held-out reward)
+    offpolicy: Optional[OffPolicyStats] = None
 
     def steps_to(self, target: float) -> Optional[int]:
         return next((step for step, _, reward in self.points if reward >= target), None)
@@ -58,20 +77,40 @@ def lagged_run(cfg: RunConfig, model_path: str, lag: int) -> list[tuple[int, flo
     # The same sampling stream for both objectives at a seed: at lag 0 their losses are the same, so what
     # differs between them is the objective, not which completions happened to be drawn.
     mx.random.seed(cfg.train.seed)
-    loop = TrainLoop.build(cfg, model_path)
-    sampler = load_policy(model_path, dtype=cfg.model.dtype)  # the late actor
+    points, _ = lagged_training(TrainLoop.build(cfg, model_path), lag, EVAL_EVERY)
+    return points
+
+
+def lagged_training(
+    loop: TrainLoop, lag: int, eval_every: int, on_step: Optional[Callable[[int, StepStats], None]] = None,
+) -> tuple[list[tuple[int, float, float]], list[StepStats]]:
+    """Train `loop` for its cfg.train.steps, each batch sampled under the weights of `lag` updates back.
+
+    The sampler is the policy itself with the old trainable weights swapped in
+    for the rollout, as an actor that pulls weights late, then swapped back; kept
+    versions are references to immutable arrays (nothing extra under LoRA).
+    Held-out reward every `eval_every` steps, with the training clock stopped;
+    `on_step(step, stats)` after each step (progress for long runs).
+    """
     model = loop.policy.model
     history: deque[Any] = deque([tree_flatten(model.trainable_parameters())], maxlen=lag + 1)
-    points, trained_seconds = [], 0.0
-    for step in range(1, cfg.train.steps + 1):
+    points, steps, trained_seconds = [], [], 0.0
+    for step in range(1, loop.cfg.train.steps + 1):
         started = time.perf_counter()
-        sampler.model.update(tree_unflatten(list(history[0])))  # the oldest kept: `lag` updates back
-        loop.train(loop.batch(sampler, batched_rollout))
+        live = history[-1]
+        model.update(tree_unflatten(list(history[0])))  # the oldest kept: `lag` updates back
+        try:
+            batch = loop.batch(loop.policy, batched_rollout)
+        finally:
+            model.update(tree_unflatten(list(live)))
+        steps.append(loop.train(batch))
+        if on_step is not None:
+            on_step(step, steps[-1])
         history.append(tree_flatten(model.trainable_parameters()))
         trained_seconds += time.perf_counter() - started
-        if step % EVAL_EVERY == 0:
+        if step % eval_every == 0:
             points.append((step, trained_seconds, loop.held_out()))
-    return points
+    return points, steps
 
 
 def _median(values: list[Optional[float]]) -> Optional[float]:

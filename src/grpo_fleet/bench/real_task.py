@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from grpo_fleet.config import RunConfig, apply_overrides, load_run_config
+from grpo_fleet.demo import DemoOptions, demo_settings
 
 REAL_TASK_CONFIG_ENV = "GRPO_FLEET_REAL_TASK_CONFIG"
 # The demo-real task's config (relative to where `make bench` runs) once it lands; None means the stand-in.
-DEFAULT_REAL_TASK_CONFIG: Optional[str] = None
+DEMO_REAL = "demo-real"  # `make demo-real`'s packaged task (grpo_fleet/demos/smollm2-135m-instruct)
+DEFAULT_REAL_TASK_CONFIG: Optional[str] = DEMO_REAL
 _INTEGER = re.compile(r"-?\d+")
 
 # The stand-in's settings: the issue's LoRA (r16, scale 20, lr 2e-5) and a batch small enough for 2 cores.
@@ -92,8 +94,12 @@ def addition_config(run_dir: Path, *, num_train: int = 256, num_eval: int = 32, 
 def real_config(run_dir: Path, *, model_dir: str, seed: int, steps: int, config_path: Optional[str] = None,
                 overrides: Optional[list[str]] = None) -> RunConfig:
     """The run config of a real-model benchmark: `config_path`'s task (or the stand-in) on `model_dir`."""
-    data = (load_run_config(config_path).model_dump(mode="json") if config_path
-            else addition_config(run_dir))
+    if config_path is None:
+        data = addition_config(run_dir)
+    elif config_path == DEMO_REAL:  # the packaged demo: its data and reward paths are taken from its own folder
+        data = demo_settings(DemoOptions(model="smollm2-135m-instruct"))
+    else:
+        data = load_run_config(config_path).model_dump(mode="json")
     cfg = RunConfig.model_validate(data)
     train = cfg.train.model_copy(update={"steps": steps, "seed": seed, "eval_every": 0, "log_samples_every": 0})
     cfg = cfg.model_copy(update={"run_dir": str(run_dir), "train": train,

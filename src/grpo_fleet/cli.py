@@ -148,6 +148,9 @@ def _demo(args: argparse.Namespace) -> int:
     except ZooError as exc:
         print(f"grpo-fleet demo: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the fleet was stopped in order on the way out (local_fleet.running)
+        print("grpo-fleet demo: interrupted; the learner and actors were stopped", file=sys.stderr)
+        return 130
     return 0 if summary.get("ok", False) else 1
 
 

@@ -182,7 +182,8 @@ class Learner:
         `take` scores the rest itself.
         """
         with self.lock:
-            actor = self.registry.known(identity, peer_key(identity, principal))
+            # Not `known`: that counts an unregistered sender, and `handle` below does so once already.
+            actor = self.registry.peek(identity, peer_key(identity, principal))
             owner = self.evaluation if self.evaluation.owns(msg.lease_id) else self.intake
             jobs = owner.reward_jobs(actor, msg) if actor is not None else []
             check = owner.reward_check

@@ -163,6 +163,12 @@ class Registry:
         actor.last_seen = time.monotonic()
         return actor
 
+    def peek(self, identity: bytes, owner: str) -> Optional[ActorInfo]:
+        """The registered actor sending from `identity` under `owner`, or None; counts nothing (a look ahead
+        of `known`, which the request's own handling still calls)."""
+        actor = self.actors.get(identity)
+        return actor if actor is not None and actor.principal == owner else None
+
     def drop(self, identity: bytes) -> Optional[ActorInfo]:
         """Forget an actor (silent or revoked); the caller re-queues its leases."""
         info = self.actors.pop(identity, None)

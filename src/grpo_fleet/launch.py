@@ -375,13 +375,14 @@ class _ActorSlot:
         self.next_start = 0.0
         self.starts = 0
         self.refusal: Optional[Refusal] = None
+        self.finished = False
 
     def tick(self, learner: _Child, printer: _Printer, backoff_max: float) -> Optional[Refusal]:
         """Notice an exit and schedule a restart; start when due and the learner still runs.
 
         Returns the refusal when this tick found the actor refused for good.
         """
-        if self.refusal is not None:
+        if self.refusal is not None or self.finished:
             return None
         now = time.monotonic()
         if self.child is not None:
@@ -390,7 +391,7 @@ class _ActorSlot:
             self.child.reap()  # its last line is its reason, if it refused
             child, self.child = self.child, None
             self._schedule(child.proc.returncode, now - child.started, printer, backoff_max, child.last_line)
-            if self.refusal is not None:
+            if self.refusal is not None or self.finished:
                 return self.refusal
         # Checked again here: an actor that saw the learner's Shutdown must not come back after it.
         if now >= self.next_start and learner.running():
@@ -401,6 +402,11 @@ class _ActorSlot:
         code = _exit_code(code)
         decision = after_exit(code, ran, self.backoff, backoff_max)
         name = self.spec.name
+        if decision.finished:
+            self.finished = True
+            printer.say(f"{name} finished (exit code {code}: the learner ended its run, or it was stopped on its "
+                        "host); not restarting it")
+            return
         if not decision.restart:
             self.refusal = Refusal(actor=name, host=self.spec.host, exit_code=code, reason=last_line or "(no output)")
             printer.say(f"{name} refused to run (exit code {code}, permanent); not restarting it: {self.refusal.reason}")

@@ -1,8 +1,10 @@
 """What `grpo-fleet launch` does about an actor that exited (pure), and its record of actors it stopped for good.
 
-An exit is permanent or transient by its code (exit_codes.py). A transient one
-is restarted with an exponential backoff; a permanent one (a refusal) is not,
-and is written to RUN_DIR/launch.json for `grpo-fleet status --run-dir`.
+An exit is done, permanent or transient by its code (exit_codes.py). A transient
+one is restarted with an exponential backoff. A done one (the learner said
+Shutdown, or someone stopped the actor on its host) is not: the run is over for
+it. A permanent one (a refusal) is not restarted either, and is written to
+RUN_DIR/launch.json for `grpo-fleet status --run-dir`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_fleet.exit_codes import is_permanent
+from grpo_fleet.exit_codes import DONE, is_permanent
 
 FIRST_BACKOFF_SECONDS = 1.0
 # An actor that stayed up this long was healthy: its next failure starts the backoff afresh.
@@ -27,16 +29,21 @@ class AfterExit:
     restart: bool
     delay: float
     backoff: float
+    finished: bool = False  # not restarted because its run is over, not because it was refused
 
 
 def after_exit(code: int, ran: float, backoff: float, backoff_max: float) -> AfterExit:
     """The restart decision for an actor that exited with `code` after running `ran` seconds.
 
-    A permanent exit (exit_codes.PERMANENT: a refusal) is never restarted: it
-    would fail the same way each time. Anything else is restarted after
+    A clean exit (exit_codes.DONE) is not restarted: the learner shut the run
+    down, or someone stopped the actor on purpose. A permanent exit
+    (exit_codes.PERMANENT: a refusal) is never restarted: it would fail the same
+    way each time. Anything else is restarted after
     `backoff`, doubled for the next time up to `backoff_max`; an actor that
     stayed up past BACKOFF_RESET_SECONDS was healthy, so its backoff starts afresh.
     """
+    if code == DONE:  # as systemd's Restart=on-failure: a clean exit is never restarted
+        return AfterExit(restart=False, delay=0.0, backoff=backoff, finished=True)
     if is_permanent(code):
         return AfterExit(restart=False, delay=0.0, backoff=backoff)
     if ran > BACKOFF_RESET_SECONDS:

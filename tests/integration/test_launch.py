@@ -25,6 +25,12 @@ from pydantic import ValidationError
 
 from grpo_fleet.blas import child_env
 from grpo_fleet.launch import actor_command, learner_connect, load_fleet, run_fleet, ssh_argv
+from grpo_fleet.protocol.auth import add_actor, init_keys
+from recipe_helpers import recipe_config, save_gsm8k_like
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_FLEET = REPO / "deploy" / "fleet.toml"
+SHIPPED_HOME = "/Users/me/grpo_fleet"  # where the shipped file puts the checkout on each actor Mac
 
 FAKE_SSH = """#!/bin/sh
 # Stands in for ssh: $1 is the host, $2 the command a remote shell would run.
@@ -283,3 +289,61 @@ def _wait_lines(run_dir: Path, count: int, stop: threading.Event, timeout: float
     deadline = time.monotonic() + timeout
     while _metrics_lines(run_dir) < count and time.monotonic() < deadline and not stop.is_set():
         time.sleep(0.2)
+
+
+def _shipped_fleet_here(tmp_path: Path, learner_config: Path) -> Path:
+    """deploy/fleet.toml as shipped, with only what differs on this machine replaced.
+
+    The actor Macs' checkout (SHIPPED_HOME) becomes a folder here holding what the
+    file says each Mac has: its key, the learner's public key and its copy of the
+    recipe's reward file. The ssh template becomes the local stand-in, and the
+    learner runs the recipe on the tiny model. Actor flags stay as shipped.
+    """
+    home = tmp_path / "mac-home"
+    (home / "configs").mkdir(parents=True)
+    (home / "configs" / "gsm8k_rewards.py").write_bytes((REPO / "configs" / "gsm8k_rewards.py").read_bytes())
+    keys = tmp_path / "keys"  # the shipped file's learner.keys is "../keys", next to its own folder
+    init_keys(keys)
+    (home / "learner.key").write_bytes((keys / "learner.key").read_bytes())
+    text = SHIPPED_FLEET.read_text()
+    for name in re.findall(r'key = "' + SHIPPED_HOME + r'/([\w-]+)\.key_secret"', text):
+        (home / f"{name}.key_secret").write_bytes(add_actor(keys, name).read_bytes())
+    shim = tmp_path / "fake-ssh"
+    shim.write_text(FAKE_SSH)
+    shim.chmod(0o755)
+    text = text.replace(SHIPPED_HOME, str(home))
+    text = re.sub(r'(?m)^ssh = .*$', lambda _: f"ssh = {_toml(shlex.quote(str(shim)) + ' {host} {command}')}\n"
+                  f"grpo_fleet = {_toml(shlex.quote(sys.executable) + ' -m grpo_fleet')}", text, count=1)
+    text = re.sub(r'(?m)^config = .*$', lambda _: f"config = {_toml(str(learner_config))}", text, count=1)
+    path = tmp_path / "deploy" / "fleet.toml"
+    path.parent.mkdir()
+    path.write_text(text)
+    return path
+
+
+def test_the_shipped_fleet_file_launches_and_every_actor_joins(tmp_path: Path, free_port, capsys) -> None:
+    rewards = {"r1_format": 0.2, "r1_accuracy": 1.0, "concise_reasoning": 0.1, "reverse_positions": 0.1}
+    config, cfg = recipe_config(tmp_path, free_port, save_gsm8k_like(tmp_path / "gsm8k"),
+                                REPO / "configs" / "gsm8k_rewards.py", rewards)
+    fleet = load_fleet(_shipped_fleet_here(tmp_path, config))
+    shipped = load_fleet(SHIPPED_FLEET)
+    assert [a.name for a in fleet.actors] == [a.name for a in shipped.actors] and fleet.learner.keys
+    # Two actors share this machine: free metrics ports, and the tiny model from the learner's run dir.
+    extra = ["--metrics-port", "0", "--model-dir", cfg["run_dir"]]
+    fleet = fleet.model_copy(update={"actors": [a.model_copy(update={"args": a.args + extra}) for a in fleet.actors]})
+    stop = threading.Event()
+    watchdog = threading.Timer(240, stop.set)
+    watchdog.start()
+    try:
+        code = run_fleet(fleet, stop_event=stop)
+    finally:
+        watchdog.cancel()
+    out = capsys.readouterr().out
+    assert not stop.is_set(), "the run did not finish in 240 s:\n" + out[-4000:]
+    assert code == 0, out[-4000:]
+    for actor in fleet.actors:
+        assert any(f"actor {actor.name} joined run" in line for line in _prefixed(out, f"[{actor.name}] ")), out[-4000:]
+    assert "refused to run" not in out and "; restarting" not in out, out[-4000:]
+    # Each actor left when the learner said Shutdown, and the launcher let it be.
+    assert all(f"[launch] {a.name} finished (exit code 0" in out for a in fleet.actors), out[-4000:]
+    assert _metrics_lines(Path(cfg["run_dir"])) >= 4

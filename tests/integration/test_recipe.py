@@ -6,16 +6,11 @@ samples, real processes; an actor with a different copy of the reward file is re
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict
-
-from grpo_fleet.config import load_run_config
-from grpo_fleet.tasks import data_path
 from helpers import audit_ledger, jsonl
+from recipe_helpers import recipe_config, save_gsm8k_like
 
-RECIPE = Path(__file__).resolve().parents[2] / "configs" / "qwen2.5-0.5b-gsm8k-mac.toml"
 USER_REWARDS = '''
 from grpo_fleet.tasks import register_reward
 
@@ -24,40 +19,15 @@ def by_level(completion, prompt, *, answer, level, **columns):
     """A reward that reads a dataset column: every completion of a level-n question scores 0.001 * (n + 1)."""
     return 0.001 * (level + 1)
 '''
-
-
-def gsm8k_like(path: Path, first_level: int) -> Dataset:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return Dataset.from_dict({"question": [r["question"] for r in rows], "answer": [r["answer"] for r in rows],
-                              "level": [first_level + i for i in range(len(rows))]})
-
-
-def recipe_config(tmp_path: Path, free_port, dataset: Path, rewards_file: Path) -> tuple[Path, dict]:
-    """The recipe's config with only what the tiny model and this machine need changed."""
-    overrides = {
-        "run_dir": str(tmp_path / "run"), "model.path": "tiny", "task.dataset": str(dataset), "task.num_eval": 4,
-        "task.reward_module": str(rewards_file), "task.rewards": ["r1_format", "r1_accuracy", "by_level", "reverse_positions"],
-        # reverse_positions: partial credit, so a random model's groups differ and train.
-        "task.reward_weights": [0.2, 1.0, 1.0, 0.1], "lora.rank": 4, "lora.num_layers": -1,
-        "generation.group_size": 4, "generation.max_tokens": 12, "grpo.groups_per_step": 2,
-        "train.steps": 4, "train.checkpoint_every": 2, "train.eval_every": 2, "train.eval_samples": 2,
-        "train.log_samples_every": 1, "server.bind": f"tcp://127.0.0.1:{free_port()}",
-        "server.pub_bind": f"tcp://127.0.0.1:{free_port()}", "server.lease_seconds": 60.0, "metrics.port": 0,
-    }
-    cfg = load_run_config(RECIPE, [f"{key}={json.dumps(value)}" for key, value in overrides.items()])
-    path = tmp_path / "recipe.json"
-    data = cfg.model_dump(mode="json")
-    path.write_text(json.dumps(data))
-    return path, data
+# reverse_positions: partial credit, so a random model's groups differ and train.
+REWARDS = {"r1_format": 0.2, "r1_accuracy": 1.0, "by_level": 1.0, "reverse_positions": 0.1}
 
 
 def test_the_gsm8k_recipe_trains_with_user_rewards_eval_leases_and_samples(spawn, free_port, tmp_path):
-    dataset = tmp_path / "gsm8k"
-    DatasetDict({"train": gsm8k_like(data_path("gsm8k_mini.jsonl"), 0),
-                 "test": gsm8k_like(data_path("gsm8k_mini_eval.jsonl"), 100)}).save_to_disk(str(dataset))
+    dataset = save_gsm8k_like(tmp_path / "gsm8k")
     rewards_file = tmp_path / "my_rewards.py"
     rewards_file.write_text(USER_REWARDS)
-    config, cfg = recipe_config(tmp_path, free_port, dataset, rewards_file)
+    config, cfg = recipe_config(tmp_path, free_port, dataset, rewards_file, REWARDS)
     assert cfg["train"]["eval_mode"] == "sampled" and cfg["task"]["chat_template"], "the recipe's own settings"
     run_dir = Path(cfg["run_dir"])
     learner = spawn("learner", "--config", str(config), name="learner")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.exit_codes import FAILED, NOT_FOUND, REFUSED, is_permanent
+from grpo_fleet.exit_codes import DONE, FAILED, NOT_FOUND, REFUSED, is_permanent
 from grpo_fleet.launch_policy import (
     BACKOFF_RESET_SECONDS,
     Refusal,
@@ -20,15 +20,20 @@ from grpo_fleet.launch_policy import (
 @pytest.mark.parametrize("code", [REFUSED, NOT_FOUND, 126])
 def test_a_permanent_exit_is_never_restarted(code: int) -> None:
     decision = after_exit(code, ran=0.5, backoff=4.0, backoff_max=30.0)
-    assert not decision.restart and is_permanent(code)
+    assert not decision.restart and not decision.finished and is_permanent(code)
 
 
-@pytest.mark.parametrize("code", [0, FAILED, 255, 130, 143])  # done, a crash, ssh's failure, SIGINT, SIGTERM
+def test_a_clean_exit_is_finished_not_restarted_and_not_a_refusal() -> None:
+    decision = after_exit(DONE, ran=0.5, backoff=4.0, backoff_max=30.0)
+    assert (decision.restart, decision.finished) == (False, True) and not is_permanent(DONE)
+
+
+@pytest.mark.parametrize("code", [FAILED, 255, 130, 143])  # a crash, ssh's failure, SIGINT, SIGTERM
 def test_a_transient_exit_is_restarted_with_a_doubling_backoff(code: int) -> None:
     first = after_exit(code, ran=0.5, backoff=1.0, backoff_max=3.0)
     second = after_exit(code, ran=0.5, backoff=first.backoff, backoff_max=3.0)
     third = after_exit(code, ran=0.5, backoff=second.backoff, backoff_max=3.0)
-    assert (first.restart, second.restart, third.restart) == (True, True, True)
+    assert (first.restart, second.restart, third.restart) == (True, True, True) and not first.finished
     assert [first.delay, second.delay, third.delay] == [1.0, 2.0, 3.0], "doubling, capped at backoff_max"
 
 

@@ -75,3 +75,32 @@ def test_micro_batch_padding_matches_a_count_by_hand():
     micro = split_batch(batch, 48)
     assert sorted((int(m.inputs.shape[0]), int(m.inputs.shape[1])) for m in micro) == [(1, 32), (3, 16)]
     assert micro_batch_padding(micro, lengths) == pytest.approx(1 - 39 / 80)
+
+
+def _learner_page(rejections: dict[str, int], gaps: list[float]):
+    from prometheus_client import generate_latest
+
+    from grpo_fleet.bench.scraping import parse
+    from grpo_fleet.metrics import learner_metrics
+
+    metrics = learner_metrics()
+    for reason, count in rejections.items():
+        metrics.rejections.labels(reason=reason).inc(count)
+    for gap in gaps:
+        metrics.logprob_gap.observe(gap)
+    return parse(generate_latest(metrics.registry).decode())
+
+
+def test_the_real_row_counts_accusing_rejections_of_its_honest_fleet_as_false():
+    from grpo_fleet.bench import Report
+    from grpo_fleet.bench.real import verification_figure
+
+    report = Report()
+    verification_figure(report, _learner_page({"stale_policy": 3}, [2e-6, 3e-6]))
+    verification_figure(report, _learner_page({"stale_policy": 1, "logprob_mismatch": 2, "reward_mismatch": 1}, [0.3]))
+    verification_figure(report, None)
+    clean, accused, silent = report.figures
+    assert clean.value == 0 and "2 logprob checks" in clean.notes and "<= 1e-05" in clean.notes, clean.notes
+    assert "stale_policy': 3" in clean.notes, "stale refusals are listed but are not false accusations"
+    assert accused.value == 3 and "'logprob_mismatch': 2" in accused.notes
+    assert np.isnan(silent.value) and "never answered" in silent.notes

@@ -28,12 +28,19 @@ from typing import Optional
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, batched_rollout
 from grpo_fleet.bench.mlx_lm_lora import BaselineUnavailable
+from grpo_fleet.bench.scraping import Scraped, scrape
 from grpo_fleet.config import RunConfig
 from grpo_fleet.demo import DemoOptions, demo_config
 from grpo_fleet.local_fleet import running
 from grpo_fleet.plotting import load_eval_records, load_step_records
 
 MODEL = "smollm2-135m-instruct"
+# Rejections that accuse the sender of lying or of sending garbage: every actor in the fleet run is honest,
+# so each of these is a false rejection.
+ACCUSING = ("reward_mismatch", "logprob_mismatch", "invalid")
+REJECTIONS = "grpo_fleet_learner_rejections_total"
+GAP = "grpo_fleet_learner_logprob_gap_nats"
+SCRAPE_EVERY_SECONDS = 1.0
 
 
 @dataclass
@@ -44,6 +51,7 @@ class RealCurve:
     points: list[tuple[int, float, float]] = field(default_factory=list)  # (step, seconds, held-out reward)
     completions: int = 0
     seconds: float = 0.0
+    learner_metrics: Optional[Scraped] = None  # the fleet learner's last /metrics page before it exited
 
     def time_to(self, target: float) -> Optional[float]:
         return next((s for _, s, r in self.points if r >= target), None)
@@ -75,16 +83,19 @@ def fleet_run(cfg: RunConfig, actors: int = 2) -> RealCurve:
     config_path = run_dir / "bench-config.json"
     config_path.write_text(json.dumps(cfg.model_dump(mode="json")))
     metrics = run_dir / "metrics.jsonl"
-    launched, seen, stamps = time.monotonic(), 0, []
+    launched, seen, stamps, scraped_at = time.monotonic(), 0, [], 0.0
+    page: Optional[Scraped] = None
     with running(cfg, config_path, actors) as fleet:
         while fleet.learner.proc.poll() is None:
             rounds = load_eval_records(metrics)
             stamps += [time.monotonic() - launched] * (len(rounds) - seen)
             seen = len(rounds)
+            if time.monotonic() - scraped_at >= SCRAPE_EVERY_SECONDS:
+                page, scraped_at = scrape(cfg.metrics.port) or page, time.monotonic()
             time.sleep(0.25)
     rounds = load_eval_records(metrics)
     stamps += [time.monotonic() - launched] * (len(rounds) - len(stamps))
-    curve, eval_seconds = RealCurve("fleet"), 0.0
+    curve, eval_seconds = RealCurve("fleet", learner_metrics=page), 0.0
     for stamp, record in zip(stamps, rounds):
         eval_seconds += float(record.get("seconds", 0.0))
         curve.points.append((int(record["step"]), max(stamp - eval_seconds, 0.0), float(record["eval_reward"])))
@@ -143,6 +154,24 @@ def _time_figure(report: Report, fleet: RealCurve, other: RealCurve, target: flo
     ))
 
 
+def verification_figure(report: Report, page: Optional[Scraped]) -> None:
+    """False rejections over the fleet run (all its actors are honest) and the logprob checks' gaps."""
+    if page is None:
+        report.add(Figure("real", "fleet: honest submissions falsely rejected", float("nan"), "rejections",
+                          goal="0", notes="the learner's /metrics never answered"))
+        return
+    reasons = {reason: int(value) for reason, value in page.by_label(REJECTIONS, "reason").items() if value}
+    checks = page.value(f"{GAP}_count")
+    buckets = sorted((float(le), value) for le, value in page.by_label(f"{GAP}_bucket", "le").items())
+    under = next((le for le, value in buckets if value >= checks), float("inf")) if checks else float("nan")
+    mean = page.value(f"{GAP}_sum") / checks if checks else float("nan")
+    report.add(Figure(
+        "real", "fleet: honest submissions falsely rejected", sum(reasons.get(r, 0) for r in ACCUSING), "rejections",
+        goal="0", notes=f"every rejection by reason: {reasons or 'none'}; {int(checks)} logprob checks, mean honest gap "
+                        f"{mean:.3g} nats, every one <= {under:g} (histogram bucket)",
+    ))
+
+
 def _rounded(curve: RealCurve) -> list[tuple[int, float, float]]:
     return [(step, round(seconds, 1), round(reward, 3)) for step, seconds, reward in curve.points]
 
@@ -175,6 +204,7 @@ def run(report: Report, scale: Scale) -> None:
     report.add(Figure("real", "fleet held-out reward, start -> end", after, "reward", baseline=before,
                       baseline_name="step 0", goal="a rise >= 0.2",
                       notes=f"{fleet.points[-1][0]} steps, {fleet.seconds:.0f} s (eval time excluded)"))
+    verification_figure(report, fleet.learner_metrics)
     _time_figure(report, fleet, loop, target, goal=None)
     for baseline in curves[2:]:
         _time_figure(report, fleet, baseline, target, goal="<= 1.0x")

@@ -14,14 +14,12 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import _config
+from grpo_fleet.bench.scraping import scrape as scrape_page
 from grpo_fleet.learner.setup import resolve_model_path
 from grpo_fleet.local_fleet import running
 from grpo_fleet.tasks import build_task
@@ -31,17 +29,11 @@ FAMILIES = ("grpo_fleet_learner_stale_group_tokens", "grpo_fleet_learner_accepte
 
 def scrape(port: int) -> Optional[dict[str, tuple[float, float]]]:
     """(sum, count) of each length histogram, or None while /metrics does not answer."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-            text = response.read().decode()
-    except OSError:
+    page = scrape_page(port)
+    if page is None:
         return None
-    found: dict[str, tuple[float, float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in FAMILIES:
-            values = {s.name: s.value for s in family.samples}
-            found[family.name] = (values[f"{family.name}_sum"], values[f"{family.name}_count"])
-    return found
+    return {name: (page.value(f"{name}_sum"), page.value(f"{name}_count")) for name in FAMILIES
+            if any(key[0] == f"{name}_count" for key in page.samples)}
 
 
 def run(report: Report, scale: Scale) -> None:

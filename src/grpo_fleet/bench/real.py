@@ -10,6 +10,10 @@ same B x G, token budget, LoRA rank and learning rate for every contender.
 * loop: the strongest single process this project can build, `TrainLoop`
   (batched shared-prefix generation, the same Trainer), evaluated with its clock
   stopped.
+
+Every contender is scored the way the fleet's eval rounds score it (the
+config's train.eval_mode: sampled avg@4 at T = 1 for demo-real), through
+grpo_fleet.evaluate.
 * mlx-lm-lora: its GRPO trainer in its own venv (bench/mlx_lm_lora.py).
 
 Reported: time to a target held-out reward (the fleet's ratio to each

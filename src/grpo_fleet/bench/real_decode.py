@@ -178,4 +178,4 @@ def run(report: Report, scale: Scale, model_dir: Optional[Path] = None) -> None:
     if not (directory / "config.json").exists():
         print(f"skipping real_decode: no model at {directory} (set {REAL_MODEL_ENV})", flush=True)
         return
-    measure(report, directory, shape, repeats=1 if scale is Scale.QUICK else 3)
+    measure(report, directory, shape, repeats={Scale.QUICK: 1, Scale.DEFAULT: 2}.get(scale, 3))

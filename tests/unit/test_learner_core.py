@@ -16,10 +16,10 @@ from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.replies import Reply
-from grpo_fleet.learner.setup import build_learner
 from grpo_fleet.model import model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
+from in_process import build_learner
 
 GROUP_SIZE = 4
 MAX_TOKENS = 4

@@ -9,11 +9,11 @@ import math
 import time
 from pathlib import Path
 
-import mlx_lm
 import pytest
 
 from grpo_fleet.model import latest_checkpoint, model_digest
 from grpo_fleet.protocol.client import request_status
+from helpers import assert_checkpoint_generates_like_the_learner
 
 
 @pytest.mark.slow
@@ -58,8 +58,8 @@ def test_actor_joins_a_realshape_4bit_run_and_delivers(run_config, spawn, monkey
         assert record["peak_memory_bytes"] > 151936 * 896 * 4, "the fp32 embedding alone is this big"
     checkpoint = latest_checkpoint(Path(cfg.run_dir))
     base = json.loads((checkpoint / "grpo_fleet.json").read_text())["base_model"]
-    model, tokenizer = mlx_lm.load(base, adapter_path=str(checkpoint))
-    assert isinstance(mlx_lm.generate(model, tokenizer, "12=", max_tokens=3), str)
+    assert base == json.loads((checkpoint / "adapter_config.json").read_text())["model"]
+    assert_checkpoint_generates_like_the_learner(checkpoint, "12=", max_tokens=3)
 
 
 def test_actor_rebuilds_the_learners_realshape_model_in_its_own_cache(realshape_cache_dir, realshape_model_dir,

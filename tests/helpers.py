@@ -150,7 +150,7 @@ def assert_checkpoint_generates_like_the_learner(checkpoint: Path, prompt: str, 
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from grpo_fleet.actor.rollout import SamplingSettings, completion_text, generate_groups
+    from grpo_fleet.generation import SamplingSettings, completion_text, generate_groups
     from grpo_fleet.model import load_checkpoint
 
     model, tokenizer = load_checkpoint(checkpoint)

@@ -12,8 +12,8 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
 from grpo_fleet.config import RunConfig
+from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.replies import Reply
 from grpo_fleet.model import model_digest

@@ -183,7 +183,7 @@ def test_build_model_cli_refuses_an_unknown_shape(capsys):
 
 
 def test_actor_samples_and_learner_rescores_at_the_real_vocabulary(cpu_learner):
-    from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
+    from grpo_fleet.generation import SamplingSettings, generate_groups
 
     tokenizer, model = cpu_learner.tokenizer, cpu_learner.model
     prompt = encode_prompt(tokenizer, "Reverse 123.", chat_template=True)

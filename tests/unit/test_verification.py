@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_learner_core import ACTOR_A, GROUP_SIZE, INFORMATIVE, MAX_TOKENS, ask, generated_rollouts, hello, lease, run_config
 
-from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
+from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.verification import RewardCheck, reward_gap
 from grpo_fleet.metrics import learner_metrics

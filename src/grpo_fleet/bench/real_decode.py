@@ -107,7 +107,7 @@ class DecodeRun:
 
 def actor_lease(model: Any, prompts: list[list[int]], shape: LeaseShape, eos: Sequence[int]) -> DecodeRun:
     """The actor's path: `generate_groups`, logprobs recorded, EOS kept."""
-    from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
+    from grpo_fleet.generation import SamplingSettings, generate_groups
 
     settings = SamplingSettings(group_size=shape.group_size, max_tokens=shape.max_tokens,
                                 temperature=shape.temperature, stop_token_ids=tuple(eos))

@@ -30,7 +30,9 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-from grpo_fleet.actor.rollout import (
+from grpo_fleet.bench import Figure, Report, Scale
+from grpo_fleet.config import TaskConfig, TinyModelConfig
+from grpo_fleet.generation import (
     SHARED_PREFIX_MIN_TOKENS,
     GeneratedCompletion,
     SamplingSettings,
@@ -38,8 +40,6 @@ from grpo_fleet.actor.rollout import (
     generate_groups,
     sampler_and_processors,
 )
-from grpo_fleet.bench import Figure, Report, Scale
-from grpo_fleet.config import TaskConfig, TinyModelConfig
 from grpo_fleet.model import Policy, build_tiny_model, load_policy, parameter_count
 
 GROUP_SIZE = 8

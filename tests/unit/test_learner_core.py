@@ -713,6 +713,28 @@ def test_resume_restores_state_and_cuts_logs_back_to_the_checkpoint(tiny_model_d
         second.close()
 
 
+def test_weights_saved_between_publications_resume_as_a_version_of_their_own(tiny_model_dir, tmp_path):
+    """train.sync_every = 2 and a checkpoint after step 1: the saved weights are past v0, which the previous
+    life's actors still hold. Resumed as v0 they would be other weights under the same number: an honest group
+    sampled from the real v0 then fails the logprob check (a chaos run banned an honest actor for this)."""
+    cfg = run_config(tiny_model_dir, tmp_path / "run", train={"steps": 9, "checkpoint_every": 1, "sync_every": 2})
+    first = build_learner(cfg)
+    hello(first)
+    published_v0 = first.snapshots.current
+    fill_buffer(first)
+    first.train_step()  # step 1 trains but does not publish: checkpoint with weights past v0
+    assert (first.state.step, first.state.version, first.state.weights_published) == (1, 0, False)
+    first.close()
+
+    second = build_learner(cfg, resume=True)
+    try:
+        assert (second.state.version, second.state.history_version) == (1, 0)
+        assert second.snapshots.current.version == 1 and second.snapshots.current.digest != published_v0.digest
+        assert hello(second).policy_version == 1, "actors holding v0 fetch the new weights"
+    finally:
+        second.close()
+
+
 def test_resumed_learner_judges_work_by_incarnation_and_shared_history(tiny_model_dir, tmp_path):
     cfg = run_config(tiny_model_dir, tmp_path / "run", train={"steps": 9, "checkpoint_every": 2})
     first = build_learner(cfg)

@@ -59,7 +59,7 @@ def test_the_state_file_round_trips_with_the_keys_checkpoints_have_always_used(t
     data = read_state(tmp_path)
     assert set(data) == {"run_id", "step", "version", "buffer", "acks", "accepted_since_step",
                          "zero_variance_since_step", "scheduler", "ledger_bytes", "metrics_bytes", "samples_bytes",
-                         "wall_seconds"}
+                         "wall_seconds", "weights_published"}
     back = state_from_dict(data)
     assert (back.step, back.version, back.logs, back.acks) == (saved.step, saved.version, saved.logs, saved.acks)
     np.testing.assert_array_equal(back.buffer[0].completions[1].logprobs, saved.buffer[0].completions[1].logprobs)
@@ -71,6 +71,19 @@ def test_checkpoints_record_the_samples_length_and_older_ones_without_it_still_l
     assert state_from_dict(data).logs == LogSizes(10, 20, 30)
     del data["samples_bytes"]  # as written before samples.jsonl existed: that run had no samples to keep
     assert state_from_dict(data).logs == LogSizes(10, 20, 0)
+
+
+def test_weights_saved_past_their_version_resume_under_the_next_one_and_older_checkpoints_as_before():
+    state = _busy_state()
+    state.weights_published = False  # a step that did not publish (train.sync_every > 1)
+    data = state_to_dict(capture(state, LogSizes(10, 20)))
+    later = _state(incarnation="b" * 12)
+    restore(later, state_from_dict(data))
+    assert (later.version, later.history_version, later.weights_published) == (4, 3, True)
+    del data["weights_published"]  # checkpoints from before the flag resume as they always did
+    again = _state(incarnation="c" * 12)
+    restore(again, state_from_dict(data))
+    assert (again.version, again.history_version) == (3, 3)
 
 
 def test_restore_resumes_the_run_in_a_new_life():

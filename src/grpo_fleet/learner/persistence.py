@@ -45,6 +45,7 @@ class SavedState:
     scheduler: dict[str, Any]  # PromptScheduler.state_dict()
     logs: LogSizes
     wall_seconds: float
+    weights_published: bool = True  # the saved weights are version `version`'s (not past it)
 
 
 def capture(state: LearnerState, logs: LogSizes) -> SavedState:
@@ -53,7 +54,7 @@ def capture(state: LearnerState, logs: LogSizes) -> SavedState:
         run_id=state.run_id, step=state.step, version=state.version, buffer=list(state.buffer),
         acks=state.acks.answers(), accepted_since_step=state.accepted_since_step,
         zero_variance_since_step=state.zero_variance_since_step, scheduler=state.scheduler.state_dict(),
-        logs=logs, wall_seconds=state.wall_seconds(),
+        logs=logs, wall_seconds=state.wall_seconds(), weights_published=state.weights_published,
     )
 
 
@@ -99,6 +100,12 @@ def restore(state: LearnerState, saved: SavedState) -> None:
     # Versions up to here were published, with these same weights, by the life
     # that wrote the checkpoint; work sampled from them is still good.
     state.history_version = saved.version
+    if not saved.weights_published:
+        # Saved after a step that did not publish (train.sync_every > 1): these weights are past version V, whose
+        # weights the previous life's actors may still hold and sample from. Calling them V too would make
+        # honest groups look tampered with (and their logprobs wrong): they become a version of their own.
+        state.version = saved.version + 1
+    state.weights_published = True
     state.started = time.monotonic() - saved.wall_seconds
 
 
@@ -129,6 +136,7 @@ def state_to_dict(saved: SavedState) -> dict[str, Any]:
         "metrics_bytes": saved.logs.metrics_bytes,
         "samples_bytes": saved.logs.samples_bytes,
         "wall_seconds": saved.wall_seconds,
+        "weights_published": saved.weights_published,
     }
 
 
@@ -143,6 +151,8 @@ def state_from_dict(data: dict[str, Any]) -> SavedState:
         # Checkpoints from before samples.jsonl have no samples_bytes: that run had no samples yet.
         scheduler=data["scheduler"], logs=LogSizes(data["ledger_bytes"], data["metrics_bytes"], data.get("samples_bytes", 0)),
         wall_seconds=data["wall_seconds"],
+        # Checkpoints from before this flag were read as published (what every resume assumed then).
+        weights_published=data.get("weights_published", True),
     )
 
 

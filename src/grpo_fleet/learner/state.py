@@ -29,6 +29,8 @@ class LearnerState:
     version: int = 0
     # Versions up to here were published, with these same weights, by earlier lives too.
     history_version: int = 0
+    # Whether the live weights are version `version`'s: not after a step that did not publish (train.sync_every > 1).
+    weights_published: bool = True
     buffer: list[AcceptedGroup] = field(default_factory=list)  # informative, accepted, untrained; oldest first
     accepted_since_step: int = 0
     zero_variance_since_step: int = 0

@@ -97,6 +97,7 @@ class Training:
     def record(self, state: LearnerState, done: TrainedBatch, actors: int) -> StepRecord:
         """Move the step (and the version, when published), log the step's line and gauges."""
         state.step += 1
+        state.weights_published = done.snapshot is not None
         if done.snapshot is not None:
             state.version = done.snapshot.version
             self.snapshots.install(done.snapshot)

@@ -519,7 +519,10 @@ class DistributedConfig(_Section):
         "steps (rank 0 loading the model, writing a checkpoint, evaluating), before it exits non-zero.",
     )
     keepalive_seconds: float = Field(
-        10.0, gt=0, description="While waiting for a batch, rank 0 tells the other ranks it is alive this often."
+        2.0, gt=0,
+        description="While waiting for a batch, rank 0 tells the other ranks it is alive this often; they sleep "
+        "most of the gap (MLX's ring spins a core while it waits), so the first step after idling starts up to "
+        "0.8 of this later.",
     )
     digest_every: int = Field(
         10, ge=1, description="Every this many steps the ranks check their weights are bitwise identical."

@@ -16,7 +16,7 @@ from grpo_fleet.config import ConfigError, GRPOConfig, LoraConfig, OptimConfig, 
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, batch_totals, build_train_batch, split_batch
 from grpo_fleet.learner.collectives import Watchdog
 from grpo_fleet.learner.distributed import check_batch_fits
-from grpo_fleet.learner.sharding import Command, Header, scatter_rows, shard_rows, take_rows, weights_digest
+from grpo_fleet.learner.sharding import Command, Header, buckets, scatter_rows, shard_rows, take_rows, weights_digest
 from grpo_fleet.learner.trainer import Trainer, proximal_grid
 from grpo_fleet.model import load_policy
 
@@ -131,3 +131,15 @@ def test_rank_sums_under_the_batch_totals_equal_one_process(tiny_model_dir: Path
     full_grid = proximal_grid(batch, micro, whole.policy_logprobs)
     assert full_grid is not None
     np.testing.assert_allclose(grid, full_grid, rtol=1e-5, atol=1e-6)
+
+
+def test_buckets_group_one_dtype_up_to_the_limit_and_keep_every_array_once():
+    sizes = [40, 30, 50, 10, 200, 5]
+    kinds = ["f32", "f32", "f32", "i32", "f32", "f32"]
+    groups = buckets(sizes, kinds, limit=100)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+    for group in groups:
+        assert len({kinds[i] for i in group}) == 1
+        assert len(group) == 1 or sum(sizes[i] for i in group) <= 100
+    assert [4] in groups  # over the limit: alone
+    assert groups == [[0, 1], [2], [3], [4], [5]]  # a bucket closes when the next array would overflow it

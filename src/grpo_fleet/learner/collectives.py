@@ -25,10 +25,12 @@ from mlx.utils import tree_unflatten
 
 from grpo_fleet.config import DistributedConfig
 from grpo_fleet.exit_codes import RANKS_FAILED
-from grpo_fleet.learner.sharding import DIGEST_WORDS, weights_digest
+from grpo_fleet.learner.sharding import DIGEST_WORDS, buckets, weights_digest
 from grpo_fleet.trees import flat_leaves
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
+# Gradients travel in flat buckets of at most this many bytes (mlx.nn.average_gradients uses 32 MiB).
+BUCKET_BYTES = 32 << 20
 
 
 def exit_now(message: str) -> NoReturn:
@@ -113,9 +115,17 @@ class RankGroup:
         return out
 
     def all_sum(self, tree: Any, what: str) -> Any:
-        """The tree (of arrays) summed over the ranks, leaf by leaf."""
+        """The tree (of arrays) summed over the ranks, its leaves packed into few flat buckets (`sharding.buckets`)."""
         pairs = flat_leaves(tree)
-        summed = self.run(what, [value for _, value in pairs], mx.distributed.all_sum)
+        leaves = [value for _, value in pairs]
+        groups = buckets([v.nbytes for v in leaves], [str(v.dtype) for v in leaves], BUCKET_BYTES)
+        packed = [mx.concatenate([leaves[i].reshape(-1) for i in group]) for group in groups]
+        summed_packed = self.run(what, packed, mx.distributed.all_sum)
+        summed: list[Optional[mx.array]] = [None] * len(leaves)
+        for group, flat in zip(groups, summed_packed):
+            offsets = np.cumsum([leaves[i].size for i in group])[:-1].tolist()
+            for i, piece in zip(group, mx.split(flat, offsets) if offsets else [flat]):
+                summed[i] = piece.reshape(leaves[i].shape)
         return tree_unflatten([(key, value) for (key, _), value in zip(pairs, summed)])
 
     def broadcast(self, arrays: list[mx.array], what: str, *, idle: bool = False) -> list[mx.array]:

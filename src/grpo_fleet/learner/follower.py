@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import time
 from typing import Any
 
 from grpo_fleet.config import RunConfig
@@ -22,6 +23,7 @@ from grpo_fleet.learner.trainer import Trainer, trainer_from_config
 from grpo_fleet.model import load_policy, model_digest
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
+IDLE_SLEEP_SHARE = 0.8  # of distributed.keepalive_seconds, slept after each keepalive
 
 
 class SetupRefused(RuntimeError):
@@ -81,3 +83,7 @@ def run_follower(ranks: RankGroup) -> int:
             return DONE
         if header.command == Command.STEP:
             trainer.step(sharding.receive_batch(header))
+        elif header.command == Command.KEEPALIVE:
+            # Rank 0 is idle and will not be back for about keepalive_seconds. MLX's ring spins a core while
+            # it waits in a collective, so sleep most of that away (the first step after idling waits for it).
+            time.sleep(IDLE_SLEEP_SHARE * cfg.distributed.keepalive_seconds)

@@ -88,6 +88,25 @@ def scatter_rows(values: np.ndarray, rows: np.ndarray, total: int) -> np.ndarray
     return out
 
 
+def buckets(sizes: list[int], kinds: list[str], limit: int) -> list[list[int]]:
+    """Indices of arrays grouped for one collective each: the same dtype (`kinds`), at most `limit` bytes.
+
+    One all-sum per weight would pay the ring's latency hundreds of times a
+    step; one per dtype would copy every gradient at once. An array over the
+    limit gets a bucket of its own.
+    """
+    out: list[list[int]] = []
+    open_bucket: dict[str, tuple[list[int], int]] = {}
+    for index, (size, kind) in enumerate(zip(sizes, kinds)):
+        members, used = open_bucket.get(kind, ([], 0))
+        if members and used + size > limit:
+            out.append(members)
+            members, used = [], 0
+        open_bucket[kind] = (members + [index], used + size)
+    out.extend(members for members, _ in open_bucket.values())
+    return sorted(out)
+
+
 def weights_digest(tree: dict) -> np.ndarray:
     """`DIGEST_WORDS` int32 words of a hash over every array of `tree` (names, dtypes, shapes and bytes).
 

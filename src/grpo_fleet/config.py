@@ -505,8 +505,10 @@ class LoggingConfig(_Section):
 class DistributedConfig(_Section):
     """A data-parallel learner over `mx.distributed` (started with `mlx.launch`); ignored by a single learner."""
 
-    backend: Literal["any", "ring", "mpi", "jaccl"] = Field(
-        "any", description="mx.distributed backend; 'any' takes the one mlx.launch set up (ring over TCP by default)."
+    backend: Literal["auto", "ring", "mpi", "jaccl"] = Field(
+        "auto",
+        description="mx.distributed backend; 'auto' takes the one the launcher set up: MPI under mpirun, JACCL "
+        "with `mlx.launch --backend jaccl`, else the ring.",
     )
     timeout_seconds: float = Field(
         300.0, gt=0,

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from grpo_fleet.config import ConfigError, GRPOConfig, LoraConfig, OptimConfig, RunConfig
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, batch_totals, build_train_batch, split_batch
-from grpo_fleet.learner.collectives import Watchdog
+from grpo_fleet.learner.collectives import Watchdog, launched_backend
 from grpo_fleet.learner.distributed import check_batch_fits
 from grpo_fleet.learner.sharding import Command, Header, buckets, scatter_rows, shard_rows, take_rows, weights_digest
 from grpo_fleet.learner.trainer import Trainer, proximal_grid
@@ -143,3 +143,10 @@ def test_buckets_group_one_dtype_up_to_the_limit_and_keep_every_array_once():
         assert len(group) == 1 or sum(sizes[i] for i in group) <= 100
     assert [4] in groups  # over the limit: alone
     assert groups == [[0, 1], [2], [3], [4], [5]]  # a bucket closes when the next array would overflow it
+
+
+def test_auto_backend_follows_the_launcher():
+    assert launched_backend("auto", {"MLX_RANK": "1", "MLX_HOSTFILE": "/tmp/h"}) == "ring"
+    assert launched_backend("auto", {"OMPI_COMM_WORLD_RANK": "0"}) == "mpi"
+    assert launched_backend("auto", {"MLX_RANK": "0", "MLX_JACCL_COORDINATOR": "10.0.0.1:32323"}) == "jaccl"
+    assert launched_backend("ring", {"OMPI_COMM_WORLD_RANK": "0"}) == "ring"

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NoReturn, Optional
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -69,19 +69,30 @@ def launched_rank() -> Optional[int]:
     return None
 
 
+def launched_backend(configured: str, environ: Mapping[str, str]) -> str:
+    """The mx.distributed backend to start: the configured one, or for 'auto' the one the launcher prepared."""
+    if configured != "auto":
+        return configured
+    if "OMPI_COMM_WORLD_RANK" in environ or "PMI_RANK" in environ:
+        return "mpi"
+    if "MLX_JACCL_COORDINATOR" in environ:
+        return "jaccl"
+    return "ring"
+
+
 def init_group(cfg: DistributedConfig, rank: int) -> mx.distributed.Group:
     """Connect to the other ranks, or exit non-zero after `idle_timeout_seconds`.
 
     MLX holds the GIL while it connects, so a Python timer could not fire:
     faulthandler's own thread does (it dumps the stack and exits).
     """
-    bound = cfg.idle_timeout_seconds
+    bound, backend = cfg.idle_timeout_seconds, launched_backend(cfg.backend, os.environ)
     log.info("rank %d: connecting to the other ranks (backend %s, hostfile %s); giving up after %g s",
-             rank, cfg.backend, os.environ.get("MLX_HOSTFILE", "-"), bound)
+             rank, backend, os.environ.get("MLX_HOSTFILE", "-"), bound)
     sys.stderr.flush()
     faulthandler.dump_traceback_later(bound, exit=True)
     try:
-        group = mx.distributed.init(strict=True, backend=cfg.backend)
+        group = mx.distributed.init(strict=True, backend=backend)
     finally:
         faulthandler.cancel_dump_traceback_later()
     log.info("rank %d of %d connected", group.rank(), group.size())

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional
 
@@ -106,6 +107,8 @@ class RankGroup:
         self.group, self.cfg = group, cfg
         self.rank, self.size = group.rank(), group.size()
         self.watchdog = watchdog or Watchdog(self.rank)
+        # Per collective name: [seconds waited, bytes sent in], since the start; the benchmark reads them.
+        self.totals: dict[str, list[float]] = {}
 
     def peers(self) -> str:
         others = [r for r in range(self.size) if r != self.rank]
@@ -116,6 +119,7 @@ class RankGroup:
         """`reduce` over the ranks of each array, finished before it returns (or the process ends)."""
         mx.eval(arrays)  # the inputs' own compute is not the collective's time
         seconds = self.cfg.idle_timeout_seconds if idle else self.cfg.timeout_seconds
+        started = time.perf_counter()
         with self.watchdog.bound(what, seconds):
             try:
                 out = [reduce(a, group=self.group, stream=mx.cpu) for a in arrays]
@@ -123,6 +127,9 @@ class RankGroup:
             except RuntimeError as exc:
                 exit_now(f"rank {self.rank}: {what} failed ({exc}): {self.peers()} is gone; "
                          "exiting without a checkpoint. Resume from rank 0's last checkpoint.")
+        total = self.totals.setdefault(what, [0.0, 0.0])
+        total[0] += time.perf_counter() - started
+        total[1] += sum(a.nbytes for a in arrays)
         return out
 
     def all_sum(self, tree: Any, what: str) -> Any:
@@ -157,8 +164,8 @@ class RankGroup:
     def check_identical(self, tree: Any, step: int) -> None:
         """Exit loudly unless every rank's `tree` (the trainable weights) is bitwise the same as the others'."""
         words = mx.array(weights_digest(tree))
-        (high,) = self.run(f"weights digest at step {step}", [words], mx.distributed.all_max)
-        (low,) = self.run(f"weights digest at step {step}", [words], mx.distributed.all_min)
+        (high,) = self.run("weights digest (max)", [words], mx.distributed.all_max)
+        (low,) = self.run("weights digest (min)", [words], mx.distributed.all_min)
         if not bool(mx.array_equal(high, low)) or high.shape != (DIGEST_WORDS,):
             exit_now(f"rank {self.rank}: the ranks' weights differ at step {step} (digest all-max {np.array(high)} "
                      f"!= all-min {np.array(low)}): a rank computed a different update. Exiting without a checkpoint.")

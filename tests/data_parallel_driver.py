@@ -42,7 +42,7 @@ def run_config(model_dir: str, mode: str, variant: str) -> RunConfig:
         "generation": {"group_size": 4, "max_tokens": 8},
         "grpo": {"loss_type": loss_type, "objective": objective, "ppo_epochs": epochs, "beta": 0.04,
                  "groups_per_step": 3},
-        "optim": {"lr": 1e-3}, "train": {"micro_batch_tokens": 40},
+        "optim": {"lr": 1e-4}, "train": {"micro_batch_tokens": 40},
         "distributed": {"timeout_seconds": 60, "idle_timeout_seconds": 60, "digest_every": 1},
     })
 

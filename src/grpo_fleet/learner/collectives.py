@@ -122,8 +122,12 @@ class RankGroup:
         started = time.perf_counter()
         with self.watchdog.bound(what, seconds):
             try:
-                out = [reduce(a, group=self.group, stream=mx.cpu) for a in arrays]
-                mx.eval(out)
+                out = []
+                for array in arrays:
+                    # One collective per eval: with several in one eval, MLX 0.32's ring hangs when a peer is
+                    # lost instead of raising (seen here; the watchdog would still end it, but unnamed).
+                    out.append(reduce(array, group=self.group, stream=mx.cpu))
+                    mx.eval(out[-1])
             except RuntimeError as exc:
                 exit_now(f"rank {self.rank}: {what} failed ({exc}): {self.peers()} is gone; "
                          "exiting without a checkpoint. Resume from rank 0's last checkpoint.")

@@ -180,3 +180,31 @@ def test_the_watchdog_ends_rank0_when_a_rank_is_stopped(run_config, spawn, tmp_p
     assert code == RANKS_FAILED, log[-3000:]
     assert "did not finish within 8 s" in log and "exiting without a checkpoint" in log, log[-3000:]
     _no_partial_checkpoint(run_dir, len(jsonl(run_dir / "metrics.jsonl")))
+
+
+@pytest.mark.slow
+def test_a_one_rank_run_resumes_on_two_ranks_and_both_stop_cleanly_at_the_end(run_config, spawn, tmp_path, free_port):
+    config, cfg = run_config(generation={"max_tokens": 5}, task={"num_train": 100}, train={"steps": 4})
+    run_dir = Path(cfg.run_dir)
+
+    def actors(tag: str) -> list:
+        return [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"{tag}-{i}", "--metrics-port", "0",
+                      "--request-timeout", "3", "--model-dir", str(run_dir), name=f"{tag}{i}") for i in range(2)]
+
+    single = spawn("learner", "--config", str(config), name="single")
+    first = actors("first")
+    assert single.wait(timeout=240) == 0, single.log_path.read_text()[-3000:]
+    assert all(actor.wait(timeout=30) == 0 for actor in first)
+
+    hostfile = _hostfile(tmp_path, free_port)
+    resume = ("learner", "--resume", str(run_dir), "--set", "train.steps=8")
+    rank0 = spawn(*resume, name="rank0", env=_rank_env(hostfile, 0))
+    rank1 = spawn(*resume, name="rank1", env=_rank_env(hostfile, 1))
+    second = actors("second")
+    assert rank0.wait(timeout=300) == 0, rank0.log_path.read_text()[-3000:]
+    assert rank1.wait(timeout=60) == 0, rank1.log_path.read_text()[-3000:]
+    assert "rank 1: rank 0 says stop after 4 steps" in rank1.log_path.read_text()
+    assert all(actor.wait(timeout=30) == 0 for actor in second)
+    assert [r["step"] for r in jsonl(run_dir / "metrics.jsonl")] == list(range(1, 9))
+    audit = audit_ledger(run_dir / "ledger.jsonl")
+    assert set(audit.accepted) == set(read_state(latest_checkpoint(run_dir))["scheduler"]["finished"])  # type: ignore[arg-type]

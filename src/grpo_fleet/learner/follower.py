@@ -61,7 +61,8 @@ def join_run(ranks: RankGroup) -> tuple[RunConfig, Trainer]:
 
 
 def _names(layout: dict[str, Any]) -> list[list[str]]:
-    return [[entry[0] for entry in layout[part]] for part in ("weights", "optimizer")]
+    # Sorted: a resumed optimizer state comes back from its file in another order; arrays travel by name.
+    return [sorted(entry[0] for entry in layout[part]) for part in ("weights", "optimizer")]
 
 
 def run_follower(ranks: RankGroup) -> int:

@@ -121,3 +121,47 @@ def step_record(step: int, **changes: Any) -> StepRecord:
         step_seconds=0.75, wall_seconds=10.0 * step, actors=1,
     )
     return StepRecord(**{**values, **changes})
+
+
+def learner_side_policy(checkpoint: Path, dtype: str) -> Any:
+    """A checkpoint loaded the way the learner resumes it: its own model build (LoRA added by grpo-fleet, a
+    quantized base kept quantized, weights in `dtype`, as mlx_lm keeps them) with the checkpoint's weights."""
+    from grpo_fleet.config import LoraConfig
+    from grpo_fleet.model import load_checkpoint_weights, load_policy
+
+    adapter_config = checkpoint / "adapter_config.json"
+    if not adapter_config.exists():
+        return load_policy(str(checkpoint), dtype=dtype, dequantize=False)
+    config = json.loads(adapter_config.read_text())
+    params = config["lora_parameters"]
+    lora = LoraConfig(enabled=True, rank=params["rank"], scale=params["scale"], num_layers=config["num_layers"],
+                      keys=params.get("keys"))
+    policy = load_policy(json.loads((checkpoint / "grpo_fleet.json").read_text())["base_model"], lora=lora,
+                         dtype=dtype, dequantize=False)
+    load_checkpoint_weights(policy, checkpoint)
+    return policy
+
+
+def assert_checkpoint_generates_like_the_learner(checkpoint: Path, prompt: str, max_tokens: int) -> str:
+    """mlx_lm's greedy text from the checkpoint, loaded as a user loads it, equals grpo-fleet's own greedy
+    decode (the actors' generation code) of the same checkpoint loaded the learner's way; returns the text."""
+    import mlx.core as mx
+    import mlx_lm
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from grpo_fleet.generation import SamplingSettings, completion_text, generate_groups
+    from grpo_fleet.model import load_checkpoint
+
+    model, tokenizer = load_checkpoint(checkpoint)
+    prompt_ids = tokenizer.encode(prompt)
+    theirs = mlx_lm.generate(model, tokenizer, prompt_ids, max_tokens=max_tokens)
+    # The same dtype on both sides: a random model's greedy choice flips between bf16 and fp32 logits.
+    floating = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    policy = learner_side_policy(checkpoint, str(max(set(floating), key=floating.count)).rsplit(".", 1)[-1])
+    eos = set(int(t) for t in policy.tokenizer.eos_token_ids)
+    settings = SamplingSettings(group_size=1, max_tokens=max_tokens, temperature=0.0, stop_token_ids=sorted(eos))
+    (completion,) = generate_groups(policy.model, [np.asarray(prompt_ids, np.int32)], settings)[0]
+    ours = completion_text(policy.tokenizer, completion, eos)
+    assert theirs == ours, f"mlx_lm.generate gave {theirs!r}, the learner's own decode {ours!r}"
+    return ours

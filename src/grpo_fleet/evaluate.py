@@ -12,8 +12,8 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from grpo_fleet.actor.rollout import SamplingSettings, completion_text, generate_groups
 from grpo_fleet.config import RunConfig
+from grpo_fleet.generation import SamplingSettings, completion_text, generate_groups
 from grpo_fleet.tasks import Example, Task
 from grpo_fleet.tasks.prompts import encode_prompt
 from grpo_fleet.tasks.reward_runner import InlineScorer, Scorer
@@ -42,8 +42,18 @@ def sample_and_score(model: nn.Module, tokenizer: Any, task: Task, cfg: RunConfi
 
 
 def evaluate(model: nn.Module, tokenizer: Any, task: Task, cfg: RunConfig, *, batch_size: int = 64) -> float:
-    """Mean reward of greedy completions on the task's held-out examples (unscorable ones left out)."""
+    """Held-out reward as the learner's eval rounds measure it (train.eval_mode), unscorable prompts left out.
+
+    Greedy: the mean reward of one greedy completion per held-out prompt. Sampled:
+    avg@k, the mean over prompts of the mean of train.eval_samples completions at
+    train.eval_temperature. A baseline scored any other way than the fleet's own
+    rounds would not be comparable (the demo-real task's countries are ones the
+    base model already answers greedily).
+    """
+    greedy = cfg.train.eval_mode == "greedy"
+    samples = 1 if greedy else cfg.train.eval_samples
+    temperature = 0.0 if greedy else cfg.train.eval_temperature
     scorer = InlineScorer(task.reward_set())
-    scores = [r[0] for r in sample_and_score(model, tokenizer, task, cfg, task.eval, scorer, batch_size=batch_size)
-              if r is not None]
-    return sum(scores) / max(1, len(scores))
+    rewards = [r for r in sample_and_score(model, tokenizer, task, cfg, task.eval, scorer, samples=samples,
+                                           temperature=temperature, batch_size=batch_size) if r is not None]
+    return sum(sum(r) / len(r) for r in rewards) / max(1, len(rewards))

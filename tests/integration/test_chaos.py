@@ -9,12 +9,11 @@ import signal
 import time
 from pathlib import Path
 
-import mlx_lm
 import pytest
 
 from grpo_fleet.learner.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
-from helpers import audit_ledger, scrape, wait_for
+from helpers import assert_checkpoint_generates_like_the_learner, audit_ledger, scrape, wait_for
 
 STEPS = 400
 CHECKPOINT_EVERY = 10
@@ -162,8 +161,7 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
     retried = {drop["retried_as"] for drop in audit.dropped.values()}
     assert retried <= handed_out, "a dropped group's prompt was queued again as a new group"
 
-    model, tokenizer = mlx_lm.load(str(checkpoint))
-    assert isinstance(mlx_lm.generate(model, tokenizer, "123=", max_tokens=4), str)
+    assert_checkpoint_generates_like_the_learner(checkpoint, "123=", max_tokens=4)
     print(f"chaos: learner kills at {offsets} steps past a checkpoint, back past the kill in "
           f"{', '.join(f'{s:.1f}s' for s in recoveries)}; actor kills {ACTOR_KILLS}, groups accepted {len(ids)}, "
           f"freezes until late work came back {freezes}, dropped {len(audit.dropped)}, duplicates {duplicates}, "

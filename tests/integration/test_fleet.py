@@ -6,9 +6,7 @@ import json
 import time
 from pathlib import Path
 
-import mlx_lm
-
-from helpers import audit_ledger, jsonl, scrape, wait_for, wait_steps
+from helpers import assert_checkpoint_generates_like_the_learner, audit_ledger, jsonl, scrape, wait_for, wait_steps
 
 REQUIRED_KEYS = {
     "step", "policy_version", "reward_mean", "loss", "kl", "clip_fraction",
@@ -66,8 +64,7 @@ def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
 
     pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
     assert pointer["step"] == 12
-    model, tokenizer = mlx_lm.load(str(run_dir / "checkpoints" / pointer["path"]))
-    assert isinstance(mlx_lm.generate(model, tokenizer, "123=", max_tokens=4), str)
+    assert_checkpoint_generates_like_the_learner(run_dir / "checkpoints" / pointer["path"], "123=", max_tokens=4)
 
 
 def test_sigterm_checkpoints_and_resume_continues_the_run(run_config, spawn):

@@ -14,6 +14,7 @@ from grpo_fleet.config import OptimConfig, RunConfig
 from grpo_fleet.learner.schedule import learning_rate_schedule
 from grpo_fleet.model import latest_checkpoint
 from grpo_fleet.tasks import data_path
+from helpers import assert_checkpoint_generates_like_the_learner
 
 
 def train_with_one_actor(spawn, config: Path, cfg: RunConfig) -> list[dict]:
@@ -54,7 +55,7 @@ def test_jsonl_chat_template_r1_rewards_with_lora(run_config, spawn):
     adapter_config = json.loads((checkpoint / "adapter_config.json").read_text())
     model, tokenizer = mlx_lm.load(adapter_config["model"], adapter_path=str(checkpoint))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1 + 2?"}], add_generation_prompt=True, tokenize=False)
-    assert isinstance(mlx_lm.generate(model, tokenizer, prompt, max_tokens=4), str)
+    assert_checkpoint_generates_like_the_learner(checkpoint, prompt, max_tokens=4)
 
 
 def gsm8k_as_chat(path: Path) -> Dataset:

@@ -9,11 +9,11 @@ import math
 import time
 from pathlib import Path
 
-import mlx_lm
 import pytest
 
-from grpo_fleet.model import latest_checkpoint
+from grpo_fleet.model import latest_checkpoint, model_digest
 from grpo_fleet.protocol.client import request_status
+from helpers import assert_checkpoint_generates_like_the_learner
 
 
 @pytest.mark.slow
@@ -58,5 +58,33 @@ def test_actor_joins_a_realshape_4bit_run_and_delivers(run_config, spawn, monkey
         assert record["peak_memory_bytes"] > 151936 * 896 * 4, "the fp32 embedding alone is this big"
     checkpoint = latest_checkpoint(Path(cfg.run_dir))
     base = json.loads((checkpoint / "grpo_fleet.json").read_text())["base_model"]
-    model, tokenizer = mlx_lm.load(base, adapter_path=str(checkpoint))
-    assert isinstance(mlx_lm.generate(model, tokenizer, "12=", max_tokens=3), str)
+    assert base == json.loads((checkpoint / "adapter_config.json").read_text())["model"]
+    assert_checkpoint_generates_like_the_learner(checkpoint, "12=", max_tokens=3)
+
+
+def test_actor_rebuilds_the_learners_realshape_model_in_its_own_cache(realshape_cache_dir, realshape_model_dir,
+                                                                      monkeypatch, tmp_path):
+    """Admission starts the actor's reward process, so this lives here rather than in tests/unit."""
+    from grpo_fleet.actor.worker import ActorRefused, ActorWorker
+    from grpo_fleet.config import ActorConfig, MetricsConfig
+    from grpo_fleet.protocol import messages as m
+
+    monkeypatch.setenv("GRPO_FLEET_MODEL_CACHE", str(realshape_cache_dir))
+    learner_path = f"/Users/learner/.cache/grpo-fleet/models/{realshape_model_dir.name}"  # not on this machine
+
+    def welcome(digest: str) -> m.Welcome:
+        return m.Welcome(
+            run_id="r", actor_id="a", model=m.ModelRef(path=learner_path, digest=digest),
+            generation=m.GenerationParams(group_size=2, max_tokens=2, temperature=1.0, top_p=1.0),
+            reward=m.RewardSpec(names=["exact_match"], weights=[1.0]),
+            policy_version=0, heartbeat_seconds=1.0, vocab_size=151_936,
+        )
+
+    worker = ActorWorker(ActorConfig(model_dirs=[str(tmp_path)], metrics=MetricsConfig(port=0)))
+    try:
+        with pytest.raises(ActorRefused, match="digest mismatch"):
+            worker._adopt(welcome("0" * 64))
+        worker._adopt(welcome(model_digest(str(realshape_model_dir))))
+        assert worker.policy is not None and worker.policy.path == str(realshape_model_dir)
+    finally:
+        worker.link.shut()

@@ -165,8 +165,16 @@ def test_router_drops_oversized_frames(ctx: zmq.Context, sockets: list[zmq.Socke
     sockets.append(small)
     dealer = dealer_socket(ctx, bound_endpoint(small), identity=b"big", max_message_bytes=1 << 20)
     sockets.append(dealer)
+    # Positive control: the same dealer's message under the limit arrives, so the silence below is the drop.
+    send_message(dealer, LeaseRequest(max_groups=2))
+    assert routed(small) == (b"big", LeaseRequest(max_groups=2))
     send_message(dealer, bulky(10_000))
     assert not small.poll(300, zmq.POLLIN)
+    # The router stays up: libzmq closed only the offending connection, and a new peer is heard.
+    fresh = dealer_socket(ctx, bound_endpoint(small), identity=b"fresh", max_message_bytes=1 << 20)
+    sockets.append(fresh)
+    send_message(fresh, LeaseRequest(max_groups=1))
+    assert routed(small) == (b"fresh", LeaseRequest(max_groups=1))
 
 
 def test_send_message_checks_identity_use(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
 import socket
 import subprocess
 from pathlib import Path
@@ -26,6 +27,9 @@ def no_sockets_or_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(zmq.Socket, "bind", _refuse("bind a ZeroMQ socket"))
     monkeypatch.setattr(zmq.Socket, "connect", _refuse("connect a ZeroMQ socket"))
     monkeypatch.setattr(subprocess.Popen, "__init__", _probes_only(subprocess.Popen.__init__))
+    # multiprocessing's spawn and forkserver start children without subprocess.Popen: every context's
+    # Process (pools and ProcessPoolExecutor included) starts through BaseProcess.start.
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("start a process (multiprocessing)"))
 
 
 # Read-only system probes the standard library and the doctor run (platform.processor() runs uname).

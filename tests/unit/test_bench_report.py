@@ -34,7 +34,8 @@ def test_default_set_leaves_the_long_sweeps_to_the_full_run():
     default = [b.name for b in selected(None, Scale.DEFAULT)]
     full = [b.name for b in selected(None, Scale.FULL)]
     assert "qwen_step" not in default and "offpolicy" not in default
-    assert "real_decode" in default and "real_step" in default
+    # The real model's decode race and its learning race fit the half hour; one learner step's tok/s does not.
+    assert "real_decode" in default and "real" in default and "real_step" not in default
     assert full == [b.name for b in BENCHMARKS] and set(default) < set(full)
     assert [b.name for b in selected(["qwen_step", "rollout"], Scale.DEFAULT)] == ["qwen_step", "rollout"]
 

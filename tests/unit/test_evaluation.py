@@ -185,3 +185,25 @@ def test_a_round_due_while_one_runs_starts_when_it_finishes(desk: Desk) -> None:
     assert json.loads((desk.run_dir / "metrics.jsonl").read_text())["event"] == "eval"
     assert desk.evaluation.due(20, final=False) and desk.evaluation.due(23, final=True)
     assert not desk.evaluation.due(23, final=False)
+
+
+@pytest.mark.parametrize("mode, samples, temperature", [("greedy", 1, 0.0), ("sampled", 4, 0.7)])
+def test_in_process_evaluate_scores_as_the_learners_rounds_do(monkeypatch, mode, samples, temperature) -> None:
+    """Baselines (bench) are scored by `evaluate`: the same mode, k and temperature as the fleet's eval rounds."""
+    import grpo_fleet.evaluate as evaluate_module
+    from grpo_fleet.tasks import build_task
+
+    cfg = RunConfig.model_validate({"train": {"eval_mode": mode, "eval_samples": 4, "eval_temperature": 0.7},
+                                    "task": {"num_train": 10, "num_eval": 3}})
+    asked = {}
+
+    def scored(model, tokenizer, task, cfg, examples, scorer, *, samples, temperature, batch_size):
+        asked.update(samples=samples, temperature=temperature, examples=len(examples))
+        per_prompt = {1: [[1.0], [0.0], None], 4: [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], None]}
+        return per_prompt[samples]
+
+    monkeypatch.setattr(evaluate_module, "sample_and_score", scored)
+    reward = evaluate_module.evaluate(None, None, build_task(cfg.task), cfg)
+    assert asked == {"samples": samples, "temperature": temperature, "examples": 3}
+    # avg@k over the scorable prompts: (1/4 + 1) / 2 sampled; (1 + 0) / 2 greedy.
+    assert reward == pytest.approx(0.625 if mode == "sampled" else 0.5)

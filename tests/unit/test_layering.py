@@ -73,8 +73,48 @@ def test_the_model_does_not_know_the_wire():
     assert not _offenders("model.py", "grpo_fleet.protocol")
 
 
-def test_the_learner_does_not_import_the_actor():
-    assert not _offenders("learner/*", "grpo_fleet.actor")
+def _module_file(table: dict[str, set[str]]) -> dict[str, str]:
+    """'grpo_fleet.learner.server' -> 'learner/server.py' (a package -> its __init__.py)."""
+    names = {}
+    for name in table:
+        dotted = "grpo_fleet." + name.removesuffix(".py").replace("/", ".")
+        names[dotted.removesuffix(".__init__")] = name
+    return names
+
+
+def reachable(start: str, table: dict[str, set[str]]) -> dict[str, str]:
+    """Every module of the package `start` imports directly or through others, each with the one it came from."""
+    files = _module_file(table)
+    came_from: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        current = todo.pop()
+        for name in table[current]:
+            target = files.get(name)
+            if target is not None and target != start and target not in came_from:
+                came_from[target] = current
+                todo.append(target)
+    return came_from
+
+
+def test_the_walk_follows_imports_through_other_modules():
+    table = {"a.py": {"grpo_fleet.b"}, "b.py": {"grpo_fleet.actor.c"}, "actor/c.py": set(), "d.py": set()}
+    assert reachable("a.py", table) == {"b.py": "a.py", "actor/c.py": "b.py"}
+    assert reachable("d.py", table) == {}
+
+
+def test_the_learner_does_not_import_the_actor_even_through_other_modules():
+    table = _package_imports()
+    chains = []
+    for name in table:
+        if fnmatch(name, "learner/*"):
+            came_from = reachable(name, table)
+            for target in (t for t in came_from if t.startswith("actor/")):
+                chain = [target]
+                while chain[-1] != name:
+                    chain.append(came_from[chain[-1]])
+                chains.append(" <- ".join(chain))
+    assert not chains, f"the learner reaches the actor: {chains}"
 
 
 def test_a_production_actor_has_no_lie_switch():

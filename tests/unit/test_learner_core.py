@@ -12,14 +12,15 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
 from grpo_fleet.config import RunConfig
+from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.core import Learner
 from grpo_fleet.learner.replies import Reply
-from grpo_fleet.learner.setup import build_learner
 from grpo_fleet.model import model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
+from helpers import assert_checkpoint_generates_like_the_learner
+from in_process import build_learner
 
 GROUP_SIZE = 4
 MAX_TOKENS = 4
@@ -896,8 +897,7 @@ def test_kill_between_staging_and_rename_leaves_previous_checkpoint(make_learner
     monkeypatch.undo()
     assert latest_checkpoint(learner.run_dir) == good
     assert not (learner.run_dir / "checkpoints" / "step_000001").exists()
-    model, tokenizer = mlx_lm.load(str(good))
-    assert isinstance(mlx_lm.generate(model, tokenizer, "12=", max_tokens=2), str)
+    assert_checkpoint_generates_like_the_learner(good, "12=", max_tokens=2)
 
 
 def test_rollouts_after_the_final_step_are_not_accepted(make_learner):

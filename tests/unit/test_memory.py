@@ -84,14 +84,15 @@ def test_a_step_that_cannot_fit_is_refused_naming_the_settings():
 
 def test_the_learner_refuses_to_start_a_step_this_machine_cannot_hold(tiny_model_dir, tmp_path, monkeypatch):
     import grpo_fleet.learner.setup as setup
+    from in_process import build_learner
 
     cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "model": {"path": str(tiny_model_dir)},
                                     "task": {"num_train": 20, "num_eval": 4}, "metrics": {"port": 0}})
     monkeypatch.setattr(setup, "machine_memory_bytes", lambda: 1 << 20)  # a 1 MiB machine
     with pytest.raises(MemoryBudgetError, match="this machine has"):
-        setup.build_learner(cfg)
+        build_learner(cfg)
     assert not (tmp_path / "run" / "ledger.jsonl").exists(), "refused before any state was written"
-    learner = setup.build_learner(cfg.model_copy(update={"train": cfg.train.model_copy(update={"memory_check": False})}))
+    learner = build_learner(cfg.model_copy(update={"train": cfg.train.model_copy(update={"memory_check": False})}))
     learner.close()
 
 

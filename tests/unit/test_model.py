@@ -22,6 +22,7 @@ from grpo_fleet.model import (
     trainable_weights,
     weights_to_bytes,
 )
+from helpers import assert_checkpoint_generates_like_the_learner
 
 CORPUS = ["123=321", "45=54", "9=9", "<think> </think> <answer> </answer>"]
 
@@ -114,7 +115,9 @@ def test_checkpoint_loads_with_mlx_lm_and_generates(tiny_model_dir, tmp_path, us
     assert mx.allclose(model(tokens).astype(mx.float32), policy.model(tokens), atol=1e-3)
     reloaded, _ = load_checkpoint(out)
     assert mx.allclose(reloaded(tokens).astype(mx.float32), policy.model(tokens), atol=1e-3)
-    assert isinstance(mlx_lm.generate(model, tokenizer, "12=", max_tokens=3), str)
+    # The checkpoint's text through mlx_lm and through the actors' decode: the moved weights, not the base's.
+    text = assert_checkpoint_generates_like_the_learner(out, "12=", max_tokens=3)
+    assert text == mlx_lm.generate(model, tokenizer, "12=", max_tokens=3)
 
 
 def test_checkpoint_overwrite_is_atomic(tiny_model_dir, tmp_path):

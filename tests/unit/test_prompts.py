@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.setup import build_learner
 from grpo_fleet.tasks.prompts import PromptTooLong, chat_messages, check_prompt_lengths, context_length, encode_prompt
+from in_process import build_learner
 
 
 class RecordingTokenizer:

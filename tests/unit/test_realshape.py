@@ -183,7 +183,7 @@ def test_build_model_cli_refuses_an_unknown_shape(capsys):
 
 
 def test_actor_samples_and_learner_rescores_at_the_real_vocabulary(cpu_learner):
-    from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
+    from grpo_fleet.generation import SamplingSettings, generate_groups
 
     tokenizer, model = cpu_learner.tokenizer, cpu_learner.model
     prompt = encode_prompt(tokenizer, "Reverse 123.", chat_template=True)
@@ -204,30 +204,3 @@ def test_cache_names_read_back_as_specs():
         assert spec_from_key(spec.key()) == replace(spec, layers=spec.num_layers)
     for name in ("tiny-model", "qwen2.5-0.5b-l25-s0-bf16-v1", "qwen2.5-0.5b-l2-s0-bf16-v0", "llama-l2-s0-bf16-v1"):
         assert spec_from_key(name) is None
-
-
-def test_actor_rebuilds_the_learners_realshape_model_in_its_own_cache(realshape_cache_dir, realshape_model_dir,
-                                                                      monkeypatch, tmp_path):
-    from grpo_fleet.actor.worker import ActorRefused, ActorWorker
-    from grpo_fleet.config import ActorConfig, MetricsConfig
-    from grpo_fleet.protocol import messages as m
-
-    monkeypatch.setenv("GRPO_FLEET_MODEL_CACHE", str(realshape_cache_dir))
-    learner_path = f"/Users/learner/.cache/grpo-fleet/models/{realshape_model_dir.name}"  # not on this machine
-
-    def welcome(digest: str) -> m.Welcome:
-        return m.Welcome(
-            run_id="r", actor_id="a", model=m.ModelRef(path=learner_path, digest=digest),
-            generation=m.GenerationParams(group_size=2, max_tokens=2, temperature=1.0, top_p=1.0),
-            reward=m.RewardSpec(names=["exact_match"], weights=[1.0]),
-            policy_version=0, heartbeat_seconds=1.0, vocab_size=VOCAB,
-        )
-
-    worker = ActorWorker(ActorConfig(model_dirs=[str(tmp_path)], metrics=MetricsConfig(port=0)))
-    try:
-        with pytest.raises(ActorRefused, match="digest mismatch"):
-            worker._adopt(welcome("0" * 64))
-        worker._adopt(welcome(model_digest(str(realshape_model_dir))))
-        assert worker.policy is not None and worker.policy.path == str(realshape_model_dir)
-    finally:
-        worker.link.shut()

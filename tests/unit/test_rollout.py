@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from grpo_fleet.actor.rollout import SHARED_PREFIX_MIN_TOKENS, SamplingSettings, completion_text, encode_prompt, generate_groups
+from grpo_fleet.generation import SHARED_PREFIX_MIN_TOKENS, SamplingSettings, completion_text, encode_prompt, generate_groups
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch
 from grpo_fleet.learner.trainer import policy_logprobs
 from grpo_fleet.model import load_policy
@@ -145,8 +145,8 @@ def test_bf16_actor_logprobs_are_float32_and_match_learner(peaky_bf16_policy, te
 
 
 def test_truncated_sampling_is_refused(policy):
-    from grpo_fleet.actor.rollout import TruncatedSamplingError
     from grpo_fleet.config import GenerationConfig
+    from grpo_fleet.generation import TruncatedSamplingError
 
     settings = SamplingSettings(group_size=2, max_tokens=2, top_p=0.9)
     with pytest.raises(TruncatedSamplingError, match="top_p"):

@@ -21,7 +21,6 @@ from test_learner_core import ACTOR_A, ask, hello, lease, rollouts_for, run_conf
 
 from grpo_fleet.config import LoggingConfig, RunConfig, load_run_config
 from grpo_fleet.learner.runlog import StepRecord
-from grpo_fleet.learner.setup import build_learner
 from grpo_fleet.learner.trackers import (
     TensorBoardTracker,
     Trackers,
@@ -31,6 +30,7 @@ from grpo_fleet.learner.trackers import (
     scalars_of,
 )
 from helpers import step_record
+from in_process import build_learner
 
 ERRORS = "grpo_fleet_learner_tracker_errors_total"
 

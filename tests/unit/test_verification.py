@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from test_learner_core import ACTOR_A, GROUP_SIZE, INFORMATIVE, MAX_TOKENS, ask, generated_rollouts, hello, lease, run_config
 
-from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
+from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.core import Learner
-from grpo_fleet.learner.setup import build_learner
 from grpo_fleet.learner.verification import RewardCheck, reward_gap
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import load_policy
@@ -20,6 +19,7 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.prompts import decode_completion
 from grpo_fleet.tasks.reward_runner import InlineScorer
 from helpers import audit_ledger
+from in_process import build_learner
 
 
 @pytest.fixture
@@ -40,35 +40,28 @@ def rejections(learner: Learner, reason: RejectReason) -> float:
 
 
 def test_the_learner_re_scores_in_a_process_of_its_own_unless_given_a_scorer(
-        make: Callable[..., Learner], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Never an in-process fallback, which could not interrupt a reward that hangs; a test passes its own scorer."""
-    import grpo_fleet.learner.core as core
+        make: Callable[..., Learner], tmp_path: Path) -> None:
+    """Never an in-process fallback, which could not interrupt a reward that hangs; a unit test passes its own."""
+    import inspect
 
-    started: list[object] = []
+    from grpo_fleet.learner.setup import build_learner as build_with_processes
+    from grpo_fleet.tasks.reward_runner import ScoringProcess
 
-    class RecordedProcess:  # stands in for ScoringProcess: a unit test starts no process
-        def __init__(self, rewards: object) -> None:
-            started.append(rewards)
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(core, "ScoringProcess", RecordedProcess, raising=False)
+    # Both ways in default to a scoring process (starting one here would break the unit tests' rule).
+    for built_by in (Learner, build_with_processes):
+        assert inspect.signature(built_by).parameters["make_scorer"].default is ScoringProcess, built_by
     parts = make()
     cfg = parts.cfg.model_copy(update={"security": parts.cfg.security.model_copy(update={"verify_rewards": True})})
-
-    def learner_from_parts(name: str, **scorer: object) -> Learner:
-        (tmp_path / name).mkdir()
-        return Learner(cfg, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
-                       learner_metrics(), tmp_path / name, **scorer)  # type: ignore[arg-type]
-
-    default = learner_from_parts("default")
-    assert default.reward_check is not None and isinstance(default.reward_check.scorer, RecordedProcess)
-    assert started == [parts.task.reward_set()]
     inline = InlineScorer(parts.task.reward_set())
-    given = learner_from_parts("given", scorer=inline)
-    assert given.reward_check is not None and given.reward_check.scorer is inline and len(started) == 1
-    for learner in (default, given):
+    given = Learner(cfg, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
+                    learner_metrics(), tmp_path, make_scorer=lambda rewards: inline)
+    assert given.reward_check is not None and given.reward_check.scorer is inline
+    off = cfg.model_copy(update={"security": cfg.security.model_copy(update={"verify_rewards": False})})
+    (tmp_path / "off").mkdir()
+    unchecked = Learner(off, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
+                        learner_metrics(), tmp_path / "off", make_scorer=lambda rewards: inline)
+    assert unchecked.reward_check is None, "no re-scoring, no scorer"
+    for learner in (given, unchecked):
         learner.close()
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grpo_fleet.actor import wire
-from grpo_fleet.actor.rollout import GeneratedCompletion, completion_text
+from grpo_fleet.generation import GeneratedCompletion, completion_text
 from grpo_fleet.metrics import ActorMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown

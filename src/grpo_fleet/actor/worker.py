@@ -24,10 +24,10 @@ from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit, plan_rewar
 from grpo_fleet.actor.link import Answer, LearnerLink, LearnerUnavailable, Notice, StopActor
 from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rewarding import score_lease
-from grpo_fleet.actor.rollout import generate_groups
 from grpo_fleet.actor.weights_sync import FetchedWeights, WeightsSync, fetch_weights
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.doctor import mlx_version
+from grpo_fleet.generation import generate_groups
 from grpo_fleet.metrics import ActorMetrics, MetricsServer, actor_metrics, serve_metrics
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.protocol import messages as m

@@ -129,15 +129,15 @@ class Benchmark:
 # The registration point: add a row here and `--only NAME` runs it; `default=True` puts it in `make bench`.
 # In the order both sets run them.
 BENCHMARKS: tuple[Benchmark, ...] = (
-    Benchmark("rollout", "rollout", True, 1.0, "actor tok/s vs a naive mlx_lm.generate loop; shared-prefix prefill"),
-    Benchmark("ingest", "ingest", True, 1.5, "learner intake tok/s and ack latency by actor count; CURVE; hostile"),
+    Benchmark("rollout", "rollout", True, 0.6, "actor tok/s vs naive mlx_lm.generate (tiny; 50M + shared prefix: full)"),
+    Benchmark("ingest", "ingest", True, 1.1, "learner intake tok/s and ack latency by actor count; CURVE; hostile"),
     Benchmark("weights", "weights", True, 0.5, "LoRA and full weight broadcast vs raw ZeroMQ"),
-    Benchmark("step", "step", True, 0.3, "learner step phases, eager vs mx.compile (50M and memory rows: full)"),
-    Benchmark("real_decode", "real_decode", True, 1.0, "real model: actor lease vs mlx_lm.batch_generate, idle slots"),
-    Benchmark("real_step", "real_step", True, 1.0, "real model: one Trainer.step tok/s, micro-batch padding"),
-    Benchmark("real", "real", True, 16.0, "real model learning: fleet vs in-process loop vs mlx-lm-lora, same task"),
-    Benchmark("mixed", "mixed", True, 0.7, "capacity-sized leases with a 10x slower actor"),
-    Benchmark("e2e", "e2e", True, 1.5, "wall time to the demo's target: fleet vs loops (notebook loop: full)"),
+    Benchmark("step", "step", True, 0.1, "learner step phases, eager vs mx.compile (50M and memory rows: full)"),
+    Benchmark("real_decode", "real_decode", True, 3.4, "real model: actor lease vs mlx_lm.batch_generate, idle slots"),
+    Benchmark("real_step", "real_step", False, 3.7, "real model: one Trainer.step tok/s, micro-batch padding"),
+    Benchmark("real", "real", True, 23.5, "real model learning: fleet vs in-process loop vs mlx-lm-lora, same task"),
+    Benchmark("mixed", "mixed", True, 0.5, "capacity-sized leases with a 10x slower actor"),
+    Benchmark("e2e", "e2e", False, 4.3, "tiny demo: wall time to its target, fleet vs batched loop and notebook loop"),
     Benchmark("data_parallel", "data_parallel", False, 5.0,
               "data-parallel learner: 50M step and gradient all-reduce at 1 and 2 ranks, LoRA and full"),
     Benchmark("logprob_gap", "logprob_gap", False, 2.8, "actor/learner logprob gap in fp32 and bf16"),

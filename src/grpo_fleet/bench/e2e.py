@@ -30,12 +30,12 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from grpo_fleet.actor.rollout import GeneratedCompletion, SamplingSettings, completion_text, generate_groups
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.rollout import naive_completion
 from grpo_fleet.config import RunConfig
 from grpo_fleet.demo import DemoOptions, demo_config, held_out_reward
 from grpo_fleet.evaluate import evaluate
+from grpo_fleet.generation import GeneratedCompletion, SamplingSettings, completion_text, generate_groups
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, LengthShaping, build_train_batch
 from grpo_fleet.learner.scheduler import PromptScheduler
 from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts

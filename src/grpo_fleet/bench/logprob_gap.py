@@ -18,9 +18,9 @@ from typing import Optional
 
 import numpy as np
 
-from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.config import RunConfig
+from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.setup import resolve_model_path
 from grpo_fleet.learner.verification import LogprobCheck, LogprobGap, WeightHistory

@@ -15,7 +15,7 @@ How it stays like for like:
   (weights, reward module and bound included).
 * Same evaluation: the runner saves the adapters every `eval_every` steps (and
   at step 0 and the end) with the clock stopped; afterwards grpo-fleet's
-  `evaluate` (greedy, the task's held-out prompts) scores each snapshot, as the
+  `evaluate` (the task's held-out prompts, in the run's train.eval_mode) scores each snapshot, as the
   e2e bench scores the fleet's checkpoints.
 * Same clock: wall seconds run from just before the runner process is started
   (interpreter, imports and model load count, as they do for the fleet).
@@ -297,7 +297,7 @@ def _run_runner(python: Path, job_path: Path, out_dir: Path, timeout_seconds: fl
 
 
 def evaluate_snapshots(cfg: RunConfig, task: Any, snapshots: list[Snapshot]) -> list[EvalPoint]:
-    """grpo-fleet's greedy held-out reward of each saved adapter file."""
+    """grpo-fleet's held-out reward (train.eval_mode, as the fleet's rounds) of each saved adapter file."""
     import mlx.core as mx
 
     from grpo_fleet.evaluate import evaluate

@@ -41,8 +41,10 @@ from grpo_fleet.model import Policy, load_policy
 NATURAL_LAG = 1
 LAGS = (NATURAL_LAG, 4)
 OBJECTIVES = ("coupled", "decoupled")
-# Sized for about 4-5 minutes on an idle 2-core machine (3 seeds x 2 lags x 2 objectives).
-STEPS, SEEDS = 8, (0, 1, 2)
+# 12 runs (3 seeds x 2 lags x 2 objectives), each a held-out round before and after: with the demo's
+# B = 4 one run took 15 minutes on the 2-core VM (under load), so the runs train half its batch for 6 steps.
+STEPS, SEEDS = 6, (0, 1, 2)
+GROUPS_PER_STEP = 2
 
 
 @dataclass
@@ -94,7 +96,8 @@ def compare(model_dir: str, config_path: Optional[str], *, steps: int, seeds: Se
     """Held-out reward before training, and every (seed, lag, objective) run."""
     runs: list[RealRun] = []
     with tempfile.TemporaryDirectory(prefix="grpo-bench-offreal-") as tmp:
-        base = real_config(Path(tmp), model_dir=model_dir, seed=seeds[0], steps=steps, config_path=config_path)
+        base = real_config(Path(tmp), model_dir=model_dir, seed=seeds[0], steps=steps, config_path=config_path,
+                           overrides=[f"grpo.groups_per_step={GROUPS_PER_STEP}"])
         policy = load_policy(model_dir, lora=base.lora if base.lora.enabled else None, dtype=base.model.dtype)
         start: Any = tree_flatten(policy.model.trainable_parameters())
         before = TrainLoop.around(base, policy).held_out()
@@ -129,8 +132,8 @@ def _report(report: Report, before: float, runs: list[RealRun], task: str) -> No
             "offpolicy_real", f"real model: held-out reward after {steps} steps at lag {lag}, decoupled vs coupled",
             statistics.median(finals["decoupled"]), "reward", baseline=statistics.median(finals["coupled"]),
             baseline_name="coupled reward",
-            notes=f"{task}; median of seeds {sorted({r.seed for r in runs})}; decoupled {finals['decoupled']}, "
-                  f"coupled {finals['coupled']}; before training {before:.3f}",
+            notes=f"{task}, {GROUPS_PER_STEP} groups a step; median of seeds {sorted({r.seed for r in runs})}; "
+                  f"decoupled {finals['decoupled']}, coupled {finals['coupled']}; before training {before:.3f}",
         ))
     coupled, decoupled = by_staleness(runs, "coupled"), by_staleness(runs, "decoupled")
     for staleness, stats in decoupled.items():

@@ -28,10 +28,10 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.step import one_shot_step, synthetic_groups
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
+from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.batch import TrainBatch, build_train_batch
 from grpo_fleet.learner.trainer import Trainer
 from grpo_fleet.model import Policy, load_policy

@@ -10,6 +10,10 @@ same B x G, token budget, LoRA rank and learning rate for every contender.
 * loop: the strongest single process this project can build, `TrainLoop`
   (batched shared-prefix generation, the same Trainer), evaluated with its clock
   stopped.
+
+Every contender is scored the way the fleet's eval rounds score it (the
+config's train.eval_mode: sampled avg@4 at T = 1 for demo-real), through
+grpo_fleet.evaluate.
 * mlx-lm-lora: its GRPO trainer in its own venv (bench/mlx_lm_lora.py).
 
 Reported: time to a target held-out reward (the fleet's ratio to each
@@ -52,6 +56,7 @@ class RealCurve:
     completions: int = 0
     seconds: float = 0.0
     learner_metrics: Optional[Scraped] = None  # the fleet learner's last /metrics page before it exited
+    notes: str = ""
 
     def time_to(self, target: float) -> Optional[float]:
         return next((s for _, s, r in self.points if r >= target), None)
@@ -101,6 +106,11 @@ def fleet_run(cfg: RunConfig, actors: int = 2) -> RealCurve:
         curve.points.append((int(record["step"]), max(stamp - eval_seconds, 0.0), float(record["eval_reward"])))
     steps = load_step_records(metrics)
     curve.completions = len(steps) * cfg.grpo.groups_per_step * cfg.generation.group_size
+    if steps:
+        mean_step = sum(float(s["step_seconds"]) for s in steps) / len(steps)
+        mean_stale = sum(float(s["staleness_mean"]) for s in steps) / len(steps)
+        curve.notes = (f"the learner's own step (training only, while 2 actors generate on the same cores) took "
+                       f"{mean_step:.1f} s on average; groups trained {mean_stale:.2f} versions stale on average")
     curve.seconds = curve.points[-1][1] if curve.points else 0.0
     return curve
 
@@ -151,6 +161,8 @@ def _time_figure(report: Report, fleet: RealCurve, other: RealCurve, target: flo
     report.add(Figure(
         "real", f"completions/s, fleet vs {other.contender}", fleet.completions_per_second, "completions/s",
         baseline=other.completions_per_second, baseline_name=f"{other.contender} completions/s",
+        notes=f"fleet {fleet.completions} completions in {fleet.seconds:.0f} s, {other.contender} {other.completions} in "
+              f"{other.seconds:.0f} s (eval time excluded); {fleet.notes}",
     ))
 
 

@@ -107,7 +107,7 @@ class DecodeRun:
 
 def actor_lease(model: Any, prompts: list[list[int]], shape: LeaseShape, eos: Sequence[int]) -> DecodeRun:
     """The actor's path: `generate_groups`, logprobs recorded, EOS kept."""
-    from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
+    from grpo_fleet.generation import SamplingSettings, generate_groups
 
     settings = SamplingSettings(group_size=shape.group_size, max_tokens=shape.max_tokens,
                                 temperature=shape.temperature, stop_token_ids=tuple(eos))
@@ -178,4 +178,4 @@ def run(report: Report, scale: Scale, model_dir: Optional[Path] = None) -> None:
     if not (directory / "config.json").exists():
         print(f"skipping real_decode: no model at {directory} (set {REAL_MODEL_ENV})", flush=True)
         return
-    measure(report, directory, shape, repeats=1 if scale is Scale.QUICK else 3)
+    measure(report, directory, shape, repeats={Scale.QUICK: 1, Scale.DEFAULT: 2}.get(scale, 3))

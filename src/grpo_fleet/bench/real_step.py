@@ -47,7 +47,7 @@ def batch_padding(batch: TrainBatch) -> float:
 
 def real_groups(model: Any, tokenizer: Any, shape: LeaseShape) -> list[AcceptedGroup]:
     """One lease sampled by the actor's path, as the learner accepts it; rewards spread 0..1 within each group."""
-    from grpo_fleet.actor.rollout import SamplingSettings, generate_groups
+    from grpo_fleet.generation import SamplingSettings, generate_groups
 
     prompts = lease_prompts(tokenizer, shape.prompts)
     eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))

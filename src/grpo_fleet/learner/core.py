@@ -43,7 +43,7 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.tasks import Task
-from grpo_fleet.tasks.reward_runner import Scorer, ScoringProcess
+from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
 from grpo_fleet.zoo import model_reference
 
 log = logging.getLogger("grpo_fleet.learner")
@@ -93,7 +93,8 @@ class Learner:
 
     def __init__(self, cfg: RunConfig, policy: Policy, trainer: Trainer, task: Task, prompt_tokens: list[np.ndarray],
                  model_digest: str, metrics: LearnerMetrics, run_dir: Path, pub_address: Optional[str] = None,
-                 eval_prompt_tokens: Optional[list[np.ndarray]] = None, scorer: Optional[Scorer] = None) -> None:
+                 eval_prompt_tokens: Optional[list[np.ndarray]] = None,
+                 make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess) -> None:
         self.cfg, self.policy, self.trainer, self.task = cfg, policy, trainer, task
         self.prompt_tokens, self.model_digest, self.metrics, self.run_dir = prompt_tokens, model_digest, metrics, run_dir
         self.pub_address = pub_address
@@ -110,9 +111,9 @@ class Learner:
         self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
         security = cfg.security
         # Rewards are re-scored in a process of the learner's own, which can kill a reward that hangs; never
-        # in this one, which could not. (A test may pass an in-process scorer, tests/ being where such hooks live.)
-        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer,
-                                         scorer if scorer is not None else ScoringProcess(task.reward_set()))
+        # in this one, which could not. (Unit tests, which may start no process, pass an in-process scorer.)
+        self.make_scorer = make_scorer  # the local evaluator's rewards run in one of these too
+        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, make_scorer(task.reward_set()))
                              if security.verify_rewards else None)
         rules = IntakeRules.from_config(cfg, policy.vocab_size, compute_dtype(policy.model))
         self.intake = Intake(rules, self.state, self.registry,

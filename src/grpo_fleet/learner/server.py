@@ -236,7 +236,7 @@ class LearnerServer:
             self.close()
 
     def _train_loop(self) -> None:
-        local = LocalEvaluator(self.learner)
+        local = LocalEvaluator(self.learner, self.learner.make_scorer)
         try:
             while not self.stopping and not self.learner.state.done:
                 local.run_if_needed()

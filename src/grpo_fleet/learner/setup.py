@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_p
 from grpo_fleet.realshape import build_realshape, is_realshape
 from grpo_fleet.tasks import Task, build_task
 from grpo_fleet.tasks.prompts import check_prompt_lengths, context_length, encode_prompt
+from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
 from grpo_fleet.zoo import import_source, is_gguf_source
 
 log = logging.getLogger("grpo_fleet.learner")
@@ -82,10 +83,15 @@ def _open_trackers(learner: Learner, cfg: RunConfig, run_dir: Path) -> None:
         raise
 
 
-def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional[str] = None) -> Learner:
+def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional[str] = None,
+                  make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess) -> Learner:
     """Everything the learner needs, loaded and ready; writes the resolved config to the run dir.
 
     With `resume`, continues from the run directory's latest checkpoint.
+    `make_scorer` builds what re-scores submissions (security.verify_rewards): a
+    process of its own, which can interrupt a reward that hangs, unless the
+    caller gives another (the unit tests run rewards in-process: they may start
+    no process).
     """
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +118,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     learner = Learner(
         cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address,
-        eval_prompt_tokens=eval_prompts,  # Learner re-scores in a process of its own (security.verify_rewards)
+        eval_prompt_tokens=eval_prompts, make_scorer=make_scorer,
     )
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if checkpoint is not None:

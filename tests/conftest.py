@@ -167,15 +167,17 @@ def peer_socket() -> Iterator[Callable[[str, bytes], Any]]:
 
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """Start `python -m grpo_fleet ARGS` processes (or `python SCRIPT ARGS`); kills only those it started."""
+    """Start `python -m grpo_fleet ARGS` processes (or `python SCRIPT ARGS`, `env` over this one's); kills only those
+    it started."""
     started: list[subprocess.Popen] = []
 
-    def start(*args: str, name: str = "proc", script: Optional[Path] = None) -> subprocess.Popen:
+    def start(*args: str, name: str = "proc", script: Optional[Path] = None,
+              env: Optional[dict[str, str]] = None) -> subprocess.Popen:
         log = open(tmp_path / f"{name}-{len(started)}.log", "w")
         program = [str(script)] if script is not None else ["-m", "grpo_fleet"]
         proc = subprocess.Popen(
             [sys.executable, *program, *args], stdout=log, stderr=subprocess.STDOUT,
-            env=child_env(), start_new_session=True,
+            env=child_env({**os.environ, **(env or {})}), start_new_session=True,
         )
         proc.log_path = Path(log.name)  # type: ignore[attr-defined]
         started.append(proc)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
-    from grpo_fleet.config import ActorConfig
+    from grpo_fleet.config import ActorConfig, RunConfig
+    from grpo_fleet.learner.core import Learner
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -21,11 +22,13 @@ def _setup_logging(verbose: bool) -> None:
 
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config, toml_string
-    from grpo_fleet.learner.memory import MemoryBudgetError
-    from grpo_fleet.learner.server import InsecureBindError, LearnerServer, check_bind_security
-    from grpo_fleet.learner.setup import build_learner, load_resume_config
-    from grpo_fleet.learner.trackers import TrackerUnavailable
+    from grpo_fleet.learner.collectives import launched_rank
+    from grpo_fleet.learner.server import InsecureBindError, check_bind_security
+    from grpo_fleet.learner.setup import load_resume_config
     overrides = list(args.set or [])
+    rank = launched_rank()  # under mlx.launch (a data-parallel learner); None for a plain process
+    if rank is not None and rank > 0:
+        return _learner_follower(rank, [o for o in overrides if o.startswith("distributed.")])
     if args.run_dir or args.resume:
         overrides.append(f"run_dir={toml_string(args.resume or args.run_dir)}")
     if args.bind:
@@ -47,17 +50,46 @@ def _learner(args: argparse.Namespace) -> int:
     except InsecureBindError as exc:
         print(f"grpo-fleet learner: {exc}", file=sys.stderr)
         return 2
+    if rank is None:
+        return _serve_learner(cfg, resume=bool(args.resume))
+    from grpo_fleet.learner.distributed import connect, rank0_session
+
+    ranks = connect(cfg.distributed, rank)
+    if ranks is None:  # `mlx.launch -n 1`: the plain learner
+        return _serve_learner(cfg, resume=bool(args.resume))
+    with rank0_session(ranks, cfg) as start:
+        return _serve_learner(cfg, resume=bool(args.resume), ready=start)
+
+
+def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["Learner"], None]] = None) -> int:
+    """Build the learner (then `ready(learner)`: a data-parallel rank 0 starts its ranks) and serve the fleet."""
+    from grpo_fleet.learner.memory import MemoryBudgetError
+    from grpo_fleet.learner.server import LearnerServer
+    from grpo_fleet.learner.setup import build_learner
+    from grpo_fleet.learner.trackers import TrackerUnavailable
     try:
-        learner = build_learner(cfg, resume=bool(args.resume))
+        learner = build_learner(cfg, resume=resume)
     except (MemoryBudgetError, TrackerUnavailable) as exc:
         logging.getLogger("grpo_fleet.learner").error("%s", exc)  # in learner.log too, not only the console
         print(f"grpo-fleet learner: {exc}", file=sys.stderr)
         return 2
+    if ready is not None:
+        ready(learner)
     server = LearnerServer(learner)
     server.install_signal_handlers()
     server.start_metrics()
     server.serve()
     return 0
+
+
+def _learner_follower(rank: int, overrides: list[str]) -> int:
+    """A data-parallel rank > 0: everything but `distributed.*` comes from rank 0."""
+    from grpo_fleet.config import load_run_config
+    from grpo_fleet.learner.distributed import connect
+    from grpo_fleet.learner.follower import run_follower
+
+    ranks = connect(load_run_config(None, overrides).distributed, rank)
+    return 0 if ranks is None else run_follower(ranks)
 
 
 class _FromConfig:

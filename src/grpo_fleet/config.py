@@ -502,6 +502,35 @@ class LoggingConfig(_Section):
         return value
 
 
+class DistributedConfig(_Section):
+    """A data-parallel learner over `mx.distributed` (started with `mlx.launch`); ignored by a single learner."""
+
+    backend: Literal["auto", "ring", "mpi", "jaccl"] = Field(
+        "auto",
+        description="mx.distributed backend; 'auto' takes the one the launcher set up: MPI under mpirun, JACCL "
+        "with `mlx.launch --backend jaccl`, else the ring.",
+    )
+    timeout_seconds: float = Field(
+        300.0, gt=0,
+        description="A collective of a step (gradients, weights, digest) not finished within this ends the rank "
+        "with a non-zero exit and no checkpoint; it includes waiting for the slowest rank's micro-batches.",
+    )
+    idle_timeout_seconds: float = Field(
+        900.0, gt=0,
+        description="How long a rank waits for the others to connect, and for rank 0's next command between "
+        "steps (rank 0 loading the model, writing a checkpoint, evaluating), before it exits non-zero.",
+    )
+    keepalive_seconds: float = Field(
+        2.0, gt=0,
+        description="While waiting for a batch, rank 0 tells the other ranks it is alive this often; they sleep "
+        "most of the gap (MLX's ring spins a core while it waits), so the first step after idling starts up to "
+        "0.8 of this later.",
+    )
+    digest_every: int = Field(
+        10, ge=1, description="Every this many steps the ranks check their weights are bitwise identical."
+    )
+
+
 class RunConfig(_Section):
     """The whole learner run."""
 
@@ -517,6 +546,7 @@ class RunConfig(_Section):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> "RunConfig":

@@ -125,3 +125,16 @@ def test_a_production_actor_has_no_lie_switch():
     mentions = [name for name in sorted(modules)
                 if "GRPO_FLEET_TEST_CORRUPT" in (PACKAGE / name).read_text(encoding="utf-8")]
     assert mentions == [], f"the lie switch is read in {mentions}"
+
+
+def _calls_mx_distributed(source: str) -> bool:
+    return any(isinstance(node, ast.Attribute) and node.attr == "distributed" and isinstance(node.value, ast.Name)
+               and node.value.id == "mx" for node in ast.walk(ast.parse(source)))
+
+
+def test_only_the_collectives_module_runs_mx_distributed():
+    """Every collective goes through learner/collectives.py, so every one runs under its watchdog."""
+    assert _calls_mx_distributed("import mlx.core as mx\nmx.distributed.all_sum(x)\n")
+    users = sorted(path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+                   if _calls_mx_distributed(path.read_text(encoding="utf-8")))
+    assert users == ["learner/collectives.py"]

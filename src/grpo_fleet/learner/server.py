@@ -242,6 +242,8 @@ class LearnerServer:
                 local.run_if_needed()
                 if self.learner.wait_for_batch(timeout=0.1):
                     self.learner.train_step()
+                else:
+                    self.learner.trainer.sharding.idle()  # a data-parallel rank 0's keepalive
             # The final eval round: answered by actors, or evaluated here if none is left.
             while not self.stopping and local.pending():
                 if not local.run_if_needed():

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,16 +88,21 @@ def default_loss(
 
 
 def offpolicy_summary(
-    batch: TrainBatch, micro_batches: list[MicroBatch], proximal: list[mx.array],
-    correction: Optional[BehaviourCorrection],
+    batch: TrainBatch, grid: Optional[np.ndarray], correction: Optional[BehaviourCorrection],
 ) -> tuple[Optional[np.ndarray], dict[str, float]]:
-    """pi_prox on the batch's `[N, L]` grid and the step's `offpolicy_stats` (none without a pi_prox per micro-batch)."""
-    if not micro_batches or len(proximal) != len(micro_batches):
+    """The step's `offpolicy_stats` of pi_prox on the batch's `[N, L]` grid (none without a grid)."""
+    if grid is None:
         return None, {}  # a custom loss_fn that returns no POLICY_LOGPROBS, and no extra forward
-    rows, width = batch.mask.shape
-    grid = unpack_completions(micro_batches, proximal, (rows, width))
     stats = offpolicy_stats(mx.array(grid), batch.old_logprobs, batch.mask, correction)
     return grid, {key: float(value) for key, value in stats.items()}
+
+
+def proximal_grid(batch: TrainBatch, micro_batches: list[MicroBatch], proximal: list[mx.array]) -> Optional[np.ndarray]:
+    """pi_prox per micro-batch scattered onto the batch's `[N, L]` grid; None without one per micro-batch."""
+    if not micro_batches or len(proximal) != len(micro_batches):
+        return None
+    rows, width = batch.mask.shape
+    return unpack_completions(micro_batches, proximal, (rows, width))
 
 
 @dataclass
@@ -153,6 +158,43 @@ def _skip_reason(loss: float, norm: float) -> Optional[str]:
     return None
 
 
+class Sharding(Protocol):
+    """Which rows of a batch this process trains, and how its sums become the whole batch's."""
+
+    def begin(self, batch: TrainBatch) -> None: ...
+    def own_rows(self, batch: TrainBatch) -> TrainBatch: ...
+    def combine(self, gradients: Gradients) -> Gradients: ...
+    def combine_proximal(self, batch: TrainBatch, own: TrainBatch, micro: list[MicroBatch],
+                         proximal: list[mx.array]) -> Optional[np.ndarray]: ...
+    def end(self, model: nn.Module) -> None: ...
+    def idle(self) -> None: ...
+
+
+class SingleProcess:
+    """One process trains every row, and its sums are the batch's already; `DataParallel` (learner/distributed.py)
+    spreads the rows over mx.distributed ranks instead."""
+
+    def begin(self, batch: TrainBatch) -> None:
+        """Before a step: nothing to tell anyone."""
+
+    def own_rows(self, batch: TrainBatch) -> TrainBatch:
+        return batch
+
+    def combine(self, gradients: Gradients) -> Gradients:
+        return gradients
+
+    def combine_proximal(self, batch: TrainBatch, own: TrainBatch, micro: list[MicroBatch],
+                         proximal: list[mx.array]) -> Optional[np.ndarray]:
+        """pi_prox on the batch's `[N, L]` grid."""
+        return proximal_grid(own, micro, proximal)
+
+    def end(self, model: nn.Module) -> None:
+        """After a step: nothing to check."""
+
+    def idle(self) -> None:
+        """Waiting for a batch: nobody to tell."""
+
+
 class Trainer:
     """Owns the optimizer; each step accumulates micro-batch gradients, then clips and applies them."""
 
@@ -184,6 +226,7 @@ class Trainer:
         mx.eval(self.optimizer.state)
         self.compiled, self.max_compiled_shapes = compile, max_compiled_shapes
         self.compiled_update = self._compile() if compile else None
+        self.sharding: Sharding = SingleProcess()
 
     def _compile(self) -> CompiledUpdate:
         return CompiledUpdate(self.policy.model, self.optimizer, self._grads, self._apply_update,
@@ -282,8 +325,10 @@ class Trainer:
         """Train on one batch: `ppo_epochs` accumulate-then-apply updates, stopping at a skipped one."""
         mx.reset_peak_memory()
         start = time.perf_counter()
-        micro = split_batch(batch, self.micro_batch_tokens)
-        totals = batch_totals(batch)
+        self.sharding.begin(batch)
+        own = self.sharding.own_rows(batch)
+        micro = split_batch(own, self.micro_batch_tokens)
+        totals = batch_totals(batch)  # the whole batch's: every rank's share is normalised by the same totals
         refs = self._references(micro)
         ref_seconds = time.perf_counter() - start
         with_proximal = self._proximal(micro)
@@ -293,7 +338,7 @@ class Trainer:
         sums: dict[str, float] = {}
         epochs, skipped = 0, None
         while epochs < self.grpo.ppo_epochs and skipped is None:
-            gradients = self.accumulate(micro, refs, totals)
+            gradients = self.sharding.combine(self.accumulate(micro, refs, totals))
             grad_norm, skipped = self.apply(gradients)
             if epochs == 0 and not proximal:
                 # Only the first epoch's forward runs under the weights before the step: its logprobs are pi_prox.
@@ -302,13 +347,15 @@ class Trainer:
             values: dict[str, Any] = {"loss": gradients.loss, "grad_norm": grad_norm, **gradients.stats}
             for key, value in values.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
-        grid, offpolicy = offpolicy_summary(batch, micro, proximal, behaviour_correction(self.grpo))
+        grid, offpolicy = offpolicy_summary(batch, self.sharding.combine_proximal(batch, own, micro, proximal),
+                                            behaviour_correction(self.grpo))
         train_seconds = time.perf_counter() - start
         peak = int(mx.get_peak_memory())
         self._trim_cache(peak)
         means = {key: value / epochs for key, value in sums.items()}
         known = {name: means.pop(name, 0.0) for name in
                  ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean")}
+        self.sharding.end(self.policy.model)
         return StepStats(**known, **offpolicy, ref_seconds=ref_seconds, proximal_seconds=proximal_seconds,
                          update_seconds=train_seconds - ref_seconds - proximal_seconds, train_seconds=train_seconds,
                          peak_memory_bytes=peak, micro_batches=len(micro), epochs=epochs,
@@ -334,7 +381,11 @@ class Trainer:
     def load_optimizer(self, path: Path) -> None:
         """Restore what `save_optimizer` wrote."""
         loaded = cast(dict[str, Any], mx.load(str(path)))
-        self.optimizer.state = tree_unflatten(list(loaded.items()))
+        self.set_optimizer_state(tree_unflatten(list(loaded.items())))
+
+    def set_optimizer_state(self, state: dict) -> None:
+        """Replace the optimizer's moments and step (a checkpoint's, or rank 0's on the other ranks)."""
+        self.optimizer.state = state
         mx.eval(self.optimizer.state)
         if self.compiled:
             # The compiled update captured the old state tree; trace again against the new one.

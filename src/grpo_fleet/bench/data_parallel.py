@@ -1,0 +1,122 @@
+"""Benchmark: the data-parallel learner's step at 1 and 2 ranks, and what its all-reduce costs.
+
+The ~50M bench model, LoRA r8 and full fine-tuning, 4 groups of 8 (32-token
+prompts, 64-token completions). One rank is a plain `Trainer.step` in this
+process; two ranks are `mlx.launch -n 2 --backend ring` on 127.0.0.1 running
+this module's `__main__`, rank 0 broadcasting each batch as the learner does.
+The figures: rank 0's step time, the seconds its gradient all-sum took (its
+share of the step) and the bytes it all-reduced per step. On one machine two
+ranks share its cores, so they cannot be faster; the all-reduce share is the
+figure that carries over to several Macs (over loopback here, not a network).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from grpo_fleet.bench import Figure, Report, Scale
+from grpo_fleet.bench.models import model_50m
+from grpo_fleet.bench.step import synthetic_groups
+from grpo_fleet.config import DistributedConfig, GRPOConfig, LoraConfig, OptimConfig
+from grpo_fleet.learner.batch import TrainBatch, build_train_batch
+from grpo_fleet.learner.collectives import launched_rank
+from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.model import load_policy
+
+SHAPE = (4, 8, 32, 64)  # groups, group size, prompt tokens, completion tokens
+GRADIENTS = "gradient all-sum"
+
+
+def _trainer(path: str, mode: str) -> Trainer:
+    mx.random.seed(0)
+    policy = load_policy(path, lora=LoraConfig(enabled=True, rank=8) if mode == "lora" else None)
+    ref = None if mode == "lora" else load_policy(path).model
+    return Trainer(policy, GRPOConfig(beta=0.04), OptimConfig(lr=1e-5), temperature=1.0, max_tokens=SHAPE[3],
+                   ref_model=ref)
+
+
+def _batch(trainer: Trainer) -> TrainBatch:
+    return build_train_batch(synthetic_groups(*SHAPE, vocab=trainer.policy.vocab_size))
+
+
+def one_rank(path: str, mode: str, repeats: int) -> float:
+    """Seconds per `Trainer.step` in this process, after a warm-up."""
+    trainer = _trainer(path, mode)
+    batch = _batch(trainer)
+    trainer.step(batch)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        trainer.step(batch)
+    return (time.perf_counter() - started) / repeats
+
+
+def ranked(path: str, mode: str, repeats: int, out: Path) -> None:
+    """One rank of the 2-rank run (under mlx.launch); rank 0 writes its step and all-sum figures to `out`."""
+    from grpo_fleet.learner.distributed import DataParallel, connect
+    from grpo_fleet.learner.sharding import Command, Header
+
+    rank = launched_rank()
+    assert rank is not None, "run under mlx.launch"
+    ranks = connect(DistributedConfig(timeout_seconds=600, idle_timeout_seconds=600), rank)
+    assert ranks is not None, "needs 2 ranks"
+    trainer = _trainer(path, mode)
+    sharding = DataParallel(ranks, digest_every=10**9)
+    trainer.sharding = sharding
+    if rank > 0:
+        while (header := sharding.receive()).command != Command.STOP:
+            trainer.step(sharding.receive_batch(header))
+        return
+    batch = _batch(trainer)
+    trainer.step(batch)  # warm-up
+    before = list(ranks.totals[GRADIENTS])
+    started = time.perf_counter()
+    for _ in range(repeats):
+        trainer.step(batch)
+    step = (time.perf_counter() - started) / repeats
+    seconds, sent = (now - then for now, then in zip(ranks.totals[GRADIENTS], before))
+    sharding.send(Header(Command.STOP))
+    out.write_text(json.dumps({"step": step, "allreduce": seconds / repeats, "bytes": sent / repeats}))
+
+
+def two_ranks(path: str, mode: str, repeats: int, root: Path) -> dict[str, float]:
+    from grpo_fleet.blas import child_env
+    from grpo_fleet.protocol.endpoints import free_port
+
+    out = root / f"ranks-{mode}.json"
+    command = [str(Path(sys.executable).parent / "mlx.launch"), "--hosts", "127.0.0.1", "-n", "2",
+               "--backend", "ring", "--starting-port", str(free_port()),
+               # One BLAS thread per rank: two ranks of two spinning OpenBLAS threads each thrash two cores.
+               "--env", "OPENBLAS_NUM_THREADS=1", "--", sys.executable,
+               "-m", "grpo_fleet.bench.data_parallel", path, mode, str(repeats), str(out)]
+    subprocess.run(command, env=child_env(), check=True, timeout=1800)
+    return dict(json.loads(out.read_text()))
+
+
+def run(report: Report, scale: Scale) -> None:
+    repeats = 2 if scale is Scale.QUICK else 5
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-dp-") as tmp:
+        root = Path(tmp)
+        path = str(model_50m(root))
+        modes = (("lora", "50M model, LoRA r8"), ("full", "50M model, full FT"))
+        for mode, label in modes[:1] if scale is Scale.QUICK else modes:  # quick: LoRA only
+            single = one_rank(path, mode, repeats)
+            pair = two_ranks(path, mode, repeats, root)
+            report.add(Figure("data_parallel", f"{label}: step at 2 ranks (rank 0)", pair["step"] * 1e3, "ms",
+                              baseline=single * 1e3, baseline_name="1 rank ms",
+                              notes="2 ranks share this machine's cores"))
+            report.add(Figure("data_parallel", f"{label}: gradient all-reduce per step, 2 ranks",
+                              pair["allreduce"] * 1e3, "ms", baseline=pair["step"] * 1e3,
+                              baseline_name="2-rank step ms", goal="share <= 10% (LoRA, real-shape model)",
+                              notes="loopback ring; includes waiting for the other rank's micro-batches"))
+            report.add(Figure("data_parallel", f"{label}: bytes all-reduced per step", pair["bytes"] / 1e6, "MB"))
+
+
+if __name__ == "__main__":
+    ranked(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))

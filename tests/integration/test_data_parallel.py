@@ -1,0 +1,210 @@
+"""The data-parallel learner on 127.0.0.1 over MLX's ring backend: 2 ranks train what 1 does; a lost or stopped
+rank ends rank 0 non-zero with no partial checkpoint; the run resumes on 1 rank and stays exactly-once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from grpo_fleet.blas import child_env
+from grpo_fleet.exit_codes import RANKS_FAILED
+from grpo_fleet.learner.persistence import read_state
+from grpo_fleet.model import latest_checkpoint
+from helpers import audit_ledger, jsonl, wait_steps
+
+DRIVER = Path(__file__).parents[1] / "data_parallel_driver.py"
+MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
+STEPS = 3
+TOLERANCE = 1e-5
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 both free on 127.0.0.1 (mlx.launch's ring takes P + rank)."""
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _launch(args: list[str], out: Path, timeout: float) -> str:
+    """`mlx.launch -n 2 --backend ring` on 127.0.0.1; kills its whole process group if it overruns."""
+    command = [str(MLX_LAUNCH), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring",
+               "--starting-port", str(_free_port_pair()), "--", sys.executable, *args]
+    with open(out, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = out.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+def _differences(one: dict[str, mx.array], two: dict[str, mx.array]) -> tuple[float, float, float, float]:
+    """(max |a - b|, that over max |a| of all weights, the worst per-weight relative figure, how far a moved)."""
+    names = [k for k in one if not k.startswith("init.")]
+    assert names and set(names) == {k for k in two if not k.startswith("init.")}
+    diff = {k: float(np.abs(np.array(one[k]) - np.array(two[k])).max()) for k in names}
+    size = {k: float(np.abs(np.array(one[k])).max()) for k in names}
+    moved = max(float(np.abs(np.array(one[k]) - np.array(one[f"init.{k}"])).max()) for k in names)
+    worst = max(diff.values())
+    return worst, worst / max(size.values()), max(diff[k] / max(size[k], 1e-12) for k in names), moved
+
+
+def test_two_ranks_train_the_same_weights_as_one_for_every_loss_lora_and_full(tiny_model_dir: Path, tmp_path: Path):
+    single, ranks = tmp_path / "one", tmp_path / "two"
+    env = child_env()
+    subprocess.run([sys.executable, str(DRIVER), str(tiny_model_dir), str(single), str(STEPS)], env=env, check=True,
+                   timeout=300, start_new_session=True)
+    output = _launch([str(DRIVER), str(tiny_model_dir), str(ranks), str(STEPS)], tmp_path / "launch.log", timeout=480)
+    assert "rank 1: done" in output and "rank 0: done" in output
+    names = sorted(p.stem for p in single.glob("*.safetensors"))
+    assert len(names) == 10  # 5 objectives (4 loss types + decoupled at 2 epochs) x LoRA and full
+    for name in names:
+        one, two = mx.load(str(single / f"{name}.safetensors")), mx.load(str(ranks / f"{name}.safetensors"))
+        worst, relative, per_weight, moved = _differences(one, two)  # type: ignore[arg-type]
+        print(f"{name}: max |diff| {worst:.2e}, relative {relative:.2e} (worst weight {per_weight:.2e}), "
+              f"weights moved up to {moved:.2e}")
+        assert moved > 10 * TOLERANCE, "the steps trained something"
+        assert worst <= TOLERANCE and relative <= TOLERANCE, name
+        stats_one = json.loads((single / f"{name}.json").read_text())
+        stats_two = json.loads((ranks / f"{name}.json").read_text())
+        assert len(stats_one) == len(stats_two) == STEPS
+        for a, b in zip(stats_one, stats_two):
+            for key, value in a.items():
+                want = value if value is None or isinstance(value, (int, str)) else pytest.approx(value, rel=1e-4, abs=1e-5)
+                assert b[key] == want, (name, key)
+
+
+def _hostfile(tmp_path: Path, free_port) -> Path:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    return path
+
+
+def _rank_env(hostfile: Path, rank: int) -> dict[str, str]:
+    return {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
+
+
+def test_a_rank_alone_gives_up_connecting_with_a_clear_message(run_config, spawn, tmp_path, free_port):
+    config, _ = run_config(distributed={"idle_timeout_seconds": 3})
+    alone = spawn("learner", "--config", str(config), name="rank0", env=_rank_env(_hostfile(tmp_path, free_port), 0))
+    code = alone.wait(timeout=60)
+    log = alone.log_path.read_text()  # type: ignore[attr-defined]
+    assert code != 0, log[-2000:]
+    assert "rank 0: connecting to the other ranks" in log and "giving up after 3 s" in log
+    assert "Timeout" in log, log[-2000:]  # faulthandler's stack dump, showing where it waited
+
+
+def _start_fleet(run_config, spawn, tmp_path, free_port, **sections):
+    """A 2-rank learner (ranks started by hand, as mlx.launch would) and 2 actors; returns them and the run dir."""
+    config, cfg = run_config(
+        generation={"max_tokens": 5}, task={"num_train": 100},
+        server={"lease_seconds": 5.0, "heartbeat_seconds": 0.5}, **sections)
+    hostfile = _hostfile(tmp_path, free_port)
+    rank0 = spawn("learner", "--config", str(config), name="rank0", env=_rank_env(hostfile, 0))
+    rank1 = spawn("learner", "--config", str(config), name="rank1", env=_rank_env(hostfile, 1))
+    run_dir = Path(cfg.run_dir)
+    actors = [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"dp-{i}", "--metrics-port", "0",
+                    "--request-timeout", "3", "--model-dir", str(run_dir), name=f"actor{i}")
+              for i in range(2)]
+    return rank0, rank1, actors, run_dir
+
+
+def _no_partial_checkpoint(run_dir: Path, steps_done: int) -> None:
+    root = run_dir / "checkpoints"
+    staging = [p.name for p in root.iterdir() if p.name.startswith(".")]
+    assert staging == [], f"half-written checkpoints left behind: {staging}"
+    latest = latest_checkpoint(run_dir)
+    assert latest is not None and read_state(latest)["step"] <= steps_done
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_rank0_cleanly_and_the_run_resumes_on_one_rank(run_config, spawn, tmp_path, free_port):
+    target = 14
+    rank0, rank1, actors, run_dir = _start_fleet(
+        run_config, spawn, tmp_path, free_port, train={"steps": target, "checkpoint_every": 3})
+    wait_steps(run_dir, 5, rank0, timeout=240)
+    os.killpg(rank1.pid, signal.SIGKILL)
+    rank1.wait()
+    code = rank0.wait(timeout=120)
+    log = rank0.log_path.read_text()
+    assert code == RANKS_FAILED, log[-3000:]
+    assert "rank 1 is gone" in log and "exiting without a checkpoint" in log, log[-3000:]
+    done = len(jsonl(run_dir / "metrics.jsonl"))
+    assert done < target, "the run had not finished when rank 1 died"
+    _no_partial_checkpoint(run_dir, done)
+    assert all(actor.poll() is None for actor in actors), "actors keep retrying while no learner answers"
+
+    resumed = spawn("learner", "--resume", str(run_dir), name="resumed")  # one rank: the plain learner
+    assert resumed.wait(timeout=300) == 0, resumed.log_path.read_text()[-3000:]
+    for actor in actors:
+        assert actor.wait(timeout=30) == 0, "the actors reconnected to the resumed learner and were told to stop"
+    assert [r["step"] for r in jsonl(run_dir / "metrics.jsonl")] == list(range(1, target + 1))
+    audit = audit_ledger(run_dir / "ledger.jsonl")  # each group accepted once, dropped at most once after that
+    state = read_state(latest_checkpoint(run_dir))["scheduler"]  # type: ignore[arg-type]
+    assert set(audit.accepted) == set(state["finished"])
+
+
+@pytest.mark.slow
+def test_the_watchdog_ends_rank0_when_a_rank_is_stopped(run_config, spawn, tmp_path, free_port):
+    rank0, rank1, actors, run_dir = _start_fleet(
+        run_config, spawn, tmp_path, free_port,
+        train={"steps": 100000, "checkpoint_every": 2}, distributed={"timeout_seconds": 8, "keepalive_seconds": 0.5})
+    wait_steps(run_dir, 3, rank0, timeout=240)
+    os.killpg(rank1.pid, signal.SIGSTOP)
+    try:
+        code = rank0.wait(timeout=90)
+    finally:
+        os.killpg(rank1.pid, signal.SIGKILL)
+        rank1.wait()
+    log = rank0.log_path.read_text()
+    assert code == RANKS_FAILED, log[-3000:]
+    assert "did not finish within 8 s" in log and "exiting without a checkpoint" in log, log[-3000:]
+    _no_partial_checkpoint(run_dir, len(jsonl(run_dir / "metrics.jsonl")))
+
+
+@pytest.mark.slow
+def test_a_one_rank_run_resumes_on_two_ranks_and_both_stop_cleanly_at_the_end(run_config, spawn, tmp_path, free_port):
+    config, cfg = run_config(generation={"max_tokens": 5}, task={"num_train": 100}, train={"steps": 4})
+    run_dir = Path(cfg.run_dir)
+
+    def actors(tag: str) -> list:
+        return [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"{tag}-{i}", "--metrics-port", "0",
+                      "--request-timeout", "3", "--model-dir", str(run_dir), name=f"{tag}{i}") for i in range(2)]
+
+    single = spawn("learner", "--config", str(config), name="single")
+    first = actors("first")
+    assert single.wait(timeout=240) == 0, single.log_path.read_text()[-3000:]
+    assert all(actor.wait(timeout=30) == 0 for actor in first)
+
+    hostfile = _hostfile(tmp_path, free_port)
+    resume = ("learner", "--resume", str(run_dir), "--set", "train.steps=8")
+    rank0 = spawn(*resume, name="rank0", env=_rank_env(hostfile, 0))
+    rank1 = spawn(*resume, name="rank1", env=_rank_env(hostfile, 1))
+    second = actors("second")
+    assert rank0.wait(timeout=300) == 0, rank0.log_path.read_text()[-3000:]
+    assert rank1.wait(timeout=60) == 0, rank1.log_path.read_text()[-3000:]
+    assert "rank 1: rank 0 says stop after 4 steps" in rank1.log_path.read_text()
+    assert all(actor.wait(timeout=30) == 0 for actor in second)
+    assert [r["step"] for r in jsonl(run_dir / "metrics.jsonl")] == list(range(1, 9))
+    audit = audit_ledger(run_dir / "ledger.jsonl")
+    assert set(audit.accepted) == set(read_state(latest_checkpoint(run_dir))["scheduler"]["finished"])  # type: ignore[arg-type]

@@ -200,7 +200,7 @@ class GRPOConfig(_Section):
         "without it (dr_grpo with true is refused).",
     )
     objective: Literal["coupled", "decoupled"] = Field(
-        "decoupled",
+        "coupled",  # measured ahead of decoupled on the real model at staleness 1 and 4 (README, bench/RESULTS.md)
         description="'coupled': clip pi_theta / pi_behav, the actor's logprobs (PPO as if on-policy). 'decoupled' "
         "(AReaL): clip pi_theta / pi_prox, the learner's policy before this step's update, and weight each token by "
         "pi_prox / pi_behav (detached, capped by is_cap), so stale groups neither lose their gradient to the clip nor "

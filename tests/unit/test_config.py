@@ -264,7 +264,7 @@ def test_toml_string_survives_an_override_round_trip(text):
 
 def test_grpo_defaults_are_the_decoupled_objective_with_tis():
     grpo = GRPOConfig()
-    assert (grpo.objective, grpo.is_mode, grpo.is_level, grpo.is_cap) == ("decoupled", "truncate", "token", 2.0)
+    assert (grpo.objective, grpo.is_mode, grpo.is_level, grpo.is_cap) == ("coupled", "truncate", "token", 2.0)
     assert grpo.dual_clip is None and grpo.mask_truncated is False and grpo.overlong_buffer == 0
 
 

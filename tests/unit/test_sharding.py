@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from data_parallel_driver import fixed_batch
 from grpo_fleet.config import ConfigError, GRPOConfig, LoraConfig, OptimConfig, RunConfig
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, batch_totals, build_train_batch, split_batch
+from grpo_fleet.learner.batch import batch_totals, split_batch
 from grpo_fleet.learner.collectives import Watchdog, launched_backend
 from grpo_fleet.learner.distributed import check_batch_fits
 from grpo_fleet.learner.sharding import Command, Header, buckets, scatter_rows, shard_rows, take_rows, weights_digest
@@ -81,22 +82,6 @@ def test_watchdog_fires_only_past_its_bound():
     assert "rank 1: gradient all-sum did not finish within 0.05 s" in fired[0]
 
 
-def _batch(vocab: int, seed: int) -> TrainBatch:
-    """Three groups of four completions of different lengths, random tokens, behaviour logprobs and rewards."""
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(3):
-        completions = [
-            CompletionRecord(tokens=rng.integers(1, vocab, size=n).astype(np.int32),
-                             logprobs=-rng.uniform(0.5, 3.0, size=n).astype(np.float32),
-                             reward=float(rng.integers(0, 2)) + 0.1 * i, finish_reason="stop")
-            for i, n in enumerate(rng.integers(2, 9, size=4))
-        ]
-        prompt = rng.integers(1, vocab, size=3 + g).astype(np.int32)
-        groups.append(AcceptedGroup(f"g{g}", g, prompt, completions, policy_version=0, actor_id="test"))
-    return build_train_batch(groups)
-
-
 @pytest.mark.parametrize("mode", ["lora", "full"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
 def test_rank_sums_under_the_batch_totals_equal_one_process(tiny_model_dir: Path, mode: str, loss_type: str):
@@ -104,7 +89,7 @@ def test_rank_sums_under_the_batch_totals_equal_one_process(tiny_model_dir: Path
     policy = load_policy(str(tiny_model_dir), lora=LoraConfig(enabled=True, rank=4) if mode == "lora" else None)
     trainer = Trainer(policy, GRPOConfig(beta=0.0, loss_type=loss_type, groups_per_step=3), OptimConfig(),
                       temperature=1.0, max_tokens=8, micro_batch_tokens=40)
-    batch = _batch(policy.vocab_size, seed=3)
+    batch = fixed_batch(policy.vocab_size, seed=3)
     totals = batch_totals(batch)
     micro = split_batch(batch, trainer.micro_batch_tokens)
     whole = trainer.accumulate(micro, [None] * len(micro), totals)

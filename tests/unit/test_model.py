@@ -120,6 +120,26 @@ def test_checkpoint_loads_with_mlx_lm_and_generates(tiny_model_dir, tmp_path, us
     assert text == mlx_lm.generate(model, tokenizer, "12=", max_tokens=3)
 
 
+def test_the_generation_check_fails_when_mlx_lm_loads_other_weights(tiny_model_dir, tmp_path, monkeypatch):
+    """Positive control for assert_checkpoint_generates_like_the_learner: mlx_lm handed the base model
+    instead of the checkpoint's moved weights is caught, not waved through as a near-tie."""
+    import grpo_fleet.model
+
+    policy = load_policy(str(tiny_model_dir))
+    for index, (name, value) in enumerate(trainable_weights(policy.model).items()):
+        moved = value + mx.random.normal(value.shape, key=mx.random.key(index)) * 0.5
+        policy.model.load_weights([(name, moved)], strict=False)
+    out = save_checkpoint(policy, tmp_path / "ckpt", extra={"step": 1})
+    base_model, base_tokenizer = mlx_lm.load(str(tiny_model_dir))
+    moved_model, _ = load_checkpoint(out)
+    prompt = "123="
+    assert mlx_lm.generate(base_model, base_tokenizer, prompt, max_tokens=4) != mlx_lm.generate(
+        moved_model, base_tokenizer, prompt, max_tokens=4), "the control needs weights that change the text"
+    monkeypatch.setattr(grpo_fleet.model, "load_checkpoint", lambda _path: (base_model, base_tokenizer))
+    with pytest.raises(AssertionError, match="not a near-tie|tokens"):
+        assert_checkpoint_generates_like_the_learner(out, prompt, max_tokens=4)
+
+
 def test_checkpoint_overwrite_is_atomic(tiny_model_dir, tmp_path):
     policy = load_policy(str(tiny_model_dir))
     target = tmp_path / "ckpt"

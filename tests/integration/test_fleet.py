@@ -114,3 +114,22 @@ def test_an_actor_asked_to_stop_before_any_learner_answers_stops_at_once(free_po
     assert actor.wait(timeout=30) == 0
     assert time.monotonic() - started < 5, actor.log_path.read_text()
     assert "asked to stop while waiting for the learner's answer to Hello" in actor.log_path.read_text()
+
+
+def test_a_second_sigterm_stops_an_actor_still_draining_to_a_dead_learner(run_config, spawn):
+    import signal
+
+    config, cfg = run_config(train={"steps": 1000})
+    learner = spawn("learner", "--config", str(config), name="learner")
+    actor = spawn("actor", "--connect", cfg.server.bind, "--model-dir", str(cfg.run_dir), name="actor")
+    wait_steps(Path(cfg.run_dir), 2, learner)
+    learner.kill()  # gone for good: the actor's next lease and its rollouts can never be acknowledged
+    learner.wait()
+    actor.send_signal(signal.SIGTERM)
+    time.sleep(2.0)
+    assert actor.poll() is None, "the first SIGTERM drains: the leased work waits for the learner"
+    actor.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert actor.wait(timeout=30) == 0, actor.log_path.read_text()[-3000:]
+    assert time.monotonic() - started < 5, "the second SIGTERM stops at once, not after the 30 s request timeout"
+    assert "a second stop signal" in actor.log_path.read_text()

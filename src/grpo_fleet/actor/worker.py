@@ -77,6 +77,11 @@ class ActorWorker:
         self.metrics_port = 0
 
     def request_stop(self, *_args: object) -> None:
+        """The first SIGTERM/SIGINT drains (delivers what was leased and generated, then stops). A second one
+        stops now, from wherever the loop is waiting: the user will not wait for a learner that may be gone,
+        and nothing is lost, since the learner re-queues a lease whose rollouts never arrive."""
+        if self.stopping:
+            raise StopActor("a second stop signal: not waiting to deliver what is in flight")
         self.stopping = True
 
     def run(self) -> None:

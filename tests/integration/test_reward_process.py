@@ -124,8 +124,8 @@ from grpo_fleet.tasks.scoring import ScoringJob
 def main():
     scorer = ScoringProcess(RewardSet(names=("fine",), weights=(1.0,), module=sys.argv[1], timeout_seconds=5.0))
     job = ScoringJob(prompt="p", columns={"answer": "42"}, completions=("42",))
-    print("child", scorer._process.pid, flush=True)
-    try:
+    try:  # entered before the line goes out: the test's Ctrl-C may land before print() returns
+        print("child", scorer._process.pid, flush=True)
         time.sleep(60)
     except KeyboardInterrupt:
         # What an actor does on Ctrl-C: finish in order, which still needs its reward process.

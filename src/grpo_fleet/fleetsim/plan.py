@@ -1,0 +1,106 @@
+"""How many Macs, and how many learner ranks: the simulator swept over actor counts and rank counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from grpo_fleet.fleetsim.published import MODELS, learner_tokens_per_second, lora_gradient_bytes
+from grpo_fleet.fleetsim.simulation import ActorSpec, RunSpec, simulate
+
+SATURATED = 0.95  # "one learner saturates" where more actors add less than 5% more steps/s
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """The run being planned: the config's group size, lengths and batch."""
+
+    group_size: int = 8
+    prompt_tokens: int = 150
+    completion_tokens: int = 384
+    groups_per_step: int = 16
+    max_staleness: int = 2
+    in_flight_steps: int = 2
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Where the speeds come from; every default is a published or measured figure (fleetsim.published)."""
+
+    model: str = "qwen2.5-0.5b"
+    mac: str = "m5-max"
+    batch_speedup: float = 1.0  # batched decode of a group over batch-1 tokens/s (1: none, a lower bound)
+    learner_tok_s: Optional[float] = None  # trained tokens/s of one rank; None: this VM's measured figure
+    link_gbps: float = 10.0  # between learner ranks and to actors (10 GbE; Thunderbolt 5 is 80)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    ranks: int
+    actors: int
+    steps_per_second: float
+    learner_busy: float
+    actor_busy: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: list[PlanRow]
+    step_seconds: dict[int, float]  # by rank count
+    actor_seconds_per_group: float
+    saturating_actors: dict[int, int]  # by rank count: the fewest actors within 5% of the most steps/s
+    learner_extrapolated: bool
+
+
+def actor_seconds_per_group(inputs: PlanInputs, shape: PlanShape) -> float:
+    model = MODELS[inputs.model]
+    return shape.group_size * shape.completion_tokens / (model.decode_tok_s[inputs.mac] * inputs.batch_speedup)
+
+
+def step_seconds(inputs: PlanInputs, shape: PlanShape, ranks: int) -> tuple[float, bool]:
+    """One step at `ranks` ranks: the batch split evenly, plus a ring all-reduce of the LoRA gradients."""
+    model = MODELS[inputs.model]
+    measured, extrapolated = learner_tokens_per_second(model)
+    tok_s = inputs.learner_tok_s or measured
+    tokens = shape.groups_per_step * shape.group_size * (shape.prompt_tokens + shape.completion_tokens)
+    ring = 2.0 * (ranks - 1) / ranks * lora_gradient_bytes(model) / (inputs.link_gbps * 1e9 / 8)
+    return tokens / tok_s / ranks + ring, extrapolated and inputs.learner_tok_s is None
+
+
+def plan(inputs: PlanInputs, shape: PlanShape, actor_counts: list[int], rank_counts: list[int],
+         steps: int = 120) -> Plan:
+    """Steps/s for every (ranks, actors) pair, and where each rank count stops gaining from more actors."""
+    per_group = actor_seconds_per_group(inputs, shape)
+    fetch = lora_gradient_bytes(MODELS[inputs.model]) / 2 / (inputs.link_gbps * 1e9 / 8)  # fp16-sized weights
+    rows, seconds, saturating = [], {}, {}
+    extrapolated = False
+    for ranks in rank_counts:
+        seconds[ranks], extrapolated = step_seconds(inputs, shape, ranks)
+        run = RunSpec(groups_per_step=shape.groups_per_step, step_seconds=seconds[ranks],
+                      max_staleness=shape.max_staleness, in_flight_steps=shape.in_flight_steps, steps=steps)
+        for count in actor_counts:
+            result = simulate([ActorSpec(per_group, fetch)] * count, run)
+            rows.append(PlanRow(ranks, count, result.steps_per_second, result.learner_busy_fraction,
+                                result.actor_busy_fraction))
+        best = max(r.steps_per_second for r in rows if r.ranks == ranks)
+        saturating[ranks] = min(r.actors for r in rows if r.ranks == ranks and r.steps_per_second >= SATURATED * best)
+    return Plan(rows, seconds, per_group, saturating, extrapolated)
+
+
+def render(result: Plan, inputs: PlanInputs, shape: PlanShape) -> str:
+    """The plan as a plain-text table with its assumptions."""
+    ranks = sorted(result.step_seconds)
+    lines = [
+        f"{inputs.model} on {inputs.mac} actors ({result.actor_seconds_per_group:.1f} s a group of "
+        f"{shape.group_size} x {shape.completion_tokens} tokens), {shape.groups_per_step} groups a step",
+        "learner step: " + ", ".join(f"{r} rank{'s' if r > 1 else ''} {result.step_seconds[r]:.0f} s" for r in ranks)
+        + (" (extrapolated by parameter count)" if result.learner_extrapolated else ""),
+        "actors | " + " | ".join(f"steps/h, {r} rank{'s' if r > 1 else ''}" for r in ranks),
+    ]
+    for count in sorted({row.actors for row in result.rows}):
+        cells = [next(x for x in result.rows if x.actors == count and x.ranks == r) for r in ranks]
+        lines.append(f"{count:>6} | " + " | ".join(f"{3600 * c.steps_per_second:>14.1f}" for c in cells))
+    lines.append("one learner saturates at: " + ", ".join(
+        f"{result.saturating_actors[r]} actors ({r} rank{'s' if r > 1 else ''})" for r in ranks))
+    lines.append("A model, not a measurement: see README 'When one learner Mac is not enough'.")
+    return "\n".join(lines)

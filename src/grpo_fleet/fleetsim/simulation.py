@@ -1,0 +1,200 @@
+"""The discrete-event model of one run: actors lease, generate and submit; the learner buffers and steps.
+
+The rules are the learner's own (`learner.leasing`): leases are sized so an
+actor returns one within `max_staleness` learner steps, no lease is granted
+while leased-out plus buffered groups reach `in_flight_steps x groups_per_step`,
+a refused actor asks again after `retry_after`, and a group sampled more than
+`max_staleness` versions behind the policy it reaches is rejected (its prompt
+goes back to the queue). What is left out on purpose: network latency (ms
+against seconds of generation), reward time, and eval rounds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+from grpo_fleet.learner.leasing import (
+    MovingAverage,
+    in_flight_limit,
+    lease_size,
+    lease_target_seconds,
+    retry_after,
+)
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """One simulated actor: seconds to generate and score one group, and to fetch a new policy version."""
+
+    seconds_per_group: float
+    fetch_seconds: float = 0.0
+    max_groups: int = 2  # ActorConfig.max_groups: what it asks for per lease
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The run's shape and the learner's side; defaults are RunConfig's."""
+
+    groups_per_step: int = 8
+    step_seconds: float = 1.0  # the learner's step at this rank count, all-reduce included
+    informative_fraction: float = 1.0  # groups with reward variance (the rest are skipped, not trained)
+    max_staleness: int = 2
+    in_flight_steps: int = 2
+    max_groups_per_lease: int = 4
+    lease_seconds: float = 60.0
+    steps: int = 200
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Steady-state figures over the second half of the simulated steps."""
+
+    steps_per_second: float
+    learner_busy_fraction: float
+    actor_busy_fraction: float
+    stale_fraction: float
+    mean_staleness: float
+
+
+@dataclass
+class _Learner:
+    version: int = 0
+    buffer: list[int] = field(default_factory=list)  # the policy version each buffered group was sampled at
+    busy: bool = False
+    leased_out: int = 0
+    informative_credit: float = 0.0
+    step_ends: list[float] = field(default_factory=list)
+    interval: MovingAverage = field(default_factory=MovingAverage)
+    trained_staleness: list[int] = field(default_factory=list)
+
+
+class FleetSimulation:
+    """Events in time order: an actor asking for a lease, an actor finishing one, the learner finishing a step."""
+
+    def __init__(self, actors: list[ActorSpec], run: RunSpec) -> None:
+        self.actors, self.run = actors, run
+        self.learner = _Learner()
+        self.now = 0.0
+        self.events: list[tuple[float, int, str, int, int, int]] = []
+        self.order = itertools.count()  # breaks time ties in insertion order
+        self.actor_versions = [0] * len(actors)
+        self.actor_busy = [0.0] * len(actors)
+        self.pending: list[Optional[int]] = [None] * len(actors)  # the next lease, granted while generating
+        # Refused actors. Real ones poll every retry_after (at most 0.2 s); here they are woken when room
+        # frees instead, which costs the same time without an event per poll over an hour-long step.
+        self.waiting: list[int] = []
+        self.submitted = self.rejected = 0
+        self.limit = in_flight_limit(run.in_flight_steps, run.groups_per_step)
+
+    def run_to_end(self) -> SimResult:
+        for index in range(len(self.actors)):
+            self._at(0.0, "ask", index)
+        while len(self.learner.step_ends) < self.run.steps and self.events:
+            self.now, _, kind, index, groups, version = heapq.heappop(self.events)
+            if kind == "ask":
+                self._ask_idle(index)
+            elif kind == "done":
+                self._submit(index, groups, version)
+            else:
+                self._finish_step()
+        return self._result()
+
+    def _at(self, when: float, kind: str, index: int = -1, groups: int = 0, version: int = 0) -> None:
+        heapq.heappush(self.events, (when, next(self.order), kind, index, groups, version))
+
+    def _grant(self, index: int) -> int:
+        """Groups leased to actor `index` now, sized as the learner sizes them (0: refused)."""
+        actor, learner, run = self.actors[index], self.learner, self.run
+        capacity = max(0, self.limit - learner.leased_out - len(learner.buffer))
+        target = lease_target_seconds(None, run.max_staleness, learner.interval.value, run.lease_seconds)
+        count = lease_size(actor.max_groups, min(run.max_groups_per_lease, capacity),
+                           1.0 / actor.seconds_per_group, target)
+        learner.leased_out += count
+        return count
+
+    def _ask_idle(self, index: int) -> None:
+        """An actor with nothing to generate asks; refused, it asks again after `retry_after`."""
+        count = self._grant(index)
+        if count:
+            self._start(index, count)
+        else:
+            self.waiting.append(index)
+
+    def _wake_waiting(self) -> None:
+        """Room freed (a batch left the buffer, or groups were not kept): the refused actors ask again."""
+        delay = retry_after(self.learner.interval.value, False)
+        for index in self.waiting:
+            self._at(self.now + delay, "ask", index)
+        self.waiting = []
+
+    def _start(self, index: int, count: int) -> None:
+        """Generate a lease on the newest weights; the next lease is asked for at once (the actor pipelines)."""
+        actor, learner = self.actors[index], self.learner
+        fetch = actor.fetch_seconds if self.actor_versions[index] < learner.version else 0.0
+        self.actor_versions[index] = learner.version
+        working = fetch + count * actor.seconds_per_group
+        self.actor_busy[index] += working
+        self._at(self.now + working, "done", index, count, learner.version)
+        self.pending[index] = self._grant(index)
+
+    def _submit(self, index: int, groups: int, version: int) -> None:
+        learner, run = self.learner, self.run
+        learner.leased_out -= groups
+        self.submitted += groups
+        if learner.version - version > run.max_staleness:
+            self.rejected += groups  # re-queued on the learner: the prompts come back, the work is lost
+        else:
+            learner.informative_credit += groups * run.informative_fraction
+            whole = int(learner.informative_credit + 1e-9)
+            learner.informative_credit -= whole
+            learner.buffer.extend([version] * whole)
+        self._maybe_step()
+        self._wake_waiting()
+        pending, self.pending[index] = self.pending[index], None
+        if pending:
+            self._start(index, pending)
+        else:  # the pipelined request was refused: the actor read that when this lease ended, and waits
+            self._at(self.now + retry_after(learner.interval.value, False), "ask", index)
+
+    def _maybe_step(self) -> None:
+        learner, run = self.learner, self.run
+        if learner.busy or len(learner.buffer) < run.groups_per_step:
+            return
+        batch, learner.buffer = learner.buffer[: run.groups_per_step], learner.buffer[run.groups_per_step:]
+        learner.trained_staleness.extend(learner.version - v for v in batch)
+        learner.busy = True
+        self._wake_waiting()
+        self._at(self.now + run.step_seconds, "step")
+
+    def _finish_step(self) -> None:
+        learner = self.learner
+        if learner.step_ends:
+            learner.interval.add(self.now - learner.step_ends[-1])
+        learner.step_ends.append(self.now)
+        learner.version += 1
+        learner.busy = False
+        self._maybe_step()
+
+    def _result(self) -> SimResult:
+        ends = self.learner.step_ends
+        half = len(ends) // 2
+        if len(ends) < 4:
+            return SimResult(0.0, 0.0, 0.0, 0.0, 0.0)
+        span = ends[-1] - ends[half]
+        steps_per_second = (len(ends) - 1 - half) / span if span > 0 else float("inf")
+        staleness = self.learner.trained_staleness
+        return SimResult(
+            steps_per_second=steps_per_second,
+            learner_busy_fraction=min(1.0, steps_per_second * self.run.step_seconds),
+            actor_busy_fraction=sum(self.actor_busy) / (len(self.actors) * ends[-1]),
+            stale_fraction=self.rejected / max(1, self.submitted),
+            mean_staleness=sum(staleness) / max(1, len(staleness)),
+        )
+
+
+def simulate(actors: list[ActorSpec], run: RunSpec) -> SimResult:
+    """Steady-state steps/s and utilisation of `actors` feeding a learner shaped by `run`."""
+    return FleetSimulation(actors, run).run_to_end()

@@ -1,0 +1,73 @@
+"""The fleet simulator against what its rules imply in the cases that can be worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, step_seconds
+from grpo_fleet.fleetsim.published import MODELS, learner_tokens_per_second
+from grpo_fleet.fleetsim.simulation import ActorSpec, RunSpec, simulate
+
+
+def test_one_slow_actor_sets_the_pace():
+    # 8 groups a step at 4 s a group: 32 s a step whatever the (fast) learner does.
+    result = simulate([ActorSpec(seconds_per_group=4.0)], RunSpec(groups_per_step=8, step_seconds=1.0))
+    assert result.steps_per_second == pytest.approx(1 / 32, rel=0.02)
+    assert result.actor_busy_fraction == pytest.approx(1.0, abs=0.02)
+    assert result.stale_fraction == 0.0
+
+
+def test_plenty_of_fast_actors_leave_the_learner_the_bottleneck():
+    actors = [ActorSpec(seconds_per_group=0.1)] * 16
+    result = simulate(actors, RunSpec(groups_per_step=8, step_seconds=5.0, in_flight_steps=4))
+    assert result.steps_per_second == pytest.approx(1 / 5.0, rel=0.02)
+    assert result.learner_busy_fraction == pytest.approx(1.0, abs=0.02)
+
+
+def test_groups_without_reward_variance_cost_actor_time():
+    run = RunSpec(groups_per_step=8, step_seconds=1.0)
+    full = simulate([ActorSpec(seconds_per_group=2.0)], run)
+    half = simulate([ActorSpec(seconds_per_group=2.0)], RunSpec(groups_per_step=8, step_seconds=1.0,
+                                                                 informative_fraction=0.5))
+    assert half.steps_per_second == pytest.approx(full.steps_per_second / 2, rel=0.03)
+
+
+def test_pipelined_leases_hold_the_in_flight_room_and_more_room_lifts_the_cap():
+    # Each actor holds its next lease while generating the current one, so at in_flight_steps=2 only about
+    # one step's worth of groups is being generated: 8 groups every 8 s although the learner needs 5 s.
+    actors = [ActorSpec(seconds_per_group=4.0)] * 8
+    capped = simulate(actors, RunSpec(groups_per_step=8, step_seconds=5.0, in_flight_steps=2))
+    roomy = simulate(actors, RunSpec(groups_per_step=8, step_seconds=5.0, in_flight_steps=4))
+    assert capped.steps_per_second == pytest.approx(1 / 8, rel=0.03)
+    assert roomy.steps_per_second == pytest.approx(1 / 5, rel=0.03)
+
+
+def test_groups_that_arrive_too_stale_are_rejected_and_counted():
+    # A slow actor next to fast ones: by the time its 4 s group lands, the learner has moved on.
+    actors = [ActorSpec(seconds_per_group=0.05)] * 4 + [ActorSpec(seconds_per_group=4.0, max_groups=1)]
+    strict = simulate(actors, RunSpec(groups_per_step=4, step_seconds=0.5, max_staleness=0, in_flight_steps=4))
+    lenient = simulate(actors, RunSpec(groups_per_step=4, step_seconds=0.5, max_staleness=50, in_flight_steps=4))
+    assert strict.stale_fraction > 0.0
+    assert lenient.stale_fraction == 0.0
+    # Accepted fresh, then waiting in the buffer: at most max_staleness + in_flight_steps behind when trained.
+    assert 0.0 < strict.mean_staleness <= 0 + 4
+    assert lenient.mean_staleness > strict.mean_staleness
+
+
+def test_ranks_split_the_step_and_the_lora_all_reduce_is_small():
+    inputs, shape = PlanInputs(model="qwen2.5-0.5b"), PlanShape()
+    one, _ = step_seconds(inputs, shape, 1)
+    two, _ = step_seconds(inputs, shape, 2)
+    assert two == pytest.approx(one / 2, rel=0.01)
+    assert two > one / 2  # the ring all-reduce is not free
+    assert learner_tokens_per_second(MODELS["qwen2.5-7b"])[1], "7B's learner speed is extrapolated, and says so"
+
+
+def test_a_faster_learner_needs_more_actors_to_saturate():
+    shape = PlanShape(groups_per_step=8)
+    counts = [1, 2, 4, 8, 16, 32, 64]
+    slow = plan(PlanInputs(learner_tok_s=200.0), shape, counts, [1], steps=60)
+    fast = plan(PlanInputs(learner_tok_s=20000.0), shape, counts, [1], steps=60)
+    assert slow.saturating_actors[1] < fast.saturating_actors[1]
+    steps_per_second = [r.steps_per_second for r in fast.rows]
+    assert steps_per_second == sorted(steps_per_second), "more actors never slow the fleet down"

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from grpo_fleet.config import ActorConfig, RunConfig
-    from grpo_fleet.learner.core import Learner
+    from grpo_fleet.learner.door.core import Learner
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -22,8 +22,8 @@ def _setup_logging(verbose: bool) -> None:
 
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config, toml_string
-    from grpo_fleet.learner.collectives import launched_rank
-    from grpo_fleet.learner.server import InsecureBindError, check_bind_security
+    from grpo_fleet.learner.door.server import InsecureBindError, check_bind_security
+    from grpo_fleet.learner.ranks.collectives import launched_rank
     from grpo_fleet.learner.setup import load_resume_config
     overrides = list(args.set or [])
     rank = launched_rank()  # under mlx.launch (a data-parallel learner); None for a plain process
@@ -52,7 +52,7 @@ def _learner(args: argparse.Namespace) -> int:
         return 2
     if rank is None:
         return _serve_learner(cfg, resume=bool(args.resume))
-    from grpo_fleet.learner.distributed import connect, rank0_session
+    from grpo_fleet.learner.ranks.distributed import connect, rank0_session
 
     ranks = connect(cfg.distributed, rank)
     if ranks is None:  # `mlx.launch -n 1`: the plain learner
@@ -63,10 +63,10 @@ def _learner(args: argparse.Namespace) -> int:
 
 def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["Learner"], None]] = None) -> int:
     """Build the learner (then `ready(learner)`: a data-parallel rank 0 starts its ranks) and serve the fleet."""
-    from grpo_fleet.learner.memory import MemoryBudgetError
-    from grpo_fleet.learner.server import LearnerServer
+    from grpo_fleet.learner.door.server import LearnerServer
+    from grpo_fleet.learner.records.trackers import TrackerUnavailable
     from grpo_fleet.learner.setup import build_learner
-    from grpo_fleet.learner.trackers import TrackerUnavailable
+    from grpo_fleet.learner.step.memory import MemoryBudgetError
     try:
         learner = build_learner(cfg, resume=resume)
     except (MemoryBudgetError, TrackerUnavailable) as exc:
@@ -85,8 +85,8 @@ def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[[
 def _learner_follower(rank: int, overrides: list[str]) -> int:
     """A data-parallel rank > 0: everything but `distributed.*` comes from rank 0."""
     from grpo_fleet.config import load_run_config
-    from grpo_fleet.learner.distributed import connect
-    from grpo_fleet.learner.follower import run_follower
+    from grpo_fleet.learner.ranks.distributed import connect
+    from grpo_fleet.learner.ranks.follower import run_follower
 
     ranks = connect(load_run_config(None, overrides).distributed, rank)
     return 0 if ranks is None else run_follower(ranks)

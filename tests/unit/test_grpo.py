@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.grpo against the float64 NumPy reference."""
+"""Tests for grpo_fleet.learner.step.grpo against the float64 NumPy reference."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from grpo_reference import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_fleet.learner.grpo import (
+from grpo_fleet.learner.step.grpo import (
     BehaviourCorrection,
     behaviour_weights,
     group_advantages,
@@ -32,7 +32,7 @@ from grpo_fleet.learner.grpo import (
     offpolicy_stats,
     overlong_penalty,
 )
-from grpo_fleet.learner.logprobs import token_logprobs
+from grpo_fleet.learner.step.logprobs import token_logprobs
 
 ATOL = 1e-5
 RTOL = 1e-5

@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "grpo_fleet"
 
 # DESIGN.md: networking lives only in protocol/ and the two event loops (the actor's link is part of its loop).
-ZMQ_ALLOWED = ("protocol/*", "learner/server.py", "actor/worker.py", "actor/link.py")
+ZMQ_ALLOWED = ("protocol/*", "learner/door/server.py", "actor/worker.py", "actor/link.py")
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -36,7 +36,7 @@ def _imports(names: set[str], prefix: str) -> bool:
 
 
 def _package_imports() -> dict[str, set[str]]:
-    """'learner/server.py' -> the modules it imports, for every module of grpo_fleet."""
+    """'learner/door/server.py' -> the modules it imports, for every module of grpo_fleet."""
     table = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE)
@@ -74,7 +74,7 @@ def test_the_model_does_not_know_the_wire():
 
 
 def _module_file(table: dict[str, set[str]]) -> dict[str, str]:
-    """'grpo_fleet.learner.server' -> 'learner/server.py' (a package -> its __init__.py)."""
+    """'grpo_fleet.learner.door.server' -> 'learner/door/server.py' (a package -> its __init__.py)."""
     names = {}
     for name in table:
         dotted = "grpo_fleet." + name.removesuffix(".py").replace("/", ".")
@@ -133,8 +133,8 @@ def _calls_mx_distributed(source: str) -> bool:
 
 
 def test_only_the_collectives_module_runs_mx_distributed():
-    """Every collective goes through learner/collectives.py, so every one runs under its watchdog."""
+    """Every collective goes through learner/ranks/collectives.py, so every one runs under its watchdog."""
     assert _calls_mx_distributed("import mlx.core as mx\nmx.distributed.all_sum(x)\n")
     users = sorted(path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
                    if _calls_mx_distributed(path.read_text(encoding="utf-8")))
-    assert users == ["learner/collectives.py"]
+    assert users == ["learner/ranks/collectives.py"]

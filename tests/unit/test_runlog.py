@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.runlog: the metrics.jsonl and ledger.jsonl writers, and cutting them back."""
+"""Tests for grpo_fleet.learner.records.runlog: the metrics.jsonl and ledger.jsonl writers, and cutting them back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
-from grpo_fleet.learner.runlog import LedgerEntry, LogSizes, RunLog, StepRecord
+from grpo_fleet.learner.records.runlog import LedgerEntry, LogSizes, RunLog, StepRecord
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

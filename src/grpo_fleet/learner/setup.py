@@ -10,11 +10,11 @@ from typing import Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig, load_run_config
-from grpo_fleet.learner.core import Learner
-from grpo_fleet.learner.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
-from grpo_fleet.learner.runlog import LogSizes
-from grpo_fleet.learner.trackers import build_trackers, require_installed
-from grpo_fleet.learner.trainer import trainer_from_config
+from grpo_fleet.learner.door.core import Learner
+from grpo_fleet.learner.records.runlog import LogSizes
+from grpo_fleet.learner.records.trackers import build_trackers, require_installed
+from grpo_fleet.learner.step.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
+from grpo_fleet.learner.step.trainer import trainer_from_config
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_policy, model_digest
 from grpo_fleet.realshape import build_realshape, is_realshape

@@ -16,10 +16,10 @@ from typing import Any
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.exit_codes import DONE, REFUSED
-from grpo_fleet.learner.collectives import RankGroup
-from grpo_fleet.learner.distributed import DataParallel, share_state, state_layout
-from grpo_fleet.learner.sharding import Command
-from grpo_fleet.learner.trainer import Trainer, trainer_from_config
+from grpo_fleet.learner.ranks.collectives import RankGroup
+from grpo_fleet.learner.ranks.distributed import DataParallel, share_state, state_layout
+from grpo_fleet.learner.ranks.sharding import Command
+from grpo_fleet.learner.step.trainer import Trainer, trainer_from_config
 from grpo_fleet.model import load_policy, model_digest
 
 log = logging.getLogger("grpo_fleet.learner.ranks")

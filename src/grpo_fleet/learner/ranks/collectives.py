@@ -26,7 +26,7 @@ from mlx.utils import tree_unflatten
 
 from grpo_fleet.config import DistributedConfig
 from grpo_fleet.exit_codes import RANKS_FAILED
-from grpo_fleet.learner.sharding import DIGEST_WORDS, buckets, weights_digest
+from grpo_fleet.learner.ranks.sharding import DIGEST_WORDS, buckets, weights_digest
 from grpo_fleet.trees import flat_leaves
 
 log = logging.getLogger("grpo_fleet.learner.ranks")

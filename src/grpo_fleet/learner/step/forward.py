@@ -14,8 +14,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from grpo_fleet.learner.batch import MicroBatch
-from grpo_fleet.learner.logprobs import chunked_logprobs
+from grpo_fleet.learner.step.batch import MicroBatch
+from grpo_fleet.learner.step.logprobs import chunked_logprobs
 
 Project = Callable[[Any, mx.array], mx.array]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpo_fleet.learner.replies import Reply
+from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy, trainable_weights, weights_to_bytes
 from grpo_fleet.protocol import messages as m

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.core import Learner
+    from grpo_fleet.learner.door.core import Learner
 
 log = logging.getLogger("grpo_fleet.learner")
 # How long a round waits for an actor before the learner evaluates it itself:

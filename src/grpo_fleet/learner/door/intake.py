@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
-from grpo_fleet.learner.drops import drop_buffered
-from grpo_fleet.learner.gap_bounds import actor_dtype, logprob_gap_bound
-from grpo_fleet.learner.runlog import LedgerEntry, RunLog
+from grpo_fleet.learner.door.drops import drop_buffered
+from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.gap_bounds import actor_dtype, logprob_gap_bound
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits
@@ -29,15 +30,12 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.scoring import RewardError
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.leasing import Leasing
-    from grpo_fleet.learner.registry import ActorInfo, Registry
-    from grpo_fleet.learner.state import LearnerState
-    from grpo_fleet.learner.trainer import StepStats
-    from grpo_fleet.learner.verification import LogprobGap, RewardCheck
+    from grpo_fleet.learner.door.verification import LogprobGap, RewardCheck
+    from grpo_fleet.learner.fleet.leasing import Leasing
+    from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
+    from grpo_fleet.learner.step.trainer import StepStats
 
 log = logging.getLogger("grpo_fleet.learner")
-# Stored answers kept for replays (at-least-once actors resend after a reconnect).
-ACK_CACHE_SIZE = 4096
 # msgpack framing around one completion's tensors (keys, dtype, shape, reward) and one
 # group (its id); generous, so an honest Rollouts never comes near the limit.
 COMPLETION_FRAMING_BYTES = 256
@@ -71,27 +69,6 @@ def inbound_limits(cfg: RunConfig) -> Limits:
     )
 
 
-class AckCache:
-    """The answer given for each lease, replayed to a resent Rollouts; bounded, oldest out first."""
-
-    def __init__(self, size: int = ACK_CACHE_SIZE, answers: Optional[dict[str, m.Ack]] = None) -> None:
-        self.size = size
-        self._answers: dict[str, m.Ack] = dict(answers or {})
-
-    def get(self, lease_id: str) -> Optional[m.Ack]:
-        return self._answers.get(lease_id)
-
-    def put(self, lease_id: str, ack: m.Ack) -> None:
-        # Bounded, so no peer can grow it without limit.
-        self._answers[lease_id] = ack
-        while len(self._answers) > self.size:
-            self._answers.pop(next(iter(self._answers)))
-
-    def answers(self) -> dict[str, m.Ack]:
-        """A copy, oldest first (what a checkpoint saves)."""
-        return dict(self._answers)
-
-
 @dataclass(frozen=True)
 class IntakeRules:
     """What a usable submission must satisfy in this run."""
@@ -117,7 +94,7 @@ class IntakeRules:
                    learner_dtype=learner_dtype)
 
     def logprob_bound(self, backend: str) -> float:
-        """The honest gap of an actor on `backend` (its Hello's) from this learner (learner/gap_bounds.py)."""
+        """The honest gap of an actor on `backend` (its Hello's) from this learner (learner/step/gap_bounds.py)."""
         return logprob_gap_bound(actor_dtype(self.requested_dtype, backend), self.learner_dtype)
 
 

@@ -1,6 +1,6 @@
 """The pure side of the data-parallel learner: which rows each rank trains, the step header, the weights' digest.
 
-No collectives here (learner/collectives.py does those): rows in, rows out, so
+No collectives here (learner/ranks/collectives.py does those): rows in, rows out, so
 every rule the ranks must agree on is testable without processes.
 """
 
@@ -13,7 +13,7 @@ from enum import IntEnum
 import mlx.core as mx
 import numpy as np
 
-from grpo_fleet.learner.batch import TrainBatch
+from grpo_fleet.learner.step.batch import TrainBatch
 from grpo_fleet.trees import flat_leaves
 
 HEADER_SIZE = 8  # int32 slots of the command rank 0 broadcasts before each step

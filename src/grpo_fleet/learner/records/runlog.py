@@ -103,7 +103,7 @@ class DropEntry:
 
 @dataclass(frozen=True)
 class SampleRow:
-    """One completion the model wrote, decoded, as its samples.jsonl line (learner/samples.py picks them)."""
+    """One completion the model wrote, decoded, as its samples.jsonl line (learner/records/samples.py picks them)."""
 
     step: int  # the step that trained on it
     policy_version: int  # the snapshot that sampled it

@@ -12,7 +12,7 @@ reports besides tokens:
   (`security.logprob_checks_per_submission`) is re-scored under the weights of
   the version it claims, kept for the versions still trainable
   (`WeightHistory`), before it trains. A mean per-token gap beyond the honest
-  bound for the actor's and the learner's dtypes (learner/gap_bounds.py, or
+  bound for the actor's and the learner's dtypes (learner/step/gap_bounds.py, or
   `security.max_logprob_gap`) is `logprob_mismatch`: wrong weights, altered
   logprobs, and a lied-about or stale version all show up as a gap. Such an
   actor is banned at once and its buffered groups are dropped, so nothing from
@@ -31,8 +31,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from grpo_fleet.learner.batch import AcceptedGroup, build_train_batch, split_batch, unpack_completions
-from grpo_fleet.learner.forward import frozen_logprobs
+from grpo_fleet.learner.step.batch import AcceptedGroup, build_train_batch, split_batch, unpack_completions
+from grpo_fleet.learner.step.forward import frozen_logprobs
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example, Task

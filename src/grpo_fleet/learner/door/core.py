@@ -20,23 +20,23 @@ import numpy as np
 from pydantic import BaseModel
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner import persistence
-from grpo_fleet.learner.bans import peer_key
-from grpo_fleet.learner.evaluation import Evaluation
-from grpo_fleet.learner.gap_bounds import compute_dtype
-from grpo_fleet.learner.intake import Intake, IntakeRules
-from grpo_fleet.learner.leasing import Leasing
-from grpo_fleet.learner.registry import ActorInfo, Registry, RunCard
-from grpo_fleet.learner.replies import Reply
-from grpo_fleet.learner.runlog import RunLog, StepRecord
-from grpo_fleet.learner.samples import SampleLog, tokenizer_decode
-from grpo_fleet.learner.scheduler import PromptScheduler
-from grpo_fleet.learner.snapshots import SnapshotStore
-from grpo_fleet.learner.state import LearnerState
-from grpo_fleet.learner.trackers import Trackers
-from grpo_fleet.learner.trainer import Trainer
-from grpo_fleet.learner.training import Training
-from grpo_fleet.learner.verification import LogprobCheck, RewardCheck, WeightHistory, check_next_batch
+from grpo_fleet.learner.door.intake import Intake, IntakeRules
+from grpo_fleet.learner.door.replies import Reply
+from grpo_fleet.learner.door.snapshots import SnapshotStore
+from grpo_fleet.learner.door.verification import LogprobCheck, RewardCheck, WeightHistory, check_next_batch
+from grpo_fleet.learner.evals.evaluation import Evaluation
+from grpo_fleet.learner.fleet.bans import peer_key
+from grpo_fleet.learner.fleet.leasing import Leasing
+from grpo_fleet.learner.fleet.registry import ActorInfo, Registry, RunCard
+from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records import persistence
+from grpo_fleet.learner.records.runlog import RunLog, StepRecord
+from grpo_fleet.learner.records.samples import SampleLog, tokenizer_decode
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.records.trackers import Trackers
+from grpo_fleet.learner.step.gap_bounds import compute_dtype
+from grpo_fleet.learner.step.trainer import Trainer
+from grpo_fleet.learner.step.training import Training
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
 from grpo_fleet.protocol import messages as m
@@ -276,7 +276,7 @@ class Learner:
         The lock is held only to take the batch and to record the result: not
         while the model trains, the new snapshot is serialised, or a checkpoint
         is written, so requests keep being answered meanwhile. None when the
-        logprob check dropped groups (learner/verification.py): no step yet.
+        logprob check dropped groups (learner/door/verification.py): no step yet.
         """
         if self.logprob_check is not None and not check_next_batch(
                 self.lock, self.state, self.intake, self.logprob_check, self.cfg.grpo.groups_per_step):

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
-from grpo_fleet.learner.batch import MicroBatch
+from grpo_fleet.learner.step.batch import MicroBatch
 
 # Compiled traces kept per Trainer; each holds a graph, not activations.
 MAX_COMPILED_SHAPES = 32

@@ -6,14 +6,10 @@ nothing of a liar trains) and grpo.max_train_staleness (training.drop_too_stale)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from grpo_fleet.learner.batch import AcceptedGroup
-from grpo_fleet.learner.runlog import DropEntry, RunLog
+from grpo_fleet.learner.records.runlog import DropEntry, RunLog
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.step.batch import AcceptedGroup
 from grpo_fleet.protocol.reasons import RejectReason
-
-if TYPE_CHECKING:
-    from grpo_fleet.learner.state import LearnerState
 
 
 def drop_buffered(state: LearnerState, runlog: RunLog, dropped: list[AcceptedGroup], reason: RejectReason) -> None:

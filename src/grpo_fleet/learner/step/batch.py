@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.gap_bounds import HALF_PRECISION_BOUND
-from grpo_fleet.learner.grpo import group_advantages, overlong_penalty
+from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND
+from grpo_fleet.learner.step.grpo import group_advantages, overlong_penalty
 
 # Sequence lengths are rounded up to a multiple of this, so shapes repeat and
 # compiled or cached kernels are reused instead of rebuilt for every length.
@@ -46,8 +46,8 @@ class AcceptedGroup:
     policy_version: int
     actor_id: str
     actor_key: str = ""  # the peer key its violations and bans are counted under
-    # Checked against the learner's own logprobs before it trains (a sample per submission; learner/verification.py),
-    # against this bound: the honest gap of the actor's dtype (learner/gap_bounds.py).
+    # Checked against the learner's own logprobs before it trains (a sample per submission; learner/door/verification.py),
+    # against this bound: the honest gap of the actor's dtype (learner/step/gap_bounds.py).
     check_logprobs: bool = False
     logprob_bound: float = HALF_PRECISION_BOUND
 

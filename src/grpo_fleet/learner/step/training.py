@@ -9,12 +9,12 @@ from typing import Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.batch import AcceptedGroup, LengthShaping, build_train_batch
-from grpo_fleet.learner.drops import drop_buffered
-from grpo_fleet.learner.runlog import RunLog, StepRecord
-from grpo_fleet.learner.snapshots import SnapshotStore
-from grpo_fleet.learner.state import LearnerState
-from grpo_fleet.learner.trainer import StepStats, Trainer
+from grpo_fleet.learner.door.drops import drop_buffered
+from grpo_fleet.learner.door.snapshots import SnapshotStore
+from grpo_fleet.learner.records.runlog import RunLog, StepRecord
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.step.batch import AcceptedGroup, LengthShaping, build_train_batch
+from grpo_fleet.learner.step.trainer import StepStats, Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.weights import Snapshot

@@ -21,12 +21,12 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.bans import peer_key
-from grpo_fleet.learner.core import Learner
-from grpo_fleet.learner.intake import inbound_limits
-from grpo_fleet.learner.local_eval import LocalEvaluator
-from grpo_fleet.learner.replies import Reply
-from grpo_fleet.learner.verifying import RolloutsVerifier
+from grpo_fleet.learner.door.core import Learner
+from grpo_fleet.learner.door.intake import inbound_limits
+from grpo_fleet.learner.door.replies import Reply
+from grpo_fleet.learner.door.verifying import RolloutsVerifier
+from grpo_fleet.learner.evals.local_eval import LocalEvaluator
+from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.metrics import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import Keypair, KeyRing, load_keypair, start_authenticator
@@ -178,7 +178,7 @@ class LearnerServer:
         self.closing = False
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
-        # Rollouts whose rewards are re-scored are answered off this thread (learner/verifying.py).
+        # Rollouts whose rewards are re-scored are answered off this thread (learner/door/verifying.py).
         self.verifier = RolloutsVerifier() if learner.reward_check is not None else None
 
     def start_metrics(self) -> None:

@@ -12,40 +12,24 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.fleet.moving_average import MovingAverage
+from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Example, prompt_text, reward_kwargs
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.registry import ActorInfo
-    from grpo_fleet.learner.state import LearnerState
+    from grpo_fleet.learner.records.state import LearnerState
 
-# Weight of the newest sample in the moving averages: recent enough to follow an
-# actor that slows down (thermal throttling, a user on the Mac), smooth enough to
-# ignore one slow lease.
-EMA_WEIGHT = 0.3
 # A lease should come back well before it expires and is re-queued.
 DEADLINE_SHARE = 0.5
 # Bounds on how long an actor refused a lease waits before asking again.
 MIN_RETRY_SECONDS, MAX_RETRY_SECONDS = 0.005, 0.2
-
-
-@dataclass
-class MovingAverage:
-    """Exponential moving average; `value` is None until the first sample."""
-
-    weight: float = EMA_WEIGHT
-    value: Optional[float] = None
-
-    def add(self, sample: float) -> float:
-        self.value = sample if self.value is None else self.weight * sample + (1 - self.weight) * self.value
-        return self.value
 
 
 def lease_target_seconds(

@@ -6,7 +6,7 @@ leases; each prompt is sampled `train.eval_samples` times (1, greedy, by
 default), scored by the run's rewards on the actor, and sent back as ordinary
 Rollouts that this room answers. Eval groups never enter the training buffer,
 the ledger or the step's counts. With no actor connected, the learner evaluates
-the round itself (learner/core.py). A round's line goes to metrics.jsonl
+the round itself (learner/door/core.py). A round's line goes to metrics.jsonl
 (`"event": "eval"`) and its figures to Prometheus. Rounds in flight are not
 checkpointed: a resumed run starts with the next one. No sockets here.
 """
@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.leasing import prompt_item
-from grpo_fleet.learner.runlog import EvalRecord, RunLog
+from grpo_fleet.learner.fleet.leasing import prompt_item
+from grpo_fleet.learner.records.runlog import EvalRecord, RunLog
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.registry import ActorInfo, Registry
-    from grpo_fleet.learner.state import LearnerState
-    from grpo_fleet.learner.verification import RewardCheck
+    from grpo_fleet.learner.door.verification import RewardCheck
+    from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
+    from grpo_fleet.learner.records.state import LearnerState
 
 log = logging.getLogger("grpo_fleet.learner")
 # An eval prompt unscored this many times is left out of its round (counted in the row).
@@ -95,7 +95,7 @@ class Evaluation:
     def __init__(self, cfg: RunConfig, examples: list[Example], prompt_tokens: list[np.ndarray], vocab_size: int,
                  state: LearnerState, registry: Registry, runlog: RunLog, metrics: LearnerMetrics,
                  clock: Callable[[], float] = time.monotonic, reward_check: Optional[RewardCheck] = None) -> None:
-        self.reward_check = reward_check  # eval rewards are re-scored like training ones (learner/verification.py)
+        self.reward_check = reward_check  # eval rewards are re-scored like training ones (learner/door/verification.py)
         self.train, self.examples, self.prompt_tokens = cfg.train, examples, prompt_tokens
         self.lease_seconds, self.max_tokens = cfg.server.lease_seconds, cfg.generation.max_tokens
         self.max_groups_per_lease = cfg.server.max_groups_per_lease

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from grpo_fleet.config import ServerConfig
-from grpo_fleet.learner.bans import Bans
-from grpo_fleet.learner.leasing import MovingAverage
+from grpo_fleet.learner.fleet.bans import Bans
+from grpo_fleet.learner.fleet.moving_average import MovingAverage
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.state import LearnerState
+    from grpo_fleet.learner.records.state import LearnerState
 
 log = logging.getLogger("grpo_fleet.learner")
 
@@ -66,7 +66,7 @@ class ActorInfo:
     metrics_target: Optional[str] = None  # "address:port" Prometheus can scrape
     policy_version: int = 0
     rate: TokenRate = field(default_factory=TokenRate)
-    # Measured from returned leases; sizes its next leases (learner/leasing.py).
+    # Measured from returned leases; sizes its next leases (learner/fleet/leasing.py).
     groups_per_second: MovingAverage = field(default_factory=MovingAverage)
     last_return: Optional[float] = None  # scheduler clock, when its last lease came back
 
@@ -184,7 +184,7 @@ class Registry:
         self.groups_accepted += 1
 
     def record_violation(self, key: str, reason: str, *, ban_now: bool = False) -> None:
-        """Count malformed or hostile input from a peer key (see learner/bans.py); `ban_now` bans it at once."""
+        """Count malformed or hostile input from a peer key (see learner/fleet/bans.py); `ban_now` bans it at once."""
         self.metrics.violations.labels(reason=reason).inc()
         if self.bans.record(key, self.bans.max_violations if ban_now else 1):
             self.metrics.bans.inc()

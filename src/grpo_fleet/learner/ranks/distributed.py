@@ -5,7 +5,7 @@ Each step rank 0 broadcasts the TrainBatch; every rank trains its rows
 totals, so the all-sum of the ranks' loss, stats and gradients equals the
 one-process value. Every rank then applies the same clip and AdamW update, and
 every `distributed.digest_every` steps the ranks check that their weights are
-bitwise identical. The other ranks' side is learner/follower.py.
+bitwise identical. The other ranks' side is learner/ranks/follower.py.
 
 One process (no `mlx.launch`, or a group of one) never gets here: its Trainer
 keeps `SingleProcess` sharding and runs no collective at all.
@@ -24,9 +24,8 @@ import mlx.nn as nn
 import numpy as np
 
 from grpo_fleet.config import ConfigError, DistributedConfig, RunConfig
-from grpo_fleet.learner.batch import MicroBatch, TrainBatch
-from grpo_fleet.learner.collectives import RankGroup, init_group
-from grpo_fleet.learner.sharding import (
+from grpo_fleet.learner.ranks.collectives import RankGroup, init_group
+from grpo_fleet.learner.ranks.sharding import (
     HEADER_SIZE,
     Command,
     Header,
@@ -35,11 +34,12 @@ from grpo_fleet.learner.sharding import (
     shard_rows,
     take_rows,
 )
-from grpo_fleet.learner.trainer import Gradients, Trainer, proximal_grid
+from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch
+from grpo_fleet.learner.step.trainer import Gradients, Trainer, proximal_grid
 from grpo_fleet.trees import flat_leaves
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.core import Learner
+    from grpo_fleet.learner.door.core import Learner
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 

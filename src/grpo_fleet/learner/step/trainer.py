@@ -29,12 +29,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
-from grpo_fleet.learner.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
-from grpo_fleet.learner.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
-from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint, frozen_logprobs
-from grpo_fleet.learner.grpo import BehaviourCorrection, grpo_loss, offpolicy_stats
-from grpo_fleet.learner.logprobs import head_logprobs
-from grpo_fleet.learner.schedule import learning_rate_schedule, with_decay_steps
+from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
+from grpo_fleet.learner.step.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
+from grpo_fleet.learner.step.forward import completion_logprobs, enable_grad_checkpoint, frozen_logprobs
+from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss, offpolicy_stats
+from grpo_fleet.learner.step.logprobs import head_logprobs
+from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
 from grpo_fleet.model import Policy, adapters_disabled
 from grpo_fleet.trees import flat_leaves, scalar
 
@@ -171,7 +171,7 @@ class Sharding(Protocol):
 
 
 class SingleProcess:
-    """One process trains every row, and its sums are the batch's already; `DataParallel` (learner/distributed.py)
+    """One process trains every row, and its sums are the batch's already; `DataParallel` (learner/ranks/distributed.py)
     spreads the rows over mx.distributed ranks instead."""
 
     def begin(self, batch: TrainBatch) -> None:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from grpo_reference import ref_group_advantages, ref_group_is_informative, ref_overlong_penalty
 
+from grpo_fleet.learner.step.advantages import group_advantages
 from grpo_fleet.learner.step.batch import (
     LENGTH_BUCKET,
     AcceptedGroup,
@@ -20,7 +21,6 @@ from grpo_fleet.learner.step.batch import (
     split_batch,
     unpack_completions,
 )
-from grpo_fleet.learner.step.grpo import group_advantages
 
 
 def completion(

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, build_train_batch, split_batch
 from grpo_fleet.learner.step.forward import completion_logprobs, enable_grad_checkpoint, lm_head
-from grpo_fleet.learner.step.trainer import policy_logprobs
+from grpo_fleet.learner.step.objective import policy_logprobs
 
 VOCAB = 40
 

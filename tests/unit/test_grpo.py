@@ -21,18 +21,10 @@ from grpo_reference import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_fleet.learner.step.grpo import (
-    BehaviourCorrection,
-    behaviour_weights,
-    group_advantages,
-    grpo_loss,
-    kl_k3,
-    log_gap,
-    masked_mean,
-    offpolicy_stats,
-    overlong_penalty,
-)
+from grpo_fleet.learner.step.advantages import group_advantages, overlong_penalty
+from grpo_fleet.learner.step.grpo import BehaviourCorrection, behaviour_weights, grpo_loss, kl_k3, masked_mean
 from grpo_fleet.learner.step.logprobs import token_logprobs
+from grpo_fleet.learner.step.offpolicy import log_gap, offpolicy_stats
 
 ATOL = 1e-5
 RTOL = 1e-5

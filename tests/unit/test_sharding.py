@@ -18,7 +18,8 @@ from grpo_fleet.learner.ranks.collectives import Watchdog, launched_backend
 from grpo_fleet.learner.ranks.distributed import check_batch_fits
 from grpo_fleet.learner.ranks.sharding import Command, Header, buckets, scatter_rows, shard_rows, take_rows, weights_digest
 from grpo_fleet.learner.step.batch import batch_totals, split_batch
-from grpo_fleet.learner.step.trainer import Trainer, proximal_grid
+from grpo_fleet.learner.step.objective import proximal_grid
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import load_policy
 
 

@@ -13,8 +13,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
 from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch, split_batch
 from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
+from grpo_fleet.learner.step.objective import behaviour_correction, policy_logprobs
 from grpo_fleet.learner.step.schedule import learning_rate_schedule
-from grpo_fleet.learner.step.trainer import Trainer, behaviour_correction, policy_logprobs
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, adapters_disabled, load_policy, trainable_weights
 
 TEMPERATURE = 1.0

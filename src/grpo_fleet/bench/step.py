@@ -32,7 +32,8 @@ from grpo_fleet.learner.step.batch import (
     split_batch,
 )
 from grpo_fleet.learner.step.grpo import grpo_loss
-from grpo_fleet.learner.step.trainer import Trainer, default_loss, policy_logprobs
+from grpo_fleet.learner.step.objective import default_loss, policy_logprobs
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, adapters_disabled, apply_lora, load_policy
 
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from grpo_fleet.learner.door.verification import LogprobGap, RewardCheck
     from grpo_fleet.learner.fleet.leasing import Leasing
     from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
-    from grpo_fleet.learner.step.trainer import StepStats
+    from grpo_fleet.learner.step.stats import StepStats
 
 log = logging.getLogger("grpo_fleet.learner")
 # msgpack framing around one completion's tensors (keys, dtype, shape, reward) and one

@@ -35,7 +35,9 @@ from grpo_fleet.learner.ranks.sharding import (
     take_rows,
 )
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch
-from grpo_fleet.learner.step.trainer import Gradients, Trainer, proximal_grid
+from grpo_fleet.learner.step.objective import proximal_grid
+from grpo_fleet.learner.step.stats import Gradients
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.trees import flat_leaves
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.step.advantages import group_advantages, overlong_penalty
 from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND
-from grpo_fleet.learner.step.grpo import group_advantages, overlong_penalty
 
 # Sequence lengths are rounded up to a multiple of this, so shapes repeat and
 # compiled or cached kernels are reused instead of rebuilt for every length.

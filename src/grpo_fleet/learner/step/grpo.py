@@ -2,7 +2,8 @@
 
 Everything here is side-effect free: arrays in, arrays out, so the learner can
 wrap `grpo_loss` in `nn.value_and_grad` and the tests can compare each piece
-against a float64 NumPy reference.
+against a float64 NumPy reference. Its neighbours are pure in the same way:
+advantages.py (rewards to advantages) and offpolicy.py (the step's off-policy stats).
 
 Conventions: token tensors are `[B, T]` (one row per completion, `T` the padded
 completion length), `mask` marks the completion tokens that count, and
@@ -29,62 +30,11 @@ IS_LEVELS = ("token", "sequence")
 Axis = Optional[Union[int, tuple[int, ...]]]
 
 
-def _as_float(x: mx.array) -> mx.array:
+def as_float(x: mx.array) -> mx.array:
     """Cast to float32 unless already a floating type of at least 32 bits."""
     if x.dtype in (mx.float32, mx.float64):
         return x
     return x.astype(mx.float32)
-
-
-def _grouped(rewards: mx.array, group_size: int) -> mx.array:
-    """Reshape flat `[N]` rewards into `[N / group_size, group_size]`."""
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if rewards.ndim != 1:
-        raise ValueError(f"rewards must be 1-D, got shape {rewards.shape}")
-    n = rewards.shape[0]
-    if n % group_size != 0:
-        raise ValueError(f"{n} rewards are not divisible into groups of {group_size}")
-    return _as_float(rewards).reshape(n // group_size, group_size)
-
-
-def group_advantages(
-    rewards: mx.array,
-    group_size: int,
-    *,
-    scale_by_std: bool = True,
-    eps: float = 1e-4,
-) -> mx.array:
-    """Group-relative advantages: `(r - mean_g) / (std_g + eps)` per contiguous group.
-
-    `std_g` is the population std (ddof=0). With `scale_by_std=False` (Dr. GRPO)
-    the result is just `r - mean_g`. Returns a flat `[N]` array.
-    """
-    g = _grouped(rewards, group_size)
-    mean = mx.mean(g, axis=1, keepdims=True)
-    centered = g - mean
-    if scale_by_std:
-        std = mx.sqrt(mx.mean(centered * centered, axis=1, keepdims=True))
-        centered = centered / (std + eps)
-    # mean() of identical floats can round to a value a hair off the inputs, which
-    # would leak a tiny nonzero signal from a group that carries none; decide
-    # "no variance" by exact comparison instead.
-    flat = mx.max(g, axis=1, keepdims=True) == mx.min(g, axis=1, keepdims=True)
-    return mx.where(flat, mx.zeros_like(centered), centered).reshape(-1)
-
-
-def overlong_penalty(lengths: mx.array, max_tokens: int, buffer: int, factor: float) -> mx.array:
-    """DAPO's soft overlong punishment, `[N]`, to add to the rewards before advantages.
-
-    0 up to `max_tokens - buffer` tokens, then falling linearly to `-factor` at
-    `max_tokens` (and no lower): `-factor * clip((len - (max_tokens - buffer)) / buffer, 0, 1)`.
-    """
-    if not 0 < buffer < max_tokens:
-        raise ValueError(f"overlong buffer must be in [1, max_tokens = {max_tokens}), got {buffer}")
-    if factor < 0:
-        raise ValueError(f"overlong penalty factor must be >= 0, got {factor}")
-    excess = (_as_float(lengths) - (max_tokens - buffer)) / buffer
-    return -factor * mx.clip(excess, 0.0, 1.0)
 
 
 def kl_k3(logprobs: mx.array, ref_logprobs: mx.array) -> mx.array:
@@ -101,7 +51,7 @@ def masked_mean(x: mx.array, mask: mx.array, axis: Axis = None) -> mx.array:
 
     The denominator is clamped to 1 so an empty selection gives 0, not NaN.
     """
-    m = _as_float(mask)
+    m = as_float(mask)
     return mx.sum(x * m, axis=axis) / mx.maximum(mx.sum(m, axis=axis), 1.0)
 
 
@@ -226,41 +176,13 @@ def behaviour_weights(
     """
     m = mask.astype(mx.float32)
     on = m != 0
-    log_w = mx.where(on, _as_float(proximal_logprobs) - _as_float(behaviour_logprobs), 0.0)
+    log_w = mx.where(on, as_float(proximal_logprobs) - as_float(behaviour_logprobs), 0.0)
     if correction.level == "sequence":
         log_w = mx.where(on, _per_sequence(log_w, m), 0.0)
     w = _bounded_exp(log_w)
     capped = w > correction.cap
     kept = mx.minimum(w, correction.cap) if correction.mode == "truncate" else mx.where(capped, 0.0, w)
     return mx.stop_gradient(kept), capped.astype(mx.float32)
-
-
-def log_gap(proximal_logprobs: mx.array, behaviour_logprobs: mx.array, mask: mx.array) -> mx.array:
-    """|log pi_prox - log pi_behav| per token `[B, T]`, 0 off the mask: staleness and numerical mismatch together."""
-    gap = mx.abs(_as_float(proximal_logprobs) - _as_float(behaviour_logprobs))
-    return mx.stop_gradient(mx.where(mask != 0, gap, 0.0))
-
-
-def offpolicy_stats(
-    proximal_logprobs: mx.array,
-    behaviour_logprobs: mx.array,
-    mask: mx.array,
-    correction: Optional[BehaviourCorrection],
-) -> dict[str, mx.array]:
-    """How far the batch's behaviour policy is from the proximal one, over its counted tokens.
-
-    `offpolicy_gap_mean` / `offpolicy_gap_max`: mean and max of `log_gap`. The
-    gap is taken absolute (as TRL's `sampling_logp_difference`): the signed mean
-    is second order, E_behav[log(pi_prox / pi_behav)] = -KL(pi_behav || pi_prox).
-    `is_capped_fraction`: share of tokens whose behaviour weight was truncated or
-    masked; 0 without a correction (the coupled objective weights nothing).
-    """
-    m = mask.astype(mx.float32)
-    gap = log_gap(proximal_logprobs, behaviour_logprobs, m)
-    capped = mx.array(0.0)
-    if correction is not None:
-        capped = masked_mean(behaviour_weights(proximal_logprobs, behaviour_logprobs, m, correction)[1], m)
-    return {"offpolicy_gap_mean": masked_mean(gap, m), "offpolicy_gap_max": mx.max(gap), "is_capped_fraction": capped}
 
 
 def _clipped_surrogate(
@@ -330,12 +252,12 @@ def grpo_loss(
     epsilons = (epsilon_low, epsilon_low if epsilon_high is None else epsilon_high)
     m = mask.astype(mx.float32)
     on = m != 0
-    lp = _as_float(logprobs)
+    lp = as_float(logprobs)
     anchor = old_logprobs if proximal_logprobs is None else proximal_logprobs
     # Padding positions may hold garbage log-probs; zero their log ratio so exp()
     # cannot overflow into inf * 0 = NaN (in the value or the gradient).
-    ratio = _ratio(mx.where(on, lp - _as_float(anchor), 0.0), m, loss_type)
-    surrogate = _clipped_surrogate(ratio, _as_float(advantages)[:, None], epsilons, dual_clip)
+    ratio = _ratio(mx.where(on, lp - as_float(anchor), 0.0), m, loss_type)
+    surrogate = _clipped_surrogate(ratio, as_float(advantages)[:, None], epsilons, dual_clip)
     if proximal_logprobs is not None:
         surrogate = behaviour_weights(proximal_logprobs, old_logprobs, m, correction)[0] * surrogate
 
@@ -343,7 +265,7 @@ def grpo_loss(
     k3 = None
     if ref_logprobs is not None:
         # Same guard: masked positions compare 0 with 0 and give k3 = 0.
-        k3 = kl_k3(mx.where(on, lp, 0.0), mx.where(on, _as_float(ref_logprobs), 0.0))
+        k3 = kl_k3(mx.where(on, lp, 0.0), mx.where(on, as_float(ref_logprobs), 0.0))
         if beta > 0:
             objective = surrogate - beta * k3
     totals = (total_tokens, total_sequences)

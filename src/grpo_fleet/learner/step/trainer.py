@@ -9,7 +9,7 @@ and the update are separate: a non-finite loss or gradient norm skips the update
 and leaves weights and optimizer state exactly as they were.
 
 The loss is a parameter (`loss_fn`) so a new objective plugs in without forking
-the trainer; the default wraps `grpo.grpo_loss`.
+the trainer; the default (objective.py) wraps `grpo.grpo_loss`.
 """
 
 from __future__ import annotations
@@ -17,133 +17,28 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, cast
+from typing import Any, Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
 from grpo_fleet.learner.step.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
-from grpo_fleet.learner.step.forward import completion_logprobs, enable_grad_checkpoint, frozen_logprobs
-from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss, offpolicy_stats
-from grpo_fleet.learner.step.logprobs import head_logprobs
+from grpo_fleet.learner.step.forward import enable_grad_checkpoint, frozen_logprobs
+from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, LossFn, behaviour_correction, default_loss, offpolicy_summary
+from grpo_fleet.learner.step.rows import Sharding, SingleProcess
 from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
+from grpo_fleet.learner.step.stats import Gradients, StepStats
 from grpo_fleet.model import Policy, adapters_disabled
 from grpo_fleet.trees import flat_leaves, scalar
 
 _TRAIN_DEFAULTS = TrainConfig()
-LossFn = Callable[..., tuple[mx.array, dict]]
-# A loss's stats are scalars summed over micro-batches, except this per-token `[n, T]` entry: the
-# detached logprobs the loss saw, kept per micro-batch (the first epoch's are pi_prox).
-POLICY_LOGPROBS = "policy_logprobs"
-
-
-def policy_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, temperature: float) -> mx.array:
-    """Dense per-position logprobs `[N, L]` through the full `[N, L, V]` logits.
-
-    The plain computation, kept for tests and the bench to compare against: the
-    trainer itself never calls it.
-    """
-    return head_logprobs(model(inputs), targets, temperature)
-
-
-def behaviour_correction(grpo: GRPOConfig) -> Optional[BehaviourCorrection]:
-    """How the decoupled objective weights pi_prox / pi_behav; None for the coupled one, which weights nothing."""
-    if grpo.objective != "decoupled":
-        return None
-    return BehaviourCorrection(cap=grpo.is_cap, mode=grpo.is_mode, level=grpo.is_level)
-
-
-def default_loss(
-    model: nn.Module, micro: MicroBatch, ref_logprobs: Optional[mx.array], totals: mx.array,
-    *, grpo: GRPOConfig, temperature: float, max_tokens: int, chunk_tokens: int,
-) -> tuple[mx.array, dict]:
-    """This micro-batch's share of the batch's GRPO objective under the current weights.
-
-    Decoupled, pi_prox is `micro.proximal_logprobs` when the trainer made the extra
-    forward (ppo_epochs > 1), else these very logprobs detached: before the first
-    update the current weights are the proximal ones, so one epoch gets it free.
-    """
-    logprobs = completion_logprobs(model, micro, temperature=temperature, chunk_tokens=chunk_tokens)
-    current = mx.stop_gradient(logprobs)
-    correction = behaviour_correction(grpo)
-    proximal = None
-    if correction is not None:
-        proximal = current if micro.proximal_logprobs is None else micro.proximal_logprobs
-    low, high = grpo.clip_range
-    loss, stats = grpo_loss(
-        logprobs, micro.old_logprobs, micro.advantages, micro.mask,
-        ref_logprobs=ref_logprobs, beta=grpo.beta, epsilon_low=low, epsilon_high=high,
-        loss_type=grpo.loss_type, max_tokens=max_tokens, total_tokens=totals[0], total_sequences=totals[1],
-        proximal_logprobs=proximal, correction=correction or BehaviourCorrection(), dual_clip=grpo.dual_clip,
-    )
-    return loss, {**stats, POLICY_LOGPROBS: current}
-
-
-def offpolicy_summary(
-    batch: TrainBatch, grid: Optional[np.ndarray], correction: Optional[BehaviourCorrection],
-) -> tuple[Optional[np.ndarray], dict[str, float]]:
-    """The step's `offpolicy_stats` of pi_prox on the batch's `[N, L]` grid (none without a grid)."""
-    if grid is None:
-        return None, {}  # a custom loss_fn that returns no POLICY_LOGPROBS, and no extra forward
-    stats = offpolicy_stats(mx.array(grid), batch.old_logprobs, batch.mask, correction)
-    return grid, {key: float(value) for key, value in stats.items()}
-
-
-def proximal_grid(batch: TrainBatch, micro_batches: list[MicroBatch], proximal: list[mx.array]) -> Optional[np.ndarray]:
-    """pi_prox per micro-batch scattered onto the batch's `[N, L]` grid; None without one per micro-batch."""
-    if not micro_batches or len(proximal) != len(micro_batches):
-        return None
-    rows, width = batch.mask.shape
-    return unpack_completions(micro_batches, proximal, (rows, width))
-
-
-@dataclass
-class Gradients:
-    """Loss, stats and gradients summed over a batch's micro-batches; not yet applied."""
-
-    loss: mx.array
-    stats: dict[str, mx.array]
-    grads: dict
-    policy_logprobs: list[mx.array] = field(default_factory=list)  # POLICY_LOGPROBS per micro-batch, if any
-
-
-@dataclass
-class StepStats:
-    """What one `Trainer.step` did; loss and stats are means over the epochs that ran."""
-
-    loss: float
-    kl: float
-    clip_fraction: float
-    grad_norm: float
-    policy_objective: float
-    ratio_mean: float  # pi_theta / pi_behav coupled, pi_theta / pi_prox decoupled (1 at ppo_epochs = 1)
-    ref_seconds: float
-    update_seconds: float
-    train_seconds: float
-    peak_memory_bytes: int
-    micro_batches: int
-    epochs: int  # epochs attempted, the skipped one included
-    learning_rate: float = 0.0  # the rate of this step's last applied update (the schedule's value)
-    skipped: Optional[str] = None  # "nonfinite_loss" or "nonfinite_grad": that epoch applied no update
-    extra: dict[str, float] = field(default_factory=dict)  # stats a custom loss_fn adds
-    proximal_seconds: float = 0.0  # the no-grad pi_prox forward (decoupled, ppo_epochs > 1); else 0
-    # grpo.offpolicy_stats of pi_prox (the weights before this step) against the actors' pi_behav.
-    offpolicy_gap_mean: float = 0.0
-    offpolicy_gap_max: float = 0.0
-    is_capped_fraction: float = 0.0
-    # pi_prox at the batch's completion positions, [N, L] like TrainBatch.old_logprobs (0 elsewhere), for
-    # comparing what the learner computes with what each actor reported; None if the loss_fn returned none.
-    proximal_logprobs: Optional[np.ndarray] = field(default=None, repr=False)
-
-
 def global_norm(grads: dict) -> mx.array:
     """L2 norm over every gradient, in fp32 so half-precision squares cannot overflow."""
     leaves = [g.astype(mx.float32) for _, g in flat_leaves(grads)]
@@ -156,43 +51,6 @@ def _skip_reason(loss: float, norm: float) -> Optional[str]:
     if not math.isfinite(norm):
         return "nonfinite_grad"
     return None
-
-
-class Sharding(Protocol):
-    """Which rows of a batch this process trains, and how its sums become the whole batch's."""
-
-    def begin(self, batch: TrainBatch) -> None: ...
-    def own_rows(self, batch: TrainBatch) -> TrainBatch: ...
-    def combine(self, gradients: Gradients) -> Gradients: ...
-    def combine_proximal(self, batch: TrainBatch, own: TrainBatch, micro: list[MicroBatch],
-                         proximal: list[mx.array]) -> Optional[np.ndarray]: ...
-    def end(self, model: nn.Module) -> None: ...
-    def idle(self) -> None: ...
-
-
-class SingleProcess:
-    """One process trains every row, and its sums are the batch's already; `DataParallel` (learner/ranks/distributed.py)
-    spreads the rows over mx.distributed ranks instead."""
-
-    def begin(self, batch: TrainBatch) -> None:
-        """Before a step: nothing to tell anyone."""
-
-    def own_rows(self, batch: TrainBatch) -> TrainBatch:
-        return batch
-
-    def combine(self, gradients: Gradients) -> Gradients:
-        return gradients
-
-    def combine_proximal(self, batch: TrainBatch, own: TrainBatch, micro: list[MicroBatch],
-                         proximal: list[mx.array]) -> Optional[np.ndarray]:
-        """pi_prox on the batch's `[N, L]` grid."""
-        return proximal_grid(own, micro, proximal)
-
-    def end(self, model: nn.Module) -> None:
-        """After a step: nothing to check."""
-
-    def idle(self) -> None:
-        """Waiting for a batch: nobody to tell."""
 
 
 class Trainer:

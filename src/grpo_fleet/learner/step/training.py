@@ -14,7 +14,8 @@ from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.records.runlog import RunLog, StepRecord
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.learner.step.batch import AcceptedGroup, LengthShaping, build_train_batch
-from grpo_fleet.learner.step.trainer import StepStats, Trainer
+from grpo_fleet.learner.step.stats import StepStats
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.weights import Snapshot

@@ -22,7 +22,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config, toml_string
-    from grpo_fleet.learner.door.server import InsecureBindError, check_bind_security
+    from grpo_fleet.learner.door.doorman import InsecureBindError, check_bind_security
     from grpo_fleet.learner.ranks.collectives import launched_rank
     from grpo_fleet.learner.setup import load_resume_config
     overrides = list(args.set or [])

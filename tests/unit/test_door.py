@@ -15,7 +15,7 @@ from pydantic.fields import FieldInfo
 from test_protocol import sample_messages
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.door.intake import inbound_limits
+from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Limits, ProtocolError, decode, encode
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown

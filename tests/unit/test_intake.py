@@ -12,7 +12,8 @@ import pytest
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.door.acks import AckCache
-from grpo_fleet.learner.door.intake import Intake, IntakeRules, suspect_groups, unusable_version
+from grpo_fleet.learner.door.intake import Intake
+from grpo_fleet.learner.door.intake_rules import IntakeRules, suspect_groups, unusable_version
 from grpo_fleet.learner.fleet.leasing import Leasing
 from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.fleet.scheduler import PromptScheduler

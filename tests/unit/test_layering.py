@@ -8,8 +8,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "grpo_fleet"
 
-# DESIGN.md: networking lives only in protocol/ and the two event loops (the actor's link is part of its loop).
-ZMQ_ALLOWED = ("protocol/*", "learner/door/server.py", "actor/worker.py", "actor/link.py")
+# DESIGN.md: networking lives only in protocol/ and the two event loops (the actor's link is part of its loop,
+# the learner's doorman of its own: it watches the loop's router).
+ZMQ_ALLOWED = ("protocol/*", "learner/door/server.py", "learner/door/doorman.py", "actor/worker.py", "actor/link.py")
 
 
 def imported_modules(source: str, package: str) -> set[str]:

@@ -20,14 +20,16 @@ import numpy as np
 from pydantic import BaseModel
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.door.intake import Intake, IntakeRules
+from grpo_fleet.learner.door.intake import Intake
+from grpo_fleet.learner.door.intake_rules import IntakeRules
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.door.verification import LogprobCheck, RewardCheck, WeightHistory, check_next_batch
+from grpo_fleet.learner.door.welcome import run_card
 from grpo_fleet.learner.evals.evaluation import Evaluation
 from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.fleet.leasing import Leasing
-from grpo_fleet.learner.fleet.registry import ActorInfo, Registry, RunCard
+from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
 from grpo_fleet.learner.fleet.scheduler import PromptScheduler
 from grpo_fleet.learner.records import persistence
 from grpo_fleet.learner.records.runlog import RunLog, StepRecord
@@ -44,7 +46,6 @@ from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.tasks import Task
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
-from grpo_fleet.zoo import model_reference
 
 log = logging.getLogger("grpo_fleet.learner")
 
@@ -64,28 +65,6 @@ OBSERVER_REQUESTS = (m.StatusRequest,)
 # Handlers for anyone, and for registered actors only; each message type has one.
 OpenHandler = Callable[[Request, Any], Reply]
 ActorHandler = Callable[[ActorInfo, Any], Reply]
-
-
-def run_card(cfg: RunConfig, policy: Policy, task: Task, model_digest: str) -> RunCard:
-    """What Welcome tells every actor: the model to load, how to sample, which rewards to score with."""
-    return RunCard(
-        model=m.ModelRef(path=model_reference(cfg.model.path, policy.path), digest=model_digest,
-                         lora=cfg.lora.model_dump() if policy.lora is not None else None, dtype=cfg.model.dtype,
-                         chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt),
-        generation=m.GenerationParams(**cfg.generation.model_dump()),
-        reward=reward_spec(task),
-        heartbeat_seconds=cfg.server.heartbeat_seconds, vocab_size=policy.vocab_size,
-    )
-
-
-def reward_spec(task: Task) -> m.RewardSpec:
-    """The run's rewards as Welcome names them, with the reward module's digest for actors to check their copy."""
-    from grpo_fleet.tasks.reward_module import module_digest
-
-    module = task.reward_module
-    return m.RewardSpec(names=list(task.reward_names), weights=[float(w) for w in task.reward_weights],
-                        module=module, module_digest=module_digest(module) if module else None,
-                        timeout_seconds=task.reward_timeout_seconds, bound=task.reward_bound)
 
 
 class Learner:

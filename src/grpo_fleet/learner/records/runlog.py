@@ -15,36 +15,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Optional
 
+from grpo_fleet.learner.step.update_stats import UpdateStats
+
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "ledger.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """One learner step, as its metrics.jsonl line (the README lists these keys)."""
+@dataclass(frozen=True, kw_only=True)
+class StepRecord(UpdateStats):
+    """One learner step, as its metrics.jsonl line (the README lists these keys): the update's stats and the batch's."""
 
     step: int
     policy_version: int
     reward_mean: float
     reward_std: float
-    loss: float
-    kl: float
-    clip_fraction: float
-    grad_norm: float
-    # Mean importance ratio over the step's tokens: pi_theta / pi_behav (coupled) or pi_theta / pi_prox (decoupled).
-    ratio_mean: float
-    # |log pi_prox - log pi_behav| over the step's tokens (staleness and numerical mismatch together), and the
-    # share of tokens whose behaviour weight grpo.is_cap truncated or masked (0 under the coupled objective).
-    offpolicy_gap_mean: float
-    offpolicy_gap_max: float
-    is_capped_fraction: float
     completion_length_mean: float  # tokens per completion
     completion_length_max: float
     truncated_fraction: float  # completions cut off at generation.max_tokens
-    learning_rate: float  # of the last applied update (optim.schedule's value at this step)
-    skipped: Optional[str]  # why no update was applied (non-finite loss or gradient), or None
-    peak_memory_bytes: int
     groups: int
     tokens: int
     # Versions between the snapshot that sampled a group and the policy it trained.

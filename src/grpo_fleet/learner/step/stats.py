@@ -8,6 +8,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from grpo_fleet.learner.step.update_stats import UpdateStats
+
 
 @dataclass
 class Gradients:
@@ -19,30 +21,18 @@ class Gradients:
     policy_logprobs: list[mx.array] = field(default_factory=list)  # POLICY_LOGPROBS per micro-batch, if any
 
 
-@dataclass
-class StepStats:
+@dataclass(frozen=True, kw_only=True)
+class StepStats(UpdateStats):
     """What one `Trainer.step` did; loss and stats are means over the epochs that ran."""
 
-    loss: float
-    kl: float
-    clip_fraction: float
-    grad_norm: float
     policy_objective: float
-    ratio_mean: float  # pi_theta / pi_behav coupled, pi_theta / pi_prox decoupled (1 at ppo_epochs = 1)
     ref_seconds: float
     update_seconds: float
     train_seconds: float
-    peak_memory_bytes: int
     micro_batches: int
     epochs: int  # epochs attempted, the skipped one included
-    learning_rate: float = 0.0  # the rate of this step's last applied update (the schedule's value)
-    skipped: Optional[str] = None  # "nonfinite_loss" or "nonfinite_grad": that epoch applied no update
     extra: dict[str, float] = field(default_factory=dict)  # stats a custom loss_fn adds
     proximal_seconds: float = 0.0  # the no-grad pi_prox forward (decoupled, ppo_epochs > 1); else 0
-    # offpolicy.offpolicy_stats of pi_prox (the weights before this step) against the actors' pi_behav.
-    offpolicy_gap_mean: float = 0.0
-    offpolicy_gap_max: float = 0.0
-    is_capped_fraction: float = 0.0
     # pi_prox at the batch's completion positions, [N, L] like TrainBatch.old_logprobs (0 elsewhere), for
     # comparing what the learner computes with what each actor reported; None if the loss_fn returned none.
     proximal_logprobs: Optional[np.ndarray] = field(default=None, repr=False)

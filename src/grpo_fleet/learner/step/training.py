@@ -125,11 +125,7 @@ class Training:
         return StepRecord(
             step=state.step, policy_version=state.version,
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-            loss=stats.loss, kl=stats.kl, clip_fraction=stats.clip_fraction, grad_norm=stats.grad_norm,
-            ratio_mean=stats.ratio_mean, learning_rate=stats.learning_rate, skipped=stats.skipped,
-            offpolicy_gap_mean=stats.offpolicy_gap_mean, offpolicy_gap_max=stats.offpolicy_gap_max,
-            is_capped_fraction=stats.is_capped_fraction, **_length_stats(groups),
-            peak_memory_bytes=stats.peak_memory_bytes,
+            **{**stats.update_stats(), **_length_stats(groups)},
             groups=len(groups), tokens=int(sum(g.num_tokens for g in groups)),
             staleness_mean=float(np.mean([done.trained_on - g.policy_version for g in groups])),
             staleness_max=int(max(done.trained_on - g.policy_version for g in groups)),

@@ -139,3 +139,51 @@ def test_only_the_collectives_module_runs_mx_distributed():
     users = sorted(path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
                    if _calls_mx_distributed(path.read_text(encoding="utf-8")))
     assert users == ["learner/ranks/collectives.py"]
+
+
+def cycles(table: dict[str, set[str]], rooms: str) -> list[list[str]]:
+    """The import cycles among the modules matching `rooms`, every import counted (lazy and TYPE_CHECKING ones too)."""
+    files = _module_file(table)
+    graph = {name: sorted({files[n] for n in names if n in files and files[n] != name and fnmatch(files[n], rooms)})
+             for name, names in table.items() if fnmatch(name, rooms)}
+    found = []
+    for start in graph:
+        came_from: dict[str, str] = {}
+        todo = [start]
+        while todo and start not in came_from:
+            current = todo.pop()
+            for target in graph[current]:
+                if target not in came_from:
+                    came_from[target] = current
+                    todo.append(target)
+        if start in came_from:
+            chain = [start, came_from[start]]
+            while chain[-1] != start:
+                chain.append(came_from[chain[-1]])
+            found.append(chain[::-1])
+    return found
+
+
+def test_the_cycle_walk_finds_a_cycle_through_other_modules():
+    table = {"learner/a.py": {"grpo_fleet.learner.b"}, "learner/b.py": {"grpo_fleet.learner.c"},
+             "learner/c.py": {"grpo_fleet.learner.a"}, "learner/d.py": {"grpo_fleet.learner.a"}}
+    assert cycles(table, "learner/*")[0] == ["learner/a.py", "learner/b.py", "learner/c.py", "learner/a.py"]
+    assert len(cycles(table, "learner/*")) == 3 and cycles(table, "actor/*") == []
+
+
+def test_the_learner_rooms_import_each_other_without_cycles():
+    """Not even at type level: a helper two rooms share gets a module of its own (door/acks.py, fleet/moving_average.py)."""
+    found = cycles(_package_imports(), "learner/*")
+    assert not found, f"import cycles in the learner: {[' -> '.join(chain) for chain in found]}"
+
+
+# The pure math: arrays in, arrays out, checked against NumPy references. It knows no other room.
+PURE_MATH = ("learner/step/grpo.py", "learner/step/advantages.py", "learner/step/offpolicy.py", "learner/step/logprobs.py")
+
+
+def test_the_pure_math_imports_only_the_pure_math():
+    table = _package_imports()
+    files = _module_file(table)
+    allowed = {*PURE_MATH, "trees.py", "__init__.py", "learner/__init__.py", "learner/step/__init__.py"}
+    reached = {name: sorted(files[n] for n in table[name] if n in files and files[n] not in allowed) for name in PURE_MATH}
+    assert reached == {name: [] for name in PURE_MATH}

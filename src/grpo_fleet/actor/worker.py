@@ -29,7 +29,8 @@ from grpo_fleet.actor.weights_sync import WeightsSync
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.doctor import mlx_version
 from grpo_fleet.generation import generate_groups
-from grpo_fleet.metrics import ActorMetrics, MetricsServer, actor_metrics, serve_metrics
+from grpo_fleet.metrics import ActorMetrics, actor_metrics
+from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown

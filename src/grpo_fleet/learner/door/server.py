@@ -23,7 +23,7 @@ from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.verifying import RolloutsVerifier
 from grpo_fleet.learner.evals.local_eval import LocalEvaluator
-from grpo_fleet.metrics import MetricsServer, serve_metrics
+from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.endpoints import advertised, is_wildcard_host, pub_endpoint_for

@@ -53,6 +53,17 @@ def _skip_reason(loss: float, norm: float) -> Optional[str]:
     return None
 
 
+def trim_cache(peak: int) -> None:
+    """Free MLX's buffer cache when it outgrows this step's peak.
+
+    Micro-batch shapes vary from step to step, so cached buffers of sizes never
+    reused would otherwise pile up; bounding the cache by one step's peak keeps
+    reuse within a step and stops the creep across steps.
+    """
+    if mx.get_cache_memory() > peak:
+        mx.clear_cache()
+
+
 class Trainer:
     """Owns the optimizer; each step accumulates micro-batch gradients, then clips and applies them."""
 
@@ -209,7 +220,7 @@ class Trainer:
                                             behaviour_correction(self.grpo))
         train_seconds = time.perf_counter() - start
         peak = int(mx.get_peak_memory())
-        self._trim_cache(peak)
+        trim_cache(peak)
         means = {key: value / epochs for key, value in sums.items()}
         known = {name: means.pop(name, 0.0) for name in
                  ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean")}
@@ -219,17 +230,6 @@ class Trainer:
                          peak_memory_bytes=peak, micro_batches=len(micro), epochs=epochs,
                          learning_rate=float(self.optimizer.learning_rate.item()), skipped=skipped, extra=means,
                          proximal_logprobs=grid)
-
-    @staticmethod
-    def _trim_cache(peak: int) -> None:
-        """Free MLX's buffer cache when it outgrows this step's peak.
-
-        Micro-batch shapes vary from step to step, so cached buffers of sizes never
-        reused would otherwise pile up; bounding the cache by one step's peak keeps
-        reuse within a step and stops the creep across steps.
-        """
-        if mx.get_cache_memory() > peak:
-            mx.clear_cache()
 
     def save_optimizer(self, path: Path) -> None:
         """Optimizer moments and step, for an exact resume."""

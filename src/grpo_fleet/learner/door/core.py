@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -23,6 +22,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules
 from grpo_fleet.learner.door.replies import Reply
+from grpo_fleet.learner.door.requests import OBSERVER_REQUESTS, Request, refuse_observer, undecodable
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.door.verification import LogprobCheck, RewardCheck, WeightHistory, check_next_batch
 from grpo_fleet.learner.door.welcome import run_card
@@ -49,18 +49,6 @@ from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
 
 log = logging.getLogger("grpo_fleet.learner")
 
-
-@dataclass(frozen=True)
-class Request:
-    """Who sent a message: `owner` is the peer key leases and bans are bound to."""
-
-    identity: bytes
-    owner: str
-    peer_address: str = ""
-
-
-# What an observer key (`keys add-observer`) may ask; it can neither join, lease, submit nor read weights.
-OBSERVER_REQUESTS = (m.StatusRequest,)
 
 # Handlers for anyone, and for registered actors only; each message type has one.
 OpenHandler = Callable[[Request, Any], Reply]
@@ -142,15 +130,10 @@ class Learner:
         owner = peer_key(identity, principal)
         with self.lock:
             if isinstance(msg, ProtocolError):
-                return Reply(self._undecodable(owner, msg))
+                return Reply(undecodable(owner, msg, self.metrics, self.registry))
             if observer and not isinstance(msg, OBSERVER_REQUESTS):
-                return Reply(self._refuse_observer(owner, msg))
+                return Reply(refuse_observer(owner, msg, self.metrics))
             return self._dispatch(Request(identity, owner, peer_address), msg)
-
-    def _refuse_observer(self, owner: str, msg: BaseModel) -> m.ErrorReply:
-        self.metrics.auth_failures.labels(reason="observer").inc()
-        log.warning("observer key %s sent %s; observers may ask Status only", shown(owner), type(msg).__name__)
-        return m.ErrorReply(reason="forbidden", detail=f"an observer key may ask Status only, not {type(msg).__name__}")
 
     def handle_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str] = None,
                         peer_address: str = "") -> Reply:
@@ -174,17 +157,6 @@ class Learner:
             return self.handle(identity, msg, principal, peer_address)
         finally:
             check.forget_ahead()
-
-    def _undecodable(self, owner: str, error: ProtocolError) -> m.ErrorReply:
-        """The answer to a message that failed to decode: the sender's violation, unless the bug is ours."""
-        if not error.is_violation:
-            log.error("learner bug decoding a message from %s: %s", shown(owner), shown(error, 400),
-                      exc_info=error.__cause__ or error)
-            self.metrics.internal_errors.labels(where="decode").inc()
-            return m.ErrorReply(reason=error.reason, detail="the learner failed on this message; not your fault")
-        self.metrics.protocol_errors.labels(reason=error.reason).inc()
-        self.registry.record_violation(owner, error.reason)
-        return m.ErrorReply(reason=error.reason, detail=shown(error, 400))
 
     def _dispatch(self, req: Request, msg: BaseModel) -> Reply:
         kind = type(msg)

@@ -168,7 +168,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from grpo_fleet.config import config_error_message
-    from grpo_fleet.launch import learner_run_config, load_fleet, run_fleet
+    from grpo_fleet.fleet_file import learner_run_config, load_fleet
+    from grpo_fleet.launch import run_fleet
 
     try:
         fleet = load_fleet(args.fleet)

@@ -621,7 +621,7 @@ def config_error_message(exc: BaseException) -> Optional[str]:
 
 
 def _config_models() -> set[str]:
-    """Names of the configuration models: this module's, and the fleet file's (launch.py)."""
+    """Names of the configuration models: this module's, and the fleet file's (fleet_file.py)."""
     names = {name for name, value in globals().items() if isinstance(value, type) and issubclass(value, BaseModel)}
     return names | {"FleetConfig"}
 

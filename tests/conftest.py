@@ -16,10 +16,10 @@ import pytest
 from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig, TaskConfig, TinyModelConfig
 from grpo_fleet.learner.setup import tokenizer_corpus
-from grpo_fleet.model import build_tiny_model
 from grpo_fleet.protocol.endpoints import free_port as _free_port
 from grpo_fleet.realshape import build_realshape
 from grpo_fleet.tasks import build_task
+from grpo_fleet.tiny_model import build_tiny_model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

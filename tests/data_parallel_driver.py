@@ -20,11 +20,11 @@ import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch
-from grpo_fleet.learner.collectives import RankGroup, launched_rank
-from grpo_fleet.learner.distributed import DataParallel, connect, start_rank0, stop_others
-from grpo_fleet.learner.follower import follower_trainer, join_run
-from grpo_fleet.learner.sharding import Command
+from grpo_fleet.learner.ranks.collectives import RankGroup, launched_rank
+from grpo_fleet.learner.ranks.distributed import DataParallel, connect, start_rank0, stop_others
+from grpo_fleet.learner.ranks.follower import follower_trainer, join_run
+from grpo_fleet.learner.ranks.sharding import Command
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch
 from grpo_fleet.model import model_digest
 from grpo_fleet.trees import flat_leaves
 

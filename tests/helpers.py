@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from grpo_fleet.learner.runlog import StepRecord
+from grpo_fleet.learner.records.runlog import StepRecord
 
 
 class Scraped:
@@ -85,7 +85,7 @@ class LedgerAudit:
 def audit_ledger(path: Path) -> LedgerAudit:
     """Read a ledger and check it is exactly-once: each group accepted once, dropped at most once after that.
 
-    A drop (learner/drops.py) names the new group its prompt was retried as,
+    A drop (learner/door/drops.py) names the new group its prompt was retried as,
     which is never the dropped group itself.
     """
     accepted: list[str] = []

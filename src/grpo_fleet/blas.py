@@ -42,8 +42,10 @@ def preloaded_blas() -> Optional[str]:
 
 
 def child_env(env: Optional[dict] = None) -> dict:
-    """An environment for a child process that will also run on OpenBLAS."""
+    """An environment for a child process that will also run on OpenBLAS, unless that environment opts out."""
     env = dict(os.environ if env is None else env)
+    if env.get(DISABLE_ENV):
+        return env
     library = find_openblas()
     if sys.platform.startswith("linux") and library and library not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = " ".join(filter(None, [library, env.get("LD_PRELOAD", "")]))

@@ -7,9 +7,11 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+from grpo_fleet.cli_tools import add_tool_commands
+
 if TYPE_CHECKING:
     from grpo_fleet.config import ActorConfig, RunConfig
-    from grpo_fleet.learner.core import Learner
+    from grpo_fleet.learner.door.core import Learner
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -22,8 +24,8 @@ def _setup_logging(verbose: bool) -> None:
 
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config, toml_string
-    from grpo_fleet.learner.collectives import launched_rank
-    from grpo_fleet.learner.server import InsecureBindError, check_bind_security
+    from grpo_fleet.learner.door.doorman import InsecureBindError, check_bind_security
+    from grpo_fleet.learner.ranks.collectives import launched_rank
     from grpo_fleet.learner.setup import load_resume_config
     overrides = list(args.set or [])
     rank = launched_rank()  # under mlx.launch (a data-parallel learner); None for a plain process
@@ -52,7 +54,7 @@ def _learner(args: argparse.Namespace) -> int:
         return 2
     if rank is None:
         return _serve_learner(cfg, resume=bool(args.resume))
-    from grpo_fleet.learner.distributed import connect, rank0_session
+    from grpo_fleet.learner.ranks.distributed import connect, rank0_session
 
     ranks = connect(cfg.distributed, rank)
     if ranks is None:  # `mlx.launch -n 1`: the plain learner
@@ -63,10 +65,10 @@ def _learner(args: argparse.Namespace) -> int:
 
 def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["Learner"], None]] = None) -> int:
     """Build the learner (then `ready(learner)`: a data-parallel rank 0 starts its ranks) and serve the fleet."""
-    from grpo_fleet.learner.memory import MemoryBudgetError
-    from grpo_fleet.learner.server import LearnerServer
+    from grpo_fleet.learner.door.server import LearnerServer
+    from grpo_fleet.learner.records.trackers import TrackerUnavailable
     from grpo_fleet.learner.setup import build_learner
-    from grpo_fleet.learner.trackers import TrackerUnavailable
+    from grpo_fleet.learner.step.memory import MemoryBudgetError
     try:
         learner = build_learner(cfg, resume=resume)
     except (MemoryBudgetError, TrackerUnavailable) as exc:
@@ -85,8 +87,8 @@ def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[[
 def _learner_follower(rank: int, overrides: list[str]) -> int:
     """A data-parallel rank > 0: everything but `distributed.*` comes from rank 0."""
     from grpo_fleet.config import load_run_config
-    from grpo_fleet.learner.distributed import connect
-    from grpo_fleet.learner.follower import run_follower
+    from grpo_fleet.learner.ranks.distributed import connect
+    from grpo_fleet.learner.ranks.follower import run_follower
 
     ranks = connect(load_run_config(None, overrides).distributed, rank)
     return 0 if ranks is None else run_follower(ranks)
@@ -144,28 +146,6 @@ def _actor(args: argparse.Namespace) -> int:
     return DONE
 
 
-def _keys(args: argparse.Namespace) -> int:
-    from grpo_fleet.protocol import auth
-
-    if args.keys_command == "init":
-        public = auth.init_keys(args.dir)
-        print(f"learner keypair in {args.dir}; copy {public} to every actor Mac")
-    elif args.keys_command == "add-actor":
-        secret = auth.add_actor(args.dir, args.name)
-        print(f"actor {args.name} allowed. Copy {secret} and {args.dir}/learner.key to that Mac, then run:\n"
-              f"  grpo-fleet actor --connect tcp://LEARNER:5555 --key {secret.name} --learner-key learner.key\n"
-              f"and delete {secret} here.")
-    elif args.keys_command == "add-observer":
-        secret = auth.add_observer(args.dir, args.name)
-        print(f"observer {args.name} allowed to ask Status only. Run:\n"
-              f"  grpo-fleet status --connect tcp://LEARNER:5555 --key {secret} --learner-key {args.dir}/learner.key")
-    elif args.keys_command == "revoke":
-        found = auth.revoke_actor(args.dir, args.name)
-        print(f"{args.name} {'revoked; a running learner drops it within seconds' if found else 'was not allowed'}")
-        return 0 if found else 1
-    return 0
-
-
 def _demo(args: argparse.Namespace) -> int:
     from grpo_fleet.demo import DemoOptions, run_demo
     from grpo_fleet.zoo import ZooError
@@ -188,7 +168,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from grpo_fleet.config import config_error_message
-    from grpo_fleet.launch import learner_run_config, load_fleet, run_fleet
+    from grpo_fleet.fleet_file import learner_run_config, load_fleet
+    from grpo_fleet.launch import run_fleet
 
     try:
         fleet = load_fleet(args.fleet)
@@ -199,118 +180,12 @@ def _launch(args: argparse.Namespace) -> int:
     return run_fleet(fleet, resume=resume)
 
 
-def _doctor(_args: argparse.Namespace) -> int:
-    from grpo_fleet.doctor import report
-
-    print(report())
-    return 0
-
-
-def _build_model(args: argparse.Namespace) -> int:
-    import time
-
-    from grpo_fleet.realshape import build_realshape
-
-    start = time.perf_counter()
-    try:
-        path = build_realshape(args.spec, args.cache_dir)
-    except ValueError as exc:
-        print(f"grpo-fleet build-model: {exc}", file=sys.stderr)
-        return 2
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    print(f"{path}  ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s)")
-    return 0
-
-
-def _import_gguf(args: argparse.Namespace) -> int:
-    import time
-
-    from grpo_fleet.gguf import GGUFError, import_gguf
-    from grpo_fleet.zoo import ZooError, gguf_file
-
-    start = time.perf_counter()
-    try:
-        path = import_gguf(gguf_file(args.file), args.out_dir, dtype=args.dtype)
-    except (GGUFError, ZooError, OSError) as exc:
-        print(f"grpo-fleet import-gguf: {exc}", file=sys.stderr)
-        return 2
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    print(f"{path}  ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s); load it with mlx_lm.load({str(path)!r})")
-    return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from grpo_fleet.bench import Scale, run_benchmarks
-
-    names = [n.strip() for n in args.only.split(",")] if args.only else None
-    scale = Scale.QUICK if args.quick else Scale.FULL if args.full else Scale.DEFAULT
-    run_benchmarks(names, scale, Path(args.out))
-    return 0
-
-
-def _plot(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from grpo_fleet.plotting import RunDataError, plot_run
-
-    try:
-        out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
-    except RunDataError as exc:
-        print(f"grpo-fleet plot: {exc}", file=sys.stderr)
-        return 1
-    print(f"curves written to {out}")
-    return 0
-
-
-def _samples(args: argparse.Namespace) -> int:
-    import shutil
-    from pathlib import Path
-
-    from grpo_fleet.samples_view import SamplesError, format_samples, read_last_rows
-
-    try:
-        read = read_last_rows(Path(args.run_dir), args.last)
-    except SamplesError as exc:
-        print(f"grpo-fleet samples: {exc}", file=sys.stderr)
-        return 2
-    if read.skipped:
-        print(f"grpo-fleet samples: skipped {read.skipped} incomplete line(s)", file=sys.stderr)
-    print(format_samples(read, width=shutil.get_terminal_size((100, 24)).columns, max_chars=args.max_chars))
-    return 0
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def _status(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from grpo_fleet.launch_policy import format_refusals, read_refusals
-    from grpo_fleet.protocol.client import format_status, request_status
-
-    try:
-        status = request_status(args.connect, key_file=args.key, learner_key_file=args.learner_key, timeout_s=args.timeout)
-    except (TimeoutError, RuntimeError, ValueError) as exc:
-        print(f"grpo-fleet status: {exc}", file=sys.stderr)
-        return 1
-    print(format_status(status))
-    if args.run_dir:
-        print(format_refusals(read_refusals(Path(args.run_dir))))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-fleet", description="Distributed GRPO on MLX over ZeroMQ.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_fleet_commands(sub)
-    _add_tool_commands(sub)
+    add_tool_commands(sub)
     return parser
 
 
@@ -362,69 +237,6 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted config override, repeatable")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_demo)
-
-
-def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
-    """Tools around a run: status, keys, doctor, build-model, bench, plot, samples."""
-    status = sub.add_parser("status", help="the learner's step, version, throughput and actors")
-    status.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
-    status.add_argument("--key", help="an observer's CURVE secret key (`keys add-observer NAME`): it may ask Status "
-                        "and nothing else")
-    status.add_argument("--learner-key", help="the learner's public key file (learner.key)")
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
-    status.add_argument("--run-dir", help="also list the actors `grpo-fleet launch` stopped for good (RUN_DIR/launch.json)")
-    status.set_defaults(func=_status)
-
-    keys = sub.add_parser("keys", help="CURVE keys: who may join the fleet")
-    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
-    init = keys_sub.add_parser("init", help="create the learner keypair and an empty allow-list")
-    init.add_argument("dir")
-    add = keys_sub.add_parser("add-actor", help="create an actor keypair and allow it")
-    add.add_argument("name")
-    add.add_argument("--dir", default="keys")
-    observer = keys_sub.add_parser("add-observer", help="create a key that may ask Status and nothing else")
-    observer.add_argument("name")
-    observer.add_argument("--dir", default="keys")
-    revoke = keys_sub.add_parser("revoke", help="remove an actor or an observer from the allow-list")
-    revoke.add_argument("name")
-    revoke.add_argument("--dir", default="keys")
-    keys.set_defaults(func=_keys)
-
-    doctor = sub.add_parser("doctor", help="print the MLX backend, the BLAS in use and a matmul GF/s figure")
-    doctor.set_defaults(func=_doctor)
-
-    build = sub.add_parser("build-model", help="build (or find) a realshape: model in the cache and print its directory")
-    build.add_argument("spec", help="e.g. realshape:qwen2.5-0.5b or 'realshape:qwen2.5-0.5b?layers=4&bits=4&seed=0'")
-    build.add_argument("--cache-dir", help="model cache (default $GRPO_FLEET_MODEL_CACHE or ~/.cache/grpo-fleet/models)")
-    build.set_defaults(func=_build_model)
-
-    gguf = sub.add_parser("import-gguf", help="turn a GGUF file (llama, qwen2) into an mlx-lm model directory")
-    gguf.add_argument("file", help="a .gguf file, or zoo:NAME for a model the zoo fetches (zoo:smollm2-135m-instruct)")
-    gguf.add_argument("out_dir", help="directory to write (replaced if it exists)")
-    gguf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                      help="dtype of the dequantised weights (default %(default)s)")
-    gguf.set_defaults(func=_import_gguf)
-
-    bench = sub.add_parser("bench", help="benchmarks: figures next to baselines, as ratios (see bench/RESULTS.md)")
-    bench.add_argument("--only", help="comma-separated subset, e.g. rollout,real_decode (names: grpo_fleet.bench.BENCHMARKS)")
-    sizes = bench.add_mutually_exclusive_group()
-    sizes.add_argument("--full", action="store_true",
-                       help="every benchmark at full size, the long sweeps included (hours; make bench-full)")
-    sizes.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    bench.add_argument("--out", default="bench/results.json", help="where to write every figure as JSON")
-    bench.set_defaults(func=_bench)
-
-    plot = sub.add_parser("plot", help="draw a run's reward, KL, tokens/s and staleness curves into one PNG")
-    plot.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
-    plot.add_argument("--out", metavar="PNG", help="output file (default RUN_DIR/curves.png)")
-    plot.set_defaults(func=_plot)
-
-    samples = sub.add_parser("samples", help="print the last prompts, completions and rewards from RUN_DIR/samples.jsonl")
-    samples.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding samples.jsonl")
-    samples.add_argument("--last", type=_at_least_one, default=5, metavar="N", help="rows to print (default %(default)s)")
-    samples.add_argument("--max-chars", type=_at_least_one, default=2000, metavar="N",
-                         help="characters shown of each prompt and completion (default %(default)s)")
-    samples.set_defaults(func=_samples)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -448,7 +448,7 @@ class SecurityConfig(_Section):
     max_logprob_gap: Optional[float] = Field(
         None, gt=0,
         description="Largest mean |reported - recomputed| token logprob (nats) of an honest group. Default: from the "
-        "actor's and the learner's dtypes (learner/gap_bounds.py, measured by bench logprob_gap): 0.001 when both are "
+        "actor's and the learner's dtypes (learner/step/gap_bounds.py, measured by bench logprob_gap): 0.001 when both are "
         "float32 (floor under 4e-6), 0.15 when either is bfloat16/float16 or the actor's is unknown (floor 0.001 on the "
         "tiny model, 0.045 on SmolLM2-135M). A value here applies to every actor.",
     )
@@ -621,7 +621,7 @@ def config_error_message(exc: BaseException) -> Optional[str]:
 
 
 def _config_models() -> set[str]:
-    """Names of the configuration models: this module's, and the fleet file's (launch.py)."""
+    """Names of the configuration models: this module's, and the fleet file's (fleet_file.py)."""
     names = {name for name, value in globals().items() if isinstance(value, type) and issubclass(value, BaseModel)}
     return names | {"FleetConfig"}
 

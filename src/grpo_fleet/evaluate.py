@@ -1,7 +1,7 @@
 """Held-out evaluation in this process: completions of eval prompts, scored by the task's rewards.
 
 The learner uses it for an eval round when no actor is connected
-(learner/evaluation.py); the benchmarks use `evaluate` on checkpoints.
+(learner/evals/evaluation.py); the benchmarks use `evaluate` on checkpoints.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ REFUSED = 2
 # What a POSIX shell on the actor's host answers when the command cannot run at all (a wrong
 # `grpo_fleet` path in the fleet file): permanent too. ssh's own failures (255) are transient.
 # A data-parallel learner rank lost a peer, or a collective outlived distributed.timeout_seconds
-# (learner/collectives.py): no checkpoint was written; resume the run from rank 0's last one.
+# (learner/ranks/collectives.py): no checkpoint was written; resume the run from rank 0's last one.
 RANKS_FAILED = 3
 NOT_EXECUTABLE = 126
 NOT_FOUND = 127

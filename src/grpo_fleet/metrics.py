@@ -1,4 +1,4 @@
-"""Prometheus metrics for the learner and the actors, one registry per process.
+"""Prometheus metrics for the learner and the actors, one registry per process (served by metrics_http.py).
 
 Names follow Prometheus conventions: the `grpo_fleet_` prefix, base units in the
 name, `_total` on counters, low-cardinality labels only.
@@ -6,17 +6,10 @@ name, `_total` on counters, low-cardinality labels only.
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
-from typing import Callable, Optional
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-
-from grpo_fleet.protocol.endpoints import is_loopback_host
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 log = logging.getLogger("grpo_fleet.metrics")
 
@@ -242,76 +235,3 @@ def actor_metrics() -> ActorMetrics:
                                  ["reward"], buckets=PHASE_BUCKETS, registry=r),
         peak_memory=Gauge(f"{p}_peak_memory_bytes", "MLX peak memory while generating the last lease", registry=r),
     )
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
-        """Scrapes every few seconds would flood the log."""
-
-
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-SdSource = Callable[[], list[dict]]
-
-
-def metrics_app(registry: CollectorRegistry, sd_targets: Optional[SdSource] = None) -> Callable:
-    """WSGI app: /metrics (Prometheus text) and, on the learner, /sd (Prometheus HTTP service discovery)."""
-    prometheus = make_wsgi_app(registry)
-
-    def app(environ: dict, start_response: Callable) -> list[bytes]:
-        if sd_targets is not None and environ.get("PATH_INFO") == "/sd":
-            body = json.dumps(sd_targets()).encode()
-            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-            return [body]
-        return prometheus(environ, start_response)
-
-    return app
-
-
-class MetricsServer:
-    """A running /metrics (and /sd) HTTP server; `close` stops its thread and frees its port."""
-
-    def __init__(self, server: WSGIServer) -> None:
-        self._server = server
-        self.port: int = server.server_port
-        self._thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
-        self._thread.start()
-        self._closed = False
-
-    def close(self) -> None:
-        """Stop serving (a scrape in progress finishes) and close the listening socket; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-def exposure_warning(host: str, port: int) -> Optional[str]:
-    """What to warn about when /metrics listens beyond loopback: it has no authentication, CURVE or not."""
-    if is_loopback_host(host):
-        return None
-    return (f"metrics on {host or '*'}:{port} answer anyone who reaches them, without authentication (CURVE does "
-            "not cover HTTP): /metrics shows actor ids, throughput and rewards, and the learner's /sd lists every "
-            "actor's id and host:port. Bind 127.0.0.1 (metrics.host, --metrics-host) unless Prometheus scrapes "
-            "from another machine, and then firewall the port to it.")
-
-
-def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int, sd_targets: Optional[SdSource] = None, *, any_port: bool = False
-) -> Optional[MetricsServer]:
-    """Serve /metrics (and /sd) from a daemon thread until `close()`; warns when it listens beyond loopback.
-
-    Port 0 disables it (None), unless `any_port` asks the OS for a free one.
-    """
-    if not port and not any_port:
-        return None
-    server = make_server(host, port, metrics_app(registry, sd_targets), _ThreadingWSGIServer, handler_class=_QuietHandler)
-    served = MetricsServer(server)
-    warning = exposure_warning(host, served.port)
-    if warning is not None:
-        log.warning("%s", warning)
-    return served

@@ -1,5 +1,5 @@
-"""Models: load through mlx_lm, LoRA or full fine-tuning, weight blobs, checkpoints,
-and the self-built tiny model used by the tests and the demo.
+"""Models: load through mlx_lm, LoRA or full fine-tuning, weight blobs, checkpoints
+(the self-built tiny model used by the tests and the demo is in tiny_model.py).
 
 Everything goes through `mlx_lm.load`, so a real mlx-community model (quantized or
 not) takes exactly the same path as the tiny one.
@@ -22,18 +22,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_reduce
 
-from grpo_fleet.config import LoraConfig, TinyModelConfig
+from grpo_fleet.config import LoraConfig
 from grpo_fleet.digest import blob_digest
 from grpo_fleet.quant import is_quantized, prepare_weights, wants_dequantize
-
-SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|pad|>", "<unk>"
-# A ChatML-style template so the chat path can be exercised with the tiny model.
-TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @dataclass
@@ -181,7 +172,7 @@ def model_digest(path: str) -> str:
     return digest.hexdigest()
 
 
-def _atomic_dir(final: Path) -> Path:
+def atomic_dir(final: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
 
@@ -212,7 +203,7 @@ def save_checkpoint(
     files (optimizer, learner state) inside the same atomic swap.
     """
     final = Path(out_dir)
-    staging = _atomic_dir(final)
+    staging = atomic_dir(final)
     if policy.lora is not None:
         mx.save_safetensors(str(staging / "adapters.safetensors"), trainable_weights(policy.model))
         _write_adapter_config(staging / "adapter_config.json", policy)
@@ -248,104 +239,6 @@ def _save_full_model(policy: Policy, staging: Path) -> None:
         # Config and tokenizer files come from the source; weights were just written.
         if item.is_file() and not item.name.startswith("model") and item.suffix != ".safetensors":
             shutil.copy(item, staging / item.name)
-
-
-# --------------------------------------------------------------------------- tiny model
-
-
-def _train_tokenizer(corpus: list[str], vocab_size: int) -> Any:
-    """A BPE tokenizer over the corpus's own characters, with digits kept one per token.
-
-    Keeping the alphabet to what the task uses makes a random policy score above
-    zero, which is what gives GRPO its first signal.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Metaspace(prepend_scheme="never")]
-    )
-    tokenizer.decoder = decoders.Metaspace(prepend_scheme="never")
-    alphabet = sorted({ch for line in corpus for ch in line.replace(" ", "\u2581")})
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=alphabet,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
-    return tokenizer
-
-
-def _write_tokenizer(tokenizer: Any, out: Path) -> list[int]:
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "unk_token": UNK_TOKEN,
-        "bos_token": None,
-        "chat_template": TINY_CHAT_TEMPLATE,
-        "model_max_length": 2048,
-        "clean_up_tokenization_spaces": False,
-    }
-    with open(out / "tokenizer_config.json", "w") as handle:
-        json.dump(config, handle, indent=2)
-    return [tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id("<|im_end|>")]
-
-
-def _tiny_model_config(cfg: TinyModelConfig, vocab_size: int, eos_ids: list[int]) -> dict:
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_heads,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": vocab_size,
-        "max_position_embeddings": 2048,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "eos_token_id": eos_ids,
-        "pad_token_id": eos_ids[0],
-        "torch_dtype": "float32",
-    }
-
-
-def _init_tiny_weights(config: dict, seed: int) -> nn.Module:
-    """Random init from mlx_lm's ModelArgs, with small embeddings so the first policy is near-uniform."""
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs.from_dict(config)
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    embed = model.model.embed_tokens
-    embed.weight = mx.random.normal(embed.weight.shape, scale=0.02)
-    mx.eval(model.parameters())
-    return model
-
-
-def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig, corpus: list[str]) -> Path:
-    """Build (or reuse) the tiny HF-format model directory; deterministic for a seed and corpus."""
-    from mlx_lm.utils import save_config, save_model
-
-    final = Path(out_dir)
-    if (final / "config.json").exists() and (final / "tokenizer.json").exists():
-        return final
-    staging = _atomic_dir(final)
-    tokenizer = _train_tokenizer(corpus, cfg.vocab_size)
-    eos_ids = _write_tokenizer(tokenizer, staging)
-    config = _tiny_model_config(cfg, tokenizer.get_vocab_size(), eos_ids)
-    model = _init_tiny_weights(config, cfg.seed)
-    save_model(staging, model)
-    save_config(config, staging / "config.json")
-    if final.exists():
-        shutil.rmtree(staging)
-        return final
-    os.rename(staging, final)
-    return final
 
 
 def _mlx_lm_load(path: str, adapter_path: Optional[str] = None) -> tuple[nn.Module, Any]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, get_type_hints
 
-from grpo_fleet.learner.runlog import SAMPLES_FILE, SampleRow
+from grpo_fleet.learner.records.runlog import SAMPLES_FILE, SampleRow
 from grpo_fleet.protocol.logsafe import shown
 
 INDENT = "    "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from grpo_fleet.learner.server import LearnerServer
+from grpo_fleet.learner.door.server import LearnerServer
 from grpo_fleet.learner.setup import build_learner
 
 

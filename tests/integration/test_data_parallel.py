@@ -17,7 +17,7 @@ import pytest
 
 from grpo_fleet.blas import child_env
 from grpo_fleet.exit_codes import RANKS_FAILED
-from grpo_fleet.learner.persistence import read_state
+from grpo_fleet.learner.records.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
 from helpers import audit_ledger, jsonl, wait_steps
 

@@ -24,7 +24,8 @@ import pytest
 from pydantic import ValidationError
 
 from grpo_fleet.blas import child_env
-from grpo_fleet.launch import actor_command, learner_connect, load_fleet, run_fleet, ssh_argv
+from grpo_fleet.fleet_file import actor_command, learner_connect, load_fleet, ssh_argv
+from grpo_fleet.launch import run_fleet
 from grpo_fleet.protocol.auth import add_actor, init_keys
 from recipe_helpers import recipe_config, save_gsm8k_like
 
@@ -40,7 +41,8 @@ case "$1" in
 esac
 exec sh -c "$2"
 """
-LAUNCHER = "import sys; from grpo_fleet.launch import load_fleet, run_fleet; sys.exit(run_fleet(load_fleet(sys.argv[1])))"
+LAUNCHER = ("import sys; from grpo_fleet.fleet_file import load_fleet; from grpo_fleet.launch import run_fleet; "
+            "sys.exit(run_fleet(load_fleet(sys.argv[1])))")
 
 
 def _toml(value: Any) -> str:

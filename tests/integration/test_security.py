@@ -99,7 +99,7 @@ def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, run_conf
     after = jsonl(run_dir / "ledger.jsonl")[cutoff:]
     assert after, "training went on with the remaining actor"
     assert {e["actor_key"] for e in after if "event" not in e} == {load_keypair(secrets["stays"]).public.decode()}
-    from grpo_fleet.learner.persistence import read_state
+    from grpo_fleet.learner.records.persistence import read_state
     from grpo_fleet.model import latest_checkpoint
 
     open_leases = read_state(latest_checkpoint(run_dir))["scheduler"]["leases"]

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 from wandb.proto import wandb_internal_pb2
 
 from grpo_fleet.config import LoggingConfig, RunConfig
-from grpo_fleet.learner.trackers import build_trackers, scalars_of
+from grpo_fleet.learner.records.trackers import build_trackers, scalars_of
 from helpers import step_record
 
 HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)

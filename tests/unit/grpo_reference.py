@@ -1,6 +1,6 @@
 """Float64 NumPy reference for the GRPO objective, written from the formulas alone.
 
-Deliberately independent of `grpo_fleet.learner.grpo`: loops and plain NumPy,
+Deliberately independent of `grpo_fleet.learner.step.grpo`: loops and plain NumPy,
 so that a shared mistake is unlikely.
 """
 

@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.batch: packing accepted groups into one GRPO batch."""
+"""Tests for grpo_fleet.learner.step.batch: packing accepted groups into one GRPO batch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from grpo_reference import ref_group_advantages, ref_group_is_informative, ref_overlong_penalty
 
-from grpo_fleet.learner.batch import (
+from grpo_fleet.learner.step.advantages import group_advantages
+from grpo_fleet.learner.step.batch import (
     LENGTH_BUCKET,
     AcceptedGroup,
     CompletionRecord,
@@ -20,7 +21,6 @@ from grpo_fleet.learner.batch import (
     split_batch,
     unpack_completions,
 )
-from grpo_fleet.learner.grpo import group_advantages
 
 
 def completion(

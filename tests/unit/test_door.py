@@ -15,7 +15,7 @@ from pydantic.fields import FieldInfo
 from test_protocol import sample_messages
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.intake import inbound_limits
+from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Limits, ProtocolError, decode, encode
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -317,7 +317,7 @@ def test_an_actor_with_an_unsafe_id_fails_at_its_config_not_at_every_hello(actor
 
 
 def test_token_rate_keeps_only_its_window_even_if_nobody_asks() -> None:
-    from grpo_fleet.learner.registry import RATE_WINDOW_SECONDS, TokenRate
+    from grpo_fleet.learner.fleet.registry import RATE_WINDOW_SECONDS, TokenRate
 
     rate = TokenRate()
     for i in range(10_000):

@@ -1,4 +1,4 @@
-"""Eval rounds as eval leases (learner/evaluation.py): no sockets, no model."""
+"""Eval rounds as eval leases (learner/evals/evaluation.py): no sockets, no model."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.evaluation import Evaluation, eval_summary
-from grpo_fleet.learner.registry import ActorInfo, Registry
-from grpo_fleet.learner.runlog import RunLog
-from grpo_fleet.learner.scheduler import PromptScheduler
-from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.learner.evals.evaluation import Evaluation, eval_summary
+from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
+from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.runlog import RunLog
+from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import LearnerMetrics, learner_metrics
 from grpo_fleet.plotting import load_eval_records, load_step_records
 from grpo_fleet.protocol import messages as m

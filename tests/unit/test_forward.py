@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.forward: chunked logprobs at completion positions equal the dense computation."""
+"""Tests for grpo_fleet.learner.step.forward: chunked logprobs at completion positions equal the dense computation."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, build_train_batch, split_batch
-from grpo_fleet.learner.forward import completion_logprobs, enable_grad_checkpoint, lm_head
-from grpo_fleet.learner.trainer import policy_logprobs
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, build_train_batch, split_batch
+from grpo_fleet.learner.step.forward import completion_logprobs, enable_grad_checkpoint, lm_head
+from grpo_fleet.learner.step.objective import policy_logprobs
 
 VOCAB = 40
 

@@ -1,11 +1,11 @@
-"""The logprob check's honest bound follows the actor's and the learner's dtypes (learner/gap_bounds.py)."""
+"""The logprob check's honest bound follows the actor's and the learner's dtypes (learner/step/gap_bounds.py)."""
 
 from __future__ import annotations
 
 import mlx.nn as nn
 import pytest
 
-from grpo_fleet.learner.gap_bounds import actor_dtype, compute_dtype, logprob_gap_bound
+from grpo_fleet.learner.step.gap_bounds import actor_dtype, compute_dtype, logprob_gap_bound
 
 # bench/RESULTS.md, "The logprob check's noise floor": (actor dtype, mean per-token gap, largest token) of honest
 # actors against the float32 learner, on the tiny demo model and at Qwen2.5-0.5B's shape.

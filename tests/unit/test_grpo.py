@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.grpo against the float64 NumPy reference."""
+"""Tests for grpo_fleet.learner.step.grpo against the float64 NumPy reference."""
 
 from __future__ import annotations
 
@@ -21,18 +21,10 @@ from grpo_reference import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_fleet.learner.grpo import (
-    BehaviourCorrection,
-    behaviour_weights,
-    group_advantages,
-    grpo_loss,
-    kl_k3,
-    log_gap,
-    masked_mean,
-    offpolicy_stats,
-    overlong_penalty,
-)
-from grpo_fleet.learner.logprobs import token_logprobs
+from grpo_fleet.learner.step.advantages import group_advantages, overlong_penalty
+from grpo_fleet.learner.step.grpo import BehaviourCorrection, behaviour_weights, grpo_loss, kl_k3, masked_mean
+from grpo_fleet.learner.step.logprobs import token_logprobs
+from grpo_fleet.learner.step.offpolicy import log_gap, offpolicy_stats
 
 ATOL = 1e-5
 RTOL = 1e-5

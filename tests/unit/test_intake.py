@@ -1,4 +1,4 @@
-"""learner/intake.py: accepting, refusing and replaying Rollouts, and finding groups that poisoned a step."""
+"""learner/door/intake.py: accepting, refusing and replaying Rollouts, and finding groups that poisoned a step."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
-from grpo_fleet.learner.intake import AckCache, Intake, IntakeRules, suspect_groups, unusable_version
-from grpo_fleet.learner.leasing import Leasing
-from grpo_fleet.learner.registry import Registry
-from grpo_fleet.learner.runlog import RunLog
-from grpo_fleet.learner.scheduler import PromptScheduler
-from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.learner.door.acks import AckCache
+from grpo_fleet.learner.door.intake import Intake
+from grpo_fleet.learner.door.intake_rules import IntakeRules, suspect_groups, unusable_version
+from grpo_fleet.learner.fleet.leasing import Leasing
+from grpo_fleet.learner.fleet.registry import Registry
+from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.runlog import RunLog
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
 from grpo_fleet.metrics import LearnerMetrics, learner_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason

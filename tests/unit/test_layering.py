@@ -6,10 +6,13 @@ import ast
 from fnmatch import fnmatch
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "grpo_fleet"
 
-# DESIGN.md: networking lives only in protocol/ and the two event loops (the actor's link is part of its loop).
-ZMQ_ALLOWED = ("protocol/*", "learner/server.py", "actor/worker.py", "actor/link.py")
+# DESIGN.md: networking lives only in protocol/ and the two event loops (the actor's link is part of its loop,
+# the learner's doorman of its own: it watches the loop's router).
+ZMQ_ALLOWED = ("protocol/*", "learner/door/server.py", "learner/door/doorman.py", "actor/worker.py", "actor/link.py")
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -36,7 +39,7 @@ def _imports(names: set[str], prefix: str) -> bool:
 
 
 def _package_imports() -> dict[str, set[str]]:
-    """'learner/server.py' -> the modules it imports, for every module of grpo_fleet."""
+    """'learner/door/server.py' -> the modules it imports, for every module of grpo_fleet."""
     table = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE)
@@ -70,11 +73,11 @@ def test_only_protocol_and_the_two_loops_import_zmq():
 
 
 def test_the_model_does_not_know_the_wire():
-    assert not _offenders("model.py", "grpo_fleet.protocol")
+    assert not _offenders("model.py", "grpo_fleet.protocol") and not _offenders("tiny_model.py", "grpo_fleet.protocol")
 
 
 def _module_file(table: dict[str, set[str]]) -> dict[str, str]:
-    """'grpo_fleet.learner.server' -> 'learner/server.py' (a package -> its __init__.py)."""
+    """'grpo_fleet.learner.door.server' -> 'learner/door/server.py' (a package -> its __init__.py)."""
     names = {}
     for name in table:
         dotted = "grpo_fleet." + name.removesuffix(".py").replace("/", ".")
@@ -133,8 +136,58 @@ def _calls_mx_distributed(source: str) -> bool:
 
 
 def test_only_the_collectives_module_runs_mx_distributed():
-    """Every collective goes through learner/collectives.py, so every one runs under its watchdog."""
+    """Every collective goes through learner/ranks/collectives.py, so every one runs under its watchdog."""
     assert _calls_mx_distributed("import mlx.core as mx\nmx.distributed.all_sum(x)\n")
     users = sorted(path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
                    if _calls_mx_distributed(path.read_text(encoding="utf-8")))
-    assert users == ["learner/collectives.py"]
+    assert users == ["learner/ranks/collectives.py"]
+
+
+def cycles(table: dict[str, set[str]], rooms: str) -> list[list[str]]:
+    """The import cycles among the modules matching `rooms`, every import counted (lazy and TYPE_CHECKING ones too)."""
+    files = _module_file(table)
+    graph = {name: sorted({files[n] for n in names if n in files and files[n] != name and fnmatch(files[n], rooms)})
+             for name, names in table.items() if fnmatch(name, rooms)}
+    found = []
+    for start in graph:
+        came_from: dict[str, str] = {}
+        todo = [start]
+        while todo and start not in came_from:
+            current = todo.pop()
+            for target in graph[current]:
+                if target not in came_from:
+                    came_from[target] = current
+                    todo.append(target)
+        if start in came_from:
+            chain = [start, came_from[start]]
+            while chain[-1] != start:
+                chain.append(came_from[chain[-1]])
+            found.append(chain[::-1])
+    return found
+
+
+def test_the_cycle_walk_finds_a_cycle_through_other_modules():
+    table = {"learner/a.py": {"grpo_fleet.learner.b"}, "learner/b.py": {"grpo_fleet.learner.c"},
+             "learner/c.py": {"grpo_fleet.learner.a"}, "learner/d.py": {"grpo_fleet.learner.a"}}
+    assert cycles(table, "learner/*")[0] == ["learner/a.py", "learner/b.py", "learner/c.py", "learner/a.py"]
+    assert len(cycles(table, "learner/*")) == 3 and cycles(table, "actor/*") == []
+
+
+@pytest.mark.parametrize("rooms", ["learner/*", "tasks/*"])
+def test_the_rooms_import_each_other_without_cycles(rooms):
+    """Not even at type level or lazily: what two modules share gets a module of its own (learner/door/acks.py,
+    learner/fleet/moving_average.py, tasks/examples.py)."""
+    found = cycles(_package_imports(), rooms)
+    assert not found, f"import cycles in {rooms}: {[' -> '.join(chain) for chain in found]}"
+
+
+# The pure math: arrays in, arrays out, checked against NumPy references. It knows no other room.
+PURE_MATH = ("learner/step/grpo.py", "learner/step/advantages.py", "learner/step/offpolicy.py", "learner/step/logprobs.py")
+
+
+def test_the_pure_math_imports_only_the_pure_math():
+    table = _package_imports()
+    files = _module_file(table)
+    allowed = {*PURE_MATH, "trees.py", "__init__.py", "learner/__init__.py", "learner/step/__init__.py"}
+    reached = {name: sorted(files[n] for n in table[name] if n in files and files[n] not in allowed) for name in PURE_MATH}
+    assert reached == {name: [] for name in PURE_MATH}

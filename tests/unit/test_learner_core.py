@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.core.Learner, driven through `handle()` without sockets."""
+"""Tests for grpo_fleet.learner.door.core.Learner, driven through `handle()` without sockets."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.core import Learner
-from grpo_fleet.learner.replies import Reply
+from grpo_fleet.learner.door.core import Learner
+from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.model import model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
@@ -861,7 +861,7 @@ def _in_a_thread(call: Callable[[], object], timeout: float = 10.0) -> object:
 
 def test_requests_are_answered_while_a_step_writes_its_checkpoint(make_learner, monkeypatch):
     """The step's checkpoint copies the state under the lock and writes it outside, so the ROUTER loop never stalls."""
-    from grpo_fleet.learner import persistence
+    from grpo_fleet.learner.records import persistence
 
     learner = make_learner(train={"steps": 5, "checkpoint_every": 1})
     hello(learner)

@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.leasing: lease sizing from measured actor speed, in-flight capacity, retry-after."""
+"""Tests for grpo_fleet.learner.fleet.leasing: lease sizing from measured actor speed, in-flight capacity, retry-after."""
 
 from __future__ import annotations
 
@@ -6,19 +6,19 @@ import numpy as np
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.leasing import (
+from grpo_fleet.learner.fleet.leasing import (
     DEADLINE_SHARE,
     MAX_RETRY_SECONDS,
     MIN_RETRY_SECONDS,
     Leasing,
-    MovingAverage,
     lease_size,
     lease_target_seconds,
     retry_after,
 )
-from grpo_fleet.learner.registry import ActorInfo
-from grpo_fleet.learner.scheduler import PromptScheduler
-from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.learner.fleet.moving_average import MovingAverage
+from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Example

@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.logprobs against the float64 NumPy reference."""
+"""Tests for grpo_fleet.learner.step.logprobs against the float64 NumPy reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from grpo_reference import ref_token_logprobs
 
-from grpo_fleet.learner.logprobs import chunked_logprobs, token_logprobs
+from grpo_fleet.learner.step.logprobs import chunked_logprobs, token_logprobs
 
 ATOL = 1e-5
 RTOL = 1e-5

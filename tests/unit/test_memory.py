@@ -1,4 +1,4 @@
-"""learner/memory.py: the step's memory estimate stays an upper bound, and a step that cannot fit is refused."""
+"""learner/step/memory.py: the step's memory estimate stays an upper bound, and a step that cannot fit is refused."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import mlx.nn as nn
 import pytest
 
 from grpo_fleet.config import LoraConfig, RunConfig
-from grpo_fleet.learner.batch import build_train_batch
-from grpo_fleet.learner.memory import (
+from grpo_fleet.learner.step.batch import build_train_batch
+from grpo_fleet.learner.step.memory import (
     MemoryBudgetError,
     StepMemory,
     check_step_fits,
     estimate_step_memory,
     machine_memory_bytes,
 )
-from grpo_fleet.learner.trainer import trainer_from_config
+from grpo_fleet.learner.step.trainer import trainer_from_config
 
 
 def _run_config(**train) -> RunConfig:

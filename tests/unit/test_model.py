@@ -13,7 +13,6 @@ from mlx.utils import tree_flatten
 from grpo_fleet.config import LoraConfig, TinyModelConfig
 from grpo_fleet.model import (
     adapters_disabled,
-    build_tiny_model,
     digest_bytes,
     load_checkpoint,
     load_policy,
@@ -22,6 +21,7 @@ from grpo_fleet.model import (
     trainable_weights,
     weights_to_bytes,
 )
+from grpo_fleet.tiny_model import build_tiny_model
 from helpers import assert_checkpoint_generates_like_the_learner
 
 CORPUS = ["123=321", "45=54", "9=9", "<think> </think> <answer> </answer>"]

@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.persistence: the state a checkpoint saves, copied consistently and restored."""
+"""Tests for grpo_fleet.learner.records.persistence: the state a checkpoint saves, copied consistently and restored."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
-from grpo_fleet.learner.persistence import (
+from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.persistence import (
     capture,
     read_state,
     restore,
@@ -15,9 +15,9 @@ from grpo_fleet.learner.persistence import (
     state_to_dict,
     write_state,
 )
-from grpo_fleet.learner.runlog import LogSizes
-from grpo_fleet.learner.scheduler import PromptScheduler
-from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.learner.records.runlog import LogSizes
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
 from grpo_fleet.protocol import messages as m
 
 

@@ -1,13 +1,13 @@
-"""Tests for grpo_fleet.learner.registry: who is connected, under which key, how fast, and who is banned."""
+"""Tests for grpo_fleet.learner.fleet.registry: who is connected, under which key, how fast, and who is banned."""
 
 from __future__ import annotations
 
 import pytest
 
 from grpo_fleet.config import ServerConfig
-from grpo_fleet.learner.registry import Registry, RunCard
-from grpo_fleet.learner.scheduler import PromptScheduler
-from grpo_fleet.learner.state import LearnerState
+from grpo_fleet.learner.fleet.registry import Registry, RunCard
+from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
 

@@ -1,13 +1,15 @@
-"""Tests for grpo_fleet.learner.runlog: the metrics.jsonl and ledger.jsonl writers, and cutting them back."""
+"""Tests for grpo_fleet.learner.records.runlog: the metrics.jsonl and ledger.jsonl writers, and cutting them back."""
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
-from grpo_fleet.learner.runlog import LedgerEntry, LogSizes, RunLog, StepRecord
+from grpo_fleet.learner.records.runlog import LedgerEntry, LogSizes, RunLog, StepRecord
+from grpo_fleet.learner.step.stats import StepStats
+from grpo_fleet.learner.step.update_stats import UpdateStats
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -36,6 +38,35 @@ def test_each_step_and_each_group_is_one_json_line(tmp_path):
     assert json.loads((tmp_path / "ledger.jsonl").read_text()) == {
         "group_id": "g1", "prompt_index": 3, "actor_id": "a", "actor_key": "k", "policy_version": 0, "step": 0,
     }
+
+
+# metrics.jsonl's step line, as its readers (plots, bench reports, trackers) know it.
+STEP_LINE_KEYS = {
+    "step", "policy_version", "reward_mean", "reward_std", "loss", "kl", "clip_fraction", "grad_norm", "ratio_mean",
+    "offpolicy_gap_mean", "offpolicy_gap_max", "is_capped_fraction", "completion_length_mean", "completion_length_max",
+    "truncated_fraction", "learning_rate", "skipped", "peak_memory_bytes", "groups", "tokens", "staleness_mean",
+    "staleness_max", "zero_variance_fraction", "step_seconds", "wall_seconds", "actors",
+}
+
+
+def test_a_step_line_has_the_keys_its_readers_know(tmp_path):
+    log = RunLog(tmp_path)
+    log.step(_record(1))
+    log.close()
+    assert set(json.loads((tmp_path / "metrics.jsonl").read_text())) == STEP_LINE_KEYS
+
+
+def test_a_step_line_keeps_every_stat_of_the_update_and_the_trainer_hands_each_on():
+    """A stat declared in UpdateStats reaches both StepStats and metrics.jsonl, with no copy to forget."""
+    update = {f.name for f in fields(UpdateStats)}
+    assert update <= STEP_LINE_KEYS
+    assert update <= {f.name for f in fields(StepStats)}
+    stats = StepStats(loss=0.5, kl=0.25, clip_fraction=0.125, grad_norm=2.0, ratio_mean=1.5, offpolicy_gap_mean=0.75,
+                      offpolicy_gap_max=3.0, is_capped_fraction=0.0625, learning_rate=1e-3, skipped="nonfinite_grad",
+                      peak_memory_bytes=7, policy_objective=0.0, ref_seconds=0.0, update_seconds=0.0, train_seconds=0.0,
+                      micro_batches=1, epochs=1)
+    record = replace(_record(1), **stats.update_stats())
+    assert {name: getattr(record, name) for name in update} == {name: getattr(stats, name) for name in update}
 
 
 def test_the_readme_lists_every_step_record_key():

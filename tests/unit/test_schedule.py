@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from grpo_fleet.config import OptimConfig, RunConfig
-from grpo_fleet.learner.schedule import learning_rate_schedule, with_decay_steps
+from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
 
 LR = 1e-3
 

@@ -14,11 +14,12 @@ from mlx.utils import tree_flatten
 
 from data_parallel_driver import fixed_batch
 from grpo_fleet.config import ConfigError, GRPOConfig, LoraConfig, OptimConfig, RunConfig
-from grpo_fleet.learner.batch import batch_totals, split_batch
-from grpo_fleet.learner.collectives import Watchdog, launched_backend
-from grpo_fleet.learner.distributed import check_batch_fits
-from grpo_fleet.learner.sharding import Command, Header, buckets, scatter_rows, shard_rows, take_rows, weights_digest
-from grpo_fleet.learner.trainer import Trainer, proximal_grid
+from grpo_fleet.learner.ranks.collectives import Watchdog, launched_backend
+from grpo_fleet.learner.ranks.distributed import check_batch_fits
+from grpo_fleet.learner.ranks.sharding import Command, Header, buckets, scatter_rows, shard_rows, take_rows, weights_digest
+from grpo_fleet.learner.step.batch import batch_totals, split_batch
+from grpo_fleet.learner.step.objective import proximal_grid
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import load_policy
 
 

@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.snapshots: one serialisation per version, the previous one kept, chunks served."""
+"""Tests for grpo_fleet.learner.door.snapshots: one serialisation per version, the previous one kept, chunks served."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 
-from grpo_fleet.learner.snapshots import SnapshotStore
+from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
 

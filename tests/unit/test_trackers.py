@@ -1,4 +1,4 @@
-"""Experiment trackers (learner/trackers.py): config, the scalars of a step, TensorBoard read back, failures contained.
+"""Experiment trackers (learner/records/trackers.py): config, the scalars of a step, TensorBoard read back, failures contained.
 
 W&B starts a service process, so its test is in tests/integration/test_trackers_wandb.py.
 """
@@ -20,8 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_learner_core import ACTOR_A, ask, hello, lease, rollouts_for, run_config
 
 from grpo_fleet.config import LoggingConfig, RunConfig, load_run_config
-from grpo_fleet.learner.runlog import StepRecord
-from grpo_fleet.learner.trackers import (
+from grpo_fleet.learner.records.runlog import StepRecord
+from grpo_fleet.learner.records.trackers import (
     TensorBoardTracker,
     Trackers,
     TrackerUnavailable,

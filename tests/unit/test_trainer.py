@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.trainer.Trainer on the tiny model, with LoRA and full fine-tuning."""
+"""Tests for grpo_fleet.learner.step.trainer.Trainer on the tiny model, with LoRA and full fine-tuning."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch, split_batch
-from grpo_fleet.learner.grpo import BehaviourCorrection, grpo_loss
-from grpo_fleet.learner.schedule import learning_rate_schedule
-from grpo_fleet.learner.trainer import Trainer, behaviour_correction, policy_logprobs
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch, split_batch
+from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
+from grpo_fleet.learner.step.objective import behaviour_correction, policy_logprobs
+from grpo_fleet.learner.step.schedule import learning_rate_schedule
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, adapters_disabled, load_policy, trainable_weights
 
 TEMPERATURE = 1.0
@@ -455,7 +456,7 @@ def test_memory_limit_is_applied_to_mlx(tiny_model_dir):
 
 def test_trainer_from_config_carries_the_memory_settings(tiny_model_dir):
     from grpo_fleet.config import RunConfig
-    from grpo_fleet.learner.trainer import trainer_from_config
+    from grpo_fleet.learner.step.trainer import trainer_from_config
 
     cfg = RunConfig.model_validate({"train": {"micro_batch_tokens": 64, "logprob_chunk_tokens": 8, "compile": False},
                                     "generation": {"temperature": 0.7}, "grpo": {"beta": 0.0}})

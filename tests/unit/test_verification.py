@@ -1,4 +1,4 @@
-"""The learner's checks of what actors report (learner/verification.py), on a real tiny learner; no sockets."""
+"""The learner's checks of what actors report (learner/door/verification.py), on a real tiny learner; no sockets."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from test_learner_core import ACTOR_A, GROUP_SIZE, INFORMATIVE, MAX_TOKENS, ask, generated_rollouts, hello, lease, run_config
 
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.core import Learner
-from grpo_fleet.learner.verification import RewardCheck, reward_gap
+from grpo_fleet.learner.door.core import Learner
+from grpo_fleet.learner.door.verification import RewardCheck, reward_gap
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import load_policy
 from grpo_fleet.protocol import messages as m

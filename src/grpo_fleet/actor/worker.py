@@ -2,8 +2,9 @@
 
 The rooms it calls: `admission` (what it agrees to run), `link` (the pipelined
 request/reply to the learner), `pipeline` (what is in flight), `weights_sync`
-(snapshots), `rollout` (generation) and `wire` (conversion to messages). Actors
-are stateless: anything lost with an actor is re-queued by the learner's leases.
+(snapshots), `rewarding` (the rewards' process, scoring), `rollout` (generation)
+and `wire` (conversion to messages). Actors are stateless: anything lost with an
+actor is re-queued by the learner's leases.
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ from grpo_fleet.actor import wire
 from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit, plan_rewards
 from grpo_fleet.actor.link import Answer, LearnerLink, LearnerUnavailable, Notice, StopActor
 from grpo_fleet.actor.pipeline import InFlight
-from grpo_fleet.actor.rewarding import score_lease
-from grpo_fleet.actor.weights_sync import FetchedWeights, WeightsSync, fetch_weights
+from grpo_fleet.actor.rewarding import RunRewards
+from grpo_fleet.actor.weights_sync import WeightsSync
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.doctor import mlx_version
 from grpo_fleet.generation import generate_groups
-from grpo_fleet.metrics import ActorMetrics, MetricsServer, actor_metrics, serve_metrics
+from grpo_fleet.metrics import ActorMetrics, actor_metrics
+from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
-from grpo_fleet.tasks.reward_runner import RewardSet, RewardsRefused, Scorer, ScoringProcess
 
 __all__ = ["ActorRefused", "ActorWorker", "default_actor_id", "serve_actor_metrics"]
 
@@ -70,8 +71,7 @@ class ActorWorker:
         self.weights = WeightsSync(self.metrics)
         self.policy: Optional[Policy] = None
         self.model_key: Optional[ModelKey] = None
-        self.rewards: Optional[RewardSet] = None
-        self.scorer: Optional[Scorer] = None  # the rewards' own process, started on admission
+        self.rewards = RunRewards()  # the rewards' own process, started on admission
         self.welcome: Optional[m.Welcome] = None
         self.stopping = False
         self.metrics_port = 0
@@ -107,8 +107,7 @@ class ActorWorker:
                     backoff = 0.2
         finally:
             self.link.shut()
-            if self.scorer is not None:
-                self.scorer.close()
+            self.rewards.close()
             if metrics_server is not None:
                 metrics_server.close()
 
@@ -127,10 +126,6 @@ class ActorWorker:
         )
         # Asked to stop with nothing to deliver: no reason to wait for a learner that may never answer.
         return self.link.open(hello, give_up=lambda: self.stopping and self.inflight.drained)
-
-    def fetch_weights(self, version: int) -> FetchedWeights:
-        """One version's verified blob over this actor's link (the weights benchmark calls it)."""
-        return fetch_weights(self.link, version)
 
     def _session(self) -> None:
         welcome = self.connect()
@@ -152,7 +147,7 @@ class ActorWorker:
     def _adopt(self, welcome: m.Welcome) -> None:
         """Admit the learner's run; load its model once (same path, digest, adapters and dtype = same model)."""
         plan = admit(welcome, self.cfg.model_dirs, self.model_key)
-        self._start_rewards(plan_rewards(welcome.reward, self.cfg.reward_module, self.cfg.model_dirs))
+        self.rewards.start(plan_rewards(welcome.reward, self.cfg.reward_module, self.cfg.model_dirs))
         if plan is not None:
             self.policy = load_policy(plan.path, lora=plan.lora, dtype=plan.dtype)
             self.model_key = plan.key
@@ -163,19 +158,6 @@ class ActorWorker:
         self.welcome = welcome
         self.weights.newest = welcome.policy_version
         log.info("actor %s joined run %s (policy v%d)", self.actor_id, shown(welcome.run_id), welcome.policy_version)
-
-    def _start_rewards(self, rewards: RewardSet) -> None:
-        """(Re)start the rewards' process when the run's rewards change; a load failure refuses the run."""
-        if rewards == self.rewards and self.scorer is not None:
-            return
-        if self.scorer is not None:
-            self.scorer.close()
-            self.scorer = None
-        try:
-            self.scorer = ScoringProcess(rewards)
-        except RewardsRefused as exc:
-            raise ActorRefused(f"this actor cannot run the learner's rewards: {exc}") from exc
-        self.rewards = rewards
 
     def _forget_previous_learner(self, previous: m.Welcome, welcome: m.Welcome) -> None:
         """Another run, or this run resumed from a checkpoint, possibly at an older version.
@@ -263,8 +245,7 @@ class ActorWorker:
         groups = generate_groups(policy.model, wire.lease_prompts(lease), settings, on_step=beat)
         self.metrics.generation_seconds.observe(time.perf_counter() - started)
         self.metrics.peak_memory.set(mx.get_peak_memory())
-        assert self.scorer is not None  # _adopt started it
-        scored, unscored = score_lease(lease.prompts, groups, self.scorer, policy.tokenizer, self.metrics)
+        scored, unscored = self.rewards.score(lease.prompts, groups, policy.tokenizer, self.metrics)
         return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=incarnation, groups=scored,
                           unscored=unscored)
 

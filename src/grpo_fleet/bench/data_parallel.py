@@ -25,9 +25,9 @@ from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.models import model_50m
 from grpo_fleet.bench.step import synthetic_groups
 from grpo_fleet.config import DistributedConfig, GRPOConfig, LoraConfig, OptimConfig
-from grpo_fleet.learner.batch import TrainBatch, build_train_batch
-from grpo_fleet.learner.collectives import launched_rank
-from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.learner.ranks.collectives import launched_rank
+from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import load_policy
 
 SHAPE = (4, 8, 32, 64)  # groups, group size, prompt tokens, completion tokens
@@ -59,8 +59,8 @@ def one_rank(path: str, mode: str, repeats: int) -> float:
 
 def ranked(path: str, mode: str, repeats: int, out: Path) -> None:
     """One rank of the 2-rank run (under mlx.launch); rank 0 writes its step and all-sum figures to `out`."""
-    from grpo_fleet.learner.distributed import DataParallel, connect
-    from grpo_fleet.learner.sharding import Command, Header
+    from grpo_fleet.learner.ranks.distributed import DataParallel, connect
+    from grpo_fleet.learner.ranks.sharding import Command, Header
 
     rank = launched_rank()
     assert rank is not None, "run under mlx.launch"

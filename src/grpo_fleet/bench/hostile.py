@@ -139,7 +139,7 @@ def _baseline_seconds(run_dir: Path) -> Optional[tuple[float, float]]:
     """(pre-fix limits, the learner's limits) decode time of the issue's message; None on older code."""
     try:
         from grpo_fleet.config import RunConfig
-        from grpo_fleet.learner.server import inbound_limits
+        from grpo_fleet.learner.door.intake_rules import inbound_limits
         from grpo_fleet.protocol.codec import DEFAULT_LIMITS, Limits
     except ImportError:
         return None

@@ -300,7 +300,7 @@ def _measure(pool: ActorPool, learner: Learner, actors: int, plan: Plan, label: 
 
 def _step_groups(prompts: list[np.ndarray], vocab: int) -> list:
     """STEP_GROUPS accepted groups shaped exactly like the ingest messages."""
-    from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
+    from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
 
     rng = np.random.default_rng(0)
     return [
@@ -318,8 +318,8 @@ def _step_groups(prompts: list[np.ndarray], vocab: int) -> list:
 def _step_seconds(model_dir: Path, root: Path, repeats: int) -> float:
     """Median wall time of `Trainer.step` on one batch of STEP_GROUPS groups (after a warm-up step)."""
     from grpo_fleet.config import RunConfig
-    from grpo_fleet.learner.batch import LengthShaping, build_train_batch
     from grpo_fleet.learner.setup import build_learner
+    from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
 
     cfg = RunConfig.model_validate({
         "run_dir": str(root / "step"),

@@ -9,7 +9,7 @@ the way the learner checks them (`LogprobCheck` under the weights of v):
 
 - before: the first informative group of a submission against 0.05 nats;
 - after: up to security.logprob_checks_per_submission groups, picked at random,
-  against the bound for the pair of dtypes (learner/gap_bounds.py).
+  against the bound for the pair of dtypes (learner/step/gap_bounds.py).
 
 A submission is caught when a checked group is over its bound. Lag 0 is the
 honest actor: anything caught there is a false rejection.
@@ -29,10 +29,10 @@ from mlx.utils import tree_map, tree_unflatten
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, _config, batched_rollout
 from grpo_fleet.config import SecurityConfig
-from grpo_fleet.learner.batch import AcceptedGroup
-from grpo_fleet.learner.gap_bounds import logprob_gap_bound
+from grpo_fleet.learner.door.verification import LogprobCheck, WeightHistory
 from grpo_fleet.learner.setup import resolve_model_path
-from grpo_fleet.learner.verification import LogprobCheck, WeightHistory
+from grpo_fleet.learner.step.batch import AcceptedGroup
+from grpo_fleet.learner.step.gap_bounds import logprob_gap_bound
 from grpo_fleet.model import load_policy
 from grpo_fleet.tasks import build_task
 

@@ -21,9 +21,9 @@ import numpy as np
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.config import RunConfig
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.door.verification import LogprobCheck, LogprobGap, WeightHistory
 from grpo_fleet.learner.setup import resolve_model_path
-from grpo_fleet.learner.verification import LogprobCheck, LogprobGap, WeightHistory
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.realshape import build_realshape
 from grpo_fleet.tasks import build_task
@@ -72,5 +72,5 @@ def run(report: Report, scale: Scale) -> None:
             for dtype in ("float32", "bfloat16"):
                 mean, worst = gaps(path, dtype, prompts, tokens)
                 report.add(Figure("logprob_gap", f"{name}: {dtype} actor vs float32 learner, mean per-token gap",
-                                  mean, "nats", goal="< its bound (learner/gap_bounds.py)",
+                                  mean, "nats", goal="< its bound (learner/step/gap_bounds.py)",
                                   notes=f"largest single-token gap {worst:.4f} nats; G=4 x {len(prompts)} prompts"))

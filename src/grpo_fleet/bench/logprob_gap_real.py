@@ -23,9 +23,9 @@ import numpy as np
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.logprob_gap import group_gaps
 from grpo_fleet.bench.real_task import real_config, real_model_dir, real_task_config
-from grpo_fleet.learner.gap_bounds import logprob_gap_bound
+from grpo_fleet.learner.door.verification import LogprobGap
 from grpo_fleet.learner.setup import tokenize_prompts
-from grpo_fleet.learner.verification import LogprobGap
+from grpo_fleet.learner.step.gap_bounds import logprob_gap_bound
 from grpo_fleet.model import load_policy
 from grpo_fleet.tasks import build_task
 
@@ -62,7 +62,7 @@ def run(report: Report, scale: Scale) -> None:
         prompts = [p.tolist() for p in tokenize_prompts(learner.tokenizer, build_task(cfg.task), cfg)[:count]]
     gen = cfg.generation
     for dtype in DTYPES:
-        # The learner's bound for this pair of dtypes (learner/gap_bounds.py), unless the config sets one.
+        # The learner's bound for this pair of dtypes (learner/step/gap_bounds.py), unless the config sets one.
         bound = cfg.security.max_logprob_gap or logprob_gap_bound(dtype, "float32")
         found = group_gaps(model_dir, dtype, prompts, gen.max_tokens, group_size=gen.group_size,
                            temperature=gen.temperature, chunk_tokens=cfg.train.logprob_chunk_tokens, learner=learner)

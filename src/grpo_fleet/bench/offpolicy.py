@@ -29,7 +29,7 @@ from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, _config, batched_rollout
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.setup import resolve_model_path
-from grpo_fleet.learner.trainer import StepStats
+from grpo_fleet.learner.step.stats import StepStats
 from grpo_fleet.tasks import build_task
 
 EVAL_EVERY = 100

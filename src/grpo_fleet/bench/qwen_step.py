@@ -32,8 +32,8 @@ from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.step import one_shot_step, synthetic_groups
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.batch import TrainBatch, build_train_batch
-from grpo_fleet.learner.trainer import Trainer
+from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.realshape import build_realshape
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.real_decode import REAL_MODEL_ENV, LeaseShape, lease_prompts, real_model_dir
-from grpo_fleet.learner.batch import AcceptedGroup, CompletionRecord, MicroBatch, TrainBatch, row_lengths
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, MicroBatch, TrainBatch, row_lengths
 
 
 def padding_share(shapes: Sequence[tuple[int, int]], real_positions: int) -> float:
@@ -67,8 +67,8 @@ def real_groups(model: Any, tokenizer: Any, shape: LeaseShape) -> list[AcceptedG
 
 def measure(report: Report, model_dir: Path, shape: LeaseShape) -> None:
     from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
-    from grpo_fleet.learner.batch import build_train_batch, split_batch
-    from grpo_fleet.learner.trainer import Trainer
+    from grpo_fleet.learner.step.batch import build_train_batch, split_batch
+    from grpo_fleet.learner.step.trainer import Trainer
     from grpo_fleet.model import load_policy
 
     policy = load_policy(str(model_dir), lora=LoraConfig(enabled=True, rank=8))

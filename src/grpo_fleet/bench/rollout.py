@@ -40,7 +40,8 @@ from grpo_fleet.generation import (
     generate_groups,
     sampler_and_processors,
 )
-from grpo_fleet.model import Policy, build_tiny_model, load_policy, parameter_count
+from grpo_fleet.model import Policy, load_policy, parameter_count
+from grpo_fleet.tiny_model import build_tiny_model
 
 GROUP_SIZE = 8
 NAIVE_NAME = "naive mlx_lm.generate loop"

@@ -23,7 +23,7 @@ import numpy as np
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.models import model_50m, tiny_model
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
-from grpo_fleet.learner.batch import (
+from grpo_fleet.learner.step.batch import (
     AcceptedGroup,
     CompletionRecord,
     TrainBatch,
@@ -31,8 +31,9 @@ from grpo_fleet.learner.batch import (
     build_train_batch,
     split_batch,
 )
-from grpo_fleet.learner.grpo import grpo_loss
-from grpo_fleet.learner.trainer import Trainer, default_loss, policy_logprobs
+from grpo_fleet.learner.step.grpo import grpo_loss
+from grpo_fleet.learner.step.objective import default_loss, policy_logprobs
+from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, adapters_disabled, apply_lora, load_policy
 
 

@@ -50,6 +50,7 @@ def _start_learner(model_dir: Path, root: Path, lora: bool) -> tuple[subprocess.
 
 def _fleet_actor(endpoint: str, index: int, go: Any, results: Any) -> None:
     """One actor process: register, wait for the start signal, fetch and verify the snapshot."""
+    from grpo_fleet.actor.weights_sync import fetch_weights
     from grpo_fleet.actor.worker import ActorWorker
     from grpo_fleet.config import ActorConfig, MetricsConfig
 
@@ -58,7 +59,7 @@ def _fleet_actor(endpoint: str, index: int, go: Any, results: Any) -> None:
     worker.connect()
     results.put(("ready", index, 0.0, 0))
     go.wait()
-    _, blob, _ = worker.fetch_weights(0)
+    _, blob, _ = fetch_weights(worker.link, 0)
     results.put(("done", index, time.time(), len(blob)))
 
 

@@ -10,17 +10,18 @@ from typing import Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig, load_run_config
-from grpo_fleet.learner.core import Learner
-from grpo_fleet.learner.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
-from grpo_fleet.learner.runlog import LogSizes
-from grpo_fleet.learner.trackers import build_trackers, require_installed
-from grpo_fleet.learner.trainer import trainer_from_config
+from grpo_fleet.learner.door.core import Learner
+from grpo_fleet.learner.records.runlog import LogSizes
+from grpo_fleet.learner.records.trackers import build_trackers, require_installed
+from grpo_fleet.learner.step.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
+from grpo_fleet.learner.step.trainer import trainer_from_config
 from grpo_fleet.metrics import learner_metrics
-from grpo_fleet.model import Policy, build_tiny_model, latest_checkpoint, load_policy, model_digest
+from grpo_fleet.model import Policy, latest_checkpoint, load_policy, model_digest
 from grpo_fleet.realshape import build_realshape, is_realshape
 from grpo_fleet.tasks import Task, build_task
 from grpo_fleet.tasks.prompts import check_prompt_lengths, context_length, encode_prompt
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
+from grpo_fleet.tiny_model import build_tiny_model
 from grpo_fleet.zoo import import_source, is_gguf_source
 
 log = logging.getLogger("grpo_fleet.learner")

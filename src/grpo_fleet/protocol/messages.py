@@ -262,7 +262,7 @@ class Lease(_Strict):
     policy_version: Version
     prompts: list[PromptItem] = Field(max_length=256)  # empty = nothing to do now
     retry_after: Seconds = 0.5
-    # Set on eval leases (held-out prompts; learner/evaluation.py): sample this way, score, return as usual.
+    # Set on eval leases (held-out prompts; learner/evals/evaluation.py): sample this way, score, return as usual.
     eval: Optional[EvalSampling] = None
 
 

@@ -10,12 +10,13 @@ policy for rewards that fail).
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from grpo_fleet.tasks.examples import BUILTIN_PREFIX, Example, data_path, resolve_task_path
 from grpo_fleet.tasks.prompts import Prompt
+from grpo_fleet.tasks.reverse import make_reverse_splits
 from grpo_fleet.tasks.rewards import REWARDS, RewardFn, UnknownRewardError, get_reward, register_reward
 from grpo_fleet.tasks.scoring import ScoringJob
 
@@ -39,28 +40,6 @@ __all__ = [
     "resolve_task_path",
     "validate_rewards",
 ]
-
-DATA_DIR = Path(__file__).parent / "data"
-# A task path "builtin:gsm8k_mini" names a file shipped in DATA_DIR, so configs
-# need not know where the package is installed.
-BUILTIN_PREFIX = "builtin:"
-
-
-@dataclass(frozen=True)
-class Example:
-    """One prompt and its reference answer, plus the rest of its dataset row.
-
-    `prompt` is raw user text (before any chat template) or a chat-format tuple
-    of {"role", "content"} messages. `columns` holds every column of a
-    `datasets` row but the prompt, as loaded (GSM8K's whole worked solution
-    among them), for rewards that want more than the answer; treat it as
-    read-only. JSONL and built-in tasks leave it empty.
-    """
-
-    prompt: Prompt
-    answer: str
-    columns: Mapping[str, Any] = field(default_factory=dict)
-
 
 # Reward keyword arguments that would collide with the positional (completion, prompt).
 RESERVED_COLUMNS = ("completion", "prompt")
@@ -140,22 +119,6 @@ class Task:
         return result.rewards[0]
 
 
-def data_path(name: str) -> Path:
-    """Path of a data file shipped with the package, e.g. data_path("gsm8k_mini.jsonl")."""
-    for candidate in (DATA_DIR / name, DATA_DIR / f"{name}.jsonl"):
-        if candidate.is_file():
-            return candidate
-    available = ", ".join(sorted(path.name for path in DATA_DIR.glob("*.jsonl"))) or "(none)"
-    raise FileNotFoundError(f"no bundled data file {name!r}; available: {available}")
-
-
-def resolve_task_path(path: str) -> Path:
-    """A task file path, where "builtin:NAME" means a file shipped with the package."""
-    if path.startswith(BUILTIN_PREFIX):
-        return data_path(path[len(BUILTIN_PREFIX) :])
-    return Path(path).expanduser()
-
-
 def build_task(cfg: "TaskConfig") -> Task:
     """The Task a TaskConfig describes; reward names are checked before any data is loaded."""
     from grpo_fleet.tasks.reward_module import canonical_spec
@@ -183,9 +146,6 @@ def build_task(cfg: "TaskConfig") -> Task:
 
 
 def _reverse_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:
-    # Imported here because reverse.py imports Example from this module.
-    from grpo_fleet.tasks.reverse import make_reverse_splits
-
     return make_reverse_splits(cfg.num_train, cfg.num_eval, cfg.digits, cfg.seed)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
-from grpo_fleet.tasks import Example
+from grpo_fleet.tasks.examples import Example
 from grpo_fleet.tasks.rewards import gold_answer_text
 
 # Tried in order when task.prompt_column is not set: TRL's name, then GSM8K's.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from grpo_fleet.tasks import BUILTIN_PREFIX, resolve_task_path
+from grpo_fleet.tasks.examples import BUILTIN_PREFIX, resolve_task_path
 
 Loader = Callable[..., Any]
 

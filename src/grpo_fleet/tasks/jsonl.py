@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Union
 
-from grpo_fleet.tasks import Example
+from grpo_fleet.tasks.examples import Example
 
 PROMPT_KEYS = ("prompt", "question")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection
 
-from grpo_fleet.tasks import Example
+from grpo_fleet.tasks.examples import Example
 
 REVERSE_ALPHABET = "0123456789="
 PROMPT_SUFFIX = "="

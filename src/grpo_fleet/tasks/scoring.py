@@ -11,7 +11,7 @@ The policy, in one place (the README's "Your own rewards" says the same):
   fails the whole group, as does a completion no reward scores. A group's
   advantages need all G rewards, so the learner never trains on a partial
   score: the group is sent back unscored, counted under the reward's name and
-  the error, and the learner re-queues its prompt (see learner/intake.py).
+  the error, and the learner re-queues its prompt (see learner/door/intake.py).
 
 Pure functions over already-made calls: `reward_runner.py` makes the calls,
 in a child process with timeouts on actors, inline elsewhere.

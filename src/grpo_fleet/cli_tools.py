@@ -1,0 +1,198 @@
+"""grpo-fleet's tools around a run (status, keys, doctor, build-model, import-gguf, bench, plot, samples): their
+arguments and what each runs. Like cli.py, it imports the heavy parts lazily."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from grpo_fleet.protocol import auth
+
+    if args.keys_command == "init":
+        public = auth.init_keys(args.dir)
+        print(f"learner keypair in {args.dir}; copy {public} to every actor Mac")
+    elif args.keys_command == "add-actor":
+        secret = auth.add_actor(args.dir, args.name)
+        print(f"actor {args.name} allowed. Copy {secret} and {args.dir}/learner.key to that Mac, then run:\n"
+              f"  grpo-fleet actor --connect tcp://LEARNER:5555 --key {secret.name} --learner-key learner.key\n"
+              f"and delete {secret} here.")
+    elif args.keys_command == "add-observer":
+        secret = auth.add_observer(args.dir, args.name)
+        print(f"observer {args.name} allowed to ask Status only. Run:\n"
+              f"  grpo-fleet status --connect tcp://LEARNER:5555 --key {secret} --learner-key {args.dir}/learner.key")
+    elif args.keys_command == "revoke":
+        found = auth.revoke_actor(args.dir, args.name)
+        print(f"{args.name} {'revoked; a running learner drops it within seconds' if found else 'was not allowed'}")
+        return 0 if found else 1
+    return 0
+
+
+def _doctor(_args: argparse.Namespace) -> int:
+    from grpo_fleet.doctor import report
+
+    print(report())
+    return 0
+
+
+def _build_model(args: argparse.Namespace) -> int:
+    import time
+
+    from grpo_fleet.realshape import build_realshape
+
+    start = time.perf_counter()
+    try:
+        path = build_realshape(args.spec, args.cache_dir)
+    except ValueError as exc:
+        print(f"grpo-fleet build-model: {exc}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    print(f"{path}  ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    import time
+
+    from grpo_fleet.gguf import GGUFError, import_gguf
+    from grpo_fleet.zoo import ZooError, gguf_file
+
+    start = time.perf_counter()
+    try:
+        path = import_gguf(gguf_file(args.file), args.out_dir, dtype=args.dtype)
+    except (GGUFError, ZooError, OSError) as exc:
+        print(f"grpo-fleet import-gguf: {exc}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    print(f"{path}  ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s); load it with mlx_lm.load({str(path)!r})")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grpo_fleet.bench import Scale, run_benchmarks
+
+    names = [n.strip() for n in args.only.split(",")] if args.only else None
+    scale = Scale.QUICK if args.quick else Scale.FULL if args.full else Scale.DEFAULT
+    run_benchmarks(names, scale, Path(args.out))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grpo_fleet.plotting import RunDataError, plot_run
+
+    try:
+        out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    except RunDataError as exc:
+        print(f"grpo-fleet plot: {exc}", file=sys.stderr)
+        return 1
+    print(f"curves written to {out}")
+    return 0
+
+
+def _samples(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
+    from grpo_fleet.samples_view import SamplesError, format_samples, read_last_rows
+
+    try:
+        read = read_last_rows(Path(args.run_dir), args.last)
+    except SamplesError as exc:
+        print(f"grpo-fleet samples: {exc}", file=sys.stderr)
+        return 2
+    if read.skipped:
+        print(f"grpo-fleet samples: skipped {read.skipped} incomplete line(s)", file=sys.stderr)
+    print(format_samples(read, width=shutil.get_terminal_size((100, 24)).columns, max_chars=args.max_chars))
+    return 0
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grpo_fleet.launch_policy import format_refusals, read_refusals
+    from grpo_fleet.protocol.client import format_status, request_status
+
+    try:
+        status = request_status(args.connect, key_file=args.key, learner_key_file=args.learner_key, timeout_s=args.timeout)
+    except (TimeoutError, RuntimeError, ValueError) as exc:
+        print(f"grpo-fleet status: {exc}", file=sys.stderr)
+        return 1
+    print(format_status(status))
+    if args.run_dir:
+        print(format_refusals(read_refusals(Path(args.run_dir))))
+    return 0
+
+
+def add_tool_commands(sub: argparse._SubParsersAction) -> None:
+    """Tools around a run: status, keys, doctor, build-model, bench, plot, samples."""
+    status = sub.add_parser("status", help="the learner's step, version, throughput and actors")
+    status.add_argument("--connect", required=True, help="learner address, e.g. tcp://192.168.1.10:5555")
+    status.add_argument("--key", help="an observer's CURVE secret key (`keys add-observer NAME`): it may ask Status "
+                        "and nothing else")
+    status.add_argument("--learner-key", help="the learner's public key file (learner.key)")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    status.add_argument("--run-dir", help="also list the actors `grpo-fleet launch` stopped for good (RUN_DIR/launch.json)")
+    status.set_defaults(func=_status)
+
+    keys = sub.add_parser("keys", help="CURVE keys: who may join the fleet")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    init = keys_sub.add_parser("init", help="create the learner keypair and an empty allow-list")
+    init.add_argument("dir")
+    add = keys_sub.add_parser("add-actor", help="create an actor keypair and allow it")
+    add.add_argument("name")
+    add.add_argument("--dir", default="keys")
+    observer = keys_sub.add_parser("add-observer", help="create a key that may ask Status and nothing else")
+    observer.add_argument("name")
+    observer.add_argument("--dir", default="keys")
+    revoke = keys_sub.add_parser("revoke", help="remove an actor or an observer from the allow-list")
+    revoke.add_argument("name")
+    revoke.add_argument("--dir", default="keys")
+    keys.set_defaults(func=_keys)
+
+    doctor = sub.add_parser("doctor", help="print the MLX backend, the BLAS in use and a matmul GF/s figure")
+    doctor.set_defaults(func=_doctor)
+
+    build = sub.add_parser("build-model", help="build (or find) a realshape: model in the cache and print its directory")
+    build.add_argument("spec", help="e.g. realshape:qwen2.5-0.5b or 'realshape:qwen2.5-0.5b?layers=4&bits=4&seed=0'")
+    build.add_argument("--cache-dir", help="model cache (default $GRPO_FLEET_MODEL_CACHE or ~/.cache/grpo-fleet/models)")
+    build.set_defaults(func=_build_model)
+
+    gguf = sub.add_parser("import-gguf", help="turn a GGUF file (llama, qwen2) into an mlx-lm model directory")
+    gguf.add_argument("file", help="a .gguf file, or zoo:NAME for a model the zoo fetches (zoo:smollm2-135m-instruct)")
+    gguf.add_argument("out_dir", help="directory to write (replaced if it exists)")
+    gguf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                      help="dtype of the dequantised weights (default %(default)s)")
+    gguf.set_defaults(func=_import_gguf)
+
+    bench = sub.add_parser("bench", help="benchmarks: figures next to baselines, as ratios (see bench/RESULTS.md)")
+    bench.add_argument("--only", help="comma-separated subset, e.g. rollout,real_decode (names: grpo_fleet.bench.BENCHMARKS)")
+    sizes = bench.add_mutually_exclusive_group()
+    sizes.add_argument("--full", action="store_true",
+                       help="every benchmark at full size, the long sweeps included (hours; make bench-full)")
+    sizes.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    bench.add_argument("--out", default="bench/results.json", help="where to write every figure as JSON")
+    bench.set_defaults(func=_bench)
+
+    plot = sub.add_parser("plot", help="draw a run's reward, KL, tokens/s and staleness curves into one PNG")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
+    plot.add_argument("--out", metavar="PNG", help="output file (default RUN_DIR/curves.png)")
+    plot.set_defaults(func=_plot)
+
+    samples = sub.add_parser("samples", help="print the last prompts, completions and rewards from RUN_DIR/samples.jsonl")
+    samples.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding samples.jsonl")
+    samples.add_argument("--last", type=_at_least_one, default=5, metavar="N", help="rows to print (default %(default)s)")
+    samples.add_argument("--max-chars", type=_at_least_one, default=2000, metavar="N",
+                         help="characters shown of each prompt and completion (default %(default)s)")
+    samples.set_defaults(func=_samples)

@@ -1,0 +1,263 @@
+"""Rollouts in: validate, classify, judge staleness, take accepted groups, replay answers (rules: intake_rules.py).
+
+Plain data and NumPy, no model. The door (`messages.validate_rollouts`) refuses
+values that cannot be trained on; `suspect_groups` is the second line of defence,
+used when a step's loss or gradient still came out non-finite, to find whom to
+blame. Every refusal has one `RejectReason`: it is the Ack's reason and the label
+of the rejection metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+
+from grpo_fleet.learner.door.drops import drop_buffered
+from grpo_fleet.learner.door.intake_rules import (
+    IntakeRules,
+    accepted_group,
+    mean_completion_tokens,
+    suspect_groups,
+    unusable_version,
+)
+from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.step.batch import AcceptedGroup
+from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.tasks.scoring import RewardError
+
+if TYPE_CHECKING:
+    from grpo_fleet.learner.door.verification import LogprobGap, RewardCheck
+    from grpo_fleet.learner.fleet.leasing import Leasing
+    from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
+    from grpo_fleet.learner.step.stats import StepStats
+
+log = logging.getLogger("grpo_fleet.learner")
+# A prompt whose group comes back unscored this many times in a row is given up
+# on for this pass over the data: a reward that always fails on it would
+# otherwise have the fleet regenerate it forever.
+MAX_UNSCORED_ATTEMPTS = 3
+REWARD_ERRORS = frozenset(str(error) for error in RewardError)
+# Which groups of a submission get their logprobs checked: unpredictable, so a liar cannot put honest ones first.
+_CHECK_PICKER = random.SystemRandom()
+
+
+class Intake:
+    """Answers Rollouts: each group is accepted once, refused with a reason, or re-queued as stale."""
+
+    def __init__(self, rules: IntakeRules, state: LearnerState, registry: Registry, leasing: Leasing,
+                 runlog: RunLog, metrics: LearnerMetrics, prompt_tokens: list[np.ndarray],
+                 on_batch_ready: Callable[[], None], reward_check: Optional[RewardCheck] = None) -> None:
+        self.rules, self.state, self.registry, self.leasing = rules, state, registry, leasing
+        self.runlog, self.metrics, self.prompt_tokens = runlog, metrics, prompt_tokens
+        self.on_batch_ready, self.reward_check = on_batch_ready, reward_check
+
+    def take(self, actor: ActorInfo, msg: m.Rollouts) -> m.Ack:
+        """The answer to one Rollouts from `actor`; a replay gets the stored answer and changes nothing."""
+        stored = self.state.acks.get(msg.lease_id)
+        if stored is not None:
+            return stored
+        if self.state.done:
+            # The final checkpoint is written: accepting more would put groups in
+            # the ledger that no checkpoint or step ever accounts for.
+            return m.Ack(lease_id=msg.lease_id, status="stale", reason=RejectReason.RUN_DONE,
+                         groups={g.group_id: "stale" for g in msg.groups})
+        rules, scheduler = self.rules, self.state.scheduler
+        invalid = m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
+                                      max_tokens=rules.max_tokens, reward_bound=rules.reward_bound)
+        if invalid is not None:
+            return self._invalid(actor, msg.lease_id, invalid)
+        known_lease = msg.lease_id in scheduler.leases
+        refused = {g.group_id: scheduler.classify(actor.principal, msg.lease_id, g.group_id) for g in msg.groups}
+        unscored = {u.group_id: scheduler.classify(actor.principal, msg.lease_id, u.group_id) for u in msg.unscored}
+        violations = sorted({r for r in (*refused.values(), *unscored.values()) if r is not None and r.is_violation})
+        if violations:
+            return self._invalid(actor, msg.lease_id, violations[0])
+        self.leasing.measure(actor, msg.lease_id, len(msg.groups) + len(msg.unscored))
+        requeued = self._unscored(msg, unscored)
+        unusable = unusable_version(msg, self.state, rules.max_staleness)
+        if not msg.groups:
+            ack = m.Ack(lease_id=msg.lease_id, status="requeued", groups=requeued)
+        elif unusable is not None:
+            ack = self._stale(msg, refused, unusable, requeued)
+        else:
+            ack = self._accept(actor, msg, refused, requeued)
+        # Only answers about leases that were open are worth replaying.
+        if known_lease:
+            self.state.acks.put(msg.lease_id, ack)
+        self.metrics.leases_outstanding.set(len(scheduler.leases))
+        return ack
+
+    def reward_jobs(self, actor: ActorInfo, msg: m.Rollouts) -> list[tuple[m.GroupResult, int]]:
+        """The groups `take` would re-score, with their prompts; reads the state, changes nothing (under the lock)."""
+        rules, scheduler = self.rules, self.state.scheduler
+        if (self.reward_check is None or self.state.done or self.state.acks.get(msg.lease_id) is not None
+                or unusable_version(msg, self.state, rules.max_staleness) is not None
+                or m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
+                                       max_tokens=rules.max_tokens, reward_bound=rules.reward_bound) is not None):
+            return []
+        return [(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in msg.groups
+                if scheduler.classify(actor.principal, msg.lease_id, g.group_id) is None]
+
+    def _invalid(self, actor: ActorInfo, lease_id: str, reason: RejectReason) -> m.Ack:
+        """Refuse hostile or malformed rollouts; this counts toward the peer's ban and changes no state."""
+        self.metrics.rejections.labels(reason=reason).inc()
+        self.registry.record_violation(actor.principal, reason)
+        return m.Ack(lease_id=lease_id, status="invalid", reason=reason)
+
+    def _unscored(self, msg: m.Rollouts, classified: dict[str, Optional[RejectReason]]) -> dict[str, str]:
+        """Re-queue the groups the actor could not score (tasks/scoring.py); a prompt failing repeatedly is dropped."""
+        answer: dict[str, str] = {}
+        scheduler, attempts = self.state.scheduler, self.state.unscored_attempts
+        for group in msg.unscored:
+            refusal = classified[group.group_id]
+            if refusal is not None:  # a duplicate, or a lease that expired meanwhile: nothing to re-queue
+                answer[group.group_id] = refusal.group_status
+                continue
+            reward = group.reward if group.reward in self.rules.reward_names else "*"
+            error = group.error if group.error in REWARD_ERRORS else "other"  # labels stay a bounded set
+            self.metrics.groups_unscored.labels(reward=reward, error=error).inc()
+            index = scheduler.leased_prompt(msg.lease_id, group.group_id)
+            attempts[index] = attempts.get(index, 0) + 1
+            if attempts[index] >= MAX_UNSCORED_ATTEMPTS:
+                del attempts[index]
+                scheduler.finish(msg.lease_id, group.group_id)
+                self.metrics.groups_unscorable.inc()
+                log.warning("prompt %d came back unscored %d times (last: reward %s %s: %s); skipped for this pass",
+                            index, MAX_UNSCORED_ATTEMPTS, shown(reward), error, shown(group.detail, 200))
+                answer[group.group_id] = "unscorable"
+            else:
+                scheduler.requeue(msg.lease_id, group.group_id)
+                answer[group.group_id] = "requeued"
+        return answer
+
+    def _stale(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]], reason: RejectReason,
+               requeued: dict[str, str]) -> m.Ack:
+        for group_id, refusal in refused.items():
+            if refusal is None:
+                self.state.scheduler.requeue(msg.lease_id, group_id)
+        self.metrics.rejections.labels(reason=reason).inc(len(msg.groups))
+        for group in msg.groups:  # do long completions come back too late more often? (README: staleness)
+            self.metrics.stale_group_tokens.observe(mean_completion_tokens(group))
+        return m.Ack(lease_id=msg.lease_id, status="stale", reason=reason,
+                     groups={**{g: "stale" for g in refused}, **requeued})
+
+    def _accept(self, actor: ActorInfo, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]],
+                requeued: dict[str, str]) -> m.Ack:
+        answer: dict[str, str] = {}
+        refused = {**refused, **self._reward_verdicts(msg, refused)}
+        records = []
+        for group in msg.groups:
+            refusal = refused[group.group_id]
+            if refusal is not None:  # a duplicate, a lease that expired meanwhile, or rewards that do not add up
+                answer[group.group_id] = self._refuse_group(actor, msg.lease_id, group.group_id, refusal)
+                continue
+            ticket = self.state.scheduler.finish(msg.lease_id, group.group_id)
+            index = ticket.prompt_index
+            self.state.unscored_attempts.pop(index, None)
+            records.append(accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
+        self._pick_for_logprob_checks(actor, records)
+        for record in records:
+            self._keep(actor, record)
+            answer[record.group_id] = "accepted"
+        overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
+        return m.Ack(lease_id=msg.lease_id, status=overall, groups={**answer, **requeued})  # type: ignore[arg-type]  # one of Ack's statuses
+
+    def _pick_for_logprob_checks(self, actor: ActorInfo, records: list[AcceptedGroup]) -> None:
+        """Flag a random sample of the submission's informative groups (only those train) for the logprob check.
+
+        A sample rather than the first: a proxy that lies about its version, or
+        serves weights a version or two stale, is only a few hundredths of a nat
+        off, and each checked group is another chance to see it.
+        """
+        informative = [r for r in records if r.is_informative]
+        bound = self.rules.logprob_bound(actor.backend)
+        for record in _CHECK_PICKER.sample(informative, min(len(informative), self.rules.logprob_checks)):
+            record.check_logprobs, record.logprob_bound = True, bound
+
+    def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
+        """The learner's own rewards for every group it would accept (security.verify_rewards)."""
+        pending = [g for g in msg.groups if refused[g.group_id] is None]
+        if self.reward_check is None or not pending:
+            # A late submission (its lease expired, was released, or predates a resume) has every group
+            # refused as stale_lease and already re-queued: there is nothing to verify, and no lease to read.
+            return {}
+        scheduler = self.state.scheduler
+        # A group nothing refused is still out under this lease (classify said so): its ticket names the prompt.
+        return self.reward_check.verdicts([(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in pending])
+
+    def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
+        """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""
+        self.metrics.rejections.labels(reason=reason).inc()
+        if reason in (RejectReason.REWARD_MISMATCH, RejectReason.REWARD_UNVERIFIABLE):
+            self.state.scheduler.requeue(lease_id, group_id)
+        if reason is RejectReason.REWARD_MISMATCH:
+            self.registry.record_violation(actor.principal, reason)
+            log.warning("actor %s reported rewards the learner does not get for group %s", shown(actor.actor_id),
+                        group_id)
+        return reason.group_status
+
+    def blame_tampered(self, failures: list[tuple[AcceptedGroup, LogprobGap]]) -> None:
+        """Logprobs that the claimed version cannot have produced: ban the actor now, drop all it sent."""
+        blamed: set[str] = set()
+        for group, gap in failures:
+            key = group.actor_key
+            if key in blamed:  # several of its checked groups failed: one ban, one drop
+                continue
+            blamed.add(key)
+            dropped = [g for g in self.state.buffer if g.actor_key == key]
+            # Their prompts go to honest actors, as new groups.
+            drop_buffered(self.state, self.runlog, dropped, RejectReason.LOGPROB_MISMATCH)
+            self.metrics.rejections.labels(reason=RejectReason.LOGPROB_MISMATCH).inc(len(dropped))
+            released = self.state.scheduler.release_actor(key)
+            self.registry.record_violation(key, RejectReason.LOGPROB_MISMATCH, ban_now=True)
+            log.warning("actor %s: group %s (claimed v%d) has logprobs %.4f nats off the learner's on average (max "
+                        "%.3f; honest bound %s); banned after step %d, %d of its buffered groups dropped, "
+                        "%d leases re-queued", shown(group.actor_id), group.group_id, group.policy_version, gap.mean,
+                        gap.max, gap.bound, self.state.step, len(dropped), released)
+
+    def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
+        """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""
+        state, mt = self.state, self.metrics
+        self.runlog.ledger(LedgerEntry(group_id=record.group_id, prompt_index=record.prompt_index,
+                                       actor_id=record.actor_id, actor_key=record.actor_key,
+                                       policy_version=record.policy_version, step=state.step))
+        mt.groups_accepted.inc()
+        mt.tokens_accepted.inc(record.num_tokens)
+        mt.accepted_group_tokens.observe(record.num_tokens / max(1, len(record.completions)))
+        self.registry.credit(actor, record.num_tokens, record.policy_version)
+        mt.staleness.observe(state.version - record.policy_version)
+        mt.group_reward.observe(float(record.rewards.mean()))
+        state.accepted_since_step += 1
+        if record.is_informative:
+            state.buffer.append(record)
+            if len(state.buffer) >= self.rules.groups_per_step:
+                self.on_batch_ready()
+        else:
+            state.zero_variance_since_step += 1
+            mt.groups_zero_variance.inc()
+
+    def blame_poisoned(self, groups: list[AcceptedGroup], stats: StepStats, step: int) -> None:
+        """A non-finite loss or gradient applied no update; count it and charge the groups that caused it.
+
+        The step still counts (its groups are consumed) but the weights did not
+        move. Groups holding values outside their float32 bounds count toward
+        their actors' bans; if none does, the inputs were clean and nobody is
+        blamed: the fault is the learner's numerics, and the log says so.
+        """
+        self.metrics.skipped_updates.labels(reason=stats.skipped).inc()
+        suspects = suspect_groups(groups, self.rules.reward_bound)
+        culprits = sorted({shown(g.actor_id) for g in groups if g.group_id in suspects})
+        log.warning("step %d applied no update: %s (loss %s, grad norm %s); %s", step, stats.skipped,
+                    stats.loss, stats.grad_norm,
+                    f"out-of-bounds values in {len(suspects)} groups from actors {', '.join(culprits)}"
+                    if culprits else "every input was within bounds, so no actor is blamed")
+        for group in groups:
+            if group.group_id in suspects and group.actor_key:
+                self.registry.record_violation(group.actor_key, f"poisoned_{suspects[group.group_id]}")

@@ -1,0 +1,122 @@
+"""What the intake accepts: decode limits, the run's rules, usable versions, and the pure checks behind them.
+
+Plain data and NumPy, no state of their own: `Intake` (intake.py) applies them to
+each Rollouts, and `suspect_groups` finds whom to blame for a non-finite step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.gap_bounds import actor_dtype, logprob_gap_bound
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.codec import Limits
+from grpo_fleet.protocol.reasons import RejectReason
+
+# msgpack framing around one completion's tensors (keys, dtype, shape, reward) and one
+# group (its id); generous, so an honest Rollouts never comes near the limit.
+COMPLETION_FRAMING_BYTES = 256
+GROUP_FRAMING_BYTES = 512
+# Room for the envelope, and for the largest other request (a Hello).
+MESSAGE_FRAMING_BYTES = 64 * 1024
+
+
+def inbound_limits(cfg: RunConfig) -> Limits:
+    """Decode limits for what actors send: no more than the largest lease's Rollouts can need.
+
+    Bytes, groups and completions are all bounded by the lease size, so a hostile
+    message costs the request loop no more than an honest one (the 14 MB, 100k
+    completion Rollouts that held it for seconds is now dropped by libzmq).
+    """
+    server, gen = cfg.server, cfg.generation
+    # A token travels as an int32/uint32 id plus a float32 logprob.
+    per_group = gen.group_size * (8 * gen.max_tokens + COMPLETION_FRAMING_BYTES) + GROUP_FRAMING_BYTES
+    size = min(server.max_message_bytes, MESSAGE_FRAMING_BYTES + server.max_groups_per_lease * per_group)
+    return Limits(
+        max_message_bytes=size, max_bin_len=size,
+        max_array_len=max(256, server.max_groups_per_lease, gen.group_size),
+        max_rollout_groups=server.max_groups_per_lease, max_group_completions=gen.group_size,
+    )
+
+
+@dataclass(frozen=True)
+class IntakeRules:
+    """What a usable submission must satisfy in this run."""
+
+    group_size: int
+    vocab_size: int
+    max_tokens: int
+    reward_bound: float
+    max_staleness: int
+    groups_per_step: int
+    reward_names: frozenset[str] = frozenset()
+    logprob_checks: int = 4  # security.logprob_checks_per_submission
+    requested_dtype: Optional[str] = None  # model.dtype: what every actor is told to sample in
+    learner_dtype: str = "float32"  # what the learner recomputes logprobs in
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, vocab_size: int, learner_dtype: str = "float32") -> "IntakeRules":
+        gen = cfg.generation
+        return cls(group_size=gen.group_size, vocab_size=vocab_size, max_tokens=gen.max_tokens,
+                   reward_bound=cfg.task.reward_bound, max_staleness=cfg.grpo.max_staleness,
+                   groups_per_step=cfg.grpo.groups_per_step, reward_names=frozenset(cfg.task.rewards),
+                   logprob_checks=cfg.security.logprob_checks_per_submission, requested_dtype=cfg.model.dtype,
+                   learner_dtype=learner_dtype)
+
+    def logprob_bound(self, backend: str) -> float:
+        """The honest gap of an actor on `backend` (its Hello's) from this learner (learner/step/gap_bounds.py)."""
+        return logprob_gap_bound(actor_dtype(self.requested_dtype, backend), self.learner_dtype)
+
+
+def unusable_version(msg: m.Rollouts, state: LearnerState, max_staleness: int) -> Optional[RejectReason]:
+    """Why rollouts cannot train this policy (None = they can); none of these is the actor's fault.
+
+    After a resume, actors may still hold versions the previous life published
+    past its last checkpoint: those numbers either do not exist yet in this
+    life or name other weights, so such work is stale, never a violation.
+    """
+    version = msg.policy_version
+    if version > state.version:
+        return RejectReason.UNPUBLISHED_VERSION
+    if msg.incarnation != state.incarnation and version > state.history_version:
+        return RejectReason.PREVIOUS_INCARNATION
+    if state.version - version > max_staleness:
+        return RejectReason.STALE_VERSION
+    return None
+
+
+def accepted_group(group: m.GroupResult, prompt_index: int, prompt_tokens: np.ndarray, version: int,
+                   actor: ActorInfo) -> AcceptedGroup:
+    """A validated wire group as the record the learner trains on, in the dtypes it trains in."""
+    completions = [
+        CompletionRecord(tokens=c.tokens.to_numpy().astype(np.int32), logprobs=c.logprobs.to_numpy().astype(np.float32),
+                         reward=float(c.reward), finish_reason=c.finish_reason)
+        for c in group.completions
+    ]
+    return AcceptedGroup(group_id=group.group_id, prompt_index=prompt_index, prompt_tokens=prompt_tokens,
+                         completions=completions, policy_version=version, actor_id=actor.actor_id,
+                         actor_key=actor.principal)
+
+
+def mean_completion_tokens(group: m.GroupResult) -> float:
+    return sum(c.tokens.shape[0] for c in group.completions) / max(1, len(group.completions))
+
+
+def suspect_groups(groups: list[AcceptedGroup], reward_bound: float) -> dict[str, RejectReason]:
+    """group_id -> reason for every group holding a value out of its float32 bounds."""
+    suspects: dict[str, RejectReason] = {}
+    for group in groups:
+        # In float32, as trained: a reward of 1e39 is inf here.
+        logprobs = np.concatenate([c.logprobs.astype(np.float32) for c in group.completions])
+        with np.errstate(over="ignore", invalid="ignore"):  # overflowing is what we look for
+            reason = m.values_out_of_bounds(logprobs, group.rewards, reward_bound)
+        if reason is not None:
+            suspects[group.group_id] = reason
+    return suspects

@@ -1,0 +1,255 @@
+"""The learner's event loop: a ROUTER for requests, a PUB for notices.
+
+All socket work for the learner happens here (and in doorman.py, which watches its router); decisions are made by `Learner`,
+which answers each message with a typed `Reply` this loop sends as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from functools import partial
+from typing import Optional
+
+import zmq
+from pydantic import BaseModel
+
+from grpo_fleet.learner.door.core import Learner
+from grpo_fleet.learner.door.doorman import Doorman, check_bind_security
+from grpo_fleet.learner.door.intake_rules import inbound_limits
+from grpo_fleet.learner.door.replies import Reply
+from grpo_fleet.learner.door.verifying import RolloutsVerifier
+from grpo_fleet.learner.evals.local_eval import LocalEvaluator
+from grpo_fleet.metrics_http import MetricsServer, serve_metrics
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.codec import ProtocolError
+from grpo_fleet.protocol.endpoints import advertised, is_wildcard_host, pub_endpoint_for
+from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.protocol.sockets import (
+    bound_endpoint,
+    make_context,
+    pub_socket,
+    recv_routed_from,
+    router_socket,
+    send_message,
+)
+
+log = logging.getLogger("grpo_fleet.learner")
+
+# How long an actor may stay silent (in heartbeat periods) before its leases are re-queued.
+SILENT_HEARTBEATS = 10
+# After the last step, how long the learner waits for every actor to hear Shutdown.
+SHUTDOWN_GRACE_SECONDS = 10.0
+
+
+class LearnerServer:
+    """Owns the sockets; pumps messages into `Learner` and trains when a batch is ready."""
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+        cfg = learner.cfg.server
+        self.limits = inbound_limits(learner.cfg)
+        check_bind_security(learner.cfg)
+        self.ctx = make_context()
+        self.door = Doorman(self.ctx, learner.cfg, learner)
+        keypair = self.door.keypair
+        # libzmq drops a larger frame before it is buffered in Python.
+        self.router = router_socket(self.ctx, cfg.bind, max_message_bytes=self.limits.max_message_bytes, curve=keypair)
+        self.pub = pub_socket(self.ctx, cfg.pub_bind or pub_endpoint_for(cfg.bind), curve=keypair)
+        self.door.watch(self.router)
+        self.metrics_target: Optional[str] = None
+        self.metrics_server: Optional[MetricsServer] = None
+        self.endpoint = bound_endpoint(self.router)
+        learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
+        self.stopping = False
+        self.training_error: Optional[BaseException] = None
+        self._announced_version = learner.state.version
+        self.closing = False
+        self.told_to_stop: set[bytes] = set()
+        self._last_housekeeping = 0.0
+        # Rollouts whose rewards are re-scored are answered off this thread (learner/door/verifying.py).
+        self.verifier = RolloutsVerifier() if learner.reward_check is not None else None
+
+    def start_metrics(self) -> None:
+        """Serve /metrics and the service-discovery list /sd on the metrics port."""
+        cfg = self.learner.cfg
+        self.metrics_server = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
+                                            sd_targets=lambda: self.learner.registry.sd_snapshot)
+        if self.metrics_server is not None:
+            host = cfg.metrics.host
+            if is_wildcard_host(host):
+                host = cfg.server.advertise_host or socket.gethostname()
+            self.metrics_target = f"{host}:{self.metrics_server.port}"
+            log.info("metrics on http://%s/metrics, service discovery on http://%s/sd", self.metrics_target, self.metrics_target)
+
+    def request_stop(self, *_args: object) -> None:
+        self.stopping = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        if hasattr(signal, "SIGHUP"):
+            signal.signal(signal.SIGHUP, self.door.request_reload)
+
+    def serve(self) -> None:
+        """Run until the step target is reached or a stop is requested.
+
+        Training runs on its own thread so requests are answered while a step
+        computes (MLX releases the GIL in its kernels): actors keep generating and
+        the groups for step n+1 arrive while step n trains.
+        """
+        log.info("learner listening on %s (notices on %s)", self.endpoint, self.learner.pub_address)
+        training = threading.Thread(target=self._train_loop, name="train", daemon=True)
+        training.start()
+        try:
+            while not self.stopping and training.is_alive():
+                self._pump(timeout_ms=20)
+                self._housekeeping()
+                self._announce_new_version()
+            self.stopping = True
+            training.join()
+            self._stop_verifier()  # before the last checkpoint: nothing may be taken after it is written
+            if self.training_error is not None:
+                raise self.training_error
+            self._announce_new_version()
+            if self.learner.state.done:
+                self._say_goodbye()
+            else:
+                # Stopped early (signal): save everything; actors keep retrying and
+                # carry on with a learner resumed from this checkpoint.
+                self.learner.checkpoint()
+        finally:
+            self.stopping = True
+            training.join()
+            self._stop_verifier()
+            self.close()
+
+    def _train_loop(self) -> None:
+        local = LocalEvaluator(self.learner, self.learner.make_scorer)
+        try:
+            while not self.stopping and not self.learner.state.done:
+                local.run_if_needed()
+                if self.learner.wait_for_batch(timeout=0.1):
+                    self.learner.train_step()
+                else:
+                    self.learner.trainer.sharding.idle()  # a data-parallel rank 0's keepalive
+            # The final eval round: answered by actors, or evaluated here if none is left.
+            while not self.stopping and local.pending():
+                if not local.run_if_needed():
+                    time.sleep(0.05)
+        except BaseException as exc:  # surfaced by serve() on the main thread
+            self.training_error = exc
+        finally:
+            local.close()
+
+    def _announce_new_version(self) -> None:
+        snapshot = self.learner.snapshots.current
+        if snapshot.version != self._announced_version:
+            self._announced_version = snapshot.version
+            self._publish(m.PolicyUpdated(version=snapshot.version, digest=snapshot.digest,
+                                          incarnation=self.learner.state.incarnation))
+
+    def _pump(self, timeout_ms: int) -> None:
+        """Answer every message that is waiting (bounded, so lease expiry and notices still get their turn)."""
+        self._send_verified()
+        if not self.router.poll(timeout_ms, zmq.POLLIN):
+            self._send_verified()
+            return
+        for _ in range(256):
+            if not self.router.poll(0, zmq.POLLIN):
+                break
+            routed = recv_routed_from(self.router, self.limits)
+            if not self.door.admits(routed.identity, routed.principal):
+                continue
+            observer = self.door.is_observer(routed.principal)
+            if self.verifier is not None and isinstance(routed.message, m.Rollouts) and not self.closing and not observer:
+                self.verifier.submit(routed.identity, partial(self._answer_rollouts, routed.identity, routed.message,
+                                                              routed.principal, routed.peer_address))
+                continue
+            reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address,
+                                 observer=observer)
+            send_message(self.router, reply.message, identity=routed.identity, raw=reply.raw)
+        self._send_verified()
+
+    def _send_verified(self) -> None:
+        """Send the Acks the verifier thread has worked out since last time."""
+        for identity, reply in self.verifier.answers() if self.verifier is not None else []:
+            send_message(self.router, reply.message, identity=identity, raw=reply.raw)
+
+    def _stop_verifier(self) -> None:
+        """Answer the Rollouts already handed over, send those answers, and take later ones on this thread."""
+        if self.verifier is not None:
+            self.verifier.close()
+            self._send_verified()
+            self.verifier = None
+
+    def _answer_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str], peer_address: str) -> Reply:
+        """On the verifier thread: `_answer`, rewards scored outside the lock (`Learner.handle_rollouts`)."""
+        try:
+            return self.learner.handle_rollouts(identity, msg, principal, peer_address)
+        except Exception as exc:  # a bug must not take the learner down with it
+            log.exception("error handling Rollouts")
+            self.learner.metrics.internal_errors.labels(where="handle").inc()
+            return Reply(m.ErrorReply(reason=RejectReason.INTERNAL.value, detail=type(exc).__name__))
+
+    def _answer(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
+                peer_address: str = "", *, observer: bool = False) -> Reply:
+        if self.closing:
+            if identity in self.learner.registry.actors:  # only registered actors are waited for; keeps the set bounded
+                self.told_to_stop.add(identity)
+            return Reply(m.Shutdown(reason="done"))
+        try:
+            return self.learner.handle(identity, msg, principal, peer_address, observer=observer)
+        except Exception as exc:  # a bug must not take the learner down with it
+            log.exception("error handling %s", type(msg).__name__)
+            self.learner.metrics.internal_errors.labels(where="handle").inc()
+            return Reply(m.ErrorReply(reason=RejectReason.INTERNAL.value, detail=type(exc).__name__))
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        period = self.learner.cfg.server.heartbeat_seconds
+        if now - self._last_housekeeping < min(0.5, period):
+            return
+        self._last_housekeeping = now
+        self.door.count_connection_events()
+        self.door.reload_allow_list()
+        self.learner.expire_leases()
+        self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
+        self.learner.refresh_service_discovery(self.metrics_target)
+        state = self.learner.state
+        self._publish(m.Heartbeat(actor_id="learner", policy_version=state.version, sent_at=time.time(),
+                                  incarnation=state.incarnation))
+
+    def _drop_silent_actors(self, cutoff: float) -> None:
+        for identity, info in list(self.learner.registry.actors.items()):
+            if info.last_seen < cutoff:
+                released = self.learner.drop_actor(identity)
+                log.info("actor %s went silent; re-queued %d leases", shown(info.actor_id), released)
+
+    def _publish(self, msg: BaseModel) -> None:
+        send_message(self.pub, msg)
+
+    def _say_goodbye(self) -> None:
+        """Tell every actor the run is over: on PUB, and as the reply to its next request.
+
+        PUB alone can miss an actor whose SUB was reconnecting; the direct reply
+        cannot, so linger (bounded) until each registered actor has heard it.
+        """
+        self.closing = True
+        deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
+        while time.monotonic() < deadline and set(self.learner.registry.actors) - self.told_to_stop:
+            self._publish(m.Shutdown(reason="done"))
+            self._pump(timeout_ms=100)
+
+    def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        self.door.close(self.router)
+        self.router.close(linger=0)
+        self.pub.close(linger=0)
+        self.ctx.term()
+        self.learner.close()

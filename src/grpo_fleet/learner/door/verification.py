@@ -1,0 +1,180 @@
+"""Trust, but verify: the learner checks what actors report against what it can compute itself.
+
+An actor is a machine the learner does not control. The learner owns every
+prompt's answer and the policy's weights, so it can check both things an actor
+reports besides tokens:
+
+- **Rewards.** Every group is re-scored at intake from the completion tokens
+  (decoded with the learner's tokenizer, exactly as the actor must have) and the
+  answer the learner holds. A reward that differs beyond float noise is
+  `reward_mismatch`: the group is refused and the actor charged a violation.
+- **Logprobs.** A random sample of the informative groups of every submission
+  (`security.logprob_checks_per_submission`) is re-scored under the weights of
+  the version it claims, kept for the versions still trainable
+  (`WeightHistory`), before it trains. A mean per-token gap beyond the honest
+  bound for the actor's and the learner's dtypes (learner/step/gap_bounds.py, or
+  `security.max_logprob_gap`) is `logprob_mismatch`: wrong weights, altered
+  logprobs, and a lied-about or stale version all show up as a gap. Such an
+  actor is banned at once and its buffered groups are dropped, so nothing from
+  it is trained after that.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from grpo_fleet.learner.step.batch import AcceptedGroup, build_train_batch, split_batch, unpack_completions
+from grpo_fleet.learner.step.forward import frozen_logprobs
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.tasks import Example, Task
+from grpo_fleet.tasks.prompts import decode_completion
+from grpo_fleet.tasks.reward_runner import Scorer
+
+log = logging.getLogger("grpo_fleet.learner")
+# Rewards are recomputed with the same code on the same text: only float formatting can differ.
+REWARD_TOLERANCE = 1e-6
+
+
+def reward_gap(reported: Sequence[float], recomputed: Sequence[float]) -> float:
+    """The largest difference, relative to the reward's size (1 at least)."""
+    return max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(reported, recomputed))
+
+
+class RewardCheck:
+    """Re-scores submitted groups with the learner's own rewards and answers."""
+
+    def __init__(self, task: Task, examples: list[Example], tokenizer: Any, scorer: Scorer) -> None:
+        self.task, self.examples, self.tokenizer, self.scorer = task, examples, tokenizer, scorer
+        self.eos = set(tokenizer.eos_token_ids)
+        # Verdicts scored ahead of `verdicts` (outside the learner's lock), by the group object they are for.
+        self._ahead: dict[int, tuple[m.GroupResult, Optional[RejectReason]]] = {}
+
+    def score_ahead(self, groups: Sequence[tuple[m.GroupResult, int]]) -> None:
+        """Score `groups` now, so that `verdicts` on these same objects answers at once (one thread at a time)."""
+        scored = self._score(groups)
+        self._ahead = {id(group): (group, scored[group.group_id]) for group, _ in groups}
+
+    def forget_ahead(self) -> None:
+        self._ahead = {}
+
+    def verdicts(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
+        """group_id -> None (the rewards agree), REWARD_MISMATCH, or REWARD_UNVERIFIABLE (our check failed)."""
+        ahead = {group.group_id: self._ahead[id(group)][1] for group, _ in groups
+                 if self._ahead.get(id(group), (None,))[0] is group}
+        return {**self._score([(g, i) for g, i in groups if g.group_id not in ahead]), **ahead}
+
+    def _score(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
+        jobs = [self.task.job(self.examples[index], [self._text(c) for c in group.completions])
+                for group, index in groups]
+        verdicts: dict[str, Optional[RejectReason]] = {}
+        for (group, _), score in zip(groups, self.scorer.score(jobs) if jobs else []):
+            if score.rewards is None:
+                verdicts[group.group_id] = RejectReason.REWARD_UNVERIFIABLE
+                continue
+            gap = reward_gap([c.reward for c in group.completions], score.rewards)
+            verdicts[group.group_id] = RejectReason.REWARD_MISMATCH if gap > REWARD_TOLERANCE else None
+        return verdicts
+
+    def _text(self, completion: m.Completion) -> str:
+        return decode_completion(self.tokenizer, completion.tokens.to_numpy().tolist(), completion.finish_reason, self.eos)
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+class WeightHistory:
+    """The trainable weights of the versions still within reach of training, by version.
+
+    MLX arrays are immutable and an optimizer update makes new ones, so keeping
+    a version costs a reference per array: nothing under LoRA, the trainable
+    weights once more per kept version under full fine-tuning.
+    """
+
+    def __init__(self, model: nn.Module, keep: int) -> None:
+        self.model, self.keep = model, keep
+        self.versions: dict[int, list[tuple[str, mx.array]]] = {}
+
+    def record(self, version: int) -> None:
+        flat: Any = tree_flatten(self.model.trainable_parameters())  # a list of (name, array) pairs
+        self.versions[version] = list(flat)
+        for old in [v for v in self.versions if v < version - self.keep]:
+            del self.versions[old]
+
+
+@dataclass(frozen=True)
+class LogprobGap:
+    group_id: str
+    mean: float
+    max: float
+    bound: float  # the largest mean an honest group has
+
+
+class LogprobCheck:
+    """Recomputes a group's logprobs under the version it claims (training thread only: it swaps weights)."""
+
+    def __init__(self, model: nn.Module, history: WeightHistory, *, temperature: float, chunk_tokens: int,
+                 micro_batch_tokens: int, max_gap: Optional[float] = None, observe: Optional[Any] = None) -> None:
+        self.model, self.history, self.observe = model, history, observe
+        self.temperature, self.chunk_tokens, self.micro_batch_tokens = temperature, chunk_tokens, micro_batch_tokens
+        self.max_gap = max_gap  # security.max_logprob_gap: overrides each group's own bound when set
+
+    def gap(self, group: AcceptedGroup) -> Optional[LogprobGap]:
+        """Mean and max |reported - recomputed| over the group's tokens; None when that version is not kept."""
+        weights = self.history.versions.get(group.policy_version)
+        if weights is None:
+            return None
+        # The live weights may be past the last published version (train.sync_every > 1): always swap, then restore.
+        live: Any = tree_flatten(self.model.trainable_parameters())
+        self.model.update(tree_unflatten(weights))
+        try:
+            batch = build_train_batch([group])
+            micro = split_batch(batch, self.micro_batch_tokens)
+            values = frozen_logprobs(self.model, micro, temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+            rows, width = batch.mask.shape
+            ours = unpack_completions(micro, values, (rows, width))
+        finally:
+            self.model.update(tree_unflatten(live))
+        mask = np.array(batch.mask) != 0
+        diff = np.abs(np.array(batch.old_logprobs)[mask] - ours[mask])
+        bound = self.max_gap if self.max_gap is not None else group.logprob_bound
+        return LogprobGap(group.group_id, float(diff.mean()), float(diff.max()), bound)
+
+    def failures(self, groups: Sequence[AcceptedGroup]) -> list[tuple[AcceptedGroup, LogprobGap]]:
+        """The groups among `groups` whose gap is beyond their bound (the dtypes', or security.max_logprob_gap)."""
+        failed = []
+        for group in groups:
+            gap = self.gap(group)
+            if gap is not None and self.observe is not None:
+                self.observe(gap.mean)
+            if gap is not None and gap.mean > gap.bound:
+                failed.append((group, gap))
+        return failed
+
+
+def check_next_batch(lock: Any, state: Any, intake: Any, check: LogprobCheck, count: int) -> bool:
+    """Check the flagged groups of the next batch (training thread); False when some failed and were dropped.
+
+    The groups are read under the lock, recomputed outside it (requests keep
+    being answered), and a failure is applied under it again: the actor is
+    banned and its buffered groups dropped, so the caller looks again.
+    """
+    with lock:
+        flagged = [g for g in state.buffer[:count] if g.check_logprobs]
+    if not flagged:
+        return True
+    failures = check.failures(flagged)
+    with lock:
+        for group in flagged:
+            group.check_logprobs = False
+        if failures:
+            intake.blame_tampered(failures)
+    return not failures

@@ -1,0 +1,32 @@
+"""What Welcome tells every actor: the run card (model, sampling, rewards), built once from the run's config."""
+
+from __future__ import annotations
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.fleet.registry import RunCard
+from grpo_fleet.model import Policy
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.tasks import Task
+from grpo_fleet.zoo import model_reference
+
+
+def run_card(cfg: RunConfig, policy: Policy, task: Task, model_digest: str) -> RunCard:
+    """What Welcome tells every actor: the model to load, how to sample, which rewards to score with."""
+    return RunCard(
+        model=m.ModelRef(path=model_reference(cfg.model.path, policy.path), digest=model_digest,
+                         lora=cfg.lora.model_dump() if policy.lora is not None else None, dtype=cfg.model.dtype,
+                         chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt),
+        generation=m.GenerationParams(**cfg.generation.model_dump()),
+        reward=reward_spec(task),
+        heartbeat_seconds=cfg.server.heartbeat_seconds, vocab_size=policy.vocab_size,
+    )
+
+
+def reward_spec(task: Task) -> m.RewardSpec:
+    """The run's rewards as Welcome names them, with the reward module's digest for actors to check their copy."""
+    from grpo_fleet.tasks.reward_module import module_digest
+
+    module = task.reward_module
+    return m.RewardSpec(names=list(task.reward_names), weights=[float(w) for w in task.reward_weights],
+                        module=module, module_digest=module_digest(module) if module else None,
+                        timeout_seconds=task.reward_timeout_seconds, bound=task.reward_bound)

@@ -1,0 +1,268 @@
+"""Evaluation while training: held-out prompts as eval leases, avg@k and pass@k per round.
+
+Every `train.eval_every` steps (and at step 0 and the final step) a round puts
+each held-out prompt up for evaluation. Actors take eval leases before training
+leases; each prompt is sampled `train.eval_samples` times (1, greedy, by
+default), scored by the run's rewards on the actor, and sent back as ordinary
+Rollouts that this room answers. Eval groups never enter the training buffer,
+the ledger or the step's counts. With no actor connected, the learner evaluates
+the round itself (learner/door/core.py). A round's line goes to metrics.jsonl
+(`"event": "eval"`) and its figures to Prometheus. Rounds in flight are not
+checkpointed: a resumed run starts with the next one. No sockets here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.fleet.leasing import prompt_item
+from grpo_fleet.learner.records.runlog import EvalRecord, RunLog
+from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.tasks import Example
+
+if TYPE_CHECKING:
+    from grpo_fleet.learner.door.verification import RewardCheck
+    from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
+    from grpo_fleet.learner.records.state import LearnerState
+
+log = logging.getLogger("grpo_fleet.learner")
+# An eval prompt unscored this many times is left out of its round (counted in the row).
+MAX_EVAL_ATTEMPTS = 3
+
+
+def eval_summary(rewards: Sequence[Sequence[float]], pass_reward: float) -> tuple[Optional[float], Optional[float]]:
+    """avg@k and pass@k of a round: each prompt's k sample rewards, in any order.
+
+    avg@k is the mean over prompts of the mean of their k samples. pass@k is the
+    share of prompts where at least one of the k samples reaches `pass_reward`:
+    with n = k samples, the unbiased estimator 1 - C(n-c, k) / C(n, k) is exactly
+    that (1 when c > 0, else 0).
+    """
+    if not rewards:
+        return None, None
+    avg = float(np.mean([np.mean(samples) for samples in rewards]))
+    passed = float(np.mean([any(r >= pass_reward for r in samples) for samples in rewards]))
+    return avg, passed
+
+
+def submitted_ids(msg: m.Rollouts) -> list[str]:
+    """Every group id a submission names, scored or not."""
+    return [g.group_id for g in msg.groups] + [u.group_id for u in msg.unscored]
+
+
+@dataclass
+class EvalLease:
+    lease_id: str
+    actor: str
+    deadline: float
+    tickets: dict[str, int]  # group id -> eval prompt index
+
+
+@dataclass
+class EvalRound:
+    """One evaluation of the held-out prompts at one step."""
+
+    step: int
+    version: int
+    started: float
+    pending: deque[int]  # eval prompt indices not yet leased
+    leases: dict[str, EvalLease] = field(default_factory=dict)
+    rewards: dict[int, list[float]] = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)
+    attempts: dict[int, int] = field(default_factory=dict)
+    dropped: int = 0
+    on_learner: int = 0  # prompts the learner evaluated itself
+
+    @property
+    def complete(self) -> bool:
+        return not self.pending and not self.leases
+
+
+class Evaluation:
+    """The eval rounds: what is due, leased, returned and written; the caller holds the learner's lock."""
+
+    def __init__(self, cfg: RunConfig, examples: list[Example], prompt_tokens: list[np.ndarray], vocab_size: int,
+                 state: LearnerState, registry: Registry, runlog: RunLog, metrics: LearnerMetrics,
+                 clock: Callable[[], float] = time.monotonic, reward_check: Optional[RewardCheck] = None) -> None:
+        self.reward_check = reward_check  # eval rewards are re-scored like training ones (learner/door/verification.py)
+        self.train, self.examples, self.prompt_tokens = cfg.train, examples, prompt_tokens
+        self.lease_seconds, self.max_tokens = cfg.server.lease_seconds, cfg.generation.max_tokens
+        self.max_groups_per_lease = cfg.server.max_groups_per_lease
+        self.vocab_size, self.reward_bound = vocab_size, cfg.task.reward_bound
+        self.state, self.registry, self.runlog, self.metrics, self.clock = state, registry, runlog, metrics, clock
+        self.current: Optional[EvalRound] = None
+        self.waiting: Optional[int] = None  # a step whose round is due while another runs
+        self.finished: list[tuple[int, EvalRecord]] = []  # (learner step at finish, round) for the trackers
+        self._serial = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.train.eval_every > 0 and bool(self.examples) and len(self.prompt_tokens) == len(self.examples)
+
+    def sampling(self) -> m.EvalSampling:
+        greedy = self.train.eval_mode == "greedy"
+        return m.EvalSampling(samples=1 if greedy else self.train.eval_samples,
+                              temperature=0.0 if greedy else self.train.eval_temperature)
+
+    def due(self, step: int, final: bool) -> bool:
+        return self.enabled and (step % self.train.eval_every == 0 or final)
+
+    def start(self, step: int, version: int) -> None:
+        """Put every held-out prompt up for evaluation at `step`; a round already running finishes first."""
+        if self.current is not None:
+            self.waiting = step
+            return
+        self.current = EvalRound(step=step, version=version, started=self.clock(),
+                                 pending=deque(range(len(self.examples))))
+        self.metrics.eval_rounds.inc()
+
+    def grant(self, actor: ActorInfo, request: m.LeaseRequest) -> Optional[m.Lease]:
+        """An eval lease of held-out prompts, or None when none is waiting (then a training lease is due)."""
+        round_ = self.current
+        if round_ is None or not round_.pending:
+            return None
+        max_groups = min(request.max_groups, self.max_groups_per_lease)
+        lease = EvalLease(lease_id=uuid.uuid4().hex, actor=actor.principal, deadline=self.clock() + self.lease_seconds,
+                          tickets={})
+        while round_.pending and len(lease.tickets) < max_groups:
+            self._serial += 1
+            lease.tickets[f"e{self._serial:08d}"] = round_.pending.popleft()
+        round_.leases[lease.lease_id] = lease
+        self.metrics.eval_leases.inc()
+        return m.Lease(lease_id=lease.lease_id, deadline_seconds=self.lease_seconds, policy_version=round_.version,
+                       prompts=[prompt_item(g, i, self.prompt_tokens[i], self.examples[i])
+                                for g, i in lease.tickets.items()], eval=self.sampling())
+
+    def owns(self, lease_id: str) -> bool:
+        return self.current is not None and lease_id in self.current.leases
+
+    def take(self, actor: ActorInfo, msg: m.Rollouts) -> m.Ack:
+        """The answer to eval Rollouts (owns() said they are); a complete round is written at once."""
+        round_ = self.current
+        assert round_ is not None and msg.lease_id in round_.leases  # checked by owns()
+        lease = round_.leases[msg.lease_id]
+        invalid = self._invalid(lease, actor, msg)
+        if invalid is not None:
+            self.metrics.rejections.labels(reason=invalid).inc()
+            self.registry.record_violation(actor.principal, invalid)
+            return m.Ack(lease_id=msg.lease_id, status="invalid", reason=invalid)
+        del round_.leases[msg.lease_id]
+        for group in msg.groups:
+            round_.rewards[lease.tickets[group.group_id]] = [c.reward for c in group.completions]
+            round_.versions.append(msg.policy_version)
+        for unscored in msg.unscored:
+            self._retry(round_, lease.tickets[unscored.group_id])
+        # Untouched tickets (an actor that returned less than it was given) go back too.
+        returned = set(submitted_ids(msg))
+        round_.pending.extend(index for group_id, index in lease.tickets.items() if group_id not in returned)
+        self.finish()
+        return m.Ack(lease_id=msg.lease_id, status="accepted", groups={g: "eval" for g in returned})
+
+    def reward_jobs(self, actor: ActorInfo, msg: m.Rollouts) -> list[tuple[m.GroupResult, int]]:
+        """The groups `take` would re-score, with their examples; reads the state, changes nothing (under the lock)."""
+        lease = self.current.leases.get(msg.lease_id) if self.current is not None else None
+        if self.reward_check is None or lease is None or lease.actor != actor.principal:
+            return []
+        if any(group_id not in lease.tickets for group_id in submitted_ids(msg)) or m.validate_rollouts(
+                msg, group_size=self.sampling().samples, vocab_size=self.vocab_size, max_tokens=self.max_tokens,
+                reward_bound=self.reward_bound) is not None:
+            return []
+        return [(g, lease.tickets[g.group_id]) for g in msg.groups]
+
+    def _invalid(self, lease: EvalLease, actor: ActorInfo, msg: m.Rollouts) -> Optional[RejectReason]:
+        if lease.actor != actor.principal:
+            return RejectReason.NOT_YOUR_LEASE
+        invalid = m.validate_rollouts(msg, group_size=self.sampling().samples, vocab_size=self.vocab_size,
+                                      max_tokens=self.max_tokens, reward_bound=self.reward_bound)
+        if invalid is None and any(group_id not in lease.tickets for group_id in submitted_ids(msg)):
+            return RejectReason.NOT_LEASED
+        if invalid is None and self.reward_check is not None:
+            verdicts = self.reward_check.verdicts([(g, lease.tickets[g.group_id]) for g in msg.groups])
+            if RejectReason.REWARD_MISMATCH in verdicts.values():
+                return RejectReason.REWARD_MISMATCH  # the whole lease: its prompts go back in the round
+        return invalid
+
+    def _retry(self, round_: EvalRound, index: int) -> None:
+        round_.attempts[index] = round_.attempts.get(index, 0) + 1
+        if round_.attempts[index] >= MAX_EVAL_ATTEMPTS:
+            round_.dropped += 1
+        else:
+            round_.pending.append(index)
+
+    def expire(self) -> None:
+        """Put the prompts of eval leases past their deadline back in the round."""
+        round_, now = self.current, self.clock()
+        if round_ is None:
+            return
+        for lease_id in [lid for lid, lease in round_.leases.items() if lease.deadline <= now]:
+            round_.pending.extend(round_.leases.pop(lease_id).tickets.values())
+
+    def release_actor(self, principal: str) -> None:
+        """An actor went away: its eval prompts go back in the round."""
+        round_ = self.current
+        if round_ is None:
+            return
+        for lease_id in [lid for lid, lease in round_.leases.items() if lease.actor == principal]:
+            round_.pending.extend(round_.leases.pop(lease_id).tickets.values())
+
+    def claim_for_learner(self, wait_seconds: float) -> list[int]:
+        """The waiting prompts, for the learner to evaluate itself, once the round has waited `wait_seconds`."""
+        round_ = self.current
+        if round_ is None or not round_.pending or self.clock() - round_.started < wait_seconds:
+            return []
+        claimed = list(round_.pending)
+        round_.pending.clear()
+        round_.leases["learner"] = EvalLease("learner", "learner", float("inf"), {f"l{i}": i for i in claimed})
+        return claimed
+
+    def record_learner(self, rewards: dict[int, Optional[list[float]]], version: int) -> None:
+        """The learner's own results for the prompts it claimed (None: unscorable, left out)."""
+        round_ = self.current
+        assert round_ is not None
+        round_.leases.pop("learner", None)
+        for index, samples in rewards.items():
+            if samples is None:
+                round_.dropped += 1
+                continue
+            round_.rewards[index] = samples
+            round_.versions.append(version)
+            round_.on_learner += 1
+
+    def finish(self) -> Optional[EvalRecord]:
+        """Write a complete round's line and gauges, start a waiting one; None while the round runs."""
+        round_ = self.current
+        if round_ is None or not round_.complete:
+            return None
+        avg, passed = eval_summary(list(round_.rewards.values()), self.train.eval_pass_reward)
+        sampling = self.sampling()
+        record = EvalRecord(
+            step=round_.step, policy_version=round_.version, eval_reward=avg, eval_pass_at_k=passed,
+            k=sampling.samples, mode=self.train.eval_mode, prompts=len(self.examples), scored=len(round_.rewards),
+            dropped=round_.dropped, on_learner=round_.on_learner,
+            sampled_version_min=min(round_.versions, default=round_.version),
+            sampled_version_max=max(round_.versions, default=round_.version),
+            seconds=self.clock() - round_.started,
+        )
+        self.runlog.eval(record)
+        self.finished.append((self.state.step, record))
+        if avg is not None and passed is not None:
+            self.metrics.eval_reward.set(avg)
+            self.metrics.eval_pass_at_k.set(passed)
+        log.info("eval at step %d: avg@%d %s, pass@%d %s over %d prompts (%.1fs)", record.step, record.k, avg,
+                 record.k, passed, record.scored, record.seconds)
+        self.current = None
+        if self.waiting is not None:
+            self.waiting = None
+            self.start(self.state.step, self.state.version)
+        return record

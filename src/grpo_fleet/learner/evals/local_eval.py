@@ -1,0 +1,89 @@
+"""The training thread's part of evaluation: a round with no actor to take it, and reporting rounds to trackers.
+
+Runs on the training thread, which owns the model: the prompts are claimed
+under the lock, generated and scored outside it (requests keep being answered),
+and the results recorded under it again. Finished rounds go to the experiment
+trackers from here too, so only this thread ever calls them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
+
+if TYPE_CHECKING:
+    from grpo_fleet.learner.door.core import Learner
+
+log = logging.getLogger("grpo_fleet.learner")
+# How long a round waits for an actor before the learner evaluates it itself:
+# actors loading the model at start-up should get the round, not the learner.
+ACTOR_WAIT_SECONDS = 10.0
+
+
+class LocalEvaluator:
+    """Evaluates waiting eval prompts on the learner's own model; its rewards run in their own process."""
+
+    def __init__(self, learner: Learner, make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess,
+                 wait_seconds: float = ACTOR_WAIT_SECONDS) -> None:
+        self.learner, self.make_scorer, self.wait_seconds = learner, make_scorer, wait_seconds
+        self._scorer: Scorer | None = None
+
+    def run_if_needed(self) -> bool:
+        """Evaluate the round's waiting prompts if no actor is connected; True if it did."""
+        learner = self.learner
+        self.report_finished()
+        with learner.lock:
+            if learner.registry.actors:
+                return False
+            indices = learner.evaluation.claim_for_learner(self.wait_seconds)
+            version = learner.state.version
+        if not indices:
+            return False
+        log.info("no actor connected: the learner evaluates %d held-out prompts itself", len(indices))
+        started = time.perf_counter()
+        rewards = self._evaluate(indices)
+        with learner.lock:
+            learner.evaluation.record_learner(rewards, version)
+            learner.evaluation.finish()
+        self.report_finished()
+        log.info("learner evaluated %d prompts in %.1fs", len(indices), time.perf_counter() - started)
+        return True
+
+    def _evaluate(self, indices: list[int]) -> dict[int, list[float] | None]:
+        from grpo_fleet.evaluate import sample_and_score  # generation code: only the fallback needs it
+
+        learner = self.learner
+        if self._scorer is None:
+            self._scorer = self.make_scorer(learner.task.reward_set())
+        sampling = learner.evaluation.sampling()
+        examples = [learner.task.eval[i] for i in indices]
+        model = learner.policy.model
+        model.eval()  # no adapter dropout while generating
+        try:
+            results = sample_and_score(model, learner.policy.tokenizer, learner.task, learner.cfg, examples,
+                                       self._scorer, samples=sampling.samples, temperature=sampling.temperature)
+        finally:
+            model.train()
+        return dict(zip(indices, results))
+
+    def report_finished(self) -> None:
+        """Send finished rounds to the trackers, at the step each finished at (trackers want steps increasing)."""
+        learner = self.learner
+        with learner.lock:
+            finished, learner.evaluation.finished = learner.evaluation.finished, []
+        for step, record in finished:
+            scalars = {"reward": record.eval_reward, "pass_at_k": record.eval_pass_at_k, "started_step": record.step}
+            learner.trackers.log(step, {f"eval/{k}": float(v) for k, v in scalars.items() if v is not None})
+
+    def pending(self) -> bool:
+        """Whether an eval round is still running (the final one is waited for before the learner stops)."""
+        with self.learner.lock:
+            return self.learner.evaluation.current is not None
+
+    def close(self) -> None:
+        self.report_finished()
+        if self._scorer is not None:
+            self._scorer.close()

@@ -1,0 +1,155 @@
+"""Leases out: how many groups to hand an actor, how much may be in flight, when to ask again.
+
+The learner measures each actor's groups per second from its returned leases and
+its own step interval, and sizes every lease so that it comes back within a
+target time. A fast Mac gets big leases, a slow one small leases, so a slow Mac
+never holds prompts the step is waiting for, and its groups come back before
+they are too stale to use. The sizing is pure functions; `Leasing` applies them
+to the scheduler's bookkeeping (scheduler.py). No sockets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.fleet.moving_average import MovingAverage
+from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.tasks import Example, prompt_text, reward_kwargs
+
+if TYPE_CHECKING:
+    from grpo_fleet.learner.records.state import LearnerState
+
+# A lease should come back well before it expires and is re-queued.
+DEADLINE_SHARE = 0.5
+# Bounds on how long an actor refused a lease waits before asking again.
+MIN_RETRY_SECONDS, MAX_RETRY_SECONDS = 0.005, 0.2
+
+
+def lease_target_seconds(
+    fixed: Optional[float], max_staleness: int, step_interval: Optional[float], lease_seconds: float
+) -> Optional[float]:
+    """How long a lease should take its actor; None while nothing bounds it yet.
+
+    Unless the user fixed it, a lease should return within `max_staleness` learner
+    steps (at least one), so its groups are still fresh enough to be accepted.
+    """
+    if fixed is not None:
+        target = fixed
+    elif step_interval is not None:
+        target = max(1, max_staleness) * step_interval
+    else:
+        return None
+    return min(target, DEADLINE_SHARE * lease_seconds)
+
+
+def lease_size(
+    requested: int, limit: int, groups_per_second: Optional[float], target_seconds: Optional[float]
+) -> int:
+    """Groups to lease: what the actor can finish in `target_seconds`, within `requested` and `limit`.
+
+    `limit` is the learner's own bound (per-lease maximum and free capacity). An
+    actor not measured yet gets what it asked for (its own `max_groups`); a
+    measured one gets at least one group, so every actor keeps contributing.
+    """
+    upper = min(requested, limit)
+    if upper < 1:
+        return 0
+    if groups_per_second is None or target_seconds is None:
+        return upper
+    return max(1, min(upper, math.floor(groups_per_second * target_seconds)))
+
+
+def in_flight_limit(in_flight_steps: int, groups_per_step: int) -> int:
+    """Most groups leased out plus accepted-but-untrained at once (`server.in_flight_steps` says what it bounds)."""
+    return in_flight_steps * groups_per_step
+
+
+def retry_after(step_interval: Optional[float], done: bool) -> float:
+    """How long a refused actor waits: capacity frees when the next step takes its batch, about one step away."""
+    if done or step_interval is None:
+        return MAX_RETRY_SECONDS
+    return min(MAX_RETRY_SECONDS, max(MIN_RETRY_SECONDS, 0.5 * step_interval))
+
+
+class Leasing:
+    """Grants leases from the scheduler, sized to each actor and to the room left in flight."""
+
+    def __init__(self, cfg: RunConfig, state: LearnerState, metrics: LearnerMetrics,
+                 prompt_tokens: list[np.ndarray], examples: list[Example]) -> None:
+        self.server, self.state, self.metrics = cfg.server, state, metrics
+        self.limit = in_flight_limit(cfg.server.in_flight_steps, cfg.grpo.groups_per_step)
+        self.max_staleness = cfg.grpo.max_staleness
+        self.prompt_tokens, self.examples = prompt_tokens, examples
+        self.step_interval = MovingAverage()  # seconds between learner steps
+        self._last_step_at: Optional[float] = None
+
+    def capacity(self) -> int:
+        """Groups that may still be leased: the in-flight limit less what is out or buffered."""
+        return max(0, self.limit - self.state.scheduler.outstanding_groups - len(self.state.buffer))
+
+    def grant(self, actor: ActorInfo, request: m.LeaseRequest) -> m.Lease:
+        """A lease for `actor`, or an empty one telling it when to ask again."""
+        state = self.state
+        limit = min(self.server.max_groups_per_lease, self.capacity())
+        count = lease_size(request.max_groups, limit, actor.groups_per_second.value, self.target_seconds())
+        lease = state.scheduler.issue(actor.principal, count) if count and not state.done else None
+        if lease is None:
+            return m.Lease(lease_id="", deadline_seconds=0.0, policy_version=state.version, prompts=[],
+                           retry_after=retry_after(self.step_interval.value, state.done))
+        self.metrics.leases_issued.inc()
+        self.metrics.lease_groups.observe(len(lease.tickets))
+        self.metrics.leases_outstanding.set(len(state.scheduler.leases))
+        prompts = [self._prompt_item(t.group_id, t.prompt_index) for t in lease.tickets.values()]
+        return m.Lease(lease_id=lease.lease_id, deadline_seconds=self.server.lease_seconds,
+                       policy_version=state.version, prompts=prompts)
+
+    def target_seconds(self) -> Optional[float]:
+        return lease_target_seconds(self.server.lease_target_seconds, self.max_staleness,
+                                    self.step_interval.value, self.server.lease_seconds)
+
+    def measure(self, actor: ActorInfo, lease_id: str, groups: int) -> None:
+        """Groups per second of a returned lease, for sizing the next ones.
+
+        The clock starts when the lease was issued or when the actor's previous
+        lease came back, whichever is later: actors ask for their next lease
+        before generating the current one, and it waits in hand meanwhile.
+        """
+        scheduler = self.state.scheduler
+        lease = scheduler.leases.get(lease_id)
+        if lease is None or not groups:
+            return
+        now = scheduler.clock()
+        started = max(lease.issued_at, actor.last_return if actor.last_return is not None else lease.issued_at)
+        actor.groups_per_second.add(groups / max(now - started, 1e-3))
+        actor.last_return = now
+
+    def step_finished(self) -> None:
+        """Time the learner's steps: leases are sized in steps, and refused actors retry in about half of one."""
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self.step_interval.add(now - self._last_step_at)
+        self._last_step_at = now
+
+    def expire(self) -> int:
+        """Re-queue leases past their deadline; returns how many expired."""
+        expired = self.state.scheduler.expire()
+        if expired:
+            self.metrics.leases_expired.inc(len(expired))
+            self.metrics.leases_outstanding.set(len(self.state.scheduler.leases))
+        return len(expired)
+
+    def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:
+        return prompt_item(group_id, index, self.prompt_tokens[index], self.examples[index])
+
+
+def prompt_item(group_id: str, index: int, tokens: np.ndarray, example: Example) -> m.PromptItem:
+    """One prompt as leased: its tokens, and what the rewards are called with."""
+    return m.PromptItem(group_id=group_id, prompt_index=index, prompt_tokens=m.Tensor.from_numpy(tokens),
+                        fields=reward_kwargs(example), prompt_text=prompt_text(example.prompt))

@@ -1,0 +1,209 @@
+"""The learner's actors: hello, liveness, throughput, violations and bans, status and /sd.
+
+Plain bookkeeping (no sockets). It feeds leases (who owns what), Prometheus
+service discovery (`/sd`) and `grpo-fleet status`; the ban policy is in bans.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from grpo_fleet.config import ServerConfig
+from grpo_fleet.learner.fleet.bans import Bans
+from grpo_fleet.learner.fleet.moving_average import MovingAverage
+from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.logsafe import shown
+
+if TYPE_CHECKING:
+    from grpo_fleet.learner.records.state import LearnerState
+
+log = logging.getLogger("grpo_fleet.learner")
+
+# Throughput is averaged over this window, so `status` shows current speed, not lifetime speed.
+RATE_WINDOW_SECONDS = 60.0
+
+
+@dataclass
+class TokenRate:
+    """Tokens per second over the last RATE_WINDOW_SECONDS."""
+
+    events: deque = field(default_factory=deque)
+
+    def add(self, tokens: int, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.events.append((now, tokens))
+        # Pruned here too, not only when `status` asks: without it a run nobody
+        # watches keeps one event per accepted group for its whole life.
+        self._forget_before(now - RATE_WINDOW_SECONDS)
+
+    def _forget_before(self, cutoff: float) -> None:
+        while self.events and self.events[0][0] < cutoff:
+            self.events.popleft()
+
+    def per_second(self, now: Optional[float] = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._forget_before(now - RATE_WINDOW_SECONDS)
+        if not self.events:
+            return 0.0
+        span = max(now - self.events[0][0], 1.0)
+        return sum(tokens for _, tokens in self.events) / span
+
+
+@dataclass
+class ActorInfo:
+    """A registered actor."""
+
+    actor_id: str
+    host: str
+    backend: str
+    principal: str  # the CURVE public key when CURVE is on, else the routing id in hex
+    last_seen: float
+    metrics_target: Optional[str] = None  # "address:port" Prometheus can scrape
+    policy_version: int = 0
+    rate: TokenRate = field(default_factory=TokenRate)
+    # Measured from returned leases; sizes its next leases (learner/fleet/leasing.py).
+    groups_per_second: MovingAverage = field(default_factory=MovingAverage)
+    last_return: Optional[float] = None  # scheduler clock, when its last lease came back
+
+    def status(self, now: float) -> m.ActorStatus:
+        return m.ActorStatus(
+            actor_id=self.actor_id, host=self.host, backend=self.backend, policy_version=self.policy_version,
+            tokens_per_second=self.rate.per_second(now), last_seen_seconds=max(0.0, now - self.last_seen),
+            groups_per_second=self.groups_per_second.value,
+        )
+
+
+def actor_from_hello(hello: m.Hello, principal: str, peer_address: str) -> ActorInfo:
+    """Register what an actor says about itself; its scrape address is where it connected from."""
+    target = f"{_url_host(peer_address)}:{hello.metrics_port}" if hello.metrics_port and peer_address else None
+    return ActorInfo(
+        actor_id=hello.actor_id, host=hello.host, backend=hello.backend, principal=principal,
+        last_seen=time.monotonic(), metrics_target=target,
+    )
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def sd_groups(learner_target: Optional[str], actors: list[ActorInfo]) -> list[dict]:
+    """The JSON Prometheus `http_sd_configs` reads: the learner and every live actor."""
+    groups = []
+    if learner_target:
+        groups.append({"targets": [learner_target], "labels": {"role": "learner"}})
+    for actor in actors:
+        if actor.metrics_target:
+            groups.append({"targets": [actor.metrics_target], "labels": {"role": "actor", "actor": actor.actor_id}})
+    return groups
+
+
+@dataclass(frozen=True)
+class RunCard:
+    """What Welcome tells every actor about the run; fixed when the learner starts."""
+
+    model: m.ModelRef
+    generation: m.GenerationParams
+    reward: m.RewardSpec
+    heartbeat_seconds: float
+    vocab_size: int
+
+    def welcome(self, actor_id: str, state: LearnerState, pub_address: Optional[str]) -> m.Welcome:
+        """The card, with what changes: the run id (kept across resumes), version and incarnation."""
+        return m.Welcome(
+            run_id=state.run_id, actor_id=actor_id, model=self.model, generation=self.generation, reward=self.reward,
+            policy_version=state.version, heartbeat_seconds=self.heartbeat_seconds, pub_address=pub_address,
+            vocab_size=self.vocab_size, incarnation=state.incarnation,
+        )
+
+
+class Registry:
+    """Who is connected, under which key, how fast, and who is banned."""
+
+    def __init__(self, server: ServerConfig, metrics: LearnerMetrics) -> None:
+        self.max_actors = server.max_actors
+        self.metrics = metrics
+        self.actors: dict[bytes, ActorInfo] = {}
+        self.bans = Bans(server.max_violations, server.ban_seconds)
+        self.rate = TokenRate()  # the whole fleet's accepted tokens
+        self.groups_accepted = 0
+        # Rebuilt on the main thread and swapped whole; the HTTP thread only reads it.
+        self.sd_snapshot: list[dict] = []
+
+    def hello(self, identity: bytes, owner: str, msg: m.Hello, peer_address: str) -> Optional[m.ErrorReply]:
+        """Register (or re-register) an actor; the refusal when the registry is full, else None."""
+        if identity not in self.actors and len(self.actors) >= self.max_actors:
+            # Throwaway identities must not grow the registry; a real actor retries with backoff.
+            self.metrics.protocol_errors.labels(reason="too_many_actors").inc()
+            return m.ErrorReply(reason="too_many_actors", detail=f"{len(self.actors)} actors registered "
+                                "(server.max_actors); retry when one leaves")
+        self.actors[identity] = actor_from_hello(msg, owner, peer_address)
+        log.info("actor %s joined from %s (%s)", shown(msg.actor_id), shown(msg.host), shown(msg.backend))
+        self.metrics.actors_connected.set(len(self.actors))
+        return None
+
+    def sessions(self, owner: str) -> int:
+        """Live sessions under one key (one key may run on two Macs)."""
+        return sum(info.principal == owner for info in self.actors.values())
+
+    def known(self, identity: bytes, owner: str) -> Optional[ActorInfo]:
+        """The registered actor sending from `identity` under `owner` (now seen alive), or None.
+
+        None is not a violation: every honest actor sends a few requests to a
+        restarted learner before its next Hello, and answering is cheap.
+        """
+        actor = self.actors.get(identity)
+        if actor is None or actor.principal != owner:
+            self.metrics.protocol_errors.labels(reason="not_registered").inc()
+            return None
+        actor.last_seen = time.monotonic()
+        return actor
+
+    def peek(self, identity: bytes, owner: str) -> Optional[ActorInfo]:
+        """The registered actor sending from `identity` under `owner`, or None; counts nothing (a look ahead
+        of `known`, which the request's own handling still calls)."""
+        actor = self.actors.get(identity)
+        return actor if actor is not None and actor.principal == owner else None
+
+    def drop(self, identity: bytes) -> Optional[ActorInfo]:
+        """Forget an actor (silent or revoked); the caller re-queues its leases."""
+        info = self.actors.pop(identity, None)
+        if info is not None:
+            self.metrics.actors_connected.set(len(self.actors))
+        return info
+
+    def credit(self, actor: ActorInfo, tokens: int, version: int) -> None:
+        """Count one accepted group toward its actor's and the fleet's throughput."""
+        actor.rate.add(tokens)
+        actor.policy_version = max(actor.policy_version, version)
+        self.rate.add(tokens)
+        self.groups_accepted += 1
+
+    def record_violation(self, key: str, reason: str, *, ban_now: bool = False) -> None:
+        """Count malformed or hostile input from a peer key (see learner/fleet/bans.py); `ban_now` bans it at once."""
+        self.metrics.violations.labels(reason=reason).inc()
+        if self.bans.record(key, self.bans.max_violations if ban_now else 1):
+            self.metrics.bans.inc()
+            log.warning("peer %s banned for %.0fs after %d violations (last: %s)", key,
+                        self.bans.ban_seconds, self.bans.max_violations, reason)
+        self.metrics.banned_peers.set(self.bans.banned_count())
+
+    def is_banned(self, key: str) -> bool:
+        return self.bans.is_banned(key)
+
+    def status(self, state: LearnerState) -> m.Status:
+        """The run at a glance, for `grpo-fleet status`."""
+        now = time.monotonic()
+        return m.Status(
+            run_id=state.run_id, step=state.step, steps_target=state.steps_target, policy_version=state.version,
+            tokens_per_second=self.rate.per_second(now), groups_accepted=self.groups_accepted,
+            actors=[info.status(now) for info in self.actors.values()],
+        )
+
+    def refresh_service_discovery(self, learner_target: Optional[str]) -> None:
+        """Rebuild the /sd answer: the learner's own scrape address and every live actor's."""
+        self.sd_snapshot = sd_groups(learner_target, list(self.actors.values()))

@@ -1,0 +1,223 @@
+"""The data-parallel learner: N ranks over `mx.distributed`, rank 0 serving the fleet.
+
+Each step rank 0 broadcasts the TrainBatch; every rank trains its rows
+(`sharding.shard_rows`) in micro-batches, normalised by the whole batch's
+totals, so the all-sum of the ranks' loss, stats and gradients equals the
+one-process value. Every rank then applies the same clip and AdamW update, and
+every `distributed.digest_every` steps the ranks check that their weights are
+bitwise identical. The other ranks' side is learner/ranks/follower.py.
+
+One process (no `mlx.launch`, or a group of one) never gets here: its Trainer
+keeps `SingleProcess` sharding and runs no collective at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from grpo_fleet.config import ConfigError, DistributedConfig, RunConfig
+from grpo_fleet.learner.ranks.collectives import RankGroup, init_group
+from grpo_fleet.learner.ranks.sharding import (
+    HEADER_SIZE,
+    Command,
+    Header,
+    check_rows_cover_ranks,
+    scatter_rows,
+    shard_rows,
+    take_rows,
+)
+from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch
+from grpo_fleet.learner.step.objective import proximal_grid
+from grpo_fleet.learner.step.stats import Gradients
+from grpo_fleet.learner.step.trainer import Trainer
+from grpo_fleet.trees import flat_leaves
+
+if TYPE_CHECKING:
+    from grpo_fleet.learner.door.core import Learner
+
+log = logging.getLogger("grpo_fleet.learner.ranks")
+
+# A TrainBatch's arrays in the order they are broadcast, each in the dtype it travels in.
+BATCH_FIELDS: tuple[tuple[str, mx.Dtype], ...] = (
+    ("inputs", mx.int32), ("targets", mx.int32), ("mask", mx.float32), ("old_logprobs", mx.float32),
+    ("advantages", mx.float32), ("rewards", mx.float32),
+)
+
+
+class DataParallel:
+    """`Trainer.sharding` on a rank of a group of several: its rows, and all-sums that make them the batch's."""
+
+    def __init__(self, ranks: RankGroup, digest_every: int) -> None:
+        self.ranks, self.digest_every = ranks, digest_every
+        self.steps = 0
+        self.rows = np.arange(0)
+        self.last_command = time.monotonic()
+
+    def begin(self, batch: TrainBatch) -> None:
+        """Rank 0 hands the batch to the others, who are waiting for it (follower.py)."""
+        if self.ranks.rank == 0:
+            rows, width = batch.mask.shape
+            self.send(Header(Command.STEP, rows=rows, width=width, num_groups=batch.num_groups))
+            self.ranks.broadcast([getattr(batch, name).astype(dtype) for name, dtype in BATCH_FIELDS], "step batch")
+
+    def own_rows(self, batch: TrainBatch) -> TrainBatch:
+        self.rows = shard_rows(batch.mask.shape[0], self.ranks.rank, self.ranks.size)
+        return take_rows(batch, self.rows)
+
+    def combine(self, gradients: Gradients) -> Gradients:
+        summed = self.ranks.all_sum({"loss": gradients.loss, "stats": gradients.stats, "grads": gradients.grads},
+                                    "gradient all-sum")
+        return Gradients(loss=summed["loss"], stats=summed.get("stats", {}), grads=summed["grads"],
+                         policy_logprobs=gradients.policy_logprobs)
+
+    def combine_proximal(self, batch: TrainBatch, own: TrainBatch, micro: list[MicroBatch],
+                         proximal: list[mx.array]) -> Optional[np.ndarray]:
+        """Each rank's pi_prox rows scattered onto a zero `[N, L]` grid and summed: the whole grid, exactly."""
+        local = proximal_grid(own, micro, proximal)
+        if local is None:  # the same on every rank: it depends on the loss function only
+            return None
+        mine = scatter_rows(local, self.rows, batch.mask.shape[0])
+        return np.array(self.ranks.all_sum({"grid": mx.array(mine)}, "pi_prox all-sum")["grid"])
+
+    def end(self, model: nn.Module) -> None:
+        self.steps += 1
+        if self.steps % self.digest_every == 0:
+            self.ranks.check_identical(model.trainable_parameters(), self.steps)
+
+    def idle(self) -> None:
+        """Rank 0, waiting for a batch: tell the others it is alive, every `keepalive_seconds`."""
+        if self.ranks.rank == 0 and time.monotonic() - self.last_command >= self.ranks.cfg.keepalive_seconds:
+            self.send(Header(Command.KEEPALIVE))
+
+    def send(self, header: Header) -> None:
+        self.ranks.broadcast([mx.array(header.encode())], f"{header.command.name.lower()} command")
+        self.last_command = time.monotonic()
+
+    def receive(self) -> Header:
+        """The others: rank 0's next command (waited for up to `idle_timeout_seconds`)."""
+        (words,) = self.ranks.broadcast([mx.zeros(HEADER_SIZE, dtype=mx.int32)], "waiting for rank 0's next command",
+                                        idle=True)
+        return Header.decode(np.array(words))
+
+    def receive_batch(self, header: Header) -> TrainBatch:
+        rows, width = header.rows, header.width
+        shapes = {"inputs": (rows, width), "targets": (rows, width), "mask": (rows, width),
+                  "old_logprobs": (rows, width), "advantages": (rows,), "rewards": (rows,)}
+        arrays = self.ranks.broadcast([mx.zeros(shapes[name], dtype=dtype) for name, dtype in BATCH_FIELDS],
+                                      "step batch")
+        return TrainBatch(**{name: value for (name, _), value in zip(BATCH_FIELDS, arrays)},
+                          num_groups=header.num_groups)
+
+
+def state_layout(trainer: Trainer) -> dict[str, list[tuple[str, list[int], str]]]:
+    """(name, shape, dtype) of every trainable weight and optimizer array, in the order they are broadcast."""
+
+    def layout(tree: Any) -> list[tuple[str, list[int], str]]:
+        return [(name, list(value.shape), str(value.dtype).rsplit(".", 1)[-1])
+                for name, value in flat_leaves(tree) if isinstance(value, mx.array)]
+
+    return {"weights": layout(trainer.policy.model.trainable_parameters()), "optimizer": layout(trainer.optimizer.state)}
+
+
+def share_state(ranks: RankGroup, trainer: Trainer, layout: dict[str, list[tuple[str, list[int], str]]]) -> None:
+    """Rank 0's trainable weights and optimizer state (moments and step) on every rank, bitwise.
+
+    So the other ranks need no run directory and no checkpoint: a run resumes
+    from rank 0's checkpoint with any number of ranks.
+    """
+    for part in ("weights", "optimizer"):
+        templates = [mx.zeros(shape, dtype=getattr(mx, dtype)) for _, shape, dtype in layout[part]]
+        if ranks.rank == 0:
+            tree = trainer.policy.model.trainable_parameters() if part == "weights" else trainer.optimizer.state
+            templates = [value for _, value in flat_leaves(tree) if isinstance(value, mx.array)]
+        # idle: the others may still be loading their model.
+        values = ranks.broadcast(templates, f"rank 0's {part}", idle=True)
+        if ranks.rank == 0:
+            continue
+        pairs = [(name, value) for (name, _, _), value in zip(layout[part], values)]
+        if part == "weights":
+            trainer.policy.model.load_weights(pairs, strict=False)
+            mx.eval(trainer.policy.model.parameters())
+        else:
+            from mlx.utils import tree_unflatten
+
+            trainer.set_optimizer_state(tree_unflatten(pairs))
+
+
+def setup_message(cfg: RunConfig, trainer: Trainer, model_digest: str) -> dict[str, Any]:
+    """What rank 0 tells the others before the first step: the run config, the model, the state's layout."""
+    return {"config": cfg.model_dump(mode="json"), "model_path": trainer.policy.path, "model_digest": model_digest,
+            "layout": state_layout(trainer)}
+
+
+def start_rank0(ranks: RankGroup, cfg: RunConfig, trainer: Trainer, model_digest: str, step: int) -> None:
+    """Rank 0, its learner built (and resumed): hand the others the run and the state, then shard every step."""
+    setup = setup_message(cfg, trainer, model_digest)
+    ranks.broadcast_bytes(json.dumps(setup).encode(), "run config", idle=True)
+    share_state(ranks, trainer, setup["layout"])
+    ranks.check_identical(trainer.policy.model.trainable_parameters(), step)
+    trainer.sharding = DataParallel(ranks, cfg.distributed.digest_every)
+    log.info("data-parallel learner: %d ranks, %s per step each", ranks.size, "about 1/%d of the rows" % ranks.size)
+
+
+def refuse_others(ranks: RankGroup, reason: str) -> None:
+    """Rank 0 could not start (bad config, no memory): tell the others, who are waiting for the run config."""
+    ranks.broadcast_bytes(json.dumps({"refused": reason}).encode(), "run config", idle=True)
+
+
+def stop_others(ranks: RankGroup) -> None:
+    """The run is over, or rank 0 was stopped and has checkpointed: the others exit 0."""
+    DataParallel(ranks, 1).send(Header(Command.STOP))
+    log.info("told the other %d ranks to stop", ranks.size - 1)
+
+
+def check_batch_fits(cfg: RunConfig, size: int) -> None:
+    """Every step's batch must have a row for each rank (a ConfigError, which the CLI prints and exits 2 on)."""
+    try:
+        check_rows_cover_ranks(cfg.grpo.groups_per_step * cfg.generation.group_size, size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def connect(cfg: DistributedConfig, rank: int) -> Optional[RankGroup]:
+    """This launched process's ranks, connected; None in a group of one (the plain learner, no collectives)."""
+    group = init_group(cfg, rank)
+    return None if group.size() == 1 else RankGroup(group, cfg)
+
+
+@contextmanager
+def rank0_session(ranks: RankGroup, cfg: RunConfig) -> Iterator[Callable[[Learner], None]]:
+    """Around rank 0's learner: yields `start(learner)`, which shares the run and turns sharding on.
+
+    Whatever happens, the other ranks hear how it ended: refused before the
+    start (a bad config, no memory), or stop after it (the run is over, or
+    rank 0 was stopped and has written its checkpoint).
+    """
+    started = False
+
+    def start(learner: Learner) -> None:
+        nonlocal started
+        start_rank0(ranks, cfg, learner.trainer, learner.model_digest, learner.state.step)
+        started = True
+
+    try:
+        check_batch_fits(cfg, ranks.size)
+        yield start
+    except BaseException as exc:
+        if not started:
+            refuse_others(ranks, f"{type(exc).__name__}: {exc}")
+        else:
+            stop_others(ranks)
+        raise
+    if started:
+        stop_others(ranks)
+    else:
+        refuse_others(ranks, "rank 0 did not start; see its log")

@@ -1,0 +1,90 @@
+"""A data-parallel learner rank other than 0: no sockets but MLX's, no run directory.
+
+It waits for rank 0's run config, loads the same model (the same path, as an
+actor does), takes rank 0's weights and optimizer state, and then trains its
+rows of each batch rank 0 broadcasts, until rank 0 says stop. SIGTERM and
+SIGINT are left to rank 0: it checkpoints, then tells this rank to stop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from typing import Any
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.exit_codes import DONE, REFUSED
+from grpo_fleet.learner.ranks.collectives import RankGroup
+from grpo_fleet.learner.ranks.distributed import DataParallel, share_state, state_layout
+from grpo_fleet.learner.ranks.sharding import Command
+from grpo_fleet.learner.step.trainer import Trainer, trainer_from_config
+from grpo_fleet.model import load_policy, model_digest
+
+log = logging.getLogger("grpo_fleet.learner.ranks")
+IDLE_SLEEP_SHARE = 0.8  # of distributed.keepalive_seconds, slept after each keepalive
+
+
+class SetupRefused(RuntimeError):
+    """This rank cannot join rank 0's run (a different model, or rank 0 refused to start)."""
+
+
+def follower_trainer(cfg: RunConfig, model_path: str) -> Trainer:
+    """The Trainer rank 0 built, from its config: same model, objective, optimizer and memory settings."""
+    lora = cfg.lora if cfg.lora.enabled else None
+    policy = load_policy(model_path, lora=lora, dtype=cfg.model.dtype)
+    ref_model = None
+    if lora is None and cfg.grpo.beta > 0:
+        ref_model = load_policy(model_path, dtype=cfg.model.dtype).model
+        ref_model.freeze()
+    return trainer_from_config(policy, cfg, ref_model)
+
+
+def join_run(ranks: RankGroup) -> tuple[RunConfig, Trainer]:
+    """Rank 0's run config, the model loaded and checked, and rank 0's weights and optimizer state."""
+    setup: dict[str, Any] = json.loads(ranks.broadcast_bytes(b"", "waiting for rank 0's run config", idle=True))
+    if "refused" in setup:
+        raise SetupRefused(f"rank 0 did not start: {setup['refused']}")
+    cfg = RunConfig.model_validate(setup["config"])
+    ranks.cfg = cfg.distributed  # rank 0's bounds from here on
+    path = setup["model_path"]
+    trainer = follower_trainer(cfg, path)
+    layout = state_layout(trainer)
+    if model_digest(path) != setup["model_digest"] or _names(layout) != _names(setup["layout"]):
+        # Rank 0 waits in share_state for this rank; exiting makes it fail there, naming this rank.
+        raise SetupRefused(f"the model at {path} differs from rank 0's (digest or trainable weights): "
+                           "every rank needs the same model files")
+    share_state(ranks, trainer, setup["layout"])
+    ranks.check_identical(trainer.policy.model.trainable_parameters(), 0)
+    return cfg, trainer
+
+
+def _names(layout: dict[str, Any]) -> list[list[str]]:
+    # Sorted: a resumed optimizer state comes back from its file in another order; arrays travel by name.
+    return [sorted(entry[0] for entry in layout[part]) for part in ("weights", "optimizer")]
+
+
+def run_follower(ranks: RankGroup) -> int:
+    """Train rank 0's batches until it says stop; the exit status (collective failures exit on their own)."""
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, lambda *_: log.info("rank %d: stop signal ignored; rank 0 says when", ranks.rank))
+    try:
+        cfg, trainer = join_run(ranks)
+    except SetupRefused as exc:
+        log.error("rank %d: %s", ranks.rank, exc)
+        return REFUSED
+    sharding = DataParallel(ranks, cfg.distributed.digest_every)
+    trainer.sharding = sharding
+    log.info("rank %d of %d ready: %s, waiting for rank 0's batches", ranks.rank, ranks.size, trainer.policy.path)
+    while True:
+        header = sharding.receive()
+        if header.command == Command.STOP:
+            log.info("rank %d: rank 0 says stop after %d steps", ranks.rank, sharding.steps)
+            return DONE
+        if header.command == Command.STEP:
+            trainer.step(sharding.receive_batch(header))
+        elif header.command == Command.KEEPALIVE:
+            # Rank 0 is idle and will not be back for about keepalive_seconds. MLX's ring spins a core while
+            # it waits in a collective, so sleep most of that away (the first step after idling waits for it).
+            time.sleep(IDLE_SLEEP_SHARE * cfg.distributed.keepalive_seconds)

@@ -1,0 +1,120 @@
+"""The pure side of the data-parallel learner: which rows each rank trains, the step header, the weights' digest.
+
+No collectives here (learner/ranks/collectives.py does those): rows in, rows out, so
+every rule the ranks must agree on is testable without processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import IntEnum
+
+import mlx.core as mx
+import numpy as np
+
+from grpo_fleet.learner.step.batch import TrainBatch
+from grpo_fleet.trees import flat_leaves
+
+HEADER_SIZE = 8  # int32 slots of the command rank 0 broadcasts before each step
+DIGEST_WORDS = 4  # int32 words of the weights' digest the ranks compare
+
+
+class Command(IntEnum):
+    """What rank 0 tells the other ranks to do next."""
+
+    STEP = 1  # a TrainBatch of the header's shape follows; train on your rows of it
+    STOP = 2  # the run is over (or rank 0 was asked to stop): exit 0
+    KEEPALIVE = 3  # rank 0 is alive, waiting for a batch; wait again
+
+
+@dataclass(frozen=True)
+class Header:
+    """Rank 0's next command and, for a step, the batch's shape."""
+
+    command: Command
+    rows: int = 0
+    width: int = 0
+    num_groups: int = 0
+
+    def encode(self) -> np.ndarray:
+        out = np.zeros(HEADER_SIZE, dtype=np.int32)
+        out[:4] = [int(self.command), self.rows, self.width, self.num_groups]
+        return out
+
+    @classmethod
+    def decode(cls, words: np.ndarray) -> "Header":
+        if words.shape != (HEADER_SIZE,):
+            raise ValueError(f"a step header has {HEADER_SIZE} int32 words, got shape {words.shape}")
+        command, rows, width, groups = (int(w) for w in words[:4])
+        return cls(Command(command), rows, width, groups)
+
+
+def shard_rows(total: int, rank: int, size: int) -> np.ndarray:
+    """The batch rows rank `rank` of `size` trains: rank, rank + size, ... (each rank gets a fair share).
+
+    Strided rather than contiguous, so each rank's rows mix long and short
+    completions and the ranks finish their micro-batches at about the same time.
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a group of {size}")
+    check_rows_cover_ranks(total, size)
+    return np.arange(rank, total, size)
+
+
+def check_rows_cover_ranks(total: int, size: int) -> None:
+    """Refuse a batch with fewer rows than ranks: a rank with no rows would have no gradients to add."""
+    if total < size:
+        raise ValueError(
+            f"a batch of {total} sequences cannot be split over {size} learner ranks (each needs at least one); "
+            "raise grpo.groups_per_step or generation.group_size, or run fewer ranks"
+        )
+
+
+def take_rows(batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
+    """The sub-batch of `rows` (same width); `num_groups` stays the whole batch's."""
+    index = mx.array(rows.astype(np.int32))
+    return TrainBatch(
+        inputs=batch.inputs[index], targets=batch.targets[index], mask=batch.mask[index],
+        old_logprobs=batch.old_logprobs[index], advantages=batch.advantages[index], rewards=batch.rewards[index],
+        num_groups=batch.num_groups,
+    )
+
+
+def scatter_rows(values: np.ndarray, rows: np.ndarray, total: int) -> np.ndarray:
+    """A `[total, L]` grid of zeros with `values[i]` in row `rows[i]`: summed over ranks, the whole grid."""
+    out = np.zeros((total, *values.shape[1:]), dtype=values.dtype)
+    out[rows] = values
+    return out
+
+
+def buckets(sizes: list[int], kinds: list[str], limit: int) -> list[list[int]]:
+    """Indices of arrays grouped for one collective each: the same dtype (`kinds`), at most `limit` bytes.
+
+    One all-sum per weight would pay the ring's latency hundreds of times a
+    step; one per dtype would copy every gradient at once. An array over the
+    limit gets a bucket of its own.
+    """
+    out: list[list[int]] = []
+    open_bucket: dict[str, tuple[list[int], int]] = {}
+    for index, (size, kind) in enumerate(zip(sizes, kinds)):
+        members, used = open_bucket.get(kind, ([], 0))
+        if members and used + size > limit:
+            out.append(members)
+            members, used = [], 0
+        open_bucket[kind] = (members + [index], used + size)
+    out.extend(members for members, _ in open_bucket.values())
+    return sorted(out)
+
+
+def weights_digest(tree: dict) -> np.ndarray:
+    """`DIGEST_WORDS` int32 words of a hash over every array of `tree` (names, dtypes, shapes and bytes).
+
+    Ranks compare it with an all-max and an all-min: equal only if every rank's
+    weights are bitwise the same.
+    """
+    digest = hashlib.blake2b(digest_size=4 * DIGEST_WORDS)
+    for name, value in sorted(flat_leaves(tree), key=lambda pair: pair[0]):
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
+        digest.update(np.asarray(value.astype(mx.float32) if value.dtype == mx.bfloat16 else value).tobytes())
+    return np.frombuffer(digest.digest(), dtype=np.int32).copy()

@@ -1,0 +1,214 @@
+"""Checkpoints and resume: a `LearnerState` saved with the weights and optimizer, atomically, and loaded back.
+
+`capture` copies the state under the learner's lock (cheap: containers only);
+`save` does every slow thing (serialising, fsync, the weights) outside it, so
+requests are answered while a checkpoint is written. The state file is msgpack
+with arrays as raw bytes, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from grpo_fleet.learner.door.acks import AckCache
+from grpo_fleet.learner.records.runlog import LogSizes
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.trainer import Trainer
+from grpo_fleet.model import Policy, load_checkpoint_weights, save_checkpoint
+from grpo_fleet.protocol import messages as m
+
+STATE_FILE = "learner_state.msgpack"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A consistent copy of `LearnerState` at one moment, with the log lengths that match it."""
+
+    run_id: str
+    step: int
+    version: int
+    buffer: list[AcceptedGroup]
+    acks: dict[str, m.Ack]
+    accepted_since_step: int
+    zero_variance_since_step: int
+    scheduler: dict[str, Any]  # PromptScheduler.state_dict()
+    logs: LogSizes
+    wall_seconds: float
+    weights_published: bool = True  # the saved weights are version `version`'s (not past it)
+
+
+def capture(state: LearnerState, logs: LogSizes) -> SavedState:
+    """Copy what a checkpoint saves; call it under the lock that guards `state`, with the logs' sizes taken there."""
+    return SavedState(
+        run_id=state.run_id, step=state.step, version=state.version, buffer=list(state.buffer),
+        acks=state.acks.answers(), accepted_since_step=state.accepted_since_step,
+        zero_variance_since_step=state.zero_variance_since_step, scheduler=state.scheduler.state_dict(),
+        logs=logs, wall_seconds=state.wall_seconds(), weights_published=state.weights_published,
+    )
+
+
+def save(saved: SavedState, policy: Policy, trainer: Trainer, run_dir: Path, *, keep: int) -> Path:
+    """Write weights (mlx-lm format), optimizer and state in one atomic swap, repoint `latest`, prune old ones.
+
+    Touches no shared state, so it runs without the lock; the training thread
+    calls it, and nothing else changes the weights or the optimizer meanwhile.
+    """
+    root = run_dir / "checkpoints"
+    path = root / f"step_{saved.step:06d}"
+    meta = {"step": saved.step, "policy_version": saved.version, "run_id": saved.run_id}
+
+    def write_extra(staging: Path) -> None:
+        trainer.save_optimizer(staging / OPTIMIZER_FILE)
+        write_state(staging, state_to_dict(saved))
+
+    save_checkpoint(policy, path, extra=meta, write_extra=write_extra)
+    latest = root / "latest.json"
+    tmp = latest.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"path": path.name, **meta}))
+    tmp.replace(latest)
+    _prune(root, keep_name=path.name, keep=keep)
+    return path
+
+
+def load(checkpoint: Path, policy: Policy, trainer: Trainer) -> SavedState:
+    """Load a checkpoint's weights and optimizer into `policy` and `trainer`; returns the state it saved."""
+    saved = state_from_dict(read_state(checkpoint))
+    load_checkpoint_weights(policy, checkpoint)
+    trainer.load_optimizer(checkpoint / OPTIMIZER_FILE)
+    return saved
+
+
+def restore(state: LearnerState, saved: SavedState) -> None:
+    """Continue from `saved`: leases, finished groups, buffer and answers; this life keeps its incarnation."""
+    state.run_id, state.step, state.version = saved.run_id, saved.step, saved.version
+    state.buffer = list(saved.buffer)
+    state.acks = AckCache(state.acks.size, saved.acks)
+    state.accepted_since_step = saved.accepted_since_step
+    state.zero_variance_since_step = saved.zero_variance_since_step
+    state.scheduler.load_state_dict(saved.scheduler)
+    # Versions up to here were published, with these same weights, by the life
+    # that wrote the checkpoint; work sampled from them is still good.
+    state.history_version = saved.version
+    if not saved.weights_published:
+        # Saved after a step that did not publish (train.sync_every > 1): these weights are past version V, whose
+        # weights the previous life's actors may still hold and sample from. Calling them V too would make
+        # honest groups look tampered with (and their logprobs wrong): they become a version of their own.
+        state.version = saved.version + 1
+    state.weights_published = True
+    state.started = time.monotonic() - saved.wall_seconds
+
+
+def _prune(root: Path, keep_name: str, keep: int) -> None:
+    # Hidden staging directories are what a kill mid-checkpoint leaves behind.
+    for leftover in root.glob(".step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    older = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != keep_name)
+    for stale in older[: max(0, len(older) - keep + 1)]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the state file
+
+
+def state_to_dict(saved: SavedState) -> dict[str, Any]:
+    """`saved` as plain msgpack-able data (the keys every checkpoint so far has used, samples_bytes aside)."""
+    return {
+        "run_id": saved.run_id,
+        "step": saved.step,
+        "version": saved.version,
+        "buffer": [group_to_dict(g) for g in saved.buffer],
+        "acks": {lease_id: ack.model_dump() for lease_id, ack in saved.acks.items()},
+        "accepted_since_step": saved.accepted_since_step,
+        "zero_variance_since_step": saved.zero_variance_since_step,
+        "scheduler": saved.scheduler,
+        "ledger_bytes": saved.logs.ledger_bytes,
+        "metrics_bytes": saved.logs.metrics_bytes,
+        "samples_bytes": saved.logs.samples_bytes,
+        "wall_seconds": saved.wall_seconds,
+        "weights_published": saved.weights_published,
+    }
+
+
+def state_from_dict(data: dict[str, Any]) -> SavedState:
+    """Inverse of `state_to_dict`."""
+    return SavedState(
+        run_id=data["run_id"], step=data["step"], version=data["version"],
+        buffer=[group_from_dict(g) for g in data["buffer"]],
+        # Checkpoints from protocol v1 stored Acks without their lease_id: it is the key.
+        acks={lease_id: m.Ack(**{**ack, "lease_id": lease_id}) for lease_id, ack in data["acks"].items()},
+        accepted_since_step=data["accepted_since_step"], zero_variance_since_step=data["zero_variance_since_step"],
+        # Checkpoints from before samples.jsonl have no samples_bytes: that run had no samples yet.
+        scheduler=data["scheduler"], logs=LogSizes(data["ledger_bytes"], data["metrics_bytes"], data.get("samples_bytes", 0)),
+        wall_seconds=data["wall_seconds"],
+        # Checkpoints from before this flag were read as published (what every resume assumed then).
+        weights_published=data.get("weights_published", True),
+    )
+
+
+def group_to_dict(group: AcceptedGroup) -> dict[str, Any]:
+    """An accepted group as plain msgpack-able data."""
+    return {
+        "group_id": group.group_id,
+        "prompt_index": group.prompt_index,
+        "prompt_tokens": np.ascontiguousarray(group.prompt_tokens, dtype="<i4").tobytes(),
+        "policy_version": group.policy_version,
+        "actor_id": group.actor_id,
+        "actor_key": group.actor_key,
+        "completions": [
+            {
+                "tokens": np.ascontiguousarray(c.tokens, dtype="<i4").tobytes(),
+                "logprobs": np.ascontiguousarray(c.logprobs, dtype="<f4").tobytes(),
+                "reward": float(c.reward),
+                "finish_reason": c.finish_reason,
+            }
+            for c in group.completions
+        ],
+    }
+
+
+def group_from_dict(data: dict[str, Any]) -> AcceptedGroup:
+    """Inverse of `group_to_dict`."""
+    return AcceptedGroup(
+        group_id=data["group_id"],
+        prompt_index=data["prompt_index"],
+        prompt_tokens=np.frombuffer(data["prompt_tokens"], dtype="<i4").astype(np.int32),
+        completions=[
+            CompletionRecord(
+                tokens=np.frombuffer(c["tokens"], dtype="<i4").astype(np.int32),
+                logprobs=np.frombuffer(c["logprobs"], dtype="<f4").astype(np.float32),
+                reward=c["reward"],
+                finish_reason=c["finish_reason"],
+            )
+            for c in data["completions"]
+        ],
+        policy_version=data["policy_version"],
+        actor_id=data["actor_id"],
+        actor_key=data.get("actor_key", ""),  # absent in checkpoints written before it existed
+    )
+
+
+def write_state(directory: Path, data: dict[str, Any]) -> Path:
+    """Write the state file durably (fsync) into a checkpoint staging directory."""
+    path = directory / STATE_FILE
+    with open(path, "wb") as handle:
+        handle.write(msgpack.packb(data, use_bin_type=True))
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    """Read what `write_state` wrote."""
+    with open(directory / STATE_FILE, "rb") as handle:
+        return msgpack.unpackb(handle.read(), raw=False, strict_map_key=False)

@@ -1,0 +1,1 @@
+"""The GRPO step: the pure math (grpo, logprobs), batches, the memory-bounded MLX update and the training thread."""

@@ -1,0 +1,267 @@
+"""Turn accepted groups into the padded arrays one GRPO step consumes, and split
+those into token-budgeted, length-grouped micro-batches.
+
+Plain data in, plain arrays out: no sockets, no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.step.advantages import group_advantages, overlong_penalty
+from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND
+
+# Sequence lengths are rounded up to a multiple of this, so shapes repeat and
+# compiled or cached kernels are reused instead of rebuilt for every length.
+LENGTH_BUCKET = 16
+
+
+@dataclass
+class CompletionRecord:
+    """One completion as accepted from an actor."""
+
+    tokens: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T], under pi_behav (the actor's snapshot)
+    reward: float
+    finish_reason: str  # "stop", or "length": cut off at generation.max_tokens
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class AcceptedGroup:
+    """A validated group of G completions of one prompt."""
+
+    group_id: str
+    prompt_index: int
+    prompt_tokens: np.ndarray  # int32 [P]
+    completions: list[CompletionRecord]
+    policy_version: int
+    actor_id: str
+    actor_key: str = ""  # the peer key its violations and bans are counted under
+    # Checked against the learner's own logprobs before it trains (a sample per submission; learner/door/verification.py),
+    # against this bound: the honest gap of the actor's dtype (learner/step/gap_bounds.py).
+    check_logprobs: bool = False
+    logprob_bound: float = HALF_PRECISION_BOUND
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([c.reward for c in self.completions], dtype=np.float32)
+
+    @property
+    def is_informative(self) -> bool:
+        """False when every completion got the same reward, so every advantage is 0: dynamic sampling drops it."""
+        rewards = self.rewards
+        return bool(rewards.max() != rewards.min())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(len(c.tokens) for c in self.completions))
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded [N, L] arrays for N = groups * G sequences."""
+
+    inputs: mx.array  # int32: prompt + completion, minus the last token
+    targets: mx.array  # int32: inputs shifted by one
+    mask: mx.array  # float32: 1 where the target is a completion token the loss counts
+    old_logprobs: mx.array  # float32: pi_behav logprob at completion targets, 0 elsewhere
+    advantages: mx.array  # float32 [N]
+    rewards: mx.array  # float32 [N], the task's (before any length shaping)
+    num_groups: int
+
+
+@dataclass(frozen=True)
+class LengthShaping:
+    """What a completion's length does to its training signal (DAPO's two remedies for overlong ones).
+
+    `mask_truncated`: completions cut off at `max_tokens` get zero loss weight (their
+    mask rows are zeroed), while their rewards still enter the group's mean and std.
+    `overlong_buffer` > 0: `grpo.overlong_penalty` is added to each reward before the
+    advantages, ramping from 0 to -overlong_penalty over the last `overlong_buffer`
+    tokens before `max_tokens`.
+    """
+
+    max_tokens: int = 0
+    mask_truncated: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "LengthShaping":
+        grpo = cfg.grpo
+        return cls(max_tokens=cfg.generation.max_tokens, mask_truncated=grpo.mask_truncated,
+                   overlong_buffer=grpo.overlong_buffer, overlong_penalty=grpo.overlong_penalty)
+
+    def shaped_rewards(self, rewards: mx.array, lengths: np.ndarray) -> mx.array:
+        if self.overlong_buffer == 0:
+            return rewards
+        penalty = overlong_penalty(mx.array(lengths), self.max_tokens, self.overlong_buffer, self.overlong_penalty)
+        return rewards + penalty
+
+
+NO_LENGTH_SHAPING = LengthShaping()
+
+
+def _bucketed(length: int) -> int:
+    return max(LENGTH_BUCKET, -(-length // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+def build_train_batch(
+    groups: list[AcceptedGroup], *, scale_by_std: bool = True, lengths: LengthShaping = NO_LENGTH_SHAPING
+) -> TrainBatch:
+    """Pack groups into shifted, masked arrays and compute group-relative advantages."""
+    if not groups:
+        raise ValueError("cannot build a batch from no groups")
+    group_size = len(groups[0].completions)
+    if any(len(g.completions) != group_size for g in groups):
+        raise ValueError("every group in a batch must have the same size")
+    rows = [(g.prompt_tokens, c) for g in groups for c in g.completions]
+    width = _bucketed(max(len(p) + len(c.tokens) - 1 for p, c in rows))
+    inputs = np.zeros((len(rows), width), dtype=np.int32)
+    targets = np.zeros_like(inputs)
+    mask = np.zeros((len(rows), width), dtype=np.float32)
+    old = np.zeros_like(mask)
+    for row, (prompt, completion) in enumerate(rows):
+        sequence = np.concatenate([prompt, completion.tokens]).astype(np.int32)
+        length = len(sequence) - 1
+        inputs[row, :length] = sequence[:-1]
+        targets[row, :length] = sequence[1:]
+        start = len(prompt) - 1  # first position whose target is a completion token
+        mask[row, start:length] = 0.0 if lengths.mask_truncated and completion.truncated else 1.0
+        old[row, start:length] = completion.logprobs
+    rewards = mx.array(np.concatenate([g.rewards for g in groups]))
+    shaped = lengths.shaped_rewards(rewards, np.array([len(c.tokens) for _, c in rows]))
+    advantages = group_advantages(shaped, group_size, scale_by_std=scale_by_std)
+    return TrainBatch(
+        inputs=mx.array(inputs),
+        targets=mx.array(targets),
+        mask=mx.array(mask),
+        old_logprobs=mx.array(old),
+        advantages=advantages,
+        rewards=rewards,
+        num_groups=len(groups),
+    )
+
+
+@dataclass
+class MicroBatch:
+    """Some rows of a TrainBatch, with their completion positions packed flat.
+
+    The model body runs on `inputs`; the LM head runs only at `positions` (flat
+    indices `row * W + column` into `inputs`), never at prompt or padding
+    positions. `layout` maps those `[K]` packed logprobs back to one row per
+    completion, `[n, T]`, the shape the loss takes.
+    """
+
+    inputs: mx.array  # int32 [n, W]
+    positions: mx.array  # int32 [K]; K is bucketed for shape reuse, and its few padding slots point at position 0, never read
+    targets: mx.array  # int32 [K]: the completion token at each position
+    layout: mx.array  # int32 [n, T]: index into [K]; masked slots point at 0
+    mask: mx.array  # float32 [n, T]: 1 for a real completion token
+    old_logprobs: mx.array  # float32 [n, T]: pi_behav
+    advantages: mx.array  # float32 [n]
+    # float32 [n, T]: pi_prox, the weights before the step's first update, set by the trainer's extra
+    # no-grad forward when it needs one (decoupled objective, ppo_epochs > 1); None otherwise.
+    proximal_logprobs: Optional[mx.array] = None
+    rows: Optional[np.ndarray] = None  # [n]: the TrainBatch rows, to scatter results back
+    columns: Optional[np.ndarray] = None  # [n, T]: each slot's column in the TrainBatch
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.inputs.shape[0] * self.inputs.shape[1])
+
+
+def row_lengths(mask: np.ndarray) -> np.ndarray:
+    """Positions each row needs: up to its last completion target (at least 1)."""
+    on = mask != 0
+    last = np.where(on.any(axis=1), on.shape[1] - np.argmax(on[:, ::-1], axis=1), 1)
+    return last.astype(np.int64)
+
+
+def plan_micro_batches(lengths: Sequence[int] | np.ndarray, token_budget: int) -> list[list[int]]:
+    """Group row indices so each group's rows x bucketed width stays within `token_budget`.
+
+    Rows go longest first, so a group's width is set by its first row and its
+    rows have similar lengths (little padding). A row longer than the budget
+    gets a group of its own rather than being refused.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    plans: list[list[int]] = []
+    width = 0
+    for index in order:
+        if plans and (len(plans[-1]) + 1) * width <= token_budget:
+            plans[-1].append(index)
+        else:
+            plans.append([index])
+            width = _bucketed(int(lengths[index]))
+    return plans
+
+
+def _packed(rows: list[int], mask: np.ndarray, targets: np.ndarray, old: np.ndarray, width: int) -> dict[str, np.ndarray]:
+    """Flat completion positions of `rows` and the [n, T] layout that indexes them."""
+    cols = [np.flatnonzero(mask[r]) for r in rows]
+    total = sum(len(c) for c in cols)
+    slots = _bucketed(max(len(c) for c in cols))
+    out: dict[str, np.ndarray] = {
+        "positions": np.zeros(_bucketed(total), np.int32), "targets": np.zeros(_bucketed(total), np.int32),
+        "layout": np.zeros((len(rows), slots), np.int32), "columns": np.zeros((len(rows), slots), np.int64),
+        "mask": np.zeros((len(rows), slots), np.float32), "old": np.zeros((len(rows), slots), np.float32),
+    }
+    offset = 0
+    for j, (row, col) in enumerate(zip(rows, cols)):
+        count = len(col)
+        out["positions"][offset : offset + count] = j * width + col
+        out["targets"][offset : offset + count] = targets[row, col]
+        out["layout"][j, :count] = offset + np.arange(count)
+        out["columns"][j, :count] = col
+        out["mask"][j, :count] = 1.0
+        out["old"][j, :count] = old[row, col]
+        offset += count
+    return out
+
+
+def split_batch(batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
+    """The batch as length-grouped micro-batches of at most `token_budget` padded tokens."""
+    inputs, targets = np.array(batch.inputs), np.array(batch.targets)
+    mask, old = np.array(batch.mask), np.array(batch.old_logprobs)
+    advantages = np.array(batch.advantages)
+    lengths = row_lengths(mask)
+    micro: list[MicroBatch] = []
+    for rows in plan_micro_batches(lengths, token_budget):
+        width = min(_bucketed(int(lengths[rows[0]])), inputs.shape[1])
+        packed = _packed(rows, mask, targets, old, width)
+        micro.append(MicroBatch(
+            inputs=mx.array(inputs[rows, :width]), positions=mx.array(packed["positions"]),
+            targets=mx.array(packed["targets"]), layout=mx.array(packed["layout"]), mask=mx.array(packed["mask"]),
+            old_logprobs=mx.array(packed["old"]), advantages=mx.array(advantages[rows]),
+            rows=np.asarray(rows), columns=packed["columns"],
+        ))
+    return micro
+
+
+def batch_totals(batch: TrainBatch) -> mx.array:
+    """[completion tokens, sequences] of the whole batch: the loss's global normaliser."""
+    tokens = mx.sum(batch.mask).astype(mx.float32)
+    return mx.stack([tokens, mx.array(float(batch.mask.shape[0]), dtype=mx.float32)])
+
+
+def unpack_completions(micro_batches: list[MicroBatch], values: list[mx.array], shape: tuple[int, int]) -> np.ndarray:
+    """Scatter per-micro-batch `[n, T]` values back to the TrainBatch's `[N, L]` grid (0 elsewhere)."""
+    out = np.zeros(shape, dtype=np.float32)
+    for micro, value in zip(micro_batches, values):
+        assert micro.rows is not None and micro.columns is not None
+        on = np.array(micro.mask) != 0
+        rows = np.broadcast_to(micro.rows[:, None], on.shape)
+        out[rows[on], micro.columns[on]] = np.array(value)[on]
+    return out

@@ -1,0 +1,85 @@
+"""The loss a `Trainer` differentiates: the default GRPO objective on one micro-batch, and pi_prox on the batch's grid.
+
+The loss is a parameter of the trainer (`LossFn`), so a new objective plugs in
+without forking it; `default_loss` wraps `grpo.grpo_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from grpo_fleet.config import GRPOConfig
+from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, unpack_completions
+from grpo_fleet.learner.step.forward import completion_logprobs
+from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
+from grpo_fleet.learner.step.logprobs import head_logprobs
+from grpo_fleet.learner.step.offpolicy import offpolicy_stats
+
+LossFn = Callable[..., tuple[mx.array, dict]]
+# A loss's stats are scalars summed over micro-batches, except this per-token `[n, T]` entry: the
+# detached logprobs the loss saw, kept per micro-batch (the first epoch's are pi_prox).
+POLICY_LOGPROBS = "policy_logprobs"
+
+
+def policy_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, temperature: float) -> mx.array:
+    """Dense per-position logprobs `[N, L]` through the full `[N, L, V]` logits.
+
+    The plain computation, kept for tests and the bench to compare against: the
+    trainer itself never calls it.
+    """
+    return head_logprobs(model(inputs), targets, temperature)
+
+
+def behaviour_correction(grpo: GRPOConfig) -> Optional[BehaviourCorrection]:
+    """How the decoupled objective weights pi_prox / pi_behav; None for the coupled one, which weights nothing."""
+    if grpo.objective != "decoupled":
+        return None
+    return BehaviourCorrection(cap=grpo.is_cap, mode=grpo.is_mode, level=grpo.is_level)
+
+
+def default_loss(
+    model: nn.Module, micro: MicroBatch, ref_logprobs: Optional[mx.array], totals: mx.array,
+    *, grpo: GRPOConfig, temperature: float, max_tokens: int, chunk_tokens: int,
+) -> tuple[mx.array, dict]:
+    """This micro-batch's share of the batch's GRPO objective under the current weights.
+
+    Decoupled, pi_prox is `micro.proximal_logprobs` when the trainer made the extra
+    forward (ppo_epochs > 1), else these very logprobs detached: before the first
+    update the current weights are the proximal ones, so one epoch gets it free.
+    """
+    logprobs = completion_logprobs(model, micro, temperature=temperature, chunk_tokens=chunk_tokens)
+    current = mx.stop_gradient(logprobs)
+    correction = behaviour_correction(grpo)
+    proximal = None
+    if correction is not None:
+        proximal = current if micro.proximal_logprobs is None else micro.proximal_logprobs
+    low, high = grpo.clip_range
+    loss, stats = grpo_loss(
+        logprobs, micro.old_logprobs, micro.advantages, micro.mask,
+        ref_logprobs=ref_logprobs, beta=grpo.beta, epsilon_low=low, epsilon_high=high,
+        loss_type=grpo.loss_type, max_tokens=max_tokens, total_tokens=totals[0], total_sequences=totals[1],
+        proximal_logprobs=proximal, correction=correction or BehaviourCorrection(), dual_clip=grpo.dual_clip,
+    )
+    return loss, {**stats, POLICY_LOGPROBS: current}
+
+
+def offpolicy_summary(
+    batch: TrainBatch, grid: Optional[np.ndarray], correction: Optional[BehaviourCorrection],
+) -> tuple[Optional[np.ndarray], dict[str, float]]:
+    """The step's `offpolicy_stats` of pi_prox on the batch's `[N, L]` grid (none without a grid)."""
+    if grid is None:
+        return None, {}  # a custom loss_fn that returns no POLICY_LOGPROBS, and no extra forward
+    stats = offpolicy_stats(mx.array(grid), batch.old_logprobs, batch.mask, correction)
+    return grid, {key: float(value) for key, value in stats.items()}
+
+
+def proximal_grid(batch: TrainBatch, micro_batches: list[MicroBatch], proximal: list[mx.array]) -> Optional[np.ndarray]:
+    """pi_prox per micro-batch scattered onto the batch's `[N, L]` grid; None without one per micro-batch."""
+    if not micro_batches or len(proximal) != len(micro_batches):
+        return None
+    rows, width = batch.mask.shape
+    return unpack_completions(micro_batches, proximal, (rows, width))

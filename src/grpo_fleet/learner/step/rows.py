@@ -1,0 +1,50 @@
+"""Which rows of a batch this process trains: all of them in one process; `DataParallel` shares them out."""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch
+from grpo_fleet.learner.step.objective import proximal_grid
+from grpo_fleet.learner.step.stats import Gradients
+
+
+class Sharding(Protocol):
+    """Which rows of a batch this process trains, and how its sums become the whole batch's."""
+
+    def begin(self, batch: TrainBatch) -> None: ...
+    def own_rows(self, batch: TrainBatch) -> TrainBatch: ...
+    def combine(self, gradients: Gradients) -> Gradients: ...
+    def combine_proximal(self, batch: TrainBatch, own: TrainBatch, micro: list[MicroBatch],
+                         proximal: list[mx.array]) -> Optional[np.ndarray]: ...
+    def end(self, model: nn.Module) -> None: ...
+    def idle(self) -> None: ...
+
+
+class SingleProcess:
+    """One process trains every row, and its sums are the batch's already; `DataParallel` (learner/ranks/distributed.py)
+    spreads the rows over mx.distributed ranks instead."""
+
+    def begin(self, batch: TrainBatch) -> None:
+        """Before a step: nothing to tell anyone."""
+
+    def own_rows(self, batch: TrainBatch) -> TrainBatch:
+        return batch
+
+    def combine(self, gradients: Gradients) -> Gradients:
+        return gradients
+
+    def combine_proximal(self, batch: TrainBatch, own: TrainBatch, micro: list[MicroBatch],
+                         proximal: list[mx.array]) -> Optional[np.ndarray]:
+        """pi_prox on the batch's `[N, L]` grid."""
+        return proximal_grid(own, micro, proximal)
+
+    def end(self, model: nn.Module) -> None:
+        """After a step: nothing to check."""
+
+    def idle(self) -> None:
+        """Waiting for a batch: nobody to tell."""

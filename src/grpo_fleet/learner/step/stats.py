@@ -1,0 +1,38 @@
+"""What a step hands on: the gradients summed over its micro-batches, and what the step did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from grpo_fleet.learner.step.update_stats import UpdateStats
+
+
+@dataclass
+class Gradients:
+    """Loss, stats and gradients summed over a batch's micro-batches; not yet applied."""
+
+    loss: mx.array
+    stats: dict[str, mx.array]
+    grads: dict
+    policy_logprobs: list[mx.array] = field(default_factory=list)  # POLICY_LOGPROBS per micro-batch, if any
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats(UpdateStats):
+    """What one `Trainer.step` did; loss and stats are means over the epochs that ran."""
+
+    policy_objective: float
+    ref_seconds: float
+    update_seconds: float
+    train_seconds: float
+    micro_batches: int
+    epochs: int  # epochs attempted, the skipped one included
+    extra: dict[str, float] = field(default_factory=dict)  # stats a custom loss_fn adds
+    proximal_seconds: float = 0.0  # the no-grad pi_prox forward (decoupled, ppo_epochs > 1); else 0
+    # pi_prox at the batch's completion positions, [N, L] like TrainBatch.old_logprobs (0 elsewhere), for
+    # comparing what the learner computes with what each actor reported; None if the loss_fn returned none.
+    proximal_logprobs: Optional[np.ndarray] = field(default=None, repr=False)

@@ -1,0 +1,261 @@
+"""The memory-bounded MLX update: micro-batches, chunked logprobs, accumulation, AdamW.
+
+A step splits the batch into token-budgeted micro-batches (`batch.split_batch`),
+runs pi_ref (and, for the decoupled objective at ppo_epochs > 1, pi_prox: the
+policy before the update) and then the policy on each, logprobs at completion
+positions only (`forward.completion_logprobs`), and accumulates gradients with
+the loss's batch-global normaliser, so the sum equals the one-batch gradient. Gradients
+and the update are separate: a non-finite loss or gradient norm skips the update
+and leaves weights and optimizer state exactly as they were.
+
+The loss is a parameter (`loss_fn`) so a new objective plugs in without forking
+the trainer; the default (objective.py) wraps `grpo.grpo_loss`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
+from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
+from grpo_fleet.learner.step.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
+from grpo_fleet.learner.step.forward import enable_grad_checkpoint, frozen_logprobs
+from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, LossFn, behaviour_correction, default_loss, offpolicy_summary
+from grpo_fleet.learner.step.rows import Sharding, SingleProcess
+from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
+from grpo_fleet.learner.step.stats import Gradients, StepStats
+from grpo_fleet.model import Policy, adapters_disabled
+from grpo_fleet.trees import flat_leaves, scalar
+
+_TRAIN_DEFAULTS = TrainConfig()
+def global_norm(grads: dict) -> mx.array:
+    """L2 norm over every gradient, in fp32 so half-precision squares cannot overflow."""
+    leaves = [g.astype(mx.float32) for _, g in flat_leaves(grads)]
+    return mx.sqrt(sum((mx.sum(g * g) for g in leaves), mx.array(0.0)))
+
+
+def _skip_reason(loss: float, norm: float) -> Optional[str]:
+    if not math.isfinite(loss):
+        return "nonfinite_loss"
+    if not math.isfinite(norm):
+        return "nonfinite_grad"
+    return None
+
+
+def trim_cache(peak: int) -> None:
+    """Free MLX's buffer cache when it outgrows this step's peak.
+
+    Micro-batch shapes vary from step to step, so cached buffers of sizes never
+    reused would otherwise pile up; bounding the cache by one step's peak keeps
+    reuse within a step and stops the creep across steps.
+    """
+    if mx.get_cache_memory() > peak:
+        mx.clear_cache()
+
+
+class Trainer:
+    """Owns the optimizer; each step accumulates micro-batch gradients, then clips and applies them."""
+
+    def __init__(
+        self, policy: Policy, grpo: GRPOConfig, optim_cfg: OptimConfig, *, temperature: float, max_tokens: int,
+        ref_model: Optional[nn.Module] = None, loss_fn: Optional[LossFn] = None, compile: bool = False,
+        micro_batch_tokens: int = _TRAIN_DEFAULTS.micro_batch_tokens,
+        logprob_chunk_tokens: int = _TRAIN_DEFAULTS.logprob_chunk_tokens,
+        grad_checkpoint: bool = _TRAIN_DEFAULTS.grad_checkpoint,
+        memory_limit_bytes: Optional[int] = None, max_compiled_shapes: int = MAX_COMPILED_SHAPES,
+    ) -> None:
+        self.policy, self.grpo, self.optim_cfg = policy, grpo, optim_cfg
+        self.temperature, self.ref_model = temperature, ref_model
+        self.micro_batch_tokens, self.chunk_tokens = micro_batch_tokens, logprob_chunk_tokens
+        if grad_checkpoint:
+            enable_grad_checkpoint(policy.model)
+        if memory_limit_bytes is not None:
+            # Process-wide: MLX throttles evaluation past it, so chained chunks really run one at a time.
+            mx.set_memory_limit(memory_limit_bytes)
+        bound = partial(loss_fn or default_loss, grpo=grpo, temperature=temperature, max_tokens=max_tokens,
+                        chunk_tokens=logprob_chunk_tokens)
+        self._value_and_grad = nn.value_and_grad(policy.model, bound)
+        self.optimizer = optim.AdamW(
+            learning_rate=learning_rate_schedule(optim_cfg), betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+        )
+        self.optimizer.init(policy.model.trainable_parameters())
+        # Materialize now: lazy arrays belong to the creating thread's stream, and
+        # the learner trains on its own thread.
+        mx.eval(self.optimizer.state)
+        self.compiled, self.max_compiled_shapes = compile, max_compiled_shapes
+        self.compiled_update = self._compile() if compile else None
+        self.sharding: Sharding = SingleProcess()
+
+    def _compile(self) -> CompiledUpdate:
+        return CompiledUpdate(self.policy.model, self.optimizer, self._grads, self._apply_update,
+                              self.max_compiled_shapes)
+
+    def _grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
+        (loss, stats), grads = self._value_and_grad(self.policy.model, micro, ref, totals)
+        return loss, stats, grads
+
+    def _apply_update(self, grads: dict, scale: mx.array) -> mx.array:
+        self.optimizer.update(self.policy.model, tree_map(lambda g: g * scale, grads))
+        return scale
+
+    def accumulate(self, micro_batches: list[MicroBatch], refs: list[Optional[mx.array]], totals: mx.array) -> Gradients:
+        """Sum of the micro-batches' loss shares, stats and gradients (= the one-batch values)."""
+        acc: Any = None
+        per_token: list[mx.array] = []
+        for micro, ref in zip(micro_batches, refs):
+            compiled = None if self.compiled_update is None else self.compiled_update.grads(micro, ref, totals)
+            loss, stats, grads = self._grads(micro, ref, totals) if compiled is None else compiled
+            token_values = stats.pop(POLICY_LOGPROBS, None)
+            part = (loss, stats, grads)
+            acc = part if acc is None else tree_map(mx.add, acc, part)
+            # Evaluate per micro-batch: a lazy graph over all of them would hold every activation at once.
+            mx.eval(acc)
+            if token_values is not None:
+                mx.eval(token_values)
+                per_token.append(token_values)
+        loss, stats, grads = acc
+        return Gradients(loss=loss, stats=stats, grads=grads, policy_logprobs=per_token)
+
+    def gradients(self, batch: TrainBatch) -> Gradients:
+        """The batch's gradients under the current weights, without applying them."""
+        micro = split_batch(batch, self.micro_batch_tokens)
+        return self.accumulate(micro, self._references(micro), batch_totals(batch))
+
+    def apply(self, gradients: Gradients) -> tuple[float, Optional[str]]:
+        """Clip to `grad_clip` and take one AdamW step, unless loss or norm is not finite.
+
+        Returns (grad norm, skip reason). A skipped update touches neither the
+        weights nor the optimizer state (its step count included).
+        """
+        norm = global_norm(gradients.grads)
+        norm_value = scalar(norm)
+        reason = _skip_reason(scalar(gradients.loss), norm_value)
+        if reason is not None:
+            return norm_value, reason
+        limit = self.optim_cfg.grad_clip
+        # Same rule as optim.clip_grad_norm: rescale only when the norm exceeds the limit.
+        scale = mx.where(norm < limit, mx.array(1.0), limit / (norm + 1e-6))
+        update = self._apply_update if self.compiled_update is None else self.compiled_update.apply
+        update(gradients.grads, scale)
+        mx.eval(self.policy.model.trainable_parameters(), self.optimizer.state)
+        return norm_value, None
+
+    def _reference_context(self) -> tuple[nn.Module, contextlib.AbstractContextManager]:
+        """pi_ref: the base with adapters off under LoRA, a frozen copy otherwise."""
+        if self.policy.lora is not None:
+            return self.policy.model, adapters_disabled(self.policy.model)
+        if self.ref_model is not None:
+            return self.ref_model, contextlib.nullcontext()
+        raise ValueError("beta > 0 with full fine-tuning needs a reference model")
+
+    def _references(self, micro_batches: list[MicroBatch]) -> list[Optional[mx.array]]:
+        """pi_ref logprobs `[n, T]` per micro-batch (None each when beta = 0), evaluated one at a time."""
+        if self.grpo.beta == 0:
+            return [None] * len(micro_batches)
+        model, context = self._reference_context()
+        with context:
+            return [*frozen_logprobs(model, micro_batches, temperature=self.temperature, chunk_tokens=self.chunk_tokens)]
+
+    def _proximal(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """The micro-batches with pi_prox attached, where the objective needs a forward of its own for it.
+
+        Decoupled at ppo_epochs > 1 the weights move after the first epoch, so
+        pi_prox (the weights before the step) is one no-grad forward per
+        micro-batch, made first. Otherwise they come back as they are: with one
+        epoch the loss takes pi_prox from its own forward, and coupled needs none.
+        """
+        if self.grpo.objective != "decoupled" or self.grpo.ppo_epochs == 1:
+            return micro_batches
+        logprobs = frozen_logprobs(self.policy.model, micro_batches, temperature=self.temperature,
+                                   chunk_tokens=self.chunk_tokens)
+        return [replace(micro, proximal_logprobs=lp) for micro, lp in zip(micro_batches, logprobs)]
+
+    def reference_logprobs(self, batch: TrainBatch) -> Optional[mx.array]:
+        """pi_ref logprobs on the batch's `[N, L]` grid: completion positions, 0 elsewhere."""
+        micro = split_batch(batch, self.micro_batch_tokens)
+        refs = self._references(micro)
+        if refs and refs[0] is None:
+            return None
+        rows, width = batch.mask.shape
+        return mx.array(unpack_completions(micro, [ref for ref in refs if ref is not None], (rows, width)))
+
+    def step(self, batch: TrainBatch) -> StepStats:
+        """Train on one batch: `ppo_epochs` accumulate-then-apply updates, stopping at a skipped one."""
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        self.sharding.begin(batch)
+        own = self.sharding.own_rows(batch)
+        micro = split_batch(own, self.micro_batch_tokens)
+        totals = batch_totals(batch)  # the whole batch's: every rank's share is normalised by the same totals
+        refs = self._references(micro)
+        ref_seconds = time.perf_counter() - start
+        with_proximal = self._proximal(micro)
+        proximal_seconds = 0.0 if with_proximal is micro else time.perf_counter() - start - ref_seconds
+        micro = with_proximal
+        proximal = [m.proximal_logprobs for m in micro if m.proximal_logprobs is not None]
+        sums: dict[str, float] = {}
+        epochs, skipped = 0, None
+        while epochs < self.grpo.ppo_epochs and skipped is None:
+            gradients = self.sharding.combine(self.accumulate(micro, refs, totals))
+            grad_norm, skipped = self.apply(gradients)
+            if epochs == 0 and not proximal:
+                # Only the first epoch's forward runs under the weights before the step: its logprobs are pi_prox.
+                proximal = gradients.policy_logprobs
+            epochs += 1
+            values: dict[str, Any] = {"loss": gradients.loss, "grad_norm": grad_norm, **gradients.stats}
+            for key, value in values.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        grid, offpolicy = offpolicy_summary(batch, self.sharding.combine_proximal(batch, own, micro, proximal),
+                                            behaviour_correction(self.grpo))
+        train_seconds = time.perf_counter() - start
+        peak = int(mx.get_peak_memory())
+        trim_cache(peak)
+        means = {key: value / epochs for key, value in sums.items()}
+        known = {name: means.pop(name, 0.0) for name in
+                 ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean")}
+        self.sharding.end(self.policy.model)
+        return StepStats(**known, **offpolicy, ref_seconds=ref_seconds, proximal_seconds=proximal_seconds,
+                         update_seconds=train_seconds - ref_seconds - proximal_seconds, train_seconds=train_seconds,
+                         peak_memory_bytes=peak, micro_batches=len(micro), epochs=epochs,
+                         learning_rate=float(self.optimizer.learning_rate.item()), skipped=skipped, extra=means,
+                         proximal_logprobs=grid)
+
+    def save_optimizer(self, path: Path) -> None:
+        """Optimizer moments and step, for an exact resume."""
+        flat = dict(tree_flatten(self.optimizer.state))
+        mx.save_safetensors(str(path), {k: v for k, v in flat.items() if isinstance(v, mx.array)})
+
+    def load_optimizer(self, path: Path) -> None:
+        """Restore what `save_optimizer` wrote."""
+        loaded = cast(dict[str, Any], mx.load(str(path)))
+        self.set_optimizer_state(tree_unflatten(list(loaded.items())))
+
+    def set_optimizer_state(self, state: dict) -> None:
+        """Replace the optimizer's moments and step (a checkpoint's, or rank 0's on the other ranks)."""
+        self.optimizer.state = state
+        mx.eval(self.optimizer.state)
+        if self.compiled:
+            # The compiled update captured the old state tree; trace again against the new one.
+            self.compiled_update = self._compile()
+
+
+def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.Module] = None) -> Trainer:
+    """The Trainer a run config describes (objective, optimizer, memory settings)."""
+    train = cfg.train
+    return Trainer(
+        policy, cfg.grpo, with_decay_steps(cfg), temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
+        ref_model=ref_model, compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
+        logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
+        memory_limit_bytes=train.memory_limit_bytes,
+    )

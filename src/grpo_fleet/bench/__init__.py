@@ -140,6 +140,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("e2e", "e2e", False, 4.3, "tiny demo: wall time to its target, fleet vs batched loop and notebook loop"),
     Benchmark("data_parallel", "data_parallel", False, 5.0,
               "data-parallel learner: 50M step and gradient all-reduce at 1 and 2 ranks, LoRA and full"),
+    Benchmark("fleet_sim", "fleet_sim", False, 8.0,
+              "fleet simulator vs real fleets (real model, 1 and 2 actors); Macs and ranks it plans for"),
     Benchmark("logprob_gap", "logprob_gap", False, 2.8, "actor/learner logprob gap in fp32 and bf16"),
     Benchmark("stale_lengths", "stale_lengths", False, 2.8, "stale rejections against completion length"),
     Benchmark("offpolicy", "offpolicy", False, 26.0, "coupled vs decoupled objective under lag (3 seeds x 600 steps)"),

@@ -26,7 +26,7 @@ from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.real import real_config
 from grpo_fleet.bench.scraping import Scraped, scrape
 from grpo_fleet.config import RunConfig
-from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, render
+from grpo_fleet.fleetsim.plan import Plan, PlanInputs, PlanShape, plan, render
 from grpo_fleet.fleetsim.simulation import ActorSpec, RunSpec, simulate
 from grpo_fleet.local_fleet import running
 from grpo_fleet.plotting import load_step_records
@@ -100,7 +100,8 @@ def check(report: Report, steps: int) -> None:
         report.add(Figure(
             "fleet_sim", f"simulated vs measured steps/s, real model, {actors} actor{'s' if actors > 1 else ''}",
             model, "steps/s", baseline=measured.steps_per_second, baseline_name="measured",
-            goal=f"within {GOAL:.0%}", notes=f"measured {measured.steps_per_second:.4f} steps/s, simulated {model:.4f} ({error:+.1%}) from the "
+            goal=f"within {GOAL:.0%}",
+            notes=f"measured {measured.steps_per_second:.4f} steps/s, simulated {model:.4f} ({error:+.1%}) from the "
             f"run's own inputs: {measured.seconds_per_group:.2f} s a group, fetch {measured.fetch_seconds:.2f} s, "
             f"step {measured.step_seconds:.2f} s, {measured.informative_fraction:.0%} informative",
         ))
@@ -125,10 +126,14 @@ def plans(report: Report) -> None:
         result = plan(inputs, shape, PLAN_ACTORS, PLAN_RANKS)
         report.add(Figure(
             "fleet_sim", f"M5 Max actors that saturate a {tok_s:g} tok/s learner, Qwen2.5-0.5B",
-            float(result.saturating_actors[1]), "actors", notes="; ".join(f"{r} rank{'s' if r > 1 else ''}: {result.saturating_actors[r]} actors, "
-                      f"{3600 * max(x.steps_per_second for x in result.rows if x.ranks == r):.1f} steps/h"
-                      for r in PLAN_RANKS),
+            float(result.saturating_actors[1]), "actors", notes=_saturation_notes(result),
         ))
+
+
+def _saturation_notes(result: Plan) -> str:
+    return "; ".join(f"{r} rank{'s' if r > 1 else ''}: {result.saturating_actors[r]} actors, "
+                     f"{3600 * max(x.steps_per_second for x in result.rows if x.ranks == r):.1f} steps/h"
+                     for r in PLAN_RANKS)
 
 
 def run(report: Report, scale: Scale) -> None:

@@ -1,6 +1,6 @@
 """The discrete-event model of one run: actors lease, generate and submit; the learner buffers and steps.
 
-The rules are the learner's own (`learner.leasing`): leases are sized so an
+The rules are the learner's own (`learner.fleet.leasing`): leases are sized so an
 actor returns one within `max_staleness` learner steps, no lease is granted
 while leased-out plus buffered groups reach `in_flight_steps x groups_per_step`,
 a refused actor asks again after `retry_after`, and a group sampled more than
@@ -16,13 +16,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from grpo_fleet.learner.leasing import (
-    MovingAverage,
+from grpo_fleet.learner.fleet.leasing import (
     in_flight_limit,
     lease_size,
     lease_target_seconds,
     retry_after,
 )
+from grpo_fleet.learner.fleet.moving_average import MovingAverage
 
 
 @dataclass(frozen=True)

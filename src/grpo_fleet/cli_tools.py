@@ -135,6 +135,45 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, render
+    from grpo_fleet.fleetsim.published import MODELS
+
+    if args.model not in MODELS or args.mac not in MODELS[args.model].decode_tok_s:
+        print(f"grpo-fleet simulate: choose --model from {', '.join(MODELS)} and --mac from "
+              f"{', '.join(next(iter(MODELS.values())).decode_tok_s)}", file=sys.stderr)
+        return 2
+    inputs = PlanInputs(model=args.model, mac=args.mac, batch_speedup=args.batch_speedup,
+                        learner_tok_s=args.learner_tok_s, link_gbps=args.link_gbps)
+    shape = PlanShape(group_size=args.group_size, prompt_tokens=args.prompt_tokens,
+                      completion_tokens=args.completion_tokens, groups_per_step=args.groups_per_step)
+    print(render(plan(inputs, shape, args.actors, args.ranks), inputs, shape))
+    return 0
+
+
+def _counts(text: str) -> list[int]:
+    return [_at_least_one(part) for part in text.split(",")]
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    simulate = sub.add_parser("simulate", help="model how many Macs and learner ranks a run can use (not a measurement)")
+    simulate.add_argument("--model", default="qwen2.5-0.5b", help="a size from grpo_fleet.fleetsim.published")
+    simulate.add_argument("--mac", default="m5-max", help="the actors' Mac: m1-ultra or m5-max (published tok/s)")
+    simulate.add_argument("--actors", type=_counts, default=[1, 2, 4, 8, 16, 32, 64], help="e.g. 1,2,4,8")
+    simulate.add_argument("--ranks", type=_counts, default=[1, 2, 4], help="learner rank counts, e.g. 1,2,4")
+    simulate.add_argument("--learner-tok-s", type=float, default=None,
+                          help="one learner rank's trained tokens/s (measure yours: bench --only real_step); "
+                          "default: this project's measured 2-vCPU figure")
+    simulate.add_argument("--batch-speedup", type=float, default=1.0,
+                          help="an actor's batched decode over the published batch-1 tok/s (default 1: a lower bound)")
+    simulate.add_argument("--link-gbps", type=float, default=10.0, help="network between Macs (10 GbE; TB5 is 80)")
+    simulate.add_argument("--group-size", type=_at_least_one, default=8)
+    simulate.add_argument("--prompt-tokens", type=_at_least_one, default=150)
+    simulate.add_argument("--completion-tokens", type=_at_least_one, default=384)
+    simulate.add_argument("--groups-per-step", type=_at_least_one, default=16)
+    simulate.set_defaults(func=_simulate)
+
+
 def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     """Tools around a run: status, keys, doctor, build-model, bench, plot, samples."""
     status = sub.add_parser("status", help="the learner's step, version, throughput and actors")
@@ -196,3 +235,4 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     samples.add_argument("--max-chars", type=_at_least_one, default=2000, metavar="N",
                          help="characters shown of each prompt and completion (default %(default)s)")
     samples.set_defaults(func=_samples)
+    _add_simulate(sub)

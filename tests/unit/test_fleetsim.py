@@ -71,3 +71,13 @@ def test_a_faster_learner_needs_more_actors_to_saturate():
     assert slow.saturating_actors[1] < fast.saturating_actors[1]
     steps_per_second = [r.steps_per_second for r in fast.rows]
     assert steps_per_second == sorted(steps_per_second), "more actors never slow the fleet down"
+
+
+def test_the_simulate_command_prints_the_plan_and_refuses_unknown_sizes(capsys):
+    from grpo_fleet.cli import main
+
+    assert main(["simulate", "--actors", "1,8", "--ranks", "1,2", "--learner-tok-s", "2000"]) == 0
+    out = capsys.readouterr().out
+    assert "steps/h, 2 ranks" in out and "one learner saturates at" in out and "not a measurement" in out
+    assert main(["simulate", "--model", "70b"]) == 2
+    assert "choose --model from" in capsys.readouterr().err

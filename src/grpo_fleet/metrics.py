@@ -61,6 +61,7 @@ class LearnerMetrics:
     connections_dropped: Counter
     step_phase_seconds: Histogram
     weight_publish_seconds: Histogram
+    rollouts_answer_seconds: Histogram
     weight_publish_bytes: Gauge
     violations: Counter
     bans: Counter
@@ -147,6 +148,10 @@ def learner_metrics() -> LearnerMetrics:
         ),
         weight_publish_seconds=Histogram(
             f"{p}_weight_publish_seconds", "Time to serialize and digest a new policy version", buckets=PHASE_BUCKETS, registry=r
+        ),
+        rollouts_answer_seconds=Histogram(
+            f"{p}_rollouts_answer_seconds", "Time to answer one Rollouts: rewards re-scored, logprobs re-checked, "
+            "groups taken (the learner's work per submission besides training)", buckets=PHASE_BUCKETS, registry=r
         ),
         weight_publish_bytes=Gauge(f"{p}_weight_publish_bytes", "Size of the latest published weight blob", registry=r),
         violations=Counter(f"{p}_violations", "Malformed or hostile messages counted toward a ban, by reason", ["reason"],

@@ -32,6 +32,7 @@ from grpo_fleet.local_fleet import running
 from grpo_fleet.plotting import load_step_records
 
 ACTOR = "grpo_fleet_actor"
+LEARNER = "grpo_fleet_learner"
 SHAPE = ["grpo.groups_per_step=2", "generation.group_size=4", "train.eval_every=1000", "task.num_eval=2"]
 PLAN_ACTORS = [1, 2, 4, 8, 16, 32, 64]
 PLAN_RANKS = [1, 2, 4]
@@ -46,6 +47,7 @@ class MeasuredRun:
     fetch_seconds: float
     step_seconds: float
     informative_fraction: float
+    check_seconds_per_group: float
 
 
 def _actor_figures(pages: list[Scraped]) -> tuple[float, float]:
@@ -65,18 +67,23 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
     config_path.write_text(json.dumps(cfg.model_dump(mode="json")))
     with running(cfg, config_path, actors) as fleet:
         pages: list[Optional[Scraped]] = [None] * actors
+        learner_page: Optional[Scraped] = None
         while fleet.learner.proc.poll() is None:
             pages = [scrape(port) or page for port, page in zip(fleet.actor_ports, pages)]
+            learner_page = scrape(cfg.metrics.port) or learner_page
             time.sleep(1.0)
     steps = load_step_records(run_dir / "metrics.jsonl")[1:]  # the first step carries start-up and warm-up
     walls = [float(s["wall_seconds"]) for s in steps]
     per_group, fetch = _actor_figures([p for p in pages if p is not None])
+    groups = sum(p.value(f"{ACTOR}_groups_generated_total") for p in pages if p is not None)
+    answering = learner_page.value(f"{LEARNER}_rollouts_answer_seconds_sum") if learner_page is not None else 0.0
     return MeasuredRun(
         actors=actors,
         steps_per_second=(len(walls) - 1) / (walls[-1] - walls[0]),
         seconds_per_group=per_group, fetch_seconds=fetch,
         step_seconds=sum(float(s["step_seconds"]) for s in steps) / len(steps),
         informative_fraction=1.0 - sum(float(s["zero_variance_fraction"]) for s in steps) / len(steps),
+        check_seconds_per_group=answering / max(groups, 1.0),
     )
 
 
@@ -86,7 +93,7 @@ def predicted(run: MeasuredRun, cfg: RunConfig) -> float:
     spec = RunSpec(groups_per_step=cfg.grpo.groups_per_step, step_seconds=run.step_seconds,
                    informative_fraction=run.informative_fraction, max_staleness=cfg.grpo.max_staleness,
                    in_flight_steps=cfg.server.in_flight_steps, max_groups_per_lease=cfg.server.max_groups_per_lease,
-                   lease_seconds=cfg.server.lease_seconds)
+                   lease_seconds=cfg.server.lease_seconds, check_seconds_per_group=run.check_seconds_per_group)
     return simulate([actor] * run.actors, spec).steps_per_second
 
 
@@ -103,7 +110,8 @@ def check(report: Report, steps: int) -> None:
             goal=f"within {GOAL:.0%}",
             notes=f"measured {measured.steps_per_second:.4f} steps/s, simulated {model:.4f} ({error:+.1%}) from the "
             f"run's own inputs: {measured.seconds_per_group:.2f} s a group, fetch {measured.fetch_seconds:.2f} s, "
-            f"step {measured.step_seconds:.2f} s, {measured.informative_fraction:.0%} informative",
+            f"step {measured.step_seconds:.2f} s, checks {measured.check_seconds_per_group:.2f} s a group, "
+            f"{measured.informative_fraction:.0%} informative",
         ))
 
 

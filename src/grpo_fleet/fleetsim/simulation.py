@@ -45,6 +45,10 @@ class RunSpec:
     in_flight_steps: int = 2
     max_groups_per_lease: int = 4
     lease_seconds: float = 60.0
+    # The learner's work per submitted group besides training (grpo_fleet_learner_rollouts_answer_seconds:
+    # rewards re-scored, logprobs re-checked). One verifier thread does it, on the device the steps use, so
+    # a step under way is delayed by as much.
+    check_seconds_per_group: float = 0.0
     steps: int = 200
 
 
@@ -69,6 +73,9 @@ class _Learner:
     step_ends: list[float] = field(default_factory=list)
     interval: MovingAverage = field(default_factory=MovingAverage)
     trained_staleness: list[int] = field(default_factory=list)
+    checker_free_at: float = 0.0
+    step_end: float = 0.0
+    step_token: int = 0  # a step's end moved later (a check ran meanwhile): only the newest event counts
 
 
 class FleetSimulation:
@@ -98,7 +105,9 @@ class FleetSimulation:
                 self._ask_idle(index)
             elif kind == "done":
                 self._submit(index, groups, version)
-            else:
+            elif kind == "accept":
+                self._accept(groups, version)
+            elif groups == self.learner.step_token:
                 self._finish_step()
         return self._result()
 
@@ -141,6 +150,22 @@ class FleetSimulation:
         self.pending[index] = self._grant(index)
 
     def _submit(self, index: int, groups: int, version: int) -> None:
+        """Rollouts reach the learner's verifier; the actor goes on with the lease it was already granted."""
+        learner = self.learner
+        cost = groups * self.run.check_seconds_per_group
+        learner.checker_free_at = max(self.now, learner.checker_free_at) + cost
+        if learner.busy and cost > 0:
+            learner.step_end += cost
+            self._schedule_step_end()
+        self._at(learner.checker_free_at, "accept", -1, groups, version)
+        pending, self.pending[index] = self.pending[index], None
+        if pending:
+            self._start(index, pending)
+        else:  # the pipelined request was refused: the actor read that when this lease ended, and waits
+            self._at(self.now + retry_after(learner.interval.value, False), "ask", index)
+
+    def _accept(self, groups: int, version: int) -> None:
+        """The verdict: too stale is rejected (the prompts go back); the informative rest are buffered."""
         learner, run = self.learner, self.run
         learner.leased_out -= groups
         self.submitted += groups
@@ -153,11 +178,10 @@ class FleetSimulation:
             learner.buffer.extend([version] * whole)
         self._maybe_step()
         self._wake_waiting()
-        pending, self.pending[index] = self.pending[index], None
-        if pending:
-            self._start(index, pending)
-        else:  # the pipelined request was refused: the actor read that when this lease ended, and waits
-            self._at(self.now + retry_after(learner.interval.value, False), "ask", index)
+
+    def _schedule_step_end(self) -> None:
+        self.learner.step_token += 1
+        self._at(self.learner.step_end, "step", -1, self.learner.step_token)
 
     def _maybe_step(self) -> None:
         learner, run = self.learner, self.run
@@ -167,7 +191,8 @@ class FleetSimulation:
         learner.trained_staleness.extend(learner.version - v for v in batch)
         learner.busy = True
         self._wake_waiting()
-        self._at(self.now + run.step_seconds, "step")
+        learner.step_end = self.now + run.step_seconds
+        self._schedule_step_end()
 
     def _finish_step(self) -> None:
         learner = self.learner

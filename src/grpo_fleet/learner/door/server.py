@@ -190,7 +190,8 @@ class LearnerServer:
     def _answer_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str], peer_address: str) -> Reply:
         """On the verifier thread: `_answer`, rewards scored outside the lock (`Learner.handle_rollouts`)."""
         try:
-            return self.learner.handle_rollouts(identity, msg, principal, peer_address)
+            with self.learner.metrics.rollouts_answer_seconds.time():
+                return self.learner.handle_rollouts(identity, msg, principal, peer_address)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling Rollouts")
             self.learner.metrics.internal_errors.labels(where="handle").inc()

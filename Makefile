@@ -48,8 +48,12 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 
+# pytest-xdist: most integration tests wait on their processes, so three workers keep two cores busy.
+# One BLAS thread per process: the workers and their children already fill the cores, and OpenBLAS's
+# threads spin while they wait. TEST_WORKERS=0 runs the suite in this process, in order.
+TEST_WORKERS ?= 3
 test: test-deps $(VENV)/.installed lint
-	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	LD_PRELOAD="$(OPENBLAS)" OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 test-fast: test-deps $(VENV)/.installed
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)

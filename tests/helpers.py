@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+import mlx.core as mx
 from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_fleet.learner.records.runlog import StepRecord
@@ -125,6 +126,9 @@ def step_record(step: int, **changes: Any) -> StepRecord:
 
 # Logit gap under which two greedy choices count as a tie: fp32 and quantized-kernel noise is ~1e-5.
 TIE_TOLERANCE = 1e-3
+# In bf16 or fp16 logits, two correct code paths may differ by a rounding or two of the top logit.
+TIE_ULPS = 2
+HALF_EPSILON = {mx.bfloat16: 2.0 ** -7, mx.float16: 2.0 ** -10}
 
 
 def learner_side_policy(checkpoint: Path, dtype: str) -> Any:
@@ -152,9 +156,9 @@ def assert_checkpoint_generates_like_the_learner(checkpoint: Path, prompt: str, 
 
     A random model's logits over a large vocabulary hold near-ties that two correct code paths (mlx_lm's
     prefill and decode against ours) may break differently. Where the two greedy decodes part, both tokens
-    must be the learner's near-argmax on the shared prefix (within `TIE_TOLERANCE` of the top logit, far
-    below the spread that wrong weights cause); everything before that point must be identical."""
-    import mlx.core as mx
+    must be the learner's near-argmax on the shared prefix (within `TIE_TOLERANCE` of the top logit, or
+    `TIE_ULPS` roundings of it when the logits are bf16 or fp16: far below the spread that wrong weights
+    cause); everything before that point must be identical."""
     import mlx_lm
     import numpy as np
     from mlx.utils import tree_flatten
@@ -174,10 +178,12 @@ def assert_checkpoint_generates_like_the_learner(checkpoint: Path, prompt: str, 
     ours = list(completion.tokens)
     shared = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
     if shared < min(len(theirs), len(ours)):
-        logits = policy.model(mx.array([prompt_ids + ours[:shared]], dtype=mx.int32))[0, -1].astype(mx.float32)
+        raw = policy.model(mx.array([prompt_ids + ours[:shared]], dtype=mx.int32))[0, -1]
+        logits = raw.astype(mx.float32)
         top = float(logits.max())
         gaps = {token: top - float(logits[token]) for token in (theirs[shared], ours[shared])}
-        assert max(gaps.values()) <= TIE_TOLERANCE, (
+        tolerance = max(TIE_TOLERANCE, TIE_ULPS * HALF_EPSILON.get(raw.dtype, 0.0) * abs(top))
+        assert max(gaps.values()) <= tolerance, (
             f"greedy decodes part at token {shared}: mlx_lm chose {theirs[shared]}, the learner's own decode "
             f"{ours[shared]}; their logits are {gaps} below the learner's top logit, not a near-tie")
     else:

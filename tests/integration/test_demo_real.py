@@ -18,7 +18,7 @@ import pytest
 from grpo_fleet.blas import child_env
 
 STEPS = 2
-EVAL_PROMPTS = 4
+EVAL_PROMPTS = 2
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -47,9 +48,16 @@ def _build_model(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"grpo-fleet build-model: {exc}", file=sys.stderr)
         return 2
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    print(f"{path}  ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s)")
+    print(f"{path}  ({_built(path, start)})")
     return 0
+
+
+def _built(path: Path, started: float) -> str:
+    """A built model directory's size and how long it took since `started` (perf_counter)."""
+    import time
+
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return f"{size / 1e6:.0f} MB, {time.perf_counter() - started:.1f} s"
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
@@ -64,8 +72,7 @@ def _import_gguf(args: argparse.Namespace) -> int:
     except (GGUFError, ZooError, OSError) as exc:
         print(f"grpo-fleet import-gguf: {exc}", file=sys.stderr)
         return 2
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    print(f"{path}  ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s); load it with mlx_lm.load({str(path)!r})")
+    print(f"{path}  ({_built(path, start)}); load it with mlx_lm.load({str(path)!r})")
     return 0
 
 

@@ -50,13 +50,14 @@ class MeasuredRun:
     check_seconds_per_group: float
 
 
-def _actor_figures(pages: list[Scraped]) -> tuple[float, float]:
-    """(generation seconds per group, mean weight-fetch seconds) over every actor's last /metrics page."""
+def _actor_figures(pages: list[Scraped]) -> tuple[float, float, float]:
+    """(groups generated, generation seconds per group, mean weight-fetch seconds) over every actor's last
+    /metrics page."""
     seconds = sum(p.value(f"{ACTOR}_generation_duration_seconds_sum") for p in pages)
     groups = sum(p.value(f"{ACTOR}_groups_generated_total") for p in pages)
     fetch_sum = sum(p.value(f"{ACTOR}_weight_fetch_seconds_sum") for p in pages)
     fetches = sum(p.value(f"{ACTOR}_weight_fetch_seconds_count") for p in pages)
-    return seconds / max(groups, 1.0), fetch_sum / fetches if fetches else 0.0
+    return groups, seconds / max(groups, 1.0), fetch_sum / fetches if fetches else 0.0
 
 
 def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
@@ -74,8 +75,7 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
             time.sleep(1.0)
     steps = load_step_records(run_dir / "metrics.jsonl")[1:]  # the first step carries start-up and warm-up
     walls = [float(s["wall_seconds"]) for s in steps]
-    per_group, fetch = _actor_figures([p for p in pages if p is not None])
-    groups = sum(p.value(f"{ACTOR}_groups_generated_total") for p in pages if p is not None)
+    groups, per_group, fetch = _actor_figures([p for p in pages if p is not None])
     answering = learner_page.value(f"{LEARNER}_rollouts_answer_seconds_sum") if learner_page is not None else 0.0
     return MeasuredRun(
         actors=actors,

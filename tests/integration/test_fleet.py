@@ -125,6 +125,9 @@ def test_a_second_sigterm_stops_an_actor_still_draining_to_a_dead_learner(run_co
     wait_steps(Path(cfg.run_dir), 2, learner)
     learner.kill()  # gone for good: the actor's next lease and its rollouts can never be acknowledged
     learner.wait()
+    # Past any refused lease's retry_after (0.2 s at most), so the actor holds a request the learner never answers:
+    # signalled during that wait with nothing in hand, it rightly stops at once.
+    time.sleep(1.0)
     actor.send_signal(signal.SIGTERM)
     time.sleep(2.0)
     assert actor.poll() is None, "the first SIGTERM drains: the leased work waits for the learner"

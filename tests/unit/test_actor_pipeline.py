@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 
+from grpo_fleet.actor.link import LearnerUnavailable, StopActor
 from grpo_fleet.actor.pipeline import InFlight
+from grpo_fleet.actor.worker import ActorWorker
+from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.protocol import messages as m
 
 LEASE_ID = "0123456789abcdef0123456789abcdef"
@@ -62,3 +67,52 @@ def test_another_run_forgets_the_work_in_hand() -> None:
     inflight = InFlight(submitted=_rollouts(), next_lease=_lease())
     inflight.forget()
     assert inflight.drained and inflight.holding() == []
+
+
+def _run_keeping_pytests_signal_handlers(worker: ActorWorker) -> None:
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        worker.run()
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+
+
+def _worker_whose_learner_is_away(sessions: list[str], deliver_at: int) -> ActorWorker:
+    """An actor whose sessions fail (learner away) until session `deliver_at`, which delivers and stops."""
+    worker = ActorWorker(ActorConfig(metrics=MetricsConfig(port=0)))
+    worker._sleep = lambda seconds: None  # type: ignore[method-assign]  # backoff is not what is tested
+
+    def session() -> None:
+        sessions.append("session")
+        if len(sessions) == 1:
+            worker.inflight.submitted = _rollouts()  # generated, sent, never acknowledged
+            worker.request_stop()  # the first SIGTERM arrives while the learner is away
+        if len(sessions) < deliver_at:
+            raise LearnerUnavailable("no reply to Rollouts")
+        worker.inflight.submitted = None  # the learner came back and acknowledged it
+        raise StopActor("signal")
+
+    worker._session = session  # type: ignore[method-assign]
+    return worker
+
+
+def test_a_first_stop_signal_keeps_reconnecting_until_the_generated_rollouts_are_delivered() -> None:
+    sessions: list[str] = []
+    _run_keeping_pytests_signal_handlers(_worker_whose_learner_is_away(sessions, deliver_at=3))
+    assert len(sessions) == 3, "a drain must outlast the learner's absence, not end at the first reconnect"
+
+
+def test_a_stop_signal_with_only_a_lease_request_pending_ends_at_the_lost_connection() -> None:
+    worker = ActorWorker(ActorConfig(metrics=MetricsConfig(port=0)))
+    sessions: list[str] = []
+
+    def session() -> None:
+        sessions.append("session")
+        worker.inflight.lease_requested = True  # asked on this socket; it dies with it
+        worker.request_stop()
+        raise LearnerUnavailable("no reply to LeaseRequest")
+
+    worker._session = session  # type: ignore[method-assign]
+    _run_keeping_pytests_signal_handlers(worker)
+    assert sessions == ["session"] and worker.inflight.drained

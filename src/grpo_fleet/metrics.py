@@ -70,6 +70,7 @@ class LearnerMetrics:
     groups_unscored: Counter
     groups_unscorable: Counter
     logprob_gap: Histogram
+    logprob_check_seconds: Histogram
     train_staleness: Histogram
     stale_group_tokens: Histogram
     accepted_group_tokens: Histogram
@@ -172,6 +173,10 @@ def learner_metrics() -> LearnerMetrics:
         logprob_gap=Histogram(
             f"{p}_logprob_gap_nats", "Mean |reported - recomputed| token logprob of each checked group "
             "(security.max_logprob_gap)", buckets=GAP_BUCKETS, registry=r,
+        ),
+        logprob_check_seconds=Histogram(
+            f"{p}_logprob_check_seconds", "Time to recompute one checked group's logprobs, on the training thread "
+            "before the step that takes it", buckets=PHASE_BUCKETS, registry=r,
         ),
         train_staleness=Histogram(f"{p}_train_staleness_versions", "Policy versions behind when trained",
                                   buckets=STALENESS_BUCKETS, registry=r),

@@ -6,7 +6,7 @@ import pytest
 
 from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, step_seconds
 from grpo_fleet.fleetsim.published import MODELS, learner_tokens_per_second
-from grpo_fleet.fleetsim.simulation import ActorSpec, RunSpec, simulate
+from grpo_fleet.fleetsim.simulation import ActorSpec, RunSpec, SharedHost, simulate
 
 
 def test_one_slow_actor_sets_the_pace():
@@ -52,6 +52,29 @@ def test_groups_that_arrive_too_stale_are_rejected_and_counted():
     # Accepted fresh, then waiting in the buffer: at most max_staleness + in_flight_steps behind when trained.
     assert 0.0 < strict.mean_staleness <= 0 + 4
     assert lenient.mean_staleness > strict.mean_staleness
+
+
+def test_on_one_shared_core_the_actor_and_the_learner_take_turns():
+    # Alone: 2 groups at 1 s generate while the 2 s step runs, so 2 s a step. Each wanting the one core the
+    # host has, they halve each other's speed whenever both run: the step's 4 s of work in all, serialised.
+    actor, run = [ActorSpec(seconds_per_group=1.0)], RunSpec(groups_per_step=2, step_seconds=2.0, in_flight_steps=4)
+    own = simulate(actor, run)
+    shared = simulate(actor, run, SharedHost(cores=1.0, learner_cores=1.0, actor_cores=1.0))
+    roomy = simulate(actor, run, SharedHost(cores=2.0, learner_cores=1.0, actor_cores=1.0))
+    assert own.steps_per_second == pytest.approx(1 / 2.0, rel=0.02)
+    assert shared.steps_per_second == pytest.approx(1 / 4.0, rel=0.02)
+    assert roomy.steps_per_second == pytest.approx(own.steps_per_second, rel=1e-9)
+
+
+def test_each_submissions_logprob_check_delays_the_step_that_takes_it():
+    # Fast actors delivering one group a lease: each of the step's 4 groups came in its own submission and is
+    # checked (0.5 s) on the training thread first.
+    actors = [ActorSpec(seconds_per_group=0.05, max_groups=1)] * 8
+    plain = simulate(actors, RunSpec(groups_per_step=4, step_seconds=2.0, max_groups_per_lease=1, in_flight_steps=4))
+    checked = simulate(actors, RunSpec(groups_per_step=4, step_seconds=2.0, max_groups_per_lease=1, in_flight_steps=4,
+                                       logprob_check_seconds=0.5))
+    assert plain.steps_per_second == pytest.approx(1 / 2.0, rel=0.02)
+    assert checked.steps_per_second == pytest.approx(1 / 4.0, rel=0.02)
 
 
 def test_ranks_split_the_step_and_the_lora_all_reduce_is_small():

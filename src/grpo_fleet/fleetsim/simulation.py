@@ -5,8 +5,15 @@ actor returns one within `max_staleness` learner steps, no lease is granted
 while leased-out plus buffered groups reach `in_flight_steps x groups_per_step`,
 a refused actor asks again after `retry_after`, and a group sampled more than
 `max_staleness` versions behind the policy it reaches is rejected (its prompt
-goes back to the queue). What is left out on purpose: network latency (ms
-against seconds of generation), reward time, and eval rounds.
+goes back to the queue). Each submission's first informative group has its
+logprobs recomputed on the learner's training thread before the step that
+takes it (security.verify_logprobs).
+
+Processes run on machines of their own (a fleet of Macs), or on one shared
+host (`SharedHost`, how the check on this VM runs): there every busy process
+wants some cores, and when they want more than the host has, each runs slower
+by the same factor (processor sharing). What is left out on purpose: network
+latency (ms against seconds of generation), reward time, and eval rounds.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from grpo_fleet.learner.fleet.leasing import (
     in_flight_limit,
@@ -49,7 +56,21 @@ class RunSpec:
     # rewards re-scored, logprobs re-checked). One verifier thread does it, on the device the steps use, so
     # a step under way is delayed by as much.
     check_seconds_per_group: float = 0.0
+    # The learner's logprob check of one group (grpo_fleet_learner_logprob_check_seconds): one a submission, on
+    # the training thread, so the step that takes the group waits for it.
+    logprob_check_seconds: float = 0.0
     steps: int = 200
+
+
+@dataclass(frozen=True)
+class SharedHost:
+    """All processes on one machine of `cores` cores. `learner_cores` and `actor_cores` are what each keeps
+    busy when it runs alone (CPU seconds over wall seconds); the seconds in ActorSpec and RunSpec are then
+    its alone-speeds."""
+
+    cores: float
+    learner_cores: float
+    actor_cores: float
 
 
 @dataclass(frozen=True)
@@ -64,9 +85,25 @@ class SimResult:
 
 
 @dataclass
+class _Job:
+    """Work under way: a lease being generated (an actor's) or a step (the learner's, key -1)."""
+
+    finish: float  # at the current sharing rate
+    cores: float
+    token: int  # only the newest finish event of a job counts (its finish moves when the rate changes)
+    started: float = 0.0
+    groups: int = 0
+    version: int = 0
+
+
+LEARNER = -1
+
+
+@dataclass
 class _Learner:
     version: int = 0
-    buffer: list[int] = field(default_factory=list)  # the policy version each buffered group was sampled at
+    # Each buffered group: the policy version it was sampled at, and whether its logprobs get checked.
+    buffer: list[tuple[int, bool]] = field(default_factory=list)
     busy: bool = False
     leased_out: int = 0
     informative_credit: float = 0.0
@@ -74,19 +111,19 @@ class _Learner:
     interval: MovingAverage = field(default_factory=MovingAverage)
     trained_staleness: list[int] = field(default_factory=list)
     checker_free_at: float = 0.0
-    step_end: float = 0.0
-    step_token: int = 0  # a step's end moved later (a check ran meanwhile): only the newest event counts
 
 
 class FleetSimulation:
     """Events in time order: an actor asking for a lease, an actor finishing one, the learner finishing a step."""
 
-    def __init__(self, actors: list[ActorSpec], run: RunSpec) -> None:
-        self.actors, self.run = actors, run
+    def __init__(self, actors: list[ActorSpec], run: RunSpec, host: Optional[SharedHost] = None) -> None:
+        self.actors, self.run, self.host = actors, run, host
         self.learner = _Learner()
         self.now = 0.0
         self.events: list[tuple[float, int, str, int, int, int]] = []
         self.order = itertools.count()  # breaks time ties in insertion order
+        self.tokens = itertools.count()
+        self.jobs: dict[int, _Job] = {}
         self.actor_versions = [0] * len(actors)
         self.actor_busy = [0.0] * len(actors)
         self.pending: list[Optional[int]] = [None] * len(actors)  # the next lease, granted while generating
@@ -100,19 +137,64 @@ class FleetSimulation:
         for index in range(len(self.actors)):
             self._at(0.0, "ask", index)
         while len(self.learner.step_ends) < self.run.steps and self.events:
-            self.now, _, kind, index, groups, version = heapq.heappop(self.events)
+            self.now, _, kind, index, a, b = heapq.heappop(self.events)
             if kind == "ask":
                 self._ask_idle(index)
-            elif kind == "done":
-                self._submit(index, groups, version)
             elif kind == "accept":
-                self._accept(groups, version)
-            elif groups == self.learner.step_token:
-                self._finish_step()
+                self._accept(a, b)
+            elif index in self.jobs and self.jobs[index].token == a:  # a job's newest finish
+                self._finish(index)
         return self._result()
 
-    def _at(self, when: float, kind: str, index: int = -1, groups: int = 0, version: int = 0) -> None:
-        heapq.heappush(self.events, (when, next(self.order), kind, index, groups, version))
+    def _at(self, when: float, kind: str, index: int = -1, a: int = 0, b: int = 0) -> None:
+        heapq.heappush(self.events, (when, next(self.order), kind, index, a, b))
+
+    # ------------------------------------------------------------------ jobs, shared or not
+
+    def _rate(self) -> float:
+        """How fast every job runs now: 1 on machines of their own; on a shared host, less when oversubscribed."""
+        if self.host is None:
+            return 1.0
+        wanted = sum(job.cores for job in self.jobs.values())
+        return min(1.0, self.host.cores / wanted) if wanted > 0 else 1.0
+
+    def _schedule(self, key: int, job: _Job) -> None:
+        job.token = next(self.tokens)
+        self._at(job.finish, "finish", key, job.token)
+
+    def _change_jobs(self, change: Callable[[], object], started: Optional[int] = None) -> None:
+        """Start or end a job; on a shared host every other job's finish moves with the new rate."""
+        before = self._rate()
+        change()
+        after = self._rate()
+        if after != before:
+            for key, job in self.jobs.items():
+                if key != started:
+                    job.finish = self.now + (job.finish - self.now) * before / after
+                    self._schedule(key, job)
+
+    def _begin(self, key: int, seconds: float, cores: float, groups: int = 0, version: int = 0) -> None:
+        """A job of `seconds` alone-time starts now."""
+        job = _Job(finish=self.now, cores=cores, token=0, started=self.now, groups=groups, version=version)
+        self._change_jobs(lambda: self.jobs.__setitem__(key, job), started=key)
+        job.finish = self.now + seconds / self._rate()
+        self._schedule(key, job)
+
+    def _extend(self, key: int, seconds: float) -> None:
+        job = self.jobs[key]
+        job.finish += seconds / self._rate()
+        self._schedule(key, job)
+
+    def _finish(self, key: int) -> None:
+        job = self.jobs[key]
+        self._change_jobs(lambda: self.jobs.pop(key))
+        if key == LEARNER:
+            self._finish_step()
+        else:
+            self.actor_busy[key] += self.now - job.started
+            self._submit(key, job.groups, job.version)
+
+    # ------------------------------------------------------------------ actors
 
     def _grant(self, index: int) -> int:
         """Groups leased to actor `index` now, sized as the learner sizes them (0: refused)."""
@@ -144,9 +226,8 @@ class FleetSimulation:
         actor, learner = self.actors[index], self.learner
         fetch = actor.fetch_seconds if self.actor_versions[index] < learner.version else 0.0
         self.actor_versions[index] = learner.version
-        working = fetch + count * actor.seconds_per_group
-        self.actor_busy[index] += working
-        self._at(self.now + working, "done", index, count, learner.version)
+        cores = self.host.actor_cores if self.host is not None else 1.0
+        self._begin(index, fetch + count * actor.seconds_per_group, cores, count, learner.version)
         self.pending[index] = self._grant(index)
 
     def _submit(self, index: int, groups: int, version: int) -> None:
@@ -154,9 +235,8 @@ class FleetSimulation:
         learner = self.learner
         cost = groups * self.run.check_seconds_per_group
         learner.checker_free_at = max(self.now, learner.checker_free_at) + cost
-        if learner.busy and cost > 0:
-            learner.step_end += cost
-            self._schedule_step_end()
+        if LEARNER in self.jobs and cost > 0:
+            self._extend(LEARNER, cost)
         self._at(learner.checker_free_at, "accept", -1, groups, version)
         pending, self.pending[index] = self.pending[index], None
         if pending:
@@ -164,8 +244,11 @@ class FleetSimulation:
         else:  # the pipelined request was refused: the actor read that when this lease ended, and waits
             self._at(self.now + retry_after(learner.interval.value, False), "ask", index)
 
+    # ------------------------------------------------------------------ the learner
+
     def _accept(self, groups: int, version: int) -> None:
-        """The verdict: too stale is rejected (the prompts go back); the informative rest are buffered."""
+        """The verdict: too stale is rejected (the prompts go back); the informative rest are buffered, the
+        submission's first one flagged for the logprob check."""
         learner, run = self.learner, self.run
         learner.leased_out -= groups
         self.submitted += groups
@@ -175,24 +258,20 @@ class FleetSimulation:
             learner.informative_credit += groups * run.informative_fraction
             whole = int(learner.informative_credit + 1e-9)
             learner.informative_credit -= whole
-            learner.buffer.extend([version] * whole)
+            learner.buffer.extend((version, i == 0) for i in range(whole))
         self._maybe_step()
         self._wake_waiting()
 
-    def _schedule_step_end(self) -> None:
-        self.learner.step_token += 1
-        self._at(self.learner.step_end, "step", -1, self.learner.step_token)
-
     def _maybe_step(self) -> None:
         learner, run = self.learner, self.run
-        if learner.busy or len(learner.buffer) < run.groups_per_step:
+        if LEARNER in self.jobs or len(learner.buffer) < run.groups_per_step:
             return
         batch, learner.buffer = learner.buffer[: run.groups_per_step], learner.buffer[run.groups_per_step:]
-        learner.trained_staleness.extend(learner.version - v for v in batch)
-        learner.busy = True
+        learner.trained_staleness.extend(learner.version - v for v, _ in batch)
+        checks = sum(1 for _, flagged in batch if flagged)
         self._wake_waiting()
-        learner.step_end = self.now + run.step_seconds
-        self._schedule_step_end()
+        cores = self.host.learner_cores if self.host is not None else 1.0
+        self._begin(LEARNER, checks * run.logprob_check_seconds + run.step_seconds, cores)
 
     def _finish_step(self) -> None:
         learner = self.learner
@@ -200,7 +279,6 @@ class FleetSimulation:
             learner.interval.add(self.now - learner.step_ends[-1])
         learner.step_ends.append(self.now)
         learner.version += 1
-        learner.busy = False
         self._maybe_step()
 
     def _result(self) -> SimResult:
@@ -220,6 +298,7 @@ class FleetSimulation:
         )
 
 
-def simulate(actors: list[ActorSpec], run: RunSpec) -> SimResult:
-    """Steady-state steps/s and utilisation of `actors` feeding a learner shaped by `run`."""
-    return FleetSimulation(actors, run).run_to_end()
+def simulate(actors: list[ActorSpec], run: RunSpec, host: Optional[SharedHost] = None) -> SimResult:
+    """Steady-state steps/s and utilisation of `actors` feeding a learner shaped by `run`, on machines of
+    their own or on one `host`."""
+    return FleetSimulation(actors, run, host).run_to_end()

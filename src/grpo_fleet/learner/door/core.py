@@ -91,7 +91,8 @@ class Learner:
         self.logprob_check = None if self.weight_history is None else LogprobCheck(
             policy.model, self.weight_history, temperature=cfg.generation.temperature,
             chunk_tokens=cfg.train.logprob_chunk_tokens, micro_batch_tokens=cfg.train.micro_batch_tokens,
-            max_gap=security.max_logprob_gap, observe=metrics.logprob_gap.observe)
+            max_gap=security.max_logprob_gap, observe=metrics.logprob_gap.observe,
+            observe_seconds=metrics.logprob_check_seconds.observe)
         if self.weight_history is not None:
             self.weight_history.record(0)
         self.training = Training(cfg, trainer, self.snapshots, self.runlog, metrics)

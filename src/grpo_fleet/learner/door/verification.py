@@ -22,6 +22,7 @@ reports besides tokens:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -122,8 +123,9 @@ class LogprobCheck:
     """Recomputes a group's logprobs under the version it claims (training thread only: it swaps weights)."""
 
     def __init__(self, model: nn.Module, history: WeightHistory, *, temperature: float, chunk_tokens: int,
-                 micro_batch_tokens: int, max_gap: Optional[float] = None, observe: Optional[Any] = None) -> None:
-        self.model, self.history, self.observe = model, history, observe
+                 micro_batch_tokens: int, max_gap: Optional[float] = None, observe: Optional[Any] = None,
+                 observe_seconds: Optional[Any] = None) -> None:
+        self.model, self.history, self.observe, self.observe_seconds = model, history, observe, observe_seconds
         self.temperature, self.chunk_tokens, self.micro_batch_tokens = temperature, chunk_tokens, micro_batch_tokens
         self.max_gap = max_gap  # security.max_logprob_gap: overrides each group's own bound when set
 
@@ -152,7 +154,10 @@ class LogprobCheck:
         """The groups among `groups` whose gap is beyond their bound (the dtypes', or security.max_logprob_gap)."""
         failed = []
         for group in groups:
+            started = time.perf_counter()
             gap = self.gap(group)
+            if gap is not None and self.observe_seconds is not None:  # on the step's path: the fleet simulator needs it
+                self.observe_seconds(time.perf_counter() - started)
             if gap is not None and self.observe is not None:
                 self.observe(gap.mean)
             if gap is not None and gap.mean > gap.bound:

@@ -1,0 +1,136 @@
+"""What each process of a run does when it runs alone: the fleet simulator's inputs for a shared host.
+
+On this VM the learner and the actors share two cores, so the speeds a fleet
+run shows are each other's contention, not the processes' own. This measures
+them one at a time, in this process, on the run's own model, task and
+settings, once the run has ended (nothing else is busy):
+- the actor's path (`generate_groups`, LoRA policy) generating leases of the
+  run's mean size, in seconds per group;
+- one group's logprob check (`LogprobCheck.gap`), as the learner runs it before
+  a step;
+- the learner's step (`trainer_from_config`) on `groups_per_step` groups, after a
+  warm-up step.
+
+Each comes with the cores it kept busy: CPU seconds over wall seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import numpy as np
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.generation import SamplingSettings, generate_groups
+from grpo_fleet.learner.door.verification import LogprobCheck, WeightHistory
+from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
+from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, build_train_batch
+from grpo_fleet.learner.step.trainer import Trainer, trainer_from_config
+from grpo_fleet.model import load_policy
+from grpo_fleet.tasks import build_task
+
+LEASES = 6
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Timed:
+    seconds: float  # wall
+    cores: float  # CPU seconds over wall seconds: how many cores it kept busy
+
+
+@dataclass(frozen=True)
+class AloneSpeeds:
+    """A run's processes, each measured alone."""
+
+    group: Timed  # the actor generating one group (in leases of `lease_groups`)
+    lease_groups: int
+    step: Timed  # the learner's step on groups_per_step groups
+    logprob_check: Timed  # the learner's check of one group
+
+
+def timed(work: Callable[[], object]) -> Timed:
+    wall, cpu = time.perf_counter(), time.process_time()
+    work()
+    seconds = time.perf_counter() - wall
+    return Timed(seconds, (time.process_time() - cpu) / seconds if seconds > 0 else 0.0)
+
+
+def mean(runs: list[Timed], per: int = 1) -> Timed:
+    seconds = sum(r.seconds for r in runs)
+    return Timed(seconds / (len(runs) * per), sum(r.cores * r.seconds for r in runs) / seconds)
+
+
+def _accepted(prompts: list[list[int]], groups: list[Any], first_index: int) -> list[AcceptedGroup]:
+    """Generated groups as the learner holds them; rewards spread 0..1 in each group so every group trains."""
+    return [
+        AcceptedGroup(
+            group_id=f"g{first_index + i}", prompt_index=first_index + i, prompt_tokens=np.asarray(prompt, np.int32),
+            completions=[CompletionRecord(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32),
+                                          j / max(1, len(group) - 1), c.finish_reason) for j, c in enumerate(group)],
+            policy_version=0, actor_id="alone",
+        )
+        for i, (prompt, group) in enumerate(zip(prompts, groups))
+    ]
+
+
+def _generated(model: Any, prompts: list[list[int]], settings: SamplingSettings) -> tuple[Timed, list[Any]]:
+    out: list[Any] = []
+    return timed(lambda: out.extend(generate_groups(model, prompts, settings))), out
+
+
+def _actor_alone(cfg: RunConfig, path: str, lease_groups: int) -> tuple[Timed, list[AcceptedGroup]]:
+    """LEASES leases of `lease_groups` of the run's first prompts, on the actor's path."""
+    lora = cfg.lora if cfg.lora.enabled else None
+    policy = load_policy(path, lora=lora, dtype=cfg.model.dtype)
+    prompts = [p.tolist() for p in tokenize_prompts(policy.tokenizer, build_task(cfg.task), cfg)]
+    gen = cfg.generation
+    settings = SamplingSettings(group_size=gen.group_size, max_tokens=gen.max_tokens, temperature=gen.temperature,
+                                top_p=gen.top_p, stop_token_ids=sorted(policy.tokenizer.eos_token_ids))
+    generate_groups(policy.model, prompts[:1], settings)  # warm-up
+    runs: list[Timed] = []
+    accepted: list[AcceptedGroup] = []
+    for lease in range(LEASES):
+        first = (lease * lease_groups) % max(1, len(prompts) - lease_groups)
+        chosen = prompts[first: first + lease_groups]
+        run, out = _generated(policy.model, chosen, settings)
+        runs.append(run)
+        accepted += _accepted(chosen, out, len(accepted))
+    return mean(runs, per=lease_groups), accepted
+
+
+def _step(trainer: Trainer, groups: list[AcceptedGroup]) -> None:
+    trainer.step(build_train_batch(groups))
+
+
+def _learner_alone(cfg: RunConfig, path: str, groups: list[AcceptedGroup]) -> tuple[Timed, Timed]:
+    """(one step, one group's logprob check) on the learner's own objects."""
+    lora = cfg.lora if cfg.lora.enabled else None
+    policy = load_policy(path, lora=lora, dtype=cfg.model.dtype)
+    ref_model = None
+    if lora is None and cfg.grpo.beta > 0:
+        ref_model = load_policy(path, dtype=cfg.model.dtype).model
+        ref_model.freeze()
+    history = WeightHistory(policy.model, keep=1)
+    history.record(0)
+    check = LogprobCheck(policy.model, history, temperature=cfg.generation.temperature,
+                         chunk_tokens=cfg.train.logprob_chunk_tokens, micro_batch_tokens=cfg.train.micro_batch_tokens)
+    check.gap(groups[0])  # warm-up
+    checks = [timed(partial(check.gap, group)) for group in groups[1: 1 + STEPS]]
+    trainer = trainer_from_config(policy, cfg, ref_model)
+    size = cfg.grpo.groups_per_step
+    batches = [groups[(i * size) % len(groups):][:size] for i in range(STEPS + 1)]
+    trainer.step(build_train_batch(batches[0]))  # warm-up, as the run's first step is left out
+    steps = [timed(partial(_step, trainer, batch)) for batch in batches[1:]]
+    return mean(steps), mean(checks)
+
+
+def measure_alone(cfg: RunConfig, lease_groups: int) -> AloneSpeeds:
+    """The run's actor, logprob check and learner step, each alone, on the run's model (cached by the run)."""
+    path = resolve_model_path(cfg, build_task(cfg.task))
+    group, generated = _actor_alone(cfg, path, lease_groups)
+    step, check = _learner_alone(cfg, path, generated)
+    return AloneSpeeds(group=group, lease_groups=lease_groups, step=step, logprob_check=check)

@@ -151,7 +151,8 @@ def _simulate(args: argparse.Namespace) -> int:
               f"{', '.join(next(iter(MODELS.values())).decode_tok_s)}", file=sys.stderr)
         return 2
     inputs = PlanInputs(model=args.model, mac=args.mac, batch_speedup=args.batch_speedup,
-                        learner_tok_s=args.learner_tok_s, link_gbps=args.link_gbps)
+                        learner_tok_s=args.learner_tok_s, link_gbps=args.link_gbps,
+                        logprob_check=not args.no_logprob_check)
     shape = PlanShape(group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                       completion_tokens=args.completion_tokens, groups_per_step=args.groups_per_step)
     print(render(plan(inputs, shape, args.actors, args.ranks), inputs, shape))
@@ -174,6 +175,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     simulate.add_argument("--batch-speedup", type=float, default=1.0,
                           help="an actor's batched decode over the published batch-1 tok/s (default 1: a lower bound)")
     simulate.add_argument("--link-gbps", type=float, default=10.0, help="network between Macs (10 GbE; TB5 is 80)")
+    simulate.add_argument("--no-logprob-check", action="store_true",
+                          help="a fleet run with security.verify_logprobs=false (trusted actors): no check on rank 0")
     simulate.add_argument("--group-size", type=_at_least_one, default=8)
     simulate.add_argument("--prompt-tokens", type=_at_least_one, default=150)
     simulate.add_argument("--completion-tokens", type=_at_least_one, default=384)

@@ -96,11 +96,25 @@ def test_a_faster_learner_needs_more_actors_to_saturate():
     assert steps_per_second == sorted(steps_per_second), "more actors never slow the fleet down"
 
 
+def test_the_logprob_check_stays_on_rank_0_so_ranks_gain_less_with_it():
+    shape, counts = PlanShape(groups_per_step=8), [64]
+    checked = plan(PlanInputs(learner_tok_s=2000.0), shape, counts, [1, 2], steps=60)
+    trusted = plan(PlanInputs(learner_tok_s=2000.0, logprob_check=False), shape, counts, [1, 2], steps=60)
+    assert trusted.check_seconds == 0.0 < checked.check_seconds
+
+    def best(result, ranks):
+        return max(r.steps_per_second for r in result.rows if r.ranks == ranks)
+
+    assert best(checked, 1) < best(trusted, 1)
+    assert best(checked, 2) / best(checked, 1) < best(trusted, 2) / best(trusted, 1)
+
+
 def test_the_simulate_command_prints_the_plan_and_refuses_unknown_sizes(capsys):
     from grpo_fleet.cli import main
 
     assert main(["simulate", "--actors", "1,8", "--ranks", "1,2", "--learner-tok-s", "2000"]) == 0
     out = capsys.readouterr().out
     assert "steps/h, 2 ranks" in out and "one learner saturates at" in out and "not a measurement" in out
+    assert "logprob check" in out and "a submission on rank 0" in out
     assert main(["simulate", "--model", "70b"]) == 2
     assert "choose --model from" in capsys.readouterr().err

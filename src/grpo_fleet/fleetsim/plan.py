@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
-from grpo_fleet.fleetsim.published import MODELS, learner_tokens_per_second, lora_gradient_bytes
+from grpo_fleet.fleetsim.published import LOGPROB_CHECK_SHARE, MODELS, learner_tokens_per_second, lora_gradient_bytes
 from grpo_fleet.fleetsim.simulation import ActorSpec, RunSpec, simulate
 
 SATURATED = 0.95  # "one learner saturates" where more actors add less than 5% more steps/s
@@ -32,6 +32,7 @@ class PlanInputs:
     batch_speedup: float = 1.0  # batched decode of a group over batch-1 tokens/s (1: none, a lower bound)
     learner_tok_s: Optional[float] = None  # trained tokens/s of one rank; None: this VM's measured figure
     link_gbps: float = 10.0  # between learner ranks and to actors (10 GbE; Thunderbolt 5 is 80)
+    logprob_check: bool = True  # security.verify_logprobs: one group of each submission re-run on rank 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class PlanRow:
 class Plan:
     rows: list[PlanRow]
     step_seconds: dict[int, float]  # by rank count
+    check_seconds: float  # the logprob check of one group, per submission, on rank 0
     actor_seconds_per_group: float
     saturating_actors: dict[int, int]  # by rank count: the fewest actors within 5% of the most steps/s
     learner_extrapolated: bool
@@ -67,24 +69,33 @@ def step_seconds(inputs: PlanInputs, shape: PlanShape, ranks: int) -> tuple[floa
     return tokens / tok_s / ranks + ring, extrapolated and inputs.learner_tok_s is None
 
 
+def check_seconds(inputs: PlanInputs, shape: PlanShape) -> float:
+    """The logprob check of one group on rank 0: a share of one group's part of a one-rank step."""
+    if not inputs.logprob_check:
+        return 0.0
+    one_rank, _ = step_seconds(inputs, replace(shape, groups_per_step=1), 1)
+    return LOGPROB_CHECK_SHARE * one_rank
+
+
 def plan(inputs: PlanInputs, shape: PlanShape, actor_counts: list[int], rank_counts: list[int],
          steps: int = 120) -> Plan:
     """Steps/s for every (ranks, actors) pair, and where each rank count stops gaining from more actors."""
     per_group = actor_seconds_per_group(inputs, shape)
     fetch = lora_gradient_bytes(MODELS[inputs.model]) / 2 / (inputs.link_gbps * 1e9 / 8)  # fp16-sized weights
     rows, seconds, saturating = [], {}, {}
-    extrapolated = False
+    extrapolated, check = False, check_seconds(inputs, shape)
     for ranks in rank_counts:
         seconds[ranks], extrapolated = step_seconds(inputs, shape, ranks)
         run = RunSpec(groups_per_step=shape.groups_per_step, step_seconds=seconds[ranks],
-                      max_staleness=shape.max_staleness, in_flight_steps=shape.in_flight_steps, steps=steps)
+                      max_staleness=shape.max_staleness, in_flight_steps=shape.in_flight_steps, steps=steps,
+                      logprob_check_seconds=check)
         for count in actor_counts:
             result = simulate([ActorSpec(per_group, fetch)] * count, run)
             rows.append(PlanRow(ranks, count, result.steps_per_second, result.learner_busy_fraction,
                                 result.actor_busy_fraction))
         best = max(r.steps_per_second for r in rows if r.ranks == ranks)
         saturating[ranks] = min(r.actors for r in rows if r.ranks == ranks and r.steps_per_second >= SATURATED * best)
-    return Plan(rows, seconds, per_group, saturating, extrapolated)
+    return Plan(rows, seconds, check, per_group, saturating, extrapolated)
 
 
 def render(result: Plan, inputs: PlanInputs, shape: PlanShape) -> str:
@@ -94,7 +105,9 @@ def render(result: Plan, inputs: PlanInputs, shape: PlanShape) -> str:
         f"{inputs.model} on {inputs.mac} actors ({result.actor_seconds_per_group:.1f} s a group of "
         f"{shape.group_size} x {shape.completion_tokens} tokens), {shape.groups_per_step} groups a step",
         "learner step: " + ", ".join(f"{r} rank{'s' if r > 1 else ''} {result.step_seconds[r]:.0f} s" for r in ranks)
-        + (" (extrapolated by parameter count)" if result.learner_extrapolated else ""),
+        + (" (extrapolated by parameter count)" if result.learner_extrapolated else "")
+        + (f"; logprob check {result.check_seconds:.0f} s a submission on rank 0" if result.check_seconds else
+           "; no logprob check"),
         "actors | " + " | ".join(f"steps/h, {r} rank{'s' if r > 1 else ''}" for r in ranks),
     ]
     for count in sorted({row.actors for row in result.rows}):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, step_seconds
@@ -67,14 +69,16 @@ def test_on_one_shared_core_the_actor_and_the_learner_take_turns():
 
 
 def test_each_submissions_logprob_check_delays_the_step_that_takes_it():
-    # Fast actors delivering one group a lease: each of the step's 4 groups came in its own submission and is
-    # checked (0.5 s) on the training thread first.
-    actors = [ActorSpec(seconds_per_group=0.05, max_groups=1)] * 8
-    plain = simulate(actors, RunSpec(groups_per_step=4, step_seconds=2.0, max_groups_per_lease=1, in_flight_steps=4))
-    checked = simulate(actors, RunSpec(groups_per_step=4, step_seconds=2.0, max_groups_per_lease=1, in_flight_steps=4,
-                                       logprob_check_seconds=0.5))
+    # Fast actors delivering 4 groups a lease, every group informative: with 1 check a submission each step
+    # waits for one 0.5 s check on the training thread, with 4 for all four of its groups'.
+    actors = [ActorSpec(seconds_per_group=0.05, max_groups=4)] * 8
+    run = RunSpec(groups_per_step=4, step_seconds=2.0, max_groups_per_lease=4, in_flight_steps=4)
+    plain = simulate(actors, run)
+    one = simulate(actors, replace(run, logprob_check_seconds=0.5, logprob_checks_per_submission=1))
+    every = simulate(actors, replace(run, logprob_check_seconds=0.5, logprob_checks_per_submission=4))
     assert plain.steps_per_second == pytest.approx(1 / 2.0, rel=0.02)
-    assert checked.steps_per_second == pytest.approx(1 / 4.0, rel=0.02)
+    assert one.steps_per_second == pytest.approx(1 / 2.5, rel=0.03)
+    assert every.steps_per_second == pytest.approx(1 / 4.0, rel=0.03)
 
 
 def test_ranks_split_the_step_and_the_lora_all_reduce_is_small():
@@ -115,6 +119,6 @@ def test_the_simulate_command_prints_the_plan_and_refuses_unknown_sizes(capsys):
     assert main(["simulate", "--actors", "1,8", "--ranks", "1,2", "--learner-tok-s", "2000"]) == 0
     out = capsys.readouterr().out
     assert "steps/h, 2 ranks" in out and "one learner saturates at" in out and "not a measurement" in out
-    assert "logprob check" in out and "a submission on rank 0" in out
+    assert "logprob check" in out and "a submission, on rank 0" in out
     assert main(["simulate", "--model", "70b"]) == 2
     assert "choose --model from" in capsys.readouterr().err

@@ -104,7 +104,8 @@ def _run_spec(cfg: RunConfig, run: MeasuredRun, step_seconds: float, logprob_che
                    informative_fraction=run.informative_fraction, max_staleness=cfg.grpo.max_staleness,
                    in_flight_steps=cfg.server.in_flight_steps, max_groups_per_lease=cfg.server.max_groups_per_lease,
                    lease_seconds=cfg.server.lease_seconds, check_seconds_per_group=run.check_seconds_per_group,
-                   logprob_check_seconds=logprob_check_seconds)
+                   logprob_check_seconds=logprob_check_seconds if cfg.security.verify_logprobs else 0.0,
+                   logprob_checks_per_submission=cfg.security.logprob_checks_per_submission)
 
 
 def predicted_own_machines(run: MeasuredRun, cfg: RunConfig) -> float:

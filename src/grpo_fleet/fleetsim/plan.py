@@ -21,6 +21,7 @@ class PlanShape:
     groups_per_step: int = 16
     max_staleness: int = 2
     in_flight_steps: int = 2
+    logprob_checks_per_submission: int = 4  # security.logprob_checks_per_submission
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ def step_seconds(inputs: PlanInputs, shape: PlanShape, ranks: int) -> tuple[floa
 
 
 def check_seconds(inputs: PlanInputs, shape: PlanShape) -> float:
-    """The logprob check of one group on rank 0: a share of one group's part of a one-rank step."""
+    """The logprob check of one group on rank 0 (up to `logprob_checks_per_submission` a submission): a share
+    of one group's part of a one-rank step."""
     if not inputs.logprob_check:
         return 0.0
     one_rank, _ = step_seconds(inputs, replace(shape, groups_per_step=1), 1)
@@ -88,7 +90,7 @@ def plan(inputs: PlanInputs, shape: PlanShape, actor_counts: list[int], rank_cou
         seconds[ranks], extrapolated = step_seconds(inputs, shape, ranks)
         run = RunSpec(groups_per_step=shape.groups_per_step, step_seconds=seconds[ranks],
                       max_staleness=shape.max_staleness, in_flight_steps=shape.in_flight_steps, steps=steps,
-                      logprob_check_seconds=check)
+                      logprob_check_seconds=check, logprob_checks_per_submission=shape.logprob_checks_per_submission)
         for count in actor_counts:
             result = simulate([ActorSpec(per_group, fetch)] * count, run)
             rows.append(PlanRow(ranks, count, result.steps_per_second, result.learner_busy_fraction,
@@ -106,7 +108,8 @@ def render(result: Plan, inputs: PlanInputs, shape: PlanShape) -> str:
         f"{shape.group_size} x {shape.completion_tokens} tokens), {shape.groups_per_step} groups a step",
         "learner step: " + ", ".join(f"{r} rank{'s' if r > 1 else ''} {result.step_seconds[r]:.0f} s" for r in ranks)
         + (" (extrapolated by parameter count)" if result.learner_extrapolated else "")
-        + (f"; logprob check {result.check_seconds:.0f} s a submission on rank 0" if result.check_seconds else
+        + (f"; logprob check {result.check_seconds:.0f} s a group, up to {shape.logprob_checks_per_submission} a "
+           "submission, on rank 0" if result.check_seconds else
            "; no logprob check"),
         "actors | " + " | ".join(f"steps/h, {r} rank{'s' if r > 1 else ''}" for r in ranks),
     ]

@@ -51,8 +51,8 @@ MEASURED_LEARNER_TOK_S = {"smollm2-135m": 29.5, "qwen2.5-0.5b": 20.0}
 LORA_RANK = 16
 # The learner's logprob check of one group (security.verify_logprobs: a forward pass under the weights the
 # group claims) over one group's share of a step, measured here alone on SmolLM2-135M, LoRA r8, 2 groups x 4
-# (`bench --only fleet_sim`: check 2.26 s, step 6.65 s). It runs once per submission on rank 0's training
-# thread, so more ranks do not shorten it.
+# (`bench --only fleet_sim`: check 2.26 s, step 6.65 s). It runs for up to 4 groups of each submission
+# (security.logprob_checks_per_submission) on rank 0's training thread, so more ranks do not shorten it.
 LOGPROB_CHECK_SHARE = 0.68
 
 

@@ -7,7 +7,7 @@ a refused actor asks again after `retry_after`, and a group sampled more than
 `max_staleness` versions behind the policy it reaches is rejected (its prompt
 goes back to the queue). Each submission's first informative group has its
 logprobs recomputed on the learner's training thread before the step that
-takes it (security.verify_logprobs).
+takes it (up to `logprob_checks_per_submission` of them, security.verify_logprobs).
 
 Processes run on machines of their own (a fleet of Macs), or on one shared
 host (`SharedHost`, how the check on this VM runs): there every busy process
@@ -56,9 +56,11 @@ class RunSpec:
     # rewards re-scored, logprobs re-checked). One verifier thread does it, on the device the steps use, so
     # a step under way is delayed by as much.
     check_seconds_per_group: float = 0.0
-    # The learner's logprob check of one group (grpo_fleet_learner_logprob_check_seconds): one a submission, on
-    # the training thread, so the step that takes the group waits for it.
+    # The learner's logprob check of one group (grpo_fleet_learner_logprob_check_seconds), on the training
+    # thread, so the step that takes the group waits for it; up to security.logprob_checks_per_submission
+    # informative groups of each submission are checked.
     logprob_check_seconds: float = 0.0
+    logprob_checks_per_submission: int = 4
     steps: int = 200
 
 
@@ -247,8 +249,8 @@ class FleetSimulation:
     # ------------------------------------------------------------------ the learner
 
     def _accept(self, groups: int, version: int) -> None:
-        """The verdict: too stale is rejected (the prompts go back); the informative rest are buffered, the
-        submission's first one flagged for the logprob check."""
+        """The verdict: too stale is rejected (the prompts go back); the informative rest are buffered, up
+        to `logprob_checks_per_submission` of them flagged for the logprob check."""
         learner, run = self.learner, self.run
         learner.leased_out -= groups
         self.submitted += groups
@@ -258,7 +260,7 @@ class FleetSimulation:
             learner.informative_credit += groups * run.informative_fraction
             whole = int(learner.informative_credit + 1e-9)
             learner.informative_credit -= whole
-            learner.buffer.extend((version, i == 0) for i in range(whole))
+            learner.buffer.extend((version, i < run.logprob_checks_per_submission) for i in range(whole))
         self._maybe_step()
         self._wake_waiting()
 

@@ -236,3 +236,21 @@ def test_rewards_scored_ahead_are_not_scored_again_under_the_lock(make: Callable
     check.forget_ahead()
     check.verdicts(jobs)
     assert calls[-1] == len(jobs)
+
+
+def test_groups_checked_in_one_forward_get_the_gaps_each_gets_alone(make: Callable[..., Learner]) -> None:
+    learner = make(security={"verify_logprobs": True})
+    hello(learner)
+    ask(learner, ACTOR_A, shifted(generated_rollouts(learner, lease(learner)), -0.5, first=1))
+    check = learner.logprob_check
+    assert check is not None
+    groups = list(learner.state.buffer)
+    together = check.gaps(groups)
+    alone = [check.gap(group) for group in groups]
+    assert len(groups) == 2 and all(gap is not None for gap in together + alone)
+    assert [g.group_id for g in together if g] == [g.group_id for g in alone if g] == [g.group_id for g in groups]
+    for joint, single in zip(together, alone):
+        assert joint is not None and single is not None
+        assert joint.mean == pytest.approx(single.mean, abs=1e-6) and joint.max == pytest.approx(single.max, abs=1e-5)
+    honest, liar = together
+    assert honest is not None and liar is not None and honest.mean < 1e-3 and liar.mean == pytest.approx(0.5, abs=0.01)

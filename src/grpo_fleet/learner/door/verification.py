@@ -131,33 +131,56 @@ class LogprobCheck:
 
     def gap(self, group: AcceptedGroup) -> Optional[LogprobGap]:
         """Mean and max |reported - recomputed| over the group's tokens; None when that version is not kept."""
-        weights = self.history.versions.get(group.policy_version)
-        if weights is None:
-            return None
+        return self.gaps([group])[0]
+
+    def gaps(self, groups: Sequence[AcceptedGroup]) -> list[Optional[LogprobGap]]:
+        """`gap` of each group, in order: one forward per claimed version (and group size), not one per group,
+        since on a small model a forward's cost is mostly per call."""
+        found: list[Optional[LogprobGap]] = [None] * len(groups)
+        together: dict[tuple[int, int], list[int]] = {}
+        for index, group in enumerate(groups):
+            together.setdefault((group.policy_version, len(group.completions)), []).append(index)
+        for (version, _), indices in together.items():
+            weights = self.history.versions.get(version)
+            if weights is None:
+                continue
+            started = time.perf_counter()
+            members = [groups[i] for i in indices]
+            for index, gap in zip(indices, self._recomputed(members, weights)):
+                found[index] = gap
+            if self.observe_seconds is not None:  # on the step's path: the fleet simulator needs it
+                for _ in indices:
+                    self.observe_seconds((time.perf_counter() - started) / len(indices))
+        return found
+
+    def _recomputed(self, groups: list[AcceptedGroup], weights: list[tuple[str, mx.array]]) -> list[LogprobGap]:
+        """The groups' gaps under `weights`, in one batch."""
         # The live weights may be past the last published version (train.sync_every > 1): always swap, then restore.
         live: Any = tree_flatten(self.model.trainable_parameters())
         self.model.update(tree_unflatten(weights))
         try:
-            batch = build_train_batch([group])
+            batch = build_train_batch(groups)
             micro = split_batch(batch, self.micro_batch_tokens)
             values = frozen_logprobs(self.model, micro, temperature=self.temperature, chunk_tokens=self.chunk_tokens)
             rows, width = batch.mask.shape
             ours = unpack_completions(micro, values, (rows, width))
         finally:
             self.model.update(tree_unflatten(live))
-        mask = np.array(batch.mask) != 0
-        diff = np.abs(np.array(batch.old_logprobs)[mask] - ours[mask])
-        bound = self.max_gap if self.max_gap is not None else group.logprob_bound
-        return LogprobGap(group.group_id, float(diff.mean()), float(diff.max()), bound)
+        mask, reported = np.array(batch.mask) != 0, np.array(batch.old_logprobs)
+        gaps, first = [], 0
+        for group in groups:
+            own = slice(first, first + len(group.completions))  # rows are group-major
+            first = own.stop
+            diff = np.abs(reported[own][mask[own]] - ours[own][mask[own]])
+            bound = self.max_gap if self.max_gap is not None else group.logprob_bound
+            gaps.append(LogprobGap(group.group_id, float(diff.mean()) if diff.size else 0.0,
+                                   float(diff.max()) if diff.size else 0.0, bound))
+        return gaps
 
     def failures(self, groups: Sequence[AcceptedGroup]) -> list[tuple[AcceptedGroup, LogprobGap]]:
         """The groups among `groups` whose gap is beyond their bound (the dtypes', or security.max_logprob_gap)."""
         failed = []
-        for group in groups:
-            started = time.perf_counter()
-            gap = self.gap(group)
-            if gap is not None and self.observe_seconds is not None:  # on the step's path: the fleet simulator needs it
-                self.observe_seconds(time.perf_counter() - started)
+        for group, gap in zip(groups, self.gaps(groups)):
             if gap is not None and self.observe is not None:
                 self.observe(gap.mean)
             if gap is not None and gap.mean > gap.bound:

@@ -6,8 +6,8 @@ them one at a time, in this process, on the run's own model, task and
 settings, once the run has ended (nothing else is busy):
 - the actor's path (`generate_groups`, LoRA policy) generating leases of the
   run's mean size, in seconds per group;
-- one group's logprob check (`LogprobCheck.gap`), as the learner runs it before
-  a step;
+- the logprob check (`LogprobCheck.gaps`) of a step's groups together, as the
+  learner runs it before a step, per group;
 - the learner's step (`trainer_from_config`) on `groups_per_step` groups, after a
   warm-up step.
 
@@ -118,11 +118,12 @@ def _learner_alone(cfg: RunConfig, path: str, groups: list[AcceptedGroup]) -> tu
     history.record(0)
     check = LogprobCheck(policy.model, history, temperature=cfg.generation.temperature,
                          chunk_tokens=cfg.train.logprob_chunk_tokens, micro_batch_tokens=cfg.train.micro_batch_tokens)
-    check.gap(groups[0])  # warm-up
-    checks = [timed(partial(check.gap, group)) for group in groups[1: 1 + STEPS]]
-    trainer = trainer_from_config(policy, cfg, ref_model)
     size = cfg.grpo.groups_per_step
     batches = [groups[(i * size) % len(groups):][:size] for i in range(STEPS + 1)]
+    check.gaps(batches[0])  # warm-up
+    # As the learner checks a batch's flagged groups: together, one forward per claimed version.
+    checks = [mean([timed(partial(check.gaps, batch))], per=len(batch)) for batch in batches[1:]]
+    trainer = trainer_from_config(policy, cfg, ref_model)
     trainer.step(build_train_batch(batches[0]))  # warm-up, as the run's first step is left out
     steps = [timed(partial(_step, trainer, batch)) for batch in batches[1:]]
     return mean(steps), mean(checks)

@@ -4,8 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 UNAME  := $(shell uname -s)
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead.
-OPENBLAS = $$(ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1)
+# MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead, with the kernels
+# this CPU can run (src/grpo_fleet/blas.py: LD_PRELOAD and OPENBLAS_CORETYPE, as the CLI sets them for itself).
+BLAS_ENV = $$($(PY) -m grpo_fleet.blas)
 
 .PHONY: demo demo-real test test-fast test-deps lint bench bench-full doctor system-deps clean readme
 
@@ -53,10 +54,10 @@ lint: $(VENV)/.installed
 # threads spin while they wait. TEST_WORKERS=0 runs the suite in this process, in order.
 TEST_WORKERS ?= 3
 test: test-deps $(VENV)/.installed lint
-	LD_PRELOAD="$(OPENBLAS)" OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
+	env $(BLAS_ENV) OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 test-fast: test-deps $(VENV)/.installed
-	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
+	env $(BLAS_ENV) $(PY) -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
 
 # About 30 minutes on a 2-vCPU VM; bench-full adds the long sweeps (hours). Both write bench/results.json.
 bench: system-deps $(VENV)/.installed

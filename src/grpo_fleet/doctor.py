@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
 from typing import Callable
 
-from grpo_fleet.blas import find_openblas
+from grpo_fleet.blas import CORETYPE_ENV, find_openblas
 
 
 def loaded_blas_libraries() -> list[str]:
@@ -78,7 +79,9 @@ def blas_description() -> str:
         return "Accelerate (macOS)"
     libraries = loaded_blas_libraries()
     if any("openblas" in lib for lib in libraries):
-        return "OpenBLAS: " + ", ".join(lib for lib in libraries if "openblas" in lib)
+        kernels = os.environ.get(CORETYPE_ENV)
+        return ("OpenBLAS: " + ", ".join(lib for lib in libraries if "openblas" in lib)
+                + (f" ({kernels} kernels, {CORETYPE_ENV})" if kernels else " (kernels by its own CPU detection)"))
     hint = "" if find_openblas() else " (install libopenblas0-pthread for ~30x faster fp32 matmul)"
     return "bundled reference BLAS" + hint
 

@@ -20,12 +20,20 @@ from grpo_fleet.protocol.endpoints import free_port as _free_port
 from grpo_fleet.realshape import build_realshape
 from grpo_fleet.tasks import build_task
 from grpo_fleet.tiny_model import build_tiny_model
+from scheduling import UNKNOWN_SECONDS, UNKNOWN_SLOW_SECONDS, balanced_order, known_durations
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first (stable otherwise): with pytest-xdist's work stealing, a long test that starts
-    last would run alone at the end while the other worker idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest first on every pytest-xdist worker (tests/scheduling.py): a long test that starts last runs
+    alone at the end while the other workers idle."""
+    known = known_durations()
+
+    def seconds(item: pytest.Item) -> float:
+        default = UNKNOWN_SLOW_SECONDS if item.get_closest_marker("slow") else UNKNOWN_SECONDS
+        return known.get(item.nodeid, default)
+
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = balanced_order(items, seconds, workers)
 
 
 class FakeClock:

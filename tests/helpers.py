@@ -26,6 +26,11 @@ class Scraped:
         """The sum of every sample called `name`, across label sets (0 when absent)."""
         return sum(s.value for s in self.samples if s.name == name)
 
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of the samples called `name` whose labels include `labels` (0 when none)."""
+        wanted = labels.items()
+        return sum(s.value for s in self.samples if s.name == name and wanted <= s.labels.items())
+
     def totals(self) -> dict[str, float]:
         """Every sample name with its sum across label sets."""
         out: dict[str, float] = {}

@@ -19,7 +19,7 @@ from grpo_fleet.blas import child_env
 from grpo_fleet.exit_codes import RANKS_FAILED
 from grpo_fleet.learner.records.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
-from helpers import audit_ledger, jsonl, wait_steps
+from helpers import audit_ledger, jsonl, scrape, wait_steps
 
 DRIVER = Path(__file__).parents[1] / "data_parallel_driver.py"
 MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -129,6 +129,31 @@ def _start_fleet(run_config, spawn, tmp_path, free_port, **sections):
     return rank0, rank1, actors, run_dir
 
 
+def _port_and_next_free(free_port) -> int:
+    """A port free now whose successor is free too: rank 1 serves its metrics on the learner's port + 1."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two free ports in a row")
+
+
+def _both_ranks_export_their_collectives(port: int) -> None:
+    """Rank 0 with the learner's metrics, rank 1 on port + 1: collective seconds and bytes, and rank 1's steps."""
+    rank0, rank1 = scrape(port), scrape(port + 1)
+    for page, rank in ((rank0, "0"), (rank1, "1")):
+        assert page.value("grpo_fleet_learner_collective_seconds_total", rank=rank) > 0, page.text[:2000]
+        assert page.value("grpo_fleet_learner_collective_bytes_total", rank=rank,
+                          collective="gradient all-sum") > 0, page.text[:2000]
+    assert rank1.value("grpo_fleet_learner_rank_steps_total", rank="1") >= 1
+    assert rank1.value("grpo_fleet_learner_rank_step_seconds_count", rank="1") >= 1
+    assert rank1.value("grpo_fleet_learner_steps_total") == 0, "rank 1 serves its own page, not the learner's"
+
+
 def _no_partial_checkpoint(run_dir: Path, steps_done: int) -> None:
     root = run_dir / "checkpoints"
     staging = [p.name for p in root.iterdir() if p.name.startswith(".")]
@@ -140,9 +165,11 @@ def _no_partial_checkpoint(run_dir: Path, steps_done: int) -> None:
 @pytest.mark.slow
 def test_a_killed_rank_ends_rank0_cleanly_and_the_run_resumes_on_one_rank(run_config, spawn, tmp_path, free_port):
     target = 14
+    port = _port_and_next_free(free_port)
     rank0, rank1, actors, run_dir = _start_fleet(
-        run_config, spawn, tmp_path, free_port, train={"steps": target, "checkpoint_every": 3})
+        run_config, spawn, tmp_path, free_port, train={"steps": target, "checkpoint_every": 3}, metrics={"port": port})
     wait_steps(run_dir, 5, rank0, timeout=240)
+    _both_ranks_export_their_collectives(port)
     os.killpg(rank1.pid, signal.SIGKILL)
     rank1.wait()
     code = rank0.wait(timeout=120)

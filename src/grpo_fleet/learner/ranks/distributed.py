@@ -25,6 +25,7 @@ import numpy as np
 
 from grpo_fleet.config import ConfigError, DistributedConfig, RunConfig
 from grpo_fleet.learner.ranks.collectives import RankGroup, init_group
+from grpo_fleet.learner.ranks.rank_metrics import CollectiveTotals
 from grpo_fleet.learner.ranks.sharding import (
     HEADER_SIZE,
     Command,
@@ -206,6 +207,7 @@ def rank0_session(ranks: RankGroup, cfg: RunConfig) -> Iterator[Callable[[Learne
     def start(learner: Learner) -> None:
         nonlocal started
         start_rank0(ranks, cfg, learner.trainer, learner.model_digest, learner.state.step)
+        learner.metrics.registry.register(CollectiveTotals(ranks))
         started = True
 
     try:

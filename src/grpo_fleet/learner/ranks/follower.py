@@ -18,6 +18,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.exit_codes import DONE, REFUSED
 from grpo_fleet.learner.ranks.collectives import RankGroup
 from grpo_fleet.learner.ranks.distributed import DataParallel, share_state, state_layout
+from grpo_fleet.learner.ranks.rank_metrics import FollowerMetrics, follower_metrics, serve_follower_metrics
 from grpo_fleet.learner.ranks.sharding import Command
 from grpo_fleet.learner.step.trainer import Trainer, trainer_from_config
 from grpo_fleet.model import load_policy, model_digest
@@ -76,15 +77,28 @@ def run_follower(ranks: RankGroup) -> int:
         return REFUSED
     sharding = DataParallel(ranks, cfg.distributed.digest_every)
     trainer.sharding = sharding
+    metrics = follower_metrics(ranks)
+    server = serve_follower_metrics(metrics, cfg.metrics, ranks.rank)
     log.info("rank %d of %d ready: %s, waiting for rank 0's batches", ranks.rank, ranks.size, trainer.policy.path)
+    try:
+        return _follow(sharding, trainer, metrics, cfg.distributed.keepalive_seconds)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _follow(sharding: DataParallel, trainer: Trainer, metrics: FollowerMetrics, keepalive_seconds: float) -> int:
+    rank = sharding.ranks.rank
     while True:
         header = sharding.receive()
         if header.command == Command.STOP:
-            log.info("rank %d: rank 0 says stop after %d steps", ranks.rank, sharding.steps)
+            log.info("rank %d: rank 0 says stop after %d steps", rank, sharding.steps)
             return DONE
         if header.command == Command.STEP:
+            started = time.perf_counter()
             trainer.step(sharding.receive_batch(header))
+            metrics.observe_step(started)
         elif header.command == Command.KEEPALIVE:
             # Rank 0 is idle and will not be back for about keepalive_seconds. MLX's ring spins a core while
             # it waits in a collective, so sleep most of that away (the first step after idling waits for it).
-            time.sleep(IDLE_SLEEP_SHARE * cfg.distributed.keepalive_seconds)
+            time.sleep(IDLE_SLEEP_SHARE * keepalive_seconds)

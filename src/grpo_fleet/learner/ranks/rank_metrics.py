@@ -1,0 +1,85 @@
+"""Prometheus metrics of a data-parallel learner's ranks.
+
+Every rank counts the seconds and bytes of each `mx.distributed` collective it
+ran (`RankGroup.totals`); rank 0 exports them with the learner's metrics. A
+rank other than 0 has no learner to export from, so it serves its own small
+registry: those counters, its steps and their seconds, on `metrics.port +
+rank` (the learner's host), or a free port if that one is taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from grpo_fleet.config import MetricsConfig
+from grpo_fleet.learner.ranks.collectives import RankGroup
+from grpo_fleet.metrics import PREFIX
+from grpo_fleet.metrics_http import MetricsServer, serve_metrics
+
+log = logging.getLogger("grpo_fleet.learner.ranks")
+LEARNER = PREFIX + "_learner"
+
+
+class CollectiveTotals(Collector):
+    """`RankGroup.totals`, read at scrape time: nothing is added to the collectives' own path."""
+
+    def __init__(self, ranks: RankGroup) -> None:
+        self.ranks = ranks
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        seconds = CounterMetricFamily(f"{LEARNER}_collective_seconds", "Seconds in each mx.distributed collective "
+                                      "(waiting for the other ranks included), by rank", labels=["collective", "rank"])
+        sent = CounterMetricFamily(f"{LEARNER}_collective_bytes", "Bytes each rank put into each mx.distributed "
+                                   "collective", labels=["collective", "rank"])
+        for what, (waited, nbytes) in sorted(self.ranks.totals.items()):
+            seconds.add_metric([what, str(self.ranks.rank)], waited)
+            sent.add_metric([what, str(self.ranks.rank)], nbytes)
+        yield seconds
+        yield sent
+
+
+@dataclass
+class FollowerMetrics:
+    """What a rank other than 0 exports."""
+
+    registry: CollectorRegistry
+    steps: Counter
+    step_seconds: Histogram
+
+    def observe_step(self, started: float) -> None:
+        self.steps.inc()
+        self.step_seconds.observe(time.perf_counter() - started)
+
+
+def follower_metrics(ranks: RankGroup) -> FollowerMetrics:
+    registry = CollectorRegistry()
+    registry.register(CollectiveTotals(ranks))
+    labels = {"rank": str(ranks.rank)}
+    return FollowerMetrics(
+        registry=registry,
+        steps=Counter(f"{LEARNER}_rank_steps", "Steps this rank trained its share of", labelnames=list(labels),
+                      registry=registry).labels(**labels),
+        step_seconds=Histogram(f"{LEARNER}_rank_step_seconds", "Wall time of this rank's share of a step, "
+                               "all-reduce included", labelnames=list(labels), registry=registry).labels(**labels),
+    )
+
+
+def serve_follower_metrics(metrics: FollowerMetrics, cfg: MetricsConfig, rank: int) -> Optional[MetricsServer]:
+    """/metrics on the learner's port + rank; none when the learner serves none (port 0)."""
+    if not cfg.port:
+        return None
+    try:
+        server = serve_metrics(metrics.registry, cfg.host, cfg.port + rank)
+    except OSError as exc:
+        log.warning("rank %d: metrics port %d unavailable (%s); using a free port", rank, cfg.port + rank, exc)
+        server = serve_metrics(metrics.registry, cfg.host, 0, any_port=True)
+    if server is not None:
+        log.info("rank %d: metrics on http://%s:%d/metrics", rank, cfg.host, server.port)
+    return server

@@ -129,19 +129,6 @@ def _start_fleet(run_config, spawn, tmp_path, free_port, **sections):
     return rank0, rank1, actors, run_dir
 
 
-def _port_and_next_free(free_port) -> int:
-    """A port free now whose successor is free too: rank 1 serves its metrics on the learner's port + 1."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two free ports in a row")
-
-
 def _both_ranks_export_their_collectives(port: int) -> None:
     """Rank 0 with the learner's metrics, rank 1 on port + 1: collective seconds and bytes, and rank 1's steps."""
     rank0, rank1 = scrape(port), scrape(port + 1)
@@ -165,7 +152,7 @@ def _no_partial_checkpoint(run_dir: Path, steps_done: int) -> None:
 @pytest.mark.slow
 def test_a_killed_rank_ends_rank0_cleanly_and_the_run_resumes_on_one_rank(run_config, spawn, tmp_path, free_port):
     target = 14
-    port = _port_and_next_free(free_port)
+    port = _free_port_pair()  # rank 1 serves its metrics on the learner's port + 1
     rank0, rank1, actors, run_dir = _start_fleet(
         run_config, spawn, tmp_path, free_port, train={"steps": target, "checkpoint_every": 3}, metrics={"port": port})
     wait_steps(run_dir, 5, rank0, timeout=240)

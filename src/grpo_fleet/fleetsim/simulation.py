@@ -110,6 +110,7 @@ class _Learner:
     leased_out: int = 0
     informative_credit: float = 0.0
     step_ends: list[float] = field(default_factory=list)
+    step_starts: list[float] = field(default_factory=list)  # checks included: when the training thread took it
     interval: MovingAverage = field(default_factory=MovingAverage)
     trained_staleness: list[int] = field(default_factory=list)
     checker_free_at: float = 0.0
@@ -191,6 +192,7 @@ class FleetSimulation:
         job = self.jobs[key]
         self._change_jobs(lambda: self.jobs.pop(key))
         if key == LEARNER:
+            self.learner.step_starts.append(job.started)
             self._finish_step()
         else:
             self.actor_busy[key] += self.now - job.started
@@ -283,6 +285,11 @@ class FleetSimulation:
         learner.version += 1
         self._maybe_step()
 
+    def _learner_busy(self, start: float, end: float) -> float:
+        """Share of [start, end] the learner spent on steps and their checks (at its shared speed, if any)."""
+        busy = sum(max(0.0, min(e, end) - max(s, start)) for s, e in zip(self.learner.step_starts, self.learner.step_ends))
+        return busy / (end - start) if end > start else 1.0
+
     def _result(self) -> SimResult:
         ends = self.learner.step_ends
         half = len(ends) // 2
@@ -293,7 +300,7 @@ class FleetSimulation:
         staleness = self.learner.trained_staleness
         return SimResult(
             steps_per_second=steps_per_second,
-            learner_busy_fraction=min(1.0, steps_per_second * self.run.step_seconds),
+            learner_busy_fraction=self._learner_busy(ends[half], ends[-1]),
             actor_busy_fraction=sum(self.actor_busy) / (len(self.actors) * ends[-1]),
             stale_fraction=self.rejected / max(1, self.submitted),
             mean_staleness=sum(staleness) / max(1, len(staleness)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -41,6 +42,20 @@ class Scraped:
     def by_label(self, label: str) -> dict[tuple[str, str], float]:
         """(sample name, value of `label` or "") -> value."""
         return {(s.name, s.labels.get(label, "")): s.value for s in self.samples}
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 both free on 127.0.0.1 (mlx.launch's ring, and rank metrics, take P + rank)."""
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
 
 
 def scrape(port: int, timeout: float = 5.0) -> Scraped:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from grpo_fleet.blas import child_env
 from grpo_fleet.exit_codes import RANKS_FAILED
 from grpo_fleet.learner.records.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
-from helpers import audit_ledger, jsonl, scrape, wait_steps
+from helpers import audit_ledger, free_port_pair, jsonl, scrape, wait_steps
 
 DRIVER = Path(__file__).parents[1] / "data_parallel_driver.py"
 MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -27,24 +26,10 @@ STEPS = 3
 TOLERANCE = 1e-5
 
 
-def _free_port_pair() -> int:
-    """A port P with P and P + 1 both free on 127.0.0.1 (mlx.launch's ring takes P + rank)."""
-    for _ in range(50):
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 def _launch(args: list[str], out: Path, timeout: float) -> str:
     """`mlx.launch -n 2 --backend ring` on 127.0.0.1; kills its whole process group if it overruns."""
     command = [str(MLX_LAUNCH), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring",
-               "--starting-port", str(_free_port_pair()), "--", sys.executable, *args]
+               "--starting-port", str(free_port_pair()), "--", sys.executable, *args]
     with open(out, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
         try:
@@ -152,7 +137,7 @@ def _no_partial_checkpoint(run_dir: Path, steps_done: int) -> None:
 @pytest.mark.slow
 def test_a_killed_rank_ends_rank0_cleanly_and_the_run_resumes_on_one_rank(run_config, spawn, tmp_path, free_port):
     target = 14
-    port = _free_port_pair()  # rank 1 serves its metrics on the learner's port + 1
+    port = free_port_pair()  # rank 1 serves its metrics on the learner's port + 1
     rank0, rank1, actors, run_dir = _start_fleet(
         run_config, spawn, tmp_path, free_port, train={"steps": target, "checkpoint_every": 3}, metrics={"port": port})
     wait_steps(run_dir, 5, rank0, timeout=240)

@@ -72,14 +72,19 @@ def follower_metrics(ranks: RankGroup) -> FollowerMetrics:
 
 
 def serve_follower_metrics(metrics: FollowerMetrics, cfg: MetricsConfig, rank: int) -> Optional[MetricsServer]:
-    """/metrics on the learner's port + rank; none when the learner serves none (port 0)."""
+    """/metrics on the learner's port + rank (a free port if that one is taken); none when the learner serves
+    none (port 0), or when `metrics.host` is not an address of this machine (rank 0's own IP, on another
+    Mac): a rank without metrics still trains, a rank that exits stops the run."""
     if not cfg.port:
         return None
-    try:
-        server = serve_metrics(metrics.registry, cfg.host, cfg.port + rank)
-    except OSError as exc:
-        log.warning("rank %d: metrics port %d unavailable (%s); using a free port", rank, cfg.port + rank, exc)
-        server = serve_metrics(metrics.registry, cfg.host, 0, any_port=True)
-    if server is not None:
-        log.info("rank %d: metrics on http://%s:%d/metrics", rank, cfg.host, server.port)
-    return server
+    for port, any_port in ((cfg.port + rank, False), (0, True)):
+        try:
+            server = serve_metrics(metrics.registry, cfg.host, port, any_port=any_port)
+        except OSError as exc:
+            log.warning("rank %d: cannot serve metrics on %s:%d (%s)", rank, cfg.host, port, exc)
+            continue
+        if server is not None:
+            log.info("rank %d: metrics on http://%s:%d/metrics", rank, cfg.host, server.port)
+        return server
+    log.warning("rank %d: no metrics (set metrics.host to 0.0.0.0 to serve them on every rank's Mac)", rank)
+    return None

@@ -22,9 +22,10 @@ import numpy as np
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.ranks.collectives import RankGroup, launched_rank
 from grpo_fleet.learner.ranks.distributed import DataParallel, connect, start_rank0, stop_others
-from grpo_fleet.learner.ranks.follower import follower_trainer, join_run
+from grpo_fleet.learner.ranks.follower import join_run
 from grpo_fleet.learner.ranks.sharding import Command
 from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch
+from grpo_fleet.learner.step.trainer import load_trainer
 from grpo_fleet.model import model_digest
 from grpo_fleet.trees import flat_leaves
 
@@ -66,7 +67,7 @@ def fixed_batch(vocab: int, seed: int) -> TrainBatch:
 def lead(ranks: RankGroup | None, cfg: RunConfig, steps: int, out: Path, name: str) -> None:
     """Rank 0 or the single process: train `steps` fixed batches and write the weights and stats."""
     mx.random.seed(0)  # the same LoRA initialisation in every run
-    trainer = follower_trainer(cfg, cfg.model.path)
+    trainer = load_trainer(cfg, cfg.model.path)
     initial = {f"init.{k}": mx.array(v) for k, v in flat_leaves(trainer.policy.model.trainable_parameters())}
     if ranks is not None:
         start_rank0(ranks, cfg, trainer, model_digest(cfg.model.path), step=0)

@@ -28,7 +28,7 @@ from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.door.verification import LogprobCheck, WeightHistory
 from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, build_train_batch
-from grpo_fleet.learner.step.trainer import Trainer, trainer_from_config
+from grpo_fleet.learner.step.trainer import Trainer, load_trainer
 from grpo_fleet.model import load_policy
 from grpo_fleet.tasks import build_task
 
@@ -108,22 +108,16 @@ def _step(trainer: Trainer, groups: list[AcceptedGroup]) -> None:
 
 def _learner_alone(cfg: RunConfig, path: str, groups: list[AcceptedGroup]) -> tuple[Timed, Timed]:
     """(one step, one group's logprob check) on the learner's own objects."""
-    lora = cfg.lora if cfg.lora.enabled else None
-    policy = load_policy(path, lora=lora, dtype=cfg.model.dtype)
-    ref_model = None
-    if lora is None and cfg.grpo.beta > 0:
-        ref_model = load_policy(path, dtype=cfg.model.dtype).model
-        ref_model.freeze()
-    history = WeightHistory(policy.model, keep=1)
+    trainer = load_trainer(cfg, path)
+    history = WeightHistory(trainer.policy.model, keep=1)
     history.record(0)
-    check = LogprobCheck(policy.model, history, temperature=cfg.generation.temperature,
+    check = LogprobCheck(trainer.policy.model, history, temperature=cfg.generation.temperature,
                          chunk_tokens=cfg.train.logprob_chunk_tokens, micro_batch_tokens=cfg.train.micro_batch_tokens)
     size = cfg.grpo.groups_per_step
     batches = [groups[(i * size) % len(groups):][:size] for i in range(STEPS + 1)]
     check.gaps(batches[0])  # warm-up
     # As the learner checks a batch's flagged groups: together, one forward per claimed version.
     checks = [mean([timed(partial(check.gaps, batch))], per=len(batch)) for batch in batches[1:]]
-    trainer = trainer_from_config(policy, cfg, ref_model)
     trainer.step(build_train_batch(batches[0]))  # warm-up, as the run's first step is left out
     steps = [timed(partial(_step, trainer, batch)) for batch in batches[1:]]
     return mean(steps), mean(checks)

@@ -149,8 +149,9 @@ class LogprobCheck:
             for index, gap in zip(indices, self._recomputed(members, weights)):
                 found[index] = gap
             if self.observe_seconds is not None:  # on the step's path: the fleet simulator needs it
+                per_group = (time.perf_counter() - started) / len(indices)
                 for _ in indices:
-                    self.observe_seconds((time.perf_counter() - started) / len(indices))
+                    self.observe_seconds(per_group)
         return found
 
     def _recomputed(self, groups: list[AcceptedGroup], weights: list[tuple[str, mx.array]]) -> list[LogprobGap]:

@@ -20,8 +20,8 @@ from grpo_fleet.learner.ranks.collectives import RankGroup
 from grpo_fleet.learner.ranks.distributed import DataParallel, share_state, state_layout
 from grpo_fleet.learner.ranks.rank_metrics import FollowerMetrics, follower_metrics, serve_follower_metrics
 from grpo_fleet.learner.ranks.sharding import Command
-from grpo_fleet.learner.step.trainer import Trainer, trainer_from_config
-from grpo_fleet.model import load_policy, model_digest
+from grpo_fleet.learner.step.trainer import Trainer, load_trainer
+from grpo_fleet.model import model_digest
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 IDLE_SLEEP_SHARE = 0.8  # of distributed.keepalive_seconds, slept after each keepalive
@@ -29,17 +29,6 @@ IDLE_SLEEP_SHARE = 0.8  # of distributed.keepalive_seconds, slept after each kee
 
 class SetupRefused(RuntimeError):
     """This rank cannot join rank 0's run (a different model, or rank 0 refused to start)."""
-
-
-def follower_trainer(cfg: RunConfig, model_path: str) -> Trainer:
-    """The Trainer rank 0 built, from its config: same model, objective, optimizer and memory settings."""
-    lora = cfg.lora if cfg.lora.enabled else None
-    policy = load_policy(model_path, lora=lora, dtype=cfg.model.dtype)
-    ref_model = None
-    if lora is None and cfg.grpo.beta > 0:
-        ref_model = load_policy(model_path, dtype=cfg.model.dtype).model
-        ref_model.freeze()
-    return trainer_from_config(policy, cfg, ref_model)
 
 
 def join_run(ranks: RankGroup) -> tuple[RunConfig, Trainer]:
@@ -50,7 +39,7 @@ def join_run(ranks: RankGroup) -> tuple[RunConfig, Trainer]:
     cfg = RunConfig.model_validate(setup["config"])
     ranks.cfg = cfg.distributed  # rank 0's bounds from here on
     path = setup["model_path"]
-    trainer = follower_trainer(cfg, path)
+    trainer = load_trainer(cfg, path)  # the Trainer rank 0 built: same model, objective, optimizer
     layout = state_layout(trainer)
     if model_digest(path) != setup["model_digest"] or _names(layout) != _names(setup["layout"]):
         # Rank 0 waits in share_state for this rank; exiting makes it fail there, naming this rank.

@@ -35,7 +35,7 @@ from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, LossFn, behaviour
 from grpo_fleet.learner.step.rows import Sharding, SingleProcess
 from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
 from grpo_fleet.learner.step.stats import Gradients, StepStats
-from grpo_fleet.model import Policy, adapters_disabled
+from grpo_fleet.model import Policy, adapters_disabled, load_policy
 from grpo_fleet.trees import flat_leaves, scalar
 
 _TRAIN_DEFAULTS = TrainConfig()
@@ -259,3 +259,15 @@ def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.M
         logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
         memory_limit_bytes=train.memory_limit_bytes,
     )
+
+
+def load_trainer(cfg: RunConfig, model_path: str) -> Trainer:
+    """The Trainer a run config describes, on the model at `model_path` loaded as the learner loads it (LoRA
+    from the config; a frozen pi_ref copy when full fine-tuning with beta > 0)."""
+    lora = cfg.lora if cfg.lora.enabled else None
+    policy = load_policy(model_path, lora=lora, dtype=cfg.model.dtype)
+    ref_model = None
+    if lora is None and cfg.grpo.beta > 0:
+        ref_model = load_policy(model_path, dtype=cfg.model.dtype).model
+        ref_model.freeze()
+    return trainer_from_config(policy, cfg, ref_model)

@@ -92,14 +92,12 @@ class ActorWorker:
         self.metrics_port = metrics_server.port if metrics_server is not None else 0
         backoff = 0.2
         try:
-            # A stop signal while the learner is away still drains: the generated rollouts wait for it.
-            while not (self.stopping and self.inflight.drained):
+            while not self.stopping:
                 try:
                     self._session()
                 except LearnerUnavailable as exc:
                     log.warning("learner unavailable (%s); retrying in %.1fs", shown(exc), backoff)
                     self.metrics.reconnects.inc()
-                    self.inflight.new_connection()  # a lease asked for on the lost socket is never answered
                     self._sleep(backoff)
                     backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
                 except StopActor as exc:
@@ -107,7 +105,6 @@ class ActorWorker:
                     return
                 else:
                     backoff = 0.2
-            log.info("actor %s stopping: signal, and nothing is left to deliver", self.actor_id)
         finally:
             self.link.shut()
             self.rewards.close()
@@ -116,7 +113,7 @@ class ActorWorker:
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while not (self.stopping and self.inflight.drained) and time.monotonic() < deadline:
+        while not self.stopping and time.monotonic() < deadline:
             time.sleep(min(0.05, seconds))
 
     def connect(self) -> m.Welcome:

@@ -24,7 +24,8 @@ from grpo_fleet.learner.ranks.collectives import RankGroup, launched_rank
 from grpo_fleet.learner.ranks.distributed import DataParallel, connect, start_rank0, stop_others
 from grpo_fleet.learner.ranks.follower import join_run
 from grpo_fleet.learner.ranks.sharding import Command
-from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch
 from grpo_fleet.learner.step.trainer import load_trainer
 from grpo_fleet.model import model_digest
 from grpo_fleet.trees import flat_leaves

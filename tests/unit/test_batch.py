@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 from grpo_reference import ref_group_advantages, ref_group_is_informative, ref_overlong_penalty
 
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.advantages import group_advantages
 from grpo_fleet.learner.step.batch import (
     LENGTH_BUCKET,
-    AcceptedGroup,
-    CompletionRecord,
     LengthShaping,
     TrainBatch,
     batch_totals,

@@ -8,7 +8,8 @@ import pytest
 from grpo_fleet.bench import real_decode
 from grpo_fleet.bench.real_decode import REAL_MODEL_ENV, idle_slot_share, real_model_dir, returned_token_count
 from grpo_fleet.bench.real_step import batch_padding, micro_batch_padding, padding_share
-from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, build_train_batch, row_lengths, split_batch
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.batch import build_train_batch, row_lengths, split_batch
 
 
 def test_equal_lengths_leave_no_slot_idle():

@@ -13,7 +13,7 @@ import pytest
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.evals.evaluation import Evaluation, eval_summary
 from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
-from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import LearnerMetrics, learner_metrics

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, build_train_batch, split_batch
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.batch import build_train_batch, split_batch
 from grpo_fleet.learner.step.forward import completion_logprobs, enable_grad_checkpoint, lm_head
 from grpo_fleet.learner.step.objective import policy_logprobs
 

@@ -175,7 +175,7 @@ def test_the_cycle_walk_finds_a_cycle_through_other_modules():
 
 @pytest.mark.parametrize("rooms", ["learner/*", "tasks/*"])
 def test_the_rooms_import_each_other_without_cycles(rooms):
-    """Not even at type level or lazily: what two modules share gets a module of its own (learner/door/acks.py,
+    """Not even at type level or lazily: what two modules share gets a module of its own (learner/records/acks.py,
     learner/fleet/moving_average.py, tasks/examples.py)."""
     found = cycles(_package_imports(), rooms)
     assert not found, f"import cycles in {rooms}: {[' -> '.join(chain) for chain in found]}"

@@ -17,7 +17,7 @@ from grpo_fleet.learner.fleet.leasing import (
 )
 from grpo_fleet.learner.fleet.moving_average import MovingAverage
 from grpo_fleet.learner.fleet.registry import ActorInfo
-from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m

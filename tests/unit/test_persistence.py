@@ -6,7 +6,8 @@ import time
 
 import numpy as np
 
-from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.persistence import (
     capture,
     read_state,
@@ -17,7 +18,6 @@ from grpo_fleet.learner.records.persistence import (
 )
 from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
 from grpo_fleet.protocol import messages as m
 
 

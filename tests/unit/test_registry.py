@@ -6,7 +6,7 @@ import pytest
 
 from grpo_fleet.config import ServerConfig
 from grpo_fleet.learner.fleet.registry import Registry, RunCard
-from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m

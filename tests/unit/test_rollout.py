@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from grpo_fleet.generation import SHARED_PREFIX_MIN_TOKENS, SamplingSettings, completion_text, encode_prompt, generate_groups
-from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, build_train_batch
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.batch import build_train_batch
 from grpo_fleet.learner.step.objective import policy_logprobs
 from grpo_fleet.model import load_policy
 

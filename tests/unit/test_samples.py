@@ -13,9 +13,10 @@ import pytest
 
 from grpo_fleet import cli
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.runlog import SAMPLES_FILE, RunLog, SampleRow
 from grpo_fleet.learner.records.samples import SampleLog, extremes_first, pick_samples, sample_rows, samples_due
-from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, LengthShaping, build_train_batch
+from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
 from grpo_fleet.samples_view import SamplesRead, format_row, format_samples, read_last_rows, row_from_json, wrapped
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.fleet.scheduler.PromptScheduler, on an injected fake clock."""
+"""Tests for grpo_fleet.learner.records.lease_book.PromptScheduler, on an injected fake clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from grpo_fleet.learner.fleet.scheduler import PromptScheduler
+from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.protocol.reasons import RejectReason
 
 LEASE_SECONDS = 10.0

@@ -11,7 +11,8 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
-from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, TrainBatch, build_train_batch, split_batch
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch, split_batch
 from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
 from grpo_fleet.learner.step.objective import behaviour_correction, policy_logprobs
 from grpo_fleet.learner.step.schedule import learning_rate_schedule

@@ -300,7 +300,7 @@ def _measure(pool: ActorPool, learner: Learner, actors: int, plan: Plan, label: 
 
 def _step_groups(prompts: list[np.ndarray], vocab: int) -> list:
     """STEP_GROUPS accepted groups shaped exactly like the ingest messages."""
-    from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
+    from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 
     rng = np.random.default_rng(0)
     return [

@@ -19,7 +19,8 @@ import numpy as np
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.real_decode import REAL_MODEL_ENV, LeaseShape, lease_prompts, real_model_dir
-from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord, MicroBatch, TrainBatch, row_lengths
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, row_lengths
 
 
 def padding_share(shapes: Sequence[tuple[int, int]], real_positions: int) -> float:

@@ -23,14 +23,8 @@ import numpy as np
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.models import model_50m, tiny_model
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
-from grpo_fleet.learner.step.batch import (
-    AcceptedGroup,
-    CompletionRecord,
-    TrainBatch,
-    batch_totals,
-    build_train_batch,
-    split_batch,
-)
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.batch import TrainBatch, batch_totals, build_train_batch, split_batch
 from grpo_fleet.learner.step.grpo import grpo_loss
 from grpo_fleet.learner.step.objective import default_loss, policy_logprobs
 from grpo_fleet.learner.step.trainer import Trainer

@@ -30,8 +30,8 @@ from grpo_fleet.learner.evals.evaluation import Evaluation
 from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.fleet.leasing import Leasing
 from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
-from grpo_fleet.learner.fleet.scheduler import PromptScheduler
 from grpo_fleet.learner.records import persistence
+from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog, StepRecord
 from grpo_fleet.learner.records.samples import SampleLog, tokenizer_decode
 from grpo_fleet.learner.records.state import LearnerState

@@ -6,9 +6,9 @@ nothing of a liar trains) and grpo.max_train_staleness (training.drop_too_stale)
 
 from __future__ import annotations
 
+from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import DropEntry, RunLog
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.batch import AcceptedGroup
 from grpo_fleet.protocol.reasons import RejectReason
 
 

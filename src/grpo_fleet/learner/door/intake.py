@@ -23,9 +23,9 @@ from grpo_fleet.learner.door.intake_rules import (
     suspect_groups,
     unusable_version,
 )
+from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.batch import AcceptedGroup
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown

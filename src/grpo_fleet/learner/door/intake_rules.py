@@ -13,8 +13,8 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.batch import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.gap_bounds import actor_dtype, logprob_gap_bound
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits

@@ -32,7 +32,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from grpo_fleet.learner.step.batch import AcceptedGroup, build_train_batch, split_batch, unpack_completions
+from grpo_fleet.learner.records.groups import AcceptedGroup
+from grpo_fleet.learner.step.batch import build_train_batch, split_batch, unpack_completions
 from grpo_fleet.learner.step.forward import frozen_logprobs
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from grpo_fleet.learner.door.acks import AckCache
-from grpo_fleet.learner.fleet.scheduler import PromptScheduler
-from grpo_fleet.learner.step.batch import AcceptedGroup
+from grpo_fleet.learner.records.acks import AckCache
+from grpo_fleet.learner.records.groups import AcceptedGroup
+from grpo_fleet.learner.records.lease_book import PromptScheduler
 
 
 @dataclass

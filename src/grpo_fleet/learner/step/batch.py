@@ -7,63 +7,44 @@ Plain data in, plain arrays out: no sockets, no model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.step.advantages import group_advantages, overlong_penalty
-from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND
 
 # Sequence lengths are rounded up to a multiple of this, so shapes repeat and
 # compiled or cached kernels are reused instead of rebuilt for every length.
 LENGTH_BUCKET = 16
 
 
-@dataclass
-class CompletionRecord:
-    """One completion as accepted from an actor."""
-
-    tokens: np.ndarray  # int32 [T]
-    logprobs: np.ndarray  # float32 [T], under pi_behav (the actor's snapshot)
-    reward: float
-    finish_reason: str  # "stop", or "length": cut off at generation.max_tokens
+class ScoredCompletion(Protocol):
+    """What a batch needs of one completion (learner/records/groups.py's CompletionRecord is one)."""
 
     @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
-
-
-@dataclass
-class AcceptedGroup:
-    """A validated group of G completions of one prompt."""
-
-    group_id: str
-    prompt_index: int
-    prompt_tokens: np.ndarray  # int32 [P]
-    completions: list[CompletionRecord]
-    policy_version: int
-    actor_id: str
-    actor_key: str = ""  # the peer key its violations and bans are counted under
-    # Checked against the learner's own logprobs before it trains (a sample per submission; learner/door/verification.py),
-    # against this bound: the honest gap of the actor's dtype (learner/step/gap_bounds.py).
-    check_logprobs: bool = False
-    logprob_bound: float = HALF_PRECISION_BOUND
+    def tokens(self) -> np.ndarray: ...  # int32 [T]
 
     @property
-    def rewards(self) -> np.ndarray:
-        return np.array([c.reward for c in self.completions], dtype=np.float32)
+    def logprobs(self) -> np.ndarray: ...  # float32 [T], under pi_behav
 
     @property
-    def is_informative(self) -> bool:
-        """False when every completion got the same reward, so every advantage is 0: dynamic sampling drops it."""
-        rewards = self.rewards
-        return bool(rewards.max() != rewards.min())
+    def truncated(self) -> bool: ...
+
+
+class ScoredGroup(Protocol):
+    """What a batch needs of one group: the step knows no learner record (learner/records/groups.py's
+    AcceptedGroup is one), so it sits at the bottom of the learner's floors."""
 
     @property
-    def num_tokens(self) -> int:
-        return int(sum(len(c.tokens) for c in self.completions))
+    def prompt_tokens(self) -> np.ndarray: ...  # int32 [P]
+
+    @property
+    def completions(self) -> Sequence[ScoredCompletion]: ...
+
+    @property
+    def rewards(self) -> np.ndarray: ...  # float32 [G]
 
 
 @dataclass
@@ -116,7 +97,7 @@ def _bucketed(length: int) -> int:
 
 
 def build_train_batch(
-    groups: list[AcceptedGroup], *, scale_by_std: bool = True, lengths: LengthShaping = NO_LENGTH_SHAPING
+    groups: Sequence[ScoredGroup], *, scale_by_std: bool = True, lengths: LengthShaping = NO_LENGTH_SHAPING
 ) -> TrainBatch:
     """Pack groups into shifted, masked arrays and compute group-relative advantages."""
     if not groups:

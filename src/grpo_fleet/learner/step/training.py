@@ -11,9 +11,10 @@ import numpy as np
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.door.drops import drop_buffered
 from grpo_fleet.learner.door.snapshots import SnapshotStore
+from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import RunLog, StepRecord
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.batch import AcceptedGroup, LengthShaping, build_train_batch
+from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
 from grpo_fleet.learner.step.stats import StepStats
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics

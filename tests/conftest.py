@@ -15,7 +15,7 @@ import pytest
 
 from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig, TaskConfig, TinyModelConfig
-from grpo_fleet.learner.setup import tokenizer_corpus
+from grpo_fleet.learner.run.build import tokenizer_corpus
 from grpo_fleet.protocol.endpoints import free_port as _free_port
 from grpo_fleet.realshape import build_realshape
 from grpo_fleet.tasks import build_task

@@ -10,7 +10,7 @@ from typing import Any
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.door.core import Learner
-from grpo_fleet.learner.setup import build_learner as build_learner_with_processes
+from grpo_fleet.learner.run.build import build_learner as build_learner_with_processes
 from grpo_fleet.tasks.reward_runner import InlineScorer
 
 

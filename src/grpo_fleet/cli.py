@@ -26,7 +26,7 @@ def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config, toml_string
     from grpo_fleet.learner.door.doorman import InsecureBindError, check_bind_security
     from grpo_fleet.learner.ranks.collectives import launched_rank
-    from grpo_fleet.learner.setup import load_resume_config
+    from grpo_fleet.learner.run.build import load_resume_config
     overrides = list(args.set or [])
     rank = launched_rank()  # under mlx.launch (a data-parallel learner); None for a plain process
     if rank is not None and rank > 0:
@@ -67,7 +67,7 @@ def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[[
     """Build the learner (then `ready(learner)`: a data-parallel rank 0 starts its ranks) and serve the fleet."""
     from grpo_fleet.learner.door.server import LearnerServer
     from grpo_fleet.learner.records.trackers import TrackerUnavailable
-    from grpo_fleet.learner.setup import build_learner
+    from grpo_fleet.learner.run.build import build_learner
     from grpo_fleet.learner.step.memory import MemoryBudgetError
     try:
         learner = build_learner(cfg, resume=resume)

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 from grpo_fleet.learner.door.server import LearnerServer
-from grpo_fleet.learner.setup import build_learner
+from grpo_fleet.learner.run.build import build_learner
 
 
 def test_actor_asks_for_its_next_lease_while_generating_the_current_one(run_config, spawn):

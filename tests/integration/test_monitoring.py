@@ -19,7 +19,7 @@ from grpo_fleet.actor.worker import ActorWorker, serve_actor_metrics
 from grpo_fleet.blas import child_env
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.learner.door.server import LearnerServer
-from grpo_fleet.learner.setup import build_learner
+from grpo_fleet.learner.run.build import build_learner
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.metrics_http import serve_metrics
 from helpers import wait_for

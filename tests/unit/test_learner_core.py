@@ -804,7 +804,7 @@ def test_resume_keeps_buffered_groups_and_open_leases(tiny_model_dir, tmp_path):
 
 
 def test_fresh_start_refuses_a_run_dir_holding_a_run(tiny_model_dir, tmp_path):
-    from grpo_fleet.learner.setup import RunDirInUse
+    from grpo_fleet.learner.run.build import RunDirInUse
 
     cfg = run_config(tiny_model_dir, tmp_path / "run")
     first = build_learner(cfg)

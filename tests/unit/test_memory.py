@@ -83,7 +83,7 @@ def test_a_step_that_cannot_fit_is_refused_naming_the_settings():
 
 
 def test_the_learner_refuses_to_start_a_step_this_machine_cannot_hold(tiny_model_dir, tmp_path, monkeypatch):
-    import grpo_fleet.learner.setup as setup
+    import grpo_fleet.learner.run.build as setup
     from in_process import build_learner
 
     cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "model": {"path": str(tiny_model_dir)},

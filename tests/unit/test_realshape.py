@@ -14,7 +14,7 @@ import mlx_lm
 import pytest
 
 from grpo_fleet.config import LoraConfig, RunConfig
-from grpo_fleet.learner.setup import resolve_model_path
+from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.model import (
     Policy,
     digest_bytes,

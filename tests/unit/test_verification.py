@@ -44,7 +44,7 @@ def test_the_learner_re_scores_in_a_process_of_its_own_unless_given_a_scorer(
     """Never an in-process fallback, which could not interrupt a reward that hangs; a unit test passes its own."""
     import inspect
 
-    from grpo_fleet.learner.setup import build_learner as build_with_processes
+    from grpo_fleet.learner.run.build import build_learner as build_with_processes
     from grpo_fleet.tasks.reward_runner import ScoringProcess
 
     # Both ways in default to a scoring process (starting one here would break the unit tests' rule).

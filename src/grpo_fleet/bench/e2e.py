@@ -38,7 +38,7 @@ from grpo_fleet.evaluate import evaluate
 from grpo_fleet.generation import GeneratedCompletion, SamplingSettings, completion_text, generate_groups
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.lease_book import PromptScheduler
-from grpo_fleet.learner.setup import resolve_model_path, tokenize_prompts
+from grpo_fleet.learner.run.build import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
 from grpo_fleet.learner.step.stats import StepStats
 from grpo_fleet.learner.step.trainer import Trainer, trainer_from_config

@@ -318,7 +318,7 @@ def _step_groups(prompts: list[np.ndarray], vocab: int) -> list:
 def _step_seconds(model_dir: Path, root: Path, repeats: int) -> float:
     """Median wall time of `Trainer.step` on one batch of STEP_GROUPS groups (after a warm-up step)."""
     from grpo_fleet.config import RunConfig
-    from grpo_fleet.learner.setup import build_learner
+    from grpo_fleet.learner.run.build import build_learner
     from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
 
     cfg = RunConfig.model_validate({

@@ -31,7 +31,7 @@ from grpo_fleet.bench.e2e import TrainLoop, _config, batched_rollout
 from grpo_fleet.config import SecurityConfig
 from grpo_fleet.learner.door.verification import LogprobCheck, WeightHistory
 from grpo_fleet.learner.records.groups import AcceptedGroup
-from grpo_fleet.learner.setup import resolve_model_path
+from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.learner.step.gap_bounds import logprob_gap_bound
 from grpo_fleet.model import load_policy
 from grpo_fleet.tasks import build_task

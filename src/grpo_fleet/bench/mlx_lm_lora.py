@@ -272,7 +272,7 @@ def write_train_rows(cfg: RunConfig, task: Any, path: Path) -> None:
     """Each train prompt as grpo-fleet tokenizes it, with the text and columns its rewards get."""
     from mlx_lm.utils import load_tokenizer
 
-    from grpo_fleet.learner.setup import tokenize_prompts
+    from grpo_fleet.learner.run.build import tokenize_prompts
 
     tokenizer = load_tokenizer(Path(cfg.model.path))
     tokens = tokenize_prompts(tokenizer, task, cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpo_fleet.config import TaskConfig, TinyModelConfig
-from grpo_fleet.learner.setup import tokenizer_corpus
+from grpo_fleet.learner.run.build import tokenizer_corpus
 from grpo_fleet.tasks import build_task
 from grpo_fleet.tiny_model import build_tiny_model
 

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, _config, batched_rollout
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.setup import resolve_model_path
+from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.learner.step.stats import StepStats
 from grpo_fleet.tasks import build_task
 

@@ -195,7 +195,7 @@ def target_reward(before: float, after: float) -> float:
 
 
 def run(report: Report, scale: Scale) -> None:
-    from grpo_fleet.learner.setup import resolve_model_path
+    from grpo_fleet.learner.run.build import resolve_model_path
     from grpo_fleet.tasks import build_task
 
     with tempfile.TemporaryDirectory(prefix="grpo-bench-real-") as tmp:

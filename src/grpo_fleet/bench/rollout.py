@@ -81,7 +81,7 @@ def run(report: Report, scale: Scale) -> None:
 
 def _reverse_task_texts() -> tuple[list[str], list[str]]:
     """The demo's reverse task: (tokenizer corpus, prompt texts)."""
-    from grpo_fleet.learner.setup import tokenizer_corpus
+    from grpo_fleet.learner.run.build import tokenizer_corpus
     from grpo_fleet.tasks import build_task
 
     task = build_task(TaskConfig(name="reverse", digits=3, num_train=800, num_eval=128))

@@ -20,7 +20,7 @@ from typing import Optional
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import _config
 from grpo_fleet.bench.scraping import scrape as scrape_page
-from grpo_fleet.learner.setup import resolve_model_path
+from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.local_fleet import running
 from grpo_fleet.tasks import build_task
 

@@ -383,12 +383,15 @@ MESSAGE_TYPES: dict[str, type[BaseModel]] = {cls.__name__: cls for cls in get_ar
 
 
 def validate_rollouts(
-    msg: Rollouts, *, group_size: int, vocab_size: int, max_tokens: int, reward_bound: float = 1e4
+    msg: Rollouts, *, group_size: int, vocab_size: int, max_tokens: int, reward_bound: float = 1e4,
+    stop_token_ids: Optional[frozenset[int]] = None,
 ) -> Optional[RejectReason]:
     """Run-dependent checks; returns why the batch is unusable, or None when it is usable.
 
     Values are checked in the dtype they are trained in: a reward of 1e39 is a
     finite float64 but inf in float32, so rewards must lie within `reward_bound`.
+    With `stop_token_ids` (the tokens that end sampling), each `finish_reason` is
+    checked against its tokens (`finish_reason_mismatch`).
     """
     ids = [g.group_id for g in msg.groups] + [u.group_id for u in msg.unscored]
     if len(set(ids)) != len(ids):
@@ -409,9 +412,30 @@ def validate_rollouts(
     tokens = np.concatenate([c.tokens.to_numpy().astype(np.int64, copy=False) for c in completions])
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         return RejectReason.TOKEN_OUT_OF_RANGE
+    if stop_token_ids is not None and any(finish_reason_mismatch(c.tokens.to_numpy(), c.finish_reason, stop_token_ids,
+                                                                 max_tokens) for c in completions):
+        return RejectReason.FINISH_REASON_MISMATCH
     logprobs = np.concatenate([c.logprobs.to_numpy() for c in completions])
     rewards = np.array([c.reward for c in completions], dtype=np.float64)
     return values_out_of_bounds(logprobs, rewards, reward_bound)
+
+
+def finish_reason_mismatch(tokens: np.ndarray, finish_reason: str, stop_token_ids: frozenset[int], max_tokens: int) -> bool:
+    """True when `finish_reason` cannot be what sampling `tokens` ended with.
+
+    Sampling stops at the first stop token ("stop", the token kept) or after
+    `max_tokens` ("length"); a stop token wins when both hold. So no stop token
+    comes before the last one, "stop" ends with one, and "length" has exactly
+    `max_tokens` and does not. A cut-off completion claimed finished would escape
+    grpo.mask_truncated and the overlong penalty.
+    """
+    ids = tokens.astype(np.int64, copy=False)
+    stops = np.isin(ids, np.fromiter(stop_token_ids, dtype=np.int64, count=len(stop_token_ids)))
+    if stops[:-1].any():
+        return True
+    if finish_reason == "stop":
+        return not bool(stops[-1])
+    return bool(stops[-1]) or len(ids) != max_tokens
 
 
 def values_out_of_bounds(logprobs: np.ndarray, rewards: np.ndarray, reward_bound: float) -> Optional[RejectReason]:

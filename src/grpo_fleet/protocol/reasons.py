@@ -21,6 +21,9 @@ class RejectReason(str, Enum):
     TOKEN_OUT_OF_RANGE = "token_out_of_range"
     BAD_LOGPROB = "bad_logprob"
     BAD_REWARD = "bad_reward"
+    # `finish_reason` disagrees with the tokens: "stop" must end at a stop token (and hold no earlier one), "length"
+    # must have exactly max_tokens and no stop token (truncated completions are masked; a false "stop" escapes that).
+    FINISH_REASON_MISMATCH = "finish_reason_mismatch"
     # Groups the sender was never given: a violation.
     NOT_YOUR_LEASE = "not_your_lease"
     NOT_LEASED = "not_leased"
@@ -37,6 +40,9 @@ class RejectReason(str, Enum):
     PREVIOUS_INCARNATION = "previous_incarnation"
     STALE_VERSION = "stale_version"
     STALE_AT_TRAIN = "stale_at_train"  # buffered too long for grpo.max_train_staleness: dropped and re-queued
+    # The version the group claims is not among the weights the logprob check keeps (after a full fine-tuning
+    # resume): it could not be checked, so it is not trained.
+    VERSION_GONE = "version_gone"
     RUN_DONE = "run_done"
     # The learner's own bug while judging a message (an exception where a refusal was due): never the sender's
     # fault, so never a violation; counted in grpo_fleet_learner_internal_errors_total and logged with a traceback.
@@ -62,5 +68,5 @@ class RejectReason(str, Enum):
 _VIOLATIONS = frozenset({
     RejectReason.DUPLICATE_GROUP_IN_MESSAGE, RejectReason.BAD_GROUP_SIZE, RejectReason.LENGTH_MISMATCH,
     RejectReason.TOO_LONG, RejectReason.TOKEN_OUT_OF_RANGE, RejectReason.BAD_LOGPROB, RejectReason.BAD_REWARD,
-    RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED, RejectReason.REWARD_MISMATCH, RejectReason.LOGPROB_MISMATCH,
+    RejectReason.FINISH_REASON_MISMATCH, RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED, RejectReason.REWARD_MISMATCH, RejectReason.LOGPROB_MISMATCH,
 })

@@ -38,7 +38,7 @@ from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.learner.records.trackers import Trackers
 from grpo_fleet.learner.step.gap_bounds import compute_dtype
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.learner.step.training import Training
+from grpo_fleet.learner.run.batch_cycle import Training
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
 from grpo_fleet.protocol import messages as m

@@ -22,7 +22,7 @@ from grpo_fleet.learner.door.doorman import Doorman, check_bind_security
 from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.verifying import RolloutsVerifier
-from grpo_fleet.learner.evals.local_eval import LocalEvaluator
+from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError

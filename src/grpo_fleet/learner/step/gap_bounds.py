@@ -21,20 +21,82 @@ logprobs (about 1 nat) but not weights a version or two stale (0.01-0.06 nats):
 for a bf16 actor only a floor measured on the run's own model could. float16 rounds finer than bfloat16 and gets its bound;
 so does a half-precision learner, or an actor whose dtype is not known.
 `security.max_logprob_gap` overrides all of this.
+
+**Calibrated per run, per token as well as on the mean.** The table's constants are
+ceilings. At start the learner samples a few groups of its own in the actor's dtype
+and recomputes them as the check does (learner/door: the gap calibration): the half-
+precision bound becomes a margin over the honest gaps of *this* model, between a
+floor (Metal rounds in a different order than this CPU) and the ceiling. On the
+tiny model that is 0.003-0.007 nats instead of 0.15, so a bfloat16 actor serving
+weights one version stale (0.0045-0.03 nats) is caught. The mean alone lets a few
+tokens hide a large lie (12 tokens of 1,600 shifted by 20 nats move the mean by
+0.15), so every token is judged too, against a margin over the honest worst token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 # Mean per-token gap (nats) an honest group stays under, by the least precise dtype of the pair.
 FLOAT32_PAIR_BOUND = 0.001
 HALF_PRECISION_BOUND = 0.15
 EXACT_DTYPES = frozenset({"float32", "float64"})
+# The largest single-token gap an honest completion has, before calibration (SmolLM2-135M's bf16 worst token is 0.33).
+FLOAT32_TOKEN_BOUND = 0.05
+HALF_PRECISION_TOKEN_BOUND = 1.0
+# Calibration: the bound is MARGIN times the honest worst, kept between the floor and the ceiling above. The floor
+# allows for the actor's hardware rounding differently from this machine's (a Mac's Metal kernels vs this CPU).
+MEAN_MARGIN, TOKEN_MARGIN = 3.0, 4.0
+HALF_PRECISION_MEAN_FLOOR, HALF_PRECISION_TOKEN_FLOOR = 0.003, 0.1
+
+
+@dataclass(frozen=True)
+class GapBound:
+    """What an honest group stays under: its mean per-token gap, and every single token's gap (nats)."""
+
+    mean: float
+    token: float
+
+    def judge(self, mean: float, worst: float) -> Optional[str]:
+        """"mean" or "token" when a group's gaps are beyond this bound (the mean first), else None."""
+        if mean > self.mean:
+            return "mean"
+        if worst > self.token:
+            return "token"
+        return None
+
+
+def default_bound(actor: Optional[str], learner: str) -> GapBound:
+    """The uncalibrated bound of a dtype pair: the ceilings of the table above."""
+    if actor in EXACT_DTYPES and learner in EXACT_DTYPES:
+        return GapBound(FLOAT32_PAIR_BOUND, FLOAT32_TOKEN_BOUND)
+    return GapBound(HALF_PRECISION_BOUND, HALF_PRECISION_TOKEN_BOUND)
+
+
+def calibrated_bound(ceiling: GapBound, honest_means: Sequence[float], honest_worst: Sequence[float]) -> GapBound:
+    """A margin over the honest gaps measured on this run's model, between the floor and `ceiling`.
+
+    A float32 pair keeps its ceiling (0.001 already catches a version-stale float32
+    actor every time, and a Mac's float32 sums in another order than this CPU).
+    """
+    if ceiling.mean <= FLOAT32_PAIR_BOUND or not honest_means:
+        return ceiling
+    mean = min(ceiling.mean, max(HALF_PRECISION_MEAN_FLOOR, MEAN_MARGIN * max(honest_means)))
+    token = min(ceiling.token, max(HALF_PRECISION_TOKEN_FLOOR, TOKEN_MARGIN * max(honest_worst)))
+    return GapBound(mean, token)
+
+
+def group_gap(reported: np.ndarray, recomputed: np.ndarray) -> tuple[float, float]:
+    """(mean, max) |reported - recomputed| over one group's checked tokens; (0, 0) when it has none."""
+    diff = np.abs(np.asarray(reported, np.float64) - np.asarray(recomputed, np.float64))
+    return (float(diff.mean()), float(diff.max())) if diff.size else (0.0, 0.0)
 
 
 def actor_dtype(requested: Optional[str], backend: str) -> Optional[str]:

@@ -1,0 +1,63 @@
+"""The logprob check inside the step: reported logprobs against the training forward's own, at no extra cost.
+
+A group sampled at the version the step trains from needs no forward of its
+own to be checked: the step's first forward runs under exactly those weights,
+and its logprobs at the completion positions are what an honest actor reported,
+up to rounding. So the check is a comparison on the batch's `[N, L]` grid, made
+after the first epoch's gradients and before they are applied. A group beyond
+its bound fails the whole step: nothing is applied, and the caller drops the
+liar's groups and trains the rest again.
+
+Plain NumPy over arrays the step already holds; the same on every
+data-parallel rank, since each sees the same gathered grid and the same bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from grpo_fleet.learner.step.gap_bounds import GapBound, group_gap
+
+
+@dataclass(frozen=True)
+class CheckedGroup:
+    """One group's gaps from a check, and which bound it broke ("mean", "token"), if any."""
+
+    index: int  # the group's place in its batch (rows are group-major)
+    mean: float
+    worst: float
+    broke: Optional[str]
+
+
+def check_bounds_array(bounds: list[Optional[GapBound]]) -> np.ndarray:
+    """`[groups, 2]` float32 (mean, token) bounds for `TrainBatch.check`; +inf rows are not checked."""
+    out = np.full((len(bounds), 2), np.inf, np.float32)
+    for index, bound in enumerate(bounds):
+        if bound is not None:
+            out[index] = (bound.mean, bound.token)
+    return out
+
+
+def fused_check(recomputed: np.ndarray, reported: np.ndarray, mask: np.ndarray, bounds: np.ndarray) -> list[CheckedGroup]:
+    """Each checked group's gaps between `reported` and `recomputed` (both `[N, L]`) where `mask` counts.
+
+    `bounds` is `[groups, 2]`; the batch's rows are group-major, `N // groups` a group.
+    Only the tokens the loss counts are compared: a masked token (an environment's,
+    or a truncated completion's under grpo.mask_truncated) never trains, so a lie
+    there moves nothing.
+    """
+    groups = bounds.shape[0]
+    if groups == 0:
+        return []
+    per_group = recomputed.shape[0] // groups
+    checked = []
+    for index in np.flatnonzero(np.isfinite(bounds).all(axis=1)):
+        rows = slice(int(index) * per_group, (int(index) + 1) * per_group)
+        on = mask[rows] != 0
+        mean, worst = group_gap(reported[rows][on], recomputed[rows][on])
+        bound = GapBound(float(bounds[index, 0]), float(bounds[index, 1]))
+        checked.append(CheckedGroup(int(index), mean, worst, bound.judge(mean, worst)))
+    return checked

@@ -1,16 +1,26 @@
-"""A GGUF's byte-level BPE tokenizer, built with `tokenizers` from the vocabulary, merges and token types in its
-metadata, and the tokenizer_config.json (chat template, special tokens, BOS/EOS) that goes with it."""
+"""A GGUF's tokenizer, built with `tokenizers` from the vocabulary in its metadata, and the tokenizer_config.json
+(chat template, special tokens, BOS/EOS) that goes with it.
+
+Two kinds of `tokenizer.ggml.model`, each as llama.cpp runs it:
+- "gpt2": byte-level BPE with the file's merges, split first by the pre-tokenizer the file names
+  (Llama 3, Qwen2/3, SmolLM);
+- "llama": SentencePiece BPE (Gemma, Llama 2), built as Gemma's own tokenizer.json is: spaces as "▁", no
+  pre-split, byte fallback, merges ranked by the merged piece's score (gguf_spm.py).
+Any other kind, or pre-tokenizer, is refused by name.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+from dataclasses import dataclass
+from typing import Any, Optional
 
-import mlx.core as mx
+import numpy as np
 
-from grpo_fleet.gguf_metadata import GGUFError, Hyper, meta, scalar
+from grpo_fleet.gguf_metadata import GGUFError, Hyper, meta_bool, meta_int, meta_str
+from grpo_fleet.gguf_spm import sentencepiece_tokenizer
 
+TOKENIZER_KINDS = ("gpt2", "llama")
 # llama.cpp's `tokenizer.ggml.pre` names -> how text is split before BPE (the regexes of each model's tokenizer.json).
-_GPT2_SPLIT = None  # ByteLevel's own GPT-2 regex
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -19,86 +29,180 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZERS = ("default", "gpt2", "smollm", "qwen2", "llama-bpe", "llama3")
+_SPLITS: dict[str, Optional[str]] = {"default": None, "gpt2": None, "smollm": None, "qwen2": _QWEN2_SPLIT,
+                                     "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
+PRE_TOKENIZERS = tuple(_SPLITS)
 # What a ggml token type means (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# Control tokens that end a turn, by family: llama.cpp stops at these too (its end-of-generation set).
+_TURN_ENDS = {"llama": ("<|eot_id|>", "<|eom_id|>"), "qwen3": ("<|im_end|>", "<|endoftext|>"), "gemma3": ("<end_of_turn>",)}
+# Gemma's turn format, for a file that carries no template (Gemma 3's base models): a system message opens the
+# first user turn, as in Google's template.
+GEMMA_TEMPLATE = (
+    r"{{ bos_token }}"
+    r"{%- if messages and messages[0]['role'] == 'system' -%}"
+    r"{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set turns = messages[1:] -%}"
+    r"{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    r"{%- for message in turns -%}"
+    r"{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    r"{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') + (message['content'] | trim) + '<end_of_turn>\n' }}"
+    r"{%- endfor -%}"
+    r"{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+_DEFAULT_TEMPLATES = {"gemma3": GEMMA_TEMPLATE}
 
 
-def _pre_tokenizer(pre: str) -> Any:
-    from tokenizers import Regex, pre_tokenizers
+@dataclass(frozen=True)
+class Vocab:
+    """The tokenizer metadata, checked: every list as long as the vocabulary, every id inside it."""
 
-    if pre not in PRE_TOKENIZERS:
+    kind: str
+    tokens: list[str]
+    types: list[int]
+    scores: Optional[np.ndarray]
+    merges: Optional[list[tuple[str, str]]]
+    pre: str
+    add_space_prefix: bool = False  # SentencePiece: a "▁" before the text (llama.cpp's default; Gemma 3 says no)
+    unk: Optional[str] = None
+
+
+def read_vocab(metadata: dict[str, Any], hyper: Hyper) -> Vocab:
+    kind = meta_str(metadata, "tokenizer.ggml.model")
+    allowed = hyper.family.tokenizers
+    if kind not in TOKENIZER_KINDS or kind not in allowed:
+        raise GGUFError(f"tokenizer model {kind!r} is not supported for {hyper.architecture} (supported: {', '.join(allowed)})")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise GGUFError("metadata 'tokenizer.ggml.tokens' is not a list of strings")
+    if len(tokens) > hyper.vocab_size or len(set(tokens)) != len(tokens):
+        raise GGUFError(f"metadata: {len(tokens)} tokens (some repeated, or more than the {hyper.vocab_size} embedding rows)")
+    types = _numbers(metadata, "tokenizer.ggml.token_type", len(tokens), np.full(len(tokens), NORMAL))
+    if types.size and (types.min() < 0 or types.max() > BYTE):
+        raise GGUFError("metadata 'tokenizer.ggml.token_type' holds types llama.cpp does not define")
+    pre = meta_str(metadata, "tokenizer.ggml.pre", "default")
+    if kind == "gpt2" and pre not in _SPLITS:
         raise GGUFError(f"tokenizer pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
-    if pre == "smollm":  # SmolLM's tokenizer.json: every digit alone, then GPT-2's byte-level split
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    split = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}.get(pre, _GPT2_SPLIT)
-    if split is None:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    scores = _numbers(metadata, "tokenizer.ggml.scores", len(tokens), None) if kind == "llama" else None
+    if kind == "llama" and scores is None:
+        raise GGUFError("a SentencePiece ('llama') tokenizer needs 'tokenizer.ggml.scores'")
+    unk = meta_int(metadata, "tokenizer.ggml.unknown_token_id", 0, len(tokens) - 1, -1)
+    return Vocab(kind, tokens, [int(t) for t in types], scores, _merges(metadata) if kind == "gpt2" else None, pre,
+                 add_space_prefix=meta_bool(metadata, "tokenizer.ggml.add_space_prefix", kind == "llama"),
+                 unk=tokens[unk] if unk >= 0 else None)
 
 
-def build_tokenizer(metadata: dict[str, Any]) -> Any:
-    """A `tokenizers.Tokenizer` for the byte-level BPE vocabulary the metadata describes."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+def _numbers(metadata: dict[str, Any], key: str, length: int, default: Optional[np.ndarray]) -> Any:
+    value = metadata.get(key, default)
+    if value is None:
+        return None
+    if not isinstance(value, np.ndarray) or value.shape != (length,) or not np.all(np.isfinite(value)):
+        raise GGUFError(f"metadata {key!r} is not {length} finite numbers, one per token")
+    return value
 
-    kind = str(meta(metadata, "tokenizer.ggml.model"))
-    if kind != "gpt2":
-        raise GGUFError(f"tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    merges = [tuple(pair.split(" ", 1)) for pair in metadata["tokenizer.ggml.merges"]]
-    bpe = models.BPE(vocab={token: index for index, token in enumerate(tokens)}, merges=merges, fuse_unk=False)
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(str(meta(metadata, "tokenizer.ggml.pre", "default")))
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = _int_list(metadata.get("tokenizer.ggml.token_type"))
-    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                  for i, t in enumerate(types) if t == _CONTROL])
-    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                          for i, t in enumerate(types) if t == _USER_DEFINED])
+
+def _merges(metadata: dict[str, Any]) -> list[tuple[str, str]]:
+    merges = metadata.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
+        raise GGUFError("metadata 'tokenizer.ggml.merges' is not a list of 'left right' pairs")
+    return [(left, right) for left, right in (m.split(" ") for m in merges)]
+
+
+def build_tokenizer(vocab: Vocab) -> Any:
+    """A `tokenizers.Tokenizer` for the vocabulary, its control tokens special, its user-defined ones whole."""
+    from tokenizers import AddedToken
+
+    if vocab.kind == "gpt2":
+        tokenizer = _byte_level(vocab)
+    else:
+        tokenizer = sentencepiece_tokenizer(vocab.tokens, vocab.types, np.asarray(vocab.scores),
+                                            add_space_prefix=vocab.add_space_prefix, unk=vocab.unk)
+    tokenizer.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
+                                  for i, t in enumerate(vocab.types) if t == CONTROL])
+    tokenizer.add_tokens([AddedToken(vocab.tokens[i], special=False, normalized=False)
+                          for i, t in enumerate(vocab.types) if t == USER_DEFINED])
     return tokenizer
 
 
-def _int_list(value: Any) -> list[int]:
-    """An int array from the metadata (absent: empty)."""
-    values = [] if value is None else mx.array(value).reshape(-1).tolist()
-    return [int(x) for x in cast(list[int], values)]
+def _byte_level(vocab: Vocab) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    bpe = models.BPE(vocab={token: index for index, token in enumerate(vocab.tokens)}, merges=vocab.merges, fuse_unk=False)
+    tokenizer = Tokenizer(bpe)
+    split = _SPLITS[vocab.pre]
+    if vocab.pre == "smollm":  # SmolLM's tokenizer.json: every digit alone, then GPT-2's byte-level split
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
 
 
-def _token(metadata: dict[str, Any], key: str) -> Optional[str]:
-    index = metadata.get(f"tokenizer.ggml.{key}")
-    return None if index is None else str(metadata["tokenizer.ggml.tokens"][int(scalar(index))])
+@dataclass(frozen=True)
+class Specials:
+    """The special token ids the metadata names, each checked to be inside the vocabulary."""
+
+    bos: Optional[int]
+    eos: list[int]  # the file's EOS first, then the family's end-of-turn tokens
+    unk: Optional[int]
+    pad: Optional[int]
+    add_bos: bool
 
 
-def tokenizer_config(metadata: dict[str, Any], hyper: Hyper) -> dict[str, Any]:
-    """tokenizer_config.json: the chat template, the special tokens and BOS/EOS handling."""
+def read_specials(metadata: dict[str, Any], vocab: Vocab, hyper: Hyper) -> Specials:
+    count = len(vocab.tokens)
+
+    def token_id(key: str, required: bool = False) -> Optional[int]:
+        name = f"tokenizer.ggml.{key}"
+        if name not in metadata and not required:
+            return None
+        return meta_int(metadata, name, 0, count - 1)
+
+    eos = [token_id("eos_token_id", required=True)]
+    eos += [i for i in (token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
+    eos += [vocab.tokens.index(t) for t in _TURN_ENDS.get(hyper.architecture, ()) if t in vocab.tokens
+            and vocab.types[vocab.tokens.index(t)] == CONTROL]
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise, not to a byte-level one.
+    add_bos = meta_bool(metadata, "tokenizer.ggml.add_bos_token", vocab.kind == "llama")
+    return Specials(bos=token_id("bos_token_id"), eos=list(dict.fromkeys(e for e in eos if e is not None)),
+                    unk=token_id("unknown_token_id"), pad=token_id("padding_token_id"), add_bos=add_bos)
+
+
+def tokenizer_config(metadata: dict[str, Any], vocab: Vocab, specials: Specials, hyper: Hyper) -> dict[str, Any]:
+    """tokenizer_config.json: the chat template (the file's, else the family's), the special tokens, BOS/EOS handling."""
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": hyper.context_length,
-        "add_bos_token": bool(scalar(metadata.get("tokenizer.ggml.add_bos_token", False))),
-        "add_eos_token": bool(scalar(metadata.get("tokenizer.ggml.add_eos_token", False))),
+        "add_bos_token": specials.add_bos,
+        "add_eos_token": meta_bool(metadata, "tokenizer.ggml.add_eos_token", False),
         "clean_up_tokenization_spaces": False,
+        "bos_token": _text(vocab, specials.bos),
+        "eos_token": _text(vocab, specials.eos[0]),
+        "unk_token": _text(vocab, specials.unk),
+        "pad_token": _text(vocab, specials.pad),
     }
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        config[name] = _token(metadata, key)
-    if "tokenizer.chat_template" in metadata:
-        config["chat_template"] = str(metadata["tokenizer.chat_template"])
+    template = meta_str(metadata, "tokenizer.chat_template", _DEFAULT_TEMPLATES.get(hyper.architecture, ""))
+    if template:
+        config["chat_template"] = template
     return config
 
 
-def with_bos(tokenizer: Any, metadata: dict[str, Any]) -> Any:
-    """Prepend BOS in the tokenizer itself when the file says llama.cpp adds one (fast tokenizers ignore add_bos_token)."""
+def _text(vocab: Vocab, index: Optional[int]) -> Optional[str]:
+    return None if index is None else vocab.tokens[index]
+
+
+def with_bos(tokenizer: Any, vocab: Vocab, specials: Specials) -> Any:
+    """Prepend BOS in the tokenizer itself when llama.cpp would (fast tokenizers ignore add_bos_token)."""
     from tokenizers import processors
 
-    bos = _token(metadata, "bos_token_id")
-    if bos is None or not bool(scalar(metadata.get("tokenizer.ggml.add_bos_token", False))):
+    if specials.bos is None or not specials.add_bos:
         return tokenizer
-    bos_id = int(scalar(metadata["tokenizer.ggml.bos_token_id"]))
-    tokenizer.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]),
-    ])
+    bos = vocab.tokens[specials.bos]
+    template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, specials.bos)])
+    steps = [processors.ByteLevel(trim_offsets=False), template] if vocab.kind == "gpt2" else [template]
+    tokenizer.post_processor = processors.Sequence(steps)
     return tokenizer

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.door.core import Learner
 from grpo_fleet.learner.run.build import build_learner as build_learner_with_processes
+from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.tasks.reward_runner import InlineScorer
 
 
-def build_learner(cfg: RunConfig, **options: Any) -> Learner:
+def build_learner(cfg: RunConfig, **options: Any) -> RunCoordinator:
     return build_learner_with_processes(cfg, make_scorer=InlineScorer, **options)

@@ -11,7 +11,7 @@ from grpo_fleet.cli_tools import add_tool_commands
 
 if TYPE_CHECKING:
     from grpo_fleet.config import ActorConfig, RunConfig
-    from grpo_fleet.learner.door.core import Learner
+    from grpo_fleet.learner.run.coordinator import RunCoordinator
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -60,10 +60,11 @@ def _learner(args: argparse.Namespace) -> int:
     if ranks is None:  # `mlx.launch -n 1`: the plain learner
         return _serve_learner(cfg, resume=bool(args.resume))
     with rank0_session(ranks, cfg) as start:
-        return _serve_learner(cfg, resume=bool(args.resume), ready=start)
+        return _serve_learner(cfg, resume=bool(args.resume), ready=lambda learner: start(
+            learner.trainer, learner.model_digest, learner.state.step, learner.metrics.registry))
 
 
-def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["Learner"], None]] = None) -> int:
+def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["RunCoordinator"], None]] = None) -> int:
     """Build the learner (then `ready(learner)`: a data-parallel rank 0 starts its ranks) and serve the fleet."""
     from grpo_fleet.learner.door.server import LearnerServer
     from grpo_fleet.learner.records.trackers import TrackerUnavailable

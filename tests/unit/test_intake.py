@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -17,6 +18,7 @@ from grpo_fleet.learner.fleet.leasing import Leasing
 from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.acks import AckCache
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.records.handoff import BatchHandOff
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.state import LearnerState
@@ -61,7 +63,7 @@ class Rooms:
     state: LearnerState
     registry: Registry
     intake: Intake
-    batches: list[int]
+    handoff: BatchHandOff
     metrics: LearnerMetrics
     run_dir: Path
 
@@ -84,11 +86,11 @@ def rooms(tmp_path: Path, clock) -> Iterator[Rooms]:
     prompts = [np.array([1, 2], dtype=np.int32)] * 8
     leasing = Leasing(cfg, state, metrics, prompts, [Example(prompt="p", answer="a") for _ in prompts])
     runlog = RunLog(tmp_path)
-    batches: list[int] = []
-    intake = Intake(IntakeRules.from_config(cfg, VOCAB), state, registry, leasing, runlog, metrics, prompts,
-                    lambda: batches.append(len(state.buffer)))
+    handoff = BatchHandOff(state, runlog, threading.RLock(), groups_per_step=2)
+    intake = Intake(IntakeRules.from_config(cfg, VOCAB), state, registry, leasing, runlog, metrics, prompts, handoff)
     registry.hello(b"id", KEY, m.Hello(actor_id="a", host="h", backend="cpu", versions={}), "")
-    yield Rooms(state, registry, intake, batches, metrics, tmp_path)
+    with handoff.batch_ready:  # intake runs under the run's lock, which a wake-up needs
+        yield Rooms(state, registry, intake, handoff, metrics, tmp_path)
     runlog.close()
 
 
@@ -115,7 +117,7 @@ def test_accepted_groups_are_ledgered_buffered_and_announce_a_batch(rooms):
     assert ack.status == "accepted" and set(ack.groups.values()) == {"accepted"}
     assert [g.group_id for g in rooms.state.buffer] == [e["group_id"] for e in rooms.ledger()]
     assert rooms.state.buffer[0].completions[0].tokens.dtype == np.int32
-    assert rooms.batches == [2], "a full batch wakes the training thread"
+    assert rooms.handoff.wakeups == 1 and len(rooms.state.buffer) == 2, "a full batch wakes the training thread"
     assert rooms.registry.groups_accepted == 2
 
 
@@ -145,7 +147,7 @@ def test_work_from_a_version_too_old_is_stale_and_requeued_never_a_violation(roo
 def test_zero_variance_groups_are_ledgered_but_not_buffered(rooms):
     assert _submit(rooms, (0.5, 0.5)).status == "accepted"
     assert len(rooms.ledger()) == 2 and rooms.state.buffer == []
-    assert rooms.state.zero_variance_since_step == 2 and rooms.batches == []
+    assert rooms.state.zero_variance_since_step == 2 and rooms.handoff.wakeups == 0
 
 
 def test_nothing_is_accepted_once_the_run_is_done(rooms):

@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.door.core.Learner, driven through `handle()` without sockets."""
+"""Tests for grpo_fleet.learner.run.coordinator.RunCoordinator, driven through `handle()` without sockets."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.door.core import Learner
 from grpo_fleet.learner.door.replies import Reply
+from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.model import model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
@@ -54,10 +54,10 @@ def run_config(model_dir: Path, run_dir: Path, **sections: dict) -> RunConfig:
 
 
 @pytest.fixture
-def make_learner(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Learner]]:
-    built: list[Learner] = []
+def make_learner(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., RunCoordinator]]:
+    built: list[RunCoordinator] = []
 
-    def make(**sections: dict) -> Learner:
+    def make(**sections: dict) -> RunCoordinator:
         learner = build_learner(run_config(tiny_model_dir, tmp_path / f"run{len(built)}", **sections))
         built.append(learner)
         return learner
@@ -68,27 +68,27 @@ def make_learner(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[...,
 
 
 @pytest.fixture
-def learner(make_learner) -> Learner:
+def learner(make_learner) -> RunCoordinator:
     return make_learner()
 
 
 # ----------------------------------------------------------------- helpers
 
 
-def ask(learner: Learner, identity: bytes, msg: object, **kwargs) -> object:
+def ask(learner: RunCoordinator, identity: bytes, msg: object, **kwargs) -> object:
     """The message `handle` answers with (weight chunks carry raw bytes too; see the weights tests)."""
     reply = learner.handle(identity, msg, **kwargs)
     assert isinstance(reply, Reply)
     return reply.message
 
 
-def hello(learner: Learner, identity: bytes = ACTOR_A, actor_id: str = "actor-a") -> m.Welcome:
+def hello(learner: RunCoordinator, identity: bytes = ACTOR_A, actor_id: str = "actor-a") -> m.Welcome:
     reply = ask(learner, identity, m.Hello(actor_id=actor_id, host="testhost", backend="cpu", versions={}))
     assert isinstance(reply, m.Welcome)
     return reply
 
 
-def lease(learner: Learner, identity: bytes = ACTOR_A, max_groups: int = GROUPS_PER_STEP) -> m.Lease:
+def lease(learner: RunCoordinator, identity: bytes = ACTOR_A, max_groups: int = GROUPS_PER_STEP) -> m.Lease:
     reply = ask(learner, identity, m.LeaseRequest(max_groups=max_groups))
     assert isinstance(reply, m.Lease)
     return reply
@@ -124,7 +124,7 @@ def rollouts_for(lease_msg: m.Lease, rewards: Sequence[float] = INFORMATIVE, *, 
     )
 
 
-def generated_rollouts(learner: Learner, lease_msg: m.Lease) -> m.Rollouts:
+def generated_rollouts(learner: RunCoordinator, lease_msg: m.Lease) -> m.Rollouts:
     """Real samples from the learner's own policy, with rewards spread so every group is informative."""
     prompts = [p.prompt_tokens.to_numpy() for p in lease_msg.prompts]
     groups = generate_groups(
@@ -146,26 +146,26 @@ def generated_rollouts(learner: Learner, lease_msg: m.Lease) -> m.Rollouts:
                       incarnation=learner.state.incarnation, groups=results)
 
 
-def ledger(learner: Learner) -> list[dict]:
+def ledger(learner: RunCoordinator) -> list[dict]:
     path = learner.run_dir / "ledger.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def metrics_lines(learner: Learner) -> list[dict]:
+def metrics_lines(learner: RunCoordinator) -> list[dict]:
     path = learner.run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def sample(learner: Learner, name: str, labels: Optional[dict] = None) -> float:
+def sample(learner: RunCoordinator, name: str, labels: Optional[dict] = None) -> float:
     value = learner.metrics.registry.get_sample_value(name, labels or {})
     return 0.0 if value is None else value
 
 
-def rejections(learner: Learner, reason: str) -> float:
+def rejections(learner: RunCoordinator, reason: str) -> float:
     return sample(learner, "grpo_fleet_learner_rejections_total", {"reason": reason})
 
 
-def fill_buffer(learner: Learner, identity: bytes = ACTOR_A) -> m.Lease:
+def fill_buffer(learner: RunCoordinator, identity: bytes = ACTOR_A) -> m.Lease:
     lease_msg = lease(learner, identity)
     ack = ask(learner, identity, rollouts_for(lease_msg, incarnation=learner.state.incarnation))
     assert ack.status == "accepted"

@@ -10,8 +10,8 @@ import pytest
 from test_learner_core import ACTOR_A, GROUP_SIZE, INFORMATIVE, MAX_TOKENS, ask, generated_rollouts, hello, lease, run_config
 
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.door.core import Learner
 from grpo_fleet.learner.door.verification import RewardCheck, reward_gap
+from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import load_policy
 from grpo_fleet.protocol import messages as m
@@ -23,10 +23,10 @@ from in_process import build_learner
 
 
 @pytest.fixture
-def make(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Learner]]:
-    built: list[Learner] = []
+def make(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., RunCoordinator]]:
+    built: list[RunCoordinator] = []
 
-    def build(**sections: dict) -> Learner:
+    def build(**sections: dict) -> RunCoordinator:
         built.append(build_learner(run_config(tiny_model_dir, tmp_path / f"run{len(built)}", **sections)))
         return built[-1]
 
@@ -35,12 +35,12 @@ def make(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Learner
         learner.close()
 
 
-def rejections(learner: Learner, reason: RejectReason) -> float:
+def rejections(learner: RunCoordinator, reason: RejectReason) -> float:
     return learner.metrics.registry.get_sample_value("grpo_fleet_learner_rejections_total", {"reason": reason}) or 0.0
 
 
 def test_the_learner_re_scores_in_a_process_of_its_own_unless_given_a_scorer(
-        make: Callable[..., Learner], tmp_path: Path) -> None:
+        make: Callable[..., RunCoordinator], tmp_path: Path) -> None:
     """Never an in-process fallback, which could not interrupt a reward that hangs; a unit test passes its own."""
     import inspect
 
@@ -48,17 +48,17 @@ def test_the_learner_re_scores_in_a_process_of_its_own_unless_given_a_scorer(
     from grpo_fleet.tasks.reward_runner import ScoringProcess
 
     # Both ways in default to a scoring process (starting one here would break the unit tests' rule).
-    for built_by in (Learner, build_with_processes):
+    for built_by in (RunCoordinator, build_with_processes):
         assert inspect.signature(built_by).parameters["make_scorer"].default is ScoringProcess, built_by
     parts = make()
     cfg = parts.cfg.model_copy(update={"security": parts.cfg.security.model_copy(update={"verify_rewards": True})})
     inline = InlineScorer(parts.task.reward_set())
-    given = Learner(cfg, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
+    given = RunCoordinator(cfg, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
                     learner_metrics(), tmp_path, make_scorer=lambda rewards: inline)
     assert given.reward_check is not None and given.reward_check.scorer is inline
     off = cfg.model_copy(update={"security": cfg.security.model_copy(update={"verify_rewards": False})})
     (tmp_path / "off").mkdir()
-    unchecked = Learner(off, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
+    unchecked = RunCoordinator(off, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
                         learner_metrics(), tmp_path / "off", make_scorer=lambda rewards: inline)
     assert unchecked.reward_check is None, "no re-scoring, no scorer"
     for learner in (given, unchecked):
@@ -70,7 +70,7 @@ def test_reward_gap_is_relative_to_the_reward() -> None:
     assert reward_gap([1.25], [1.0]) == pytest.approx(0.25)
 
 
-def test_rewards_are_re_scored_from_the_tokens_and_the_learners_answer(make: Callable[..., Learner]) -> None:
+def test_rewards_are_re_scored_from_the_tokens_and_the_learners_answer(make: Callable[..., RunCoordinator]) -> None:
     learner = make()
     hello(learner)
     msg = generated_rollouts(learner, lease(learner))
@@ -91,7 +91,7 @@ def test_rewards_are_re_scored_from_the_tokens_and_the_learners_answer(make: Cal
     assert set(check.verdicts(lied).values()) == {RejectReason.REWARD_MISMATCH}
 
 
-def test_honest_logprobs_pass_and_the_group_trains(make: Callable[..., Learner]) -> None:
+def test_honest_logprobs_pass_and_the_group_trains(make: Callable[..., RunCoordinator]) -> None:
     learner = make(security={"verify_logprobs": True})
     hello(learner)
     assert ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner))).status == "accepted"
@@ -103,7 +103,7 @@ def test_honest_logprobs_pass_and_the_group_trains(make: Callable[..., Learner])
     assert count == 2 and under == 2, "the actor's sampler and the learner agree to under 1e-3 nats"
 
 
-def test_altered_logprobs_ban_the_actor_and_nothing_of_it_trains(make: Callable[..., Learner]) -> None:
+def test_altered_logprobs_ban_the_actor_and_nothing_of_it_trains(make: Callable[..., RunCoordinator]) -> None:
     learner = make(security={"verify_logprobs": True})
     hello(learner)
     msg = generated_rollouts(learner, lease(learner))
@@ -119,7 +119,7 @@ def test_altered_logprobs_ban_the_actor_and_nothing_of_it_trains(make: Callable[
     _assert_ledgered_drops(learner, {g.group_id for g in halved}, RejectReason.LOGPROB_MISMATCH)
 
 
-def _assert_ledgered_drops(learner: Learner, groups: set[str], reason: RejectReason) -> None:
+def _assert_ledgered_drops(learner: RunCoordinator, groups: set[str], reason: RejectReason) -> None:
     """Each dropped group has its drop line in the ledger, naming the new group its prompt was retried as."""
     learner.runlog.sizes()  # flushes
     audit = audit_ledger(Path(learner.cfg.run_dir) / "ledger.jsonl")
@@ -129,7 +129,7 @@ def _assert_ledgered_drops(learner: Learner, groups: set[str], reason: RejectRea
     assert retried == {t.group_id for t in learner.state.scheduler.queued_groups}
 
 
-def test_groups_beyond_max_train_staleness_are_dropped_when_the_batch_is_taken(make: Callable[..., Learner]) -> None:
+def test_groups_beyond_max_train_staleness_are_dropped_when_the_batch_is_taken(make: Callable[..., RunCoordinator]) -> None:
     learner = make(grpo={"max_staleness": 2, "max_train_staleness": 0})
     hello(learner)
     ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner)))
@@ -151,13 +151,13 @@ def shifted(msg: m.Rollouts, nats: float, first: int = 0) -> m.Rollouts:
     return msg.model_copy(update={"groups": groups})
 
 
-def gpu_hello(learner: Learner) -> None:
+def gpu_hello(learner: RunCoordinator) -> None:
     """An actor on Metal told no dtype: it samples in the checkpoint's, which may be bfloat16."""
     assert isinstance(ask(learner, ACTOR_A, m.Hello(actor_id="mac", host="mac", backend="Device(gpu, 0)",
                                                     versions={})), m.Welcome)
 
 
-def test_a_float32_actor_two_hundredths_of_a_nat_off_is_caught(make: Callable[..., Learner]) -> None:
+def test_a_float32_actor_two_hundredths_of_a_nat_off_is_caught(make: Callable[..., RunCoordinator]) -> None:
     # A proxy lifting the claimed version by one, or serving weights 1-2 versions stale, was 0.02-0.07 nats
     # off on the demo model (bench liar_lags): under the old one-size bound of 0.05 such groups trained.
     learner = make(security={"verify_logprobs": True})
@@ -167,7 +167,7 @@ def test_a_float32_actor_two_hundredths_of_a_nat_off_is_caught(make: Callable[..
     assert rejections(learner, RejectReason.LOGPROB_MISMATCH) == 2
 
 
-def test_a_liar_behind_an_honest_first_group_is_caught(make: Callable[..., Learner]) -> None:
+def test_a_liar_behind_an_honest_first_group_is_caught(make: Callable[..., RunCoordinator]) -> None:
     learner = make(security={"verify_logprobs": True})
     hello(learner)
     msg = shifted(generated_rollouts(learner, lease(learner)), -0.5, first=1)
@@ -176,14 +176,14 @@ def test_a_liar_behind_an_honest_first_group_is_caught(make: Callable[..., Learn
     assert learner.registry.is_banned(next(iter(learner.registry.actors.values())).principal)
 
 
-def test_checks_per_submission_bound_how_many_groups_are_recomputed(make: Callable[..., Learner]) -> None:
+def test_checks_per_submission_bound_how_many_groups_are_recomputed(make: Callable[..., RunCoordinator]) -> None:
     learner = make(security={"verify_logprobs": True, "logprob_checks_per_submission": 1})
     hello(learner)
     ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner)))
     assert sum(g.check_logprobs for g in learner.state.buffer) == 1
 
 
-def test_an_honest_bfloat16_actor_passes_its_own_bound(make: Callable[..., Learner], tiny_model_dir: Path) -> None:
+def test_an_honest_bfloat16_actor_passes_its_own_bound(make: Callable[..., RunCoordinator], tiny_model_dir: Path) -> None:
     learner = make(security={"verify_logprobs": True})
     gpu_hello(learner)
     lease_msg = lease(learner)
@@ -206,14 +206,14 @@ def test_an_honest_bfloat16_actor_passes_its_own_bound(make: Callable[..., Learn
     assert gpu.train_step() is not None and rejections(gpu, RejectReason.LOGPROB_MISMATCH) == 0
 
 
-def test_security_max_logprob_gap_overrides_the_dtypes_bound(make: Callable[..., Learner]) -> None:
+def test_security_max_logprob_gap_overrides_the_dtypes_bound(make: Callable[..., RunCoordinator]) -> None:
     learner = make(security={"verify_logprobs": True, "max_logprob_gap": 0.05})
     hello(learner)
     ask(learner, ACTOR_A, shifted(generated_rollouts(learner, lease(learner)), -0.02))
     assert learner.train_step() is not None and rejections(learner, RejectReason.LOGPROB_MISMATCH) == 0
 
 
-def test_rewards_scored_ahead_are_not_scored_again_under_the_lock(make: Callable[..., Learner]) -> None:
+def test_rewards_scored_ahead_are_not_scored_again_under_the_lock(make: Callable[..., RunCoordinator]) -> None:
     learner = make()
     hello(learner)
     msg = generated_rollouts(learner, lease(learner))
@@ -238,7 +238,7 @@ def test_rewards_scored_ahead_are_not_scored_again_under_the_lock(make: Callable
     assert calls[-1] == len(jobs)
 
 
-def test_groups_checked_in_one_forward_get_the_gaps_each_gets_alone(make: Callable[..., Learner]) -> None:
+def test_groups_checked_in_one_forward_get_the_gaps_each_gets_alone(make: Callable[..., RunCoordinator]) -> None:
     learner = make(security={"verify_logprobs": True})
     hello(learner)
     ask(learner, ACTOR_A, shifted(generated_rollouts(learner, lease(learner)), -0.5, first=1))

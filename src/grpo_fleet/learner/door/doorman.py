@@ -14,7 +14,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.door.core import Learner
+from grpo_fleet.learner.door.desk import Desk
 from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.protocol.auth import Keypair, KeyRing, load_keypair, start_authenticator
 from grpo_fleet.protocol.endpoints import is_loopback_endpoint, pub_endpoint_for
@@ -51,7 +51,7 @@ def check_bind_security(cfg: RunConfig) -> None:
 class Doorman:
     """Who may talk to the learner: CURVE's allow-list (reloaded live), failed handshakes, banned and revoked keys."""
 
-    def __init__(self, ctx: zmq.Context, cfg: RunConfig, learner: Learner) -> None:
+    def __init__(self, ctx: zmq.Context, cfg: RunConfig, learner: Desk) -> None:
         self.learner = learner
         self.keyring: Optional[KeyRing] = None
         self.keypair: Optional[Keypair] = None

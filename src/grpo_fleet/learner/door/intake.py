@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from grpo_fleet.learner.door.drops import drop_buffered
 from grpo_fleet.learner.door.intake_rules import (
     IntakeRules,
     accepted_group,
@@ -24,6 +23,7 @@ from grpo_fleet.learner.door.intake_rules import (
     unusable_version,
 )
 from grpo_fleet.learner.records.groups import AcceptedGroup
+from grpo_fleet.learner.records.handoff import BatchHandOff
 from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import LearnerMetrics
@@ -53,10 +53,10 @@ class Intake:
 
     def __init__(self, rules: IntakeRules, state: LearnerState, registry: Registry, leasing: Leasing,
                  runlog: RunLog, metrics: LearnerMetrics, prompt_tokens: list[np.ndarray],
-                 on_batch_ready: Callable[[], None], reward_check: Optional[RewardCheck] = None) -> None:
+                 handoff: BatchHandOff, reward_check: Optional[RewardCheck] = None) -> None:
         self.rules, self.state, self.registry, self.leasing = rules, state, registry, leasing
         self.runlog, self.metrics, self.prompt_tokens = runlog, metrics, prompt_tokens
-        self.on_batch_ready, self.reward_check = on_batch_ready, reward_check
+        self.handoff, self.reward_check = handoff, reward_check
 
     def take(self, actor: ActorInfo, msg: m.Rollouts) -> m.Ack:
         """The answer to one Rollouts from `actor`; a replay gets the stored answer and changes nothing."""
@@ -213,7 +213,7 @@ class Intake:
             blamed.add(key)
             dropped = [g for g in self.state.buffer if g.actor_key == key]
             # Their prompts go to honest actors, as new groups.
-            drop_buffered(self.state, self.runlog, dropped, RejectReason.LOGPROB_MISMATCH)
+            self.handoff.drop(dropped, RejectReason.LOGPROB_MISMATCH)
             self.metrics.rejections.labels(reason=RejectReason.LOGPROB_MISMATCH).inc(len(dropped))
             released = self.state.scheduler.release_actor(key)
             self.registry.record_violation(key, RejectReason.LOGPROB_MISMATCH, ban_now=True)
@@ -236,9 +236,7 @@ class Intake:
         mt.group_reward.observe(float(record.rewards.mean()))
         state.accepted_since_step += 1
         if record.is_informative:
-            state.buffer.append(record)
-            if len(state.buffer) >= self.rules.groups_per_step:
-                self.on_batch_ready()
+            self.handoff.put(record)
         else:
             state.zero_variance_since_step += 1
             mt.groups_zero_variance.inc()

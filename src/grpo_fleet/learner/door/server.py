@@ -1,7 +1,8 @@
 """The learner's event loop: a ROUTER for requests, a PUB for notices.
 
-All socket work for the learner happens here (and in doorman.py, which watches its router); decisions are made by `Learner`,
-which answers each message with a typed `Reply` this loop sends as it is.
+All socket work for the learner happens here (and in doorman.py, which watches its router); decisions are made
+by the run's coordinator (learner/run/coordinator.py, seen through desk.py's `Desk`), which answers each message
+with a typed `Reply` this loop sends as it is.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from typing import Optional
 import zmq
 from pydantic import BaseModel
 
-from grpo_fleet.learner.door.core import Learner
+from grpo_fleet.learner.door.desk import Desk
 from grpo_fleet.learner.door.doorman import Doorman, check_bind_security
 from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.verifying import RolloutsVerifier
-from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
@@ -47,9 +47,9 @@ SHUTDOWN_GRACE_SECONDS = 10.0
 
 
 class LearnerServer:
-    """Owns the sockets; pumps messages into `Learner` and trains when a batch is ready."""
+    """Owns the sockets; pumps messages into the run and starts its training thread."""
 
-    def __init__(self, learner: Learner) -> None:
+    def __init__(self, learner: Desk) -> None:
         self.learner = learner
         cfg = learner.cfg.server
         self.limits = inbound_limits(learner.cfg)
@@ -129,22 +129,10 @@ class LearnerServer:
             self.close()
 
     def _train_loop(self) -> None:
-        local = LocalEvaluator(self.learner, self.learner.make_scorer)
         try:
-            while not self.stopping and not self.learner.state.done:
-                local.run_if_needed()
-                if self.learner.wait_for_batch(timeout=0.1):
-                    self.learner.train_step()
-                else:
-                    self.learner.trainer.sharding.idle()  # a data-parallel rank 0's keepalive
-            # The final eval round: answered by actors, or evaluated here if none is left.
-            while not self.stopping and local.pending():
-                if not local.run_if_needed():
-                    time.sleep(0.05)
+            self.learner.train_until(lambda: self.stopping)
         except BaseException as exc:  # surfaced by serve() on the main thread
             self.training_error = exc
-        finally:
-            local.close()
 
     def _announce_new_version(self) -> None:
         snapshot = self.learner.snapshots.current
@@ -188,7 +176,7 @@ class LearnerServer:
             self.verifier = None
 
     def _answer_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str], peer_address: str) -> Reply:
-        """On the verifier thread: `_answer`, rewards scored outside the lock (`Learner.handle_rollouts`)."""
+        """On the verifier thread: `_answer`, rewards scored outside the lock (`RunCoordinator.handle_rollouts`)."""
         try:
             with self.learner.metrics.rollouts_answer_seconds.time():
                 return self.learner.handle_rollouts(identity, msg, principal, peer_address)

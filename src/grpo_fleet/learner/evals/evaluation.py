@@ -6,7 +6,7 @@ leases; each prompt is sampled `train.eval_samples` times (1, greedy, by
 default), scored by the run's rewards on the actor, and sent back as ordinary
 Rollouts that this room answers. Eval groups never enter the training buffer,
 the ledger or the step's counts. With no actor connected, the learner evaluates
-the round itself (learner/door/core.py). A round's line goes to metrics.jsonl
+the round itself (learner/run/local_eval.py). A round's line goes to metrics.jsonl
 (`"event": "eval"`) and its figures to Prometheus. Rounds in flight are not
 checkpointed: a resumed run starts with the next one. No sockets here.
 """

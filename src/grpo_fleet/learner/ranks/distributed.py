@@ -17,11 +17,12 @@ import json
 import logging
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from grpo_fleet.config import ConfigError, DistributedConfig, RunConfig
 from grpo_fleet.learner.ranks.collectives import RankGroup, init_group
@@ -40,9 +41,6 @@ from grpo_fleet.learner.step.objective import proximal_grid
 from grpo_fleet.learner.step.stats import Gradients
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.trees import flat_leaves
-
-if TYPE_CHECKING:
-    from grpo_fleet.learner.door.core import Learner
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 
@@ -195,8 +193,9 @@ def connect(cfg: DistributedConfig, rank: int) -> Optional[RankGroup]:
 
 
 @contextmanager
-def rank0_session(ranks: RankGroup, cfg: RunConfig) -> Iterator[Callable[[Learner], None]]:
-    """Around rank 0's learner: yields `start(learner)`, which shares the run and turns sharding on.
+def rank0_session(ranks: RankGroup, cfg: RunConfig) -> Iterator[Callable[[Trainer, str, int, CollectorRegistry], None]]:
+    """Around rank 0's learner: yields `start(trainer, model_digest, step, metrics_registry)`, which shares the
+    run (rank 0's trainer, its model's digest, the step it continues from) and turns sharding on.
 
     Whatever happens, the other ranks hear how it ended: refused before the
     start (a bad config, no memory), or stop after it (the run is over, or
@@ -204,10 +203,10 @@ def rank0_session(ranks: RankGroup, cfg: RunConfig) -> Iterator[Callable[[Learne
     """
     started = False
 
-    def start(learner: Learner) -> None:
+    def start(trainer: Trainer, model_digest: str, step: int, metrics_registry: CollectorRegistry) -> None:
         nonlocal started
-        start_rank0(ranks, cfg, learner.trainer, learner.model_digest, learner.state.step)
-        learner.metrics.registry.register(CollectiveTotals(ranks))
+        start_rank0(ranks, cfg, trainer, model_digest, step)
+        metrics_registry.register(CollectiveTotals(ranks))
         started = True
 
     try:

@@ -1,4 +1,5 @@
-"""Training: take a batch from the buffer, run `Trainer.step` on it, publish when due, record the step."""
+"""One optimizer batch, the training thread's cycle: take it from the hand-off, run `Trainer.step` on it, publish
+when due, record the step."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.door.drops import drop_buffered
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.records.groups import AcceptedGroup
+from grpo_fleet.learner.records.handoff import BatchHandOff
 from grpo_fleet.learner.records.runlog import RunLog, StepRecord
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
@@ -39,7 +40,7 @@ class StepPhases:
 
 @dataclass(frozen=True)
 class TrainedBatch:
-    """What the unlocked part of a step produced, for `Training.record` to apply."""
+    """What the unlocked part of a step produced, for `BatchCycle.record` to apply."""
 
     groups: list[AcceptedGroup]
     trained_on: int  # the policy version the batch was trained at
@@ -49,16 +50,16 @@ class TrainedBatch:
     started: float  # perf_counter at the start of the step
 
 
-class Training:
+class BatchCycle:
     """One optimizer batch at a time; the caller holds the lock for `take_batch` and `record` only."""
 
-    def __init__(self, cfg: RunConfig, trainer: Trainer, snapshots: SnapshotStore, runlog: RunLog,
-                 metrics: LearnerMetrics) -> None:
+    def __init__(self, cfg: RunConfig, trainer: Trainer, handoff: BatchHandOff, snapshots: SnapshotStore,
+                 runlog: RunLog, metrics: LearnerMetrics) -> None:
         self.grpo, self.train = cfg.grpo, cfg.train
         self.max_train_staleness = (cfg.grpo.max_train_staleness if cfg.grpo.max_train_staleness is not None
                                     else cfg.grpo.max_staleness + cfg.server.in_flight_steps)
         self.lengths = LengthShaping.from_config(cfg)
-        self.trainer, self.snapshots, self.runlog, self.metrics = trainer, snapshots, runlog, metrics
+        self.trainer, self.handoff, self.snapshots, self.runlog, self.metrics = trainer, handoff, snapshots, runlog, metrics
 
     def ready(self, state: LearnerState) -> bool:
         return not state.done and len(state.buffer) >= self.grpo.groups_per_step
@@ -68,14 +69,13 @@ class Training:
         bound = self.max_train_staleness
         stale = [g for g in state.buffer if state.version - g.policy_version > bound]
         if stale:
-            drop_buffered(state, self.runlog, stale, RejectReason.STALE_AT_TRAIN)
+            self.handoff.drop(stale, RejectReason.STALE_AT_TRAIN)
             self.metrics.rejections.labels(reason=RejectReason.STALE_AT_TRAIN).inc(len(stale))
         return len(stale)
 
     def take_batch(self, state: LearnerState) -> tuple[list[AcceptedGroup], int]:
         """The oldest informative groups, removed from the buffer, and the version they will train."""
-        count = self.grpo.groups_per_step
-        groups, state.buffer = state.buffer[:count], state.buffer[count:]
+        groups = self.handoff.take(self.grpo.groups_per_step)
         for group in groups:  # staleness as trained, not only as it arrived
             self.metrics.train_staleness.observe(state.version - group.policy_version)
         return groups, state.version

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
 from grpo_fleet.config import RunConfig, load_run_config
-from grpo_fleet.learner.door.core import Learner
 from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.trackers import build_trackers, require_installed
+from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.learner.step.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
-from grpo_fleet.learner.step.trainer import trainer_from_config
+from grpo_fleet.learner.step.trainer import load_trainer
 from grpo_fleet.metrics import learner_metrics
-from grpo_fleet.model import Policy, latest_checkpoint, load_policy, model_digest
+from grpo_fleet.model import Policy, latest_checkpoint, model_digest
 from grpo_fleet.realshape import build_realshape, is_realshape
 from grpo_fleet.tasks import Task, build_task
 from grpo_fleet.tasks.prompts import check_prompt_lengths, context_length, encode_prompt
@@ -65,7 +66,7 @@ def tokenize_prompts(tokenizer: object, task: Task, cfg: RunConfig, *, split: st
     ]
 
 
-def _check_memory(policy: Policy, cfg: RunConfig, *, reference_copy: bool) -> None:
+def _check_memory(cfg: RunConfig, policy: Policy, reference_copy: bool) -> None:
     """Say what a step will need, and refuse one that this machine cannot hold (before pi_ref is loaded too)."""
     estimate = estimate_step_memory(policy.model, cfg, reference_copy=reference_copy)
     available = machine_memory_bytes()
@@ -74,7 +75,7 @@ def _check_memory(policy: Policy, cfg: RunConfig, *, reference_copy: bool) -> No
         check_step_fits(estimate, available)
 
 
-def _open_trackers(learner: Learner, cfg: RunConfig, run_dir: Path) -> None:
+def _open_trackers(learner: RunCoordinator, cfg: RunConfig, run_dir: Path) -> None:
     """logging.report_to's trackers, opened at the step the run continues from; a failure closes the run's files."""
     try:
         learner.trackers = build_trackers(cfg, run_dir, learner.metrics.tracker_errors, run_id=learner.state.run_id,
@@ -85,7 +86,7 @@ def _open_trackers(learner: Learner, cfg: RunConfig, run_dir: Path) -> None:
 
 
 def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional[str] = None,
-                  make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess) -> Learner:
+                  make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess) -> RunCoordinator:
     """Everything the learner needs, loaded and ready; writes the resolved config to the run dir.
 
     With `resume`, continues from the run directory's latest checkpoint.
@@ -102,22 +103,15 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     require_installed(cfg.logging)  # before a model load that may take minutes
     task = build_task(cfg.task)
     path = resolve_model_path(cfg, task)
-    lora = cfg.lora if cfg.lora.enabled else None
-    policy = load_policy(path, lora=lora, dtype=cfg.model.dtype)
-    ref_model = None
-    _check_memory(policy, cfg, reference_copy=lora is None and cfg.grpo.beta > 0)
-    if lora is None and cfg.grpo.beta > 0:
-        # Full fine-tuning changes every weight, so pi_ref needs its own frozen copy.
-        ref_model = load_policy(path, dtype=cfg.model.dtype).model
-        ref_model.freeze()
-    trainer = trainer_from_config(policy, cfg, ref_model)
+    trainer = load_trainer(cfg, path, before_reference=partial(_check_memory, cfg))
+    policy = trainer.policy
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     eval_prompts = tokenize_prompts(policy.tokenizer, task, cfg, split="eval")
     for split, tokens in (("train", prompts), ("eval", eval_prompts)):
         check_prompt_lengths(tokens, max_new_tokens=cfg.generation.max_tokens, context=context_length(policy.model),
                              split=split)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
-    learner = Learner(
+    learner = RunCoordinator(
         cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address,
         eval_prompt_tokens=eval_prompts, make_scorer=make_scorer,
     )

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
-
-if TYPE_CHECKING:
-    from grpo_fleet.learner.door.core import Learner
 
 log = logging.getLogger("grpo_fleet.learner")
 # How long a round waits for an actor before the learner evaluates it itself:
@@ -26,7 +24,7 @@ ACTOR_WAIT_SECONDS = 10.0
 class LocalEvaluator:
     """Evaluates waiting eval prompts on the learner's own model; its rewards run in their own process."""
 
-    def __init__(self, learner: Learner, make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess,
+    def __init__(self, learner: RunRooms, make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess,
                  wait_seconds: float = ACTOR_WAIT_SECONDS) -> None:
         self.learner, self.make_scorer, self.wait_seconds = learner, make_scorer, wait_seconds
         self._scorer: Scorer | None = None

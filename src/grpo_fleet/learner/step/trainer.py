@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -261,13 +261,21 @@ def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.M
     )
 
 
-def load_trainer(cfg: RunConfig, model_path: str) -> Trainer:
+def load_trainer(cfg: RunConfig, model_path: str,
+                 before_reference: Callable[[Policy, bool], None] = lambda policy, reference_copy: None) -> Trainer:
     """The Trainer a run config describes, on the model at `model_path` loaded as the learner loads it (LoRA
-    from the config; a frozen pi_ref copy when full fine-tuning with beta > 0)."""
+    from the config; a frozen pi_ref copy when full fine-tuning with beta > 0).
+
+    `before_reference(policy, reference_copy)` runs once the policy is loaded and before pi_ref is (the
+    learner's memory check: it refuses a step this machine cannot hold before loading a second copy).
+    """
     lora = cfg.lora if cfg.lora.enabled else None
     policy = load_policy(model_path, lora=lora, dtype=cfg.model.dtype)
+    reference_copy = lora is None and cfg.grpo.beta > 0
+    before_reference(policy, reference_copy)
     ref_model = None
-    if lora is None and cfg.grpo.beta > 0:
+    if reference_copy:
+        # Full fine-tuning changes every weight, so pi_ref needs its own frozen copy.
         ref_model = load_policy(model_path, dtype=cfg.model.dtype).model
         ref_model.freeze()
     return trainer_from_config(policy, cfg, ref_model)

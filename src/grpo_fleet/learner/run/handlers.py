@@ -1,0 +1,108 @@
+"""The I/O thread's part of the run: which function answers each message type, all under the run's lock.
+
+Each entry of the two tables names one function. Rollouts go to the room that
+owns their lease: an eval round's (learner/evals) or intake's (learner/door),
+which take them alike (learner/door/rollouts_taker.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from pydantic import BaseModel
+
+from grpo_fleet.learner.door.replies import Reply
+from grpo_fleet.learner.door.requests import OBSERVER_REQUESTS, Request, refuse_observer, undecodable
+from grpo_fleet.learner.door.rollouts_taker import RolloutsTaker
+from grpo_fleet.learner.fleet.bans import peer_key
+from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.learner.run.rooms import RunRooms
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.codec import ProtocolError
+from grpo_fleet.protocol.logsafe import shown
+
+log = logging.getLogger("grpo_fleet.learner")
+
+# Handlers for anyone, and for registered actors only; each message type has one.
+OpenHandler = Callable[[Request, Any], Reply]
+ActorHandler = Callable[[ActorInfo, Any], Reply]
+
+
+class RequestHandlers:
+    """Answers each decoded request; the caller (the I/O thread, or the verifier thread) holds `rooms.lock`."""
+
+    def __init__(self, rooms: RunRooms) -> None:
+        self.rooms = rooms
+        # Answered for anyone; every other request needs a Hello from this identity first.
+        self.open: dict[type, OpenHandler] = {m.Hello: self.hello, m.StatusRequest: self.status}
+        self.registered: dict[type, ActorHandler] = {
+            m.Heartbeat: self.heartbeat,
+            m.GetWeights: self.weights,
+            m.LeaseRequest: self.lease,
+            m.Rollouts: self.rollouts,
+        }
+
+    def answer(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str],
+               peer_address: str, *, observer: bool) -> Reply:
+        """The reply to one decoded message (or a decoding failure); see RunCoordinator.handle."""
+        rooms, owner = self.rooms, peer_key(identity, principal)
+        if isinstance(msg, ProtocolError):
+            return Reply(undecodable(owner, msg, rooms.metrics, rooms.registry))
+        if observer and not isinstance(msg, OBSERVER_REQUESTS):
+            return Reply(refuse_observer(owner, msg, rooms.metrics))
+        return self._dispatch(Request(identity, owner, peer_address), msg)
+
+    def rollouts_owner(self, lease_id: str) -> RolloutsTaker:
+        """The room whose lease this is: an eval round's, else intake."""
+        evaluation = self.rooms.evaluation
+        return evaluation if evaluation.owns(lease_id) else self.rooms.intake
+
+    def _dispatch(self, req: Request, msg: BaseModel) -> Reply:
+        kind = type(msg)
+        if kind in self.open:
+            return self.open[kind](req, msg)
+        rooms = self.rooms
+        actor = rooms.registry.known(req.identity, req.owner)
+        if actor is None:
+            return Reply(m.ErrorReply(reason="not_registered", detail="send Hello first"))
+        handler = self.registered.get(kind)
+        if handler is None:
+            rooms.metrics.protocol_errors.labels(reason="unexpected_type").inc()
+            rooms.registry.record_violation(req.owner, "unexpected_type")
+            return Reply(m.ErrorReply(reason="unexpected_type", detail=f"{kind.__name__} is not a request"))
+        return handler(actor, msg)
+
+    def hello(self, req: Request, hello: m.Hello) -> Reply:
+        rooms = self.rooms
+        refusal = rooms.registry.hello(req.identity, req.owner, hello, req.peer_address)
+        if refusal is not None:
+            return Reply(refusal)
+        # A restarted actor, or one reconnecting to a resumed learner, will never
+        # return the leases it does not name; unless its key has another live
+        # session (one key on two Macs), hand them out again now.
+        if rooms.registry.sessions(req.owner) == 1:
+            released = rooms.state.scheduler.release_actor(req.owner, keep=frozenset(hello.holding))
+            if released:
+                log.info("actor %s came back without %d of its leases; re-queued them", shown(hello.actor_id), released)
+        return Reply(rooms.card.welcome(hello.actor_id, rooms.state, rooms.pub_address))
+
+    def status(self, req: Request, request: m.StatusRequest) -> Reply:
+        return Reply(self.rooms.registry.status(self.rooms.state))
+
+    def heartbeat(self, actor: ActorInfo, beat: m.Heartbeat) -> Reply:
+        state = self.rooms.state
+        actor.policy_version = beat.policy_version
+        return Reply(m.Heartbeat(actor_id=actor.actor_id, policy_version=state.version, sent_at=time.time(),
+                                 incarnation=state.incarnation))
+
+    def weights(self, actor: ActorInfo, request: m.GetWeights) -> Reply:
+        return self.rooms.snapshots.chunk(request)
+
+    def lease(self, actor: ActorInfo, request: m.LeaseRequest) -> Reply:
+        # Eval leases go first: a round is small, and its figures are for the version it started at.
+        return Reply(self.rooms.evaluation.grant(actor, request) or self.rooms.leasing.grant(actor, request))
+
+    def rollouts(self, actor: ActorInfo, msg: m.Rollouts) -> Reply:
+        return Reply(self.rollouts_owner(msg.lease_id).take(actor, msg))

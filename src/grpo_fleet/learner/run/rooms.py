@@ -1,0 +1,93 @@
+"""The rooms of one run, built once from its config: the record they share, the lock over it, and each room.
+
+The run's coordinator (learner/run/coordinator.py) is built on these; its two
+named parts, the I/O thread's handler table (learner/run/handlers.py) and the
+training thread's loop (learner/run/training_thread.py), each work on them.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.door.intake import Intake
+from grpo_fleet.learner.door.intake_rules import IntakeRules
+from grpo_fleet.learner.door.snapshots import SnapshotStore
+from grpo_fleet.learner.door.verification import LogprobCheck, RewardCheck, WeightHistory
+from grpo_fleet.learner.door.welcome import run_card
+from grpo_fleet.learner.evals.evaluation import Evaluation
+from grpo_fleet.learner.fleet.leasing import Leasing
+from grpo_fleet.learner.fleet.registry import Registry
+from grpo_fleet.learner.records.handoff import BatchHandOff
+from grpo_fleet.learner.records.lease_book import PromptScheduler
+from grpo_fleet.learner.records.runlog import RunLog
+from grpo_fleet.learner.records.samples import SampleLog, tokenizer_decode
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.records.trackers import Trackers
+from grpo_fleet.learner.run.batch_cycle import BatchCycle
+from grpo_fleet.learner.step.gap_bounds import compute_dtype
+from grpo_fleet.learner.step.trainer import Trainer
+from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.model import Policy
+from grpo_fleet.tasks import Task
+from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
+
+
+class RunRooms:
+    """Single source of truth for the run: leases, accepted groups, steps and versions, under `lock`."""
+
+    def __init__(self, cfg: RunConfig, policy: Policy, trainer: Trainer, task: Task, prompt_tokens: list[np.ndarray],
+                 model_digest: str, metrics: LearnerMetrics, run_dir: Path, pub_address: Optional[str] = None,
+                 eval_prompt_tokens: Optional[list[np.ndarray]] = None,
+                 make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess) -> None:
+        self.cfg, self.policy, self.trainer, self.task = cfg, policy, trainer, task
+        self.prompt_tokens, self.model_digest, self.metrics, self.run_dir = prompt_tokens, model_digest, metrics, run_dir
+        self.pub_address = pub_address
+        self.card = run_card(cfg, policy, task, model_digest)
+        scheduler = PromptScheduler(len(prompt_tokens), seed=cfg.train.seed, lease_seconds=cfg.server.lease_seconds)
+        self.state = LearnerState(run_id=uuid.uuid4().hex[:12], incarnation=uuid.uuid4().hex[:12],
+                                  steps_target=cfg.train.steps, scheduler=scheduler)
+        self.lock = threading.RLock()
+        self.runlog = RunLog(run_dir)
+        self.handoff = BatchHandOff(self.state, self.runlog, self.lock, cfg.grpo.groups_per_step)
+        self.registry = Registry(cfg.server, metrics)
+        self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, task.train)
+        self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
+        # Rewards are re-scored in a process of the learner's own, which can kill a reward that hangs; never
+        # in this one, which could not. (Unit tests, which may start no process, pass an in-process scorer.)
+        self.make_scorer = make_scorer  # the local evaluator's rewards run in one of these too
+        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, make_scorer(task.reward_set()))
+                             if cfg.security.verify_rewards else None)
+        rules = IntakeRules.from_config(cfg, policy.vocab_size, compute_dtype(policy.model))
+        self.intake = Intake(rules, self.state, self.registry, self.leasing, self.runlog, metrics, prompt_tokens,
+                             self.handoff, self.reward_check)
+        self.weight_history, self.logprob_check = logprob_check(cfg, policy, metrics)
+        self.cycle = BatchCycle(cfg, trainer, self.handoff, self.snapshots, self.runlog, metrics)
+        eval_check = (None if self.reward_check is None
+                      else RewardCheck(task, task.eval, policy.tokenizer, self.reward_check.scorer))
+        self.evaluation = Evaluation(cfg, task.eval, eval_prompt_tokens or [], policy.vocab_size, self.state,
+                                     self.registry, self.runlog, metrics, reward_check=eval_check)
+        if self.evaluation.due(0, final=False):
+            self.evaluation.start(0, 0)  # the baseline: held-out reward before any training
+        self.samples = SampleLog(cfg, tokenizer_decode(policy.tokenizer), self.runlog)
+        self.trackers = Trackers([], metrics.tracker_errors)  # setup opens logging.report_to's once the step is known
+
+
+def logprob_check(cfg: RunConfig, policy: Policy,
+                  metrics: LearnerMetrics) -> tuple[Optional[WeightHistory], Optional[LogprobCheck]]:
+    """security.verify_logprobs: the versions an actor may have sampled from, and the check against them."""
+    security = cfg.security
+    if not security.verify_logprobs:
+        return None, None
+    history = WeightHistory(policy.model, keep=cfg.grpo.max_staleness + cfg.server.in_flight_steps + 1)
+    history.record(0)
+    check = LogprobCheck(policy.model, history, temperature=cfg.generation.temperature,
+                         chunk_tokens=cfg.train.logprob_chunk_tokens, micro_batch_tokens=cfg.train.micro_batch_tokens,
+                         max_gap=security.max_logprob_gap, observe=metrics.logprob_gap.observe,
+                         observe_seconds=metrics.logprob_check_seconds.observe)
+    return history, check

@@ -90,7 +90,7 @@ class Vocab:
     kind: str = "gpt2"
 
 
-def byte_level_vocab() -> Vocab:
+def byte_level_vocab(extra_specials: tuple[str, ...] = ()) -> Vocab:
     """The 256 byte symbols, merges that build WORDS (with and without a leading space), then the specials."""
     vocab = Vocab(tokens=list(bytes_to_unicode().values()), types=[NORMAL] * 256)
     space = bytes_to_unicode()[ord(" ")]
@@ -100,7 +100,7 @@ def byte_level_vocab() -> Vocab:
             vocab.merges.append(f"{left} {right}")
             vocab.tokens.append(left + right)
             vocab.types.append(NORMAL)
-    for special in SPECIALS:
+    for special in SPECIALS + extra_specials:
         vocab.tokens.append(special)
         vocab.types.append(CONTROL)
     return vocab

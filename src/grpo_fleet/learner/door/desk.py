@@ -10,8 +10,8 @@ from pydantic import BaseModel
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.door.replies import Reply
+from grpo_fleet.learner.door.reward_check import RewardCheck
 from grpo_fleet.learner.door.snapshots import SnapshotStore
-from grpo_fleet.learner.door.verification import RewardCheck
 from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import LearnerMetrics

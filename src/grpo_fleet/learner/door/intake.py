@@ -33,7 +33,8 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.scoring import RewardError
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.door.verification import LogprobGap, RewardCheck
+    from grpo_fleet.learner.door.logprob_check import LogprobGap
+    from grpo_fleet.learner.door.reward_check import RewardCheck
     from grpo_fleet.learner.fleet.leasing import Leasing
     from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
     from grpo_fleet.learner.step.stats import StepStats

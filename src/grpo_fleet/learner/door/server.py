@@ -22,7 +22,7 @@ from grpo_fleet.learner.door.desk import Desk
 from grpo_fleet.learner.door.doorman import Doorman, check_bind_security
 from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
-from grpo_fleet.learner.door.verifying import RolloutsVerifier
+from grpo_fleet.learner.door.verifier_thread import RolloutsVerifier
 from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
@@ -71,7 +71,7 @@ class LearnerServer:
         self.closing = False
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
-        # Rollouts whose rewards are re-scored are answered off this thread (learner/door/verifying.py).
+        # Rollouts whose rewards are re-scored are answered off this thread (learner/door/verifier_thread.py).
         self.verifier = RolloutsVerifier() if learner.reward_check is not None else None
 
     def start_metrics(self) -> None:

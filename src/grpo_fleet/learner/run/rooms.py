@@ -17,8 +17,9 @@ import numpy as np
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules
+from grpo_fleet.learner.door.logprob_check import LogprobCheck, WeightHistory
+from grpo_fleet.learner.door.reward_check import RewardCheck
 from grpo_fleet.learner.door.snapshots import SnapshotStore
-from grpo_fleet.learner.door.verification import LogprobCheck, RewardCheck, WeightHistory
 from grpo_fleet.learner.door.welcome import run_card
 from grpo_fleet.learner.evals.evaluation import Evaluation
 from grpo_fleet.learner.fleet.leasing import Leasing

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from grpo_fleet.learner.door.verification import check_next_batch
+from grpo_fleet.learner.door.logprob_check import check_next_batch
 from grpo_fleet.learner.records import persistence
 from grpo_fleet.learner.records.runlog import StepRecord
 from grpo_fleet.learner.run.local_eval import LocalEvaluator
@@ -58,7 +58,7 @@ class TrainingThread:
     def train_step(self) -> Optional[StepRecord]:
         """One optimizer batch from the oldest informative groups; publishes and checkpoints when due.
 
-        None when the logprob check dropped groups (learner/door/verification.py): no step yet.
+        None when the logprob check dropped groups (learner/door/logprob_check.py): no step yet.
         """
         rooms, state = self.rooms, self.rooms.state
         if rooms.logprob_check is not None and not check_next_batch(

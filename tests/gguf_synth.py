@@ -216,7 +216,8 @@ class WrittenModel:
 
 def write_model_gguf(path: Path, model: Any, args: dict[str, Any], vocab: Vocab, *,
                      mixed: Optional[dict[str, GGMLQuantizationType]] = None, pre: str = "smollm",
-                     chat_template: Optional[str] = "chatml", extra: Optional[dict[str, Any]] = None) -> WrittenModel:
+                     chat_template: Optional[str] = "chatml", extra: Optional[dict[str, Any]] = None,
+                     overrides: Optional[dict[str, tuple[Any, gguf.GGUFValueType]]] = None) -> WrittenModel:
     """Write `model` as llama.cpp's converter would: q/k rows permuted for llama, Gemma's norms as 1 + w."""
     architecture = "gemma3" if args["model_type"] == "gemma3_text" else args["model_type"]
     writer = GGUFWriter(str(path), architecture)
@@ -224,6 +225,8 @@ def write_model_gguf(path: Path, model: Any, args: dict[str, Any], vocab: Vocab,
     write_tokenizer(writer, vocab, pre, chat_template)
     for key, value in (extra or {}).items():
         _add(writer, key, value)
+    for key, (value, kind) in (overrides or {}).items():  # a value replaced, of any type: hostile metadata
+        writer.kv_data[0][key] = gguf.GGUFValue(value=value, type=kind, sub_type=_sub_type(value))
     expected: dict[str, np.ndarray] = {}
     rng = np.random.default_rng(len(str(path)))
     for hf, value in tree_flatten(model.parameters()):
@@ -306,6 +309,12 @@ def write_tokenizer(writer: GGUFWriter, vocab: Vocab, pre: str, chat_template: O
         writer.add_add_space_prefix(False)
     if chat_template is not None:
         writer.add_chat_template(CHAT_TEMPLATES.get(chat_template, chat_template))
+
+
+def _sub_type(value: Any) -> Optional[gguf.GGUFValueType]:
+    if not isinstance(value, list) or not value:
+        return None
+    return gguf.GGUFValueType.STRING if isinstance(value[0], str) else gguf.GGUFValueType.INT32
 
 
 def _add(writer: GGUFWriter, key: str, value: Any) -> None:

@@ -68,7 +68,7 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     try:
-        path = import_gguf(gguf_file(args.file), args.out_dir, dtype=args.dtype)
+        path = import_gguf(gguf_file(args.file), args.out_dir, dtype=args.dtype, force=args.force)
     except (GGUFError, ZooError, OSError) as exc:
         print(f"grpo-fleet import-gguf: {exc}", file=sys.stderr)
         return 2
@@ -218,9 +218,12 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--cache-dir", help="model cache (default $GRPO_FLEET_MODEL_CACHE or ~/.cache/grpo-fleet/models)")
     build.set_defaults(func=_build_model)
 
-    gguf = sub.add_parser("import-gguf", help="turn a GGUF file (llama, qwen2) into an mlx-lm model directory")
-    gguf.add_argument("file", help="a .gguf file, or zoo:NAME for a model the zoo fetches (zoo:smollm2-135m-instruct)")
-    gguf.add_argument("out_dir", help="directory to write (replaced if it exists)")
+    gguf = sub.add_parser("import-gguf", help="turn a GGUF file (llama incl. Llama 3.x, qwen2, qwen3, gemma3) into an "
+                          "mlx-lm model directory")
+    gguf.add_argument("file", help="a .gguf file, or zoo:NAME for a model the zoo fetches (zoo:smollm2-135m-instruct, "
+                      "zoo:gemma3-270m)")
+    gguf.add_argument("out_dir", help="directory to write; an existing one is replaced only if import-gguf wrote it")
+    gguf.add_argument("--force", action="store_true", help="replace an existing OUT_DIR that import-gguf did not write")
     gguf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                       help="dtype of the dequantised weights (default %(default)s)")
     gguf.set_defaults(func=_import_gguf)

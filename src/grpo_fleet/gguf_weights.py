@@ -119,7 +119,8 @@ def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 
 def dequantized(gguf: GGUFFile, info: TensorInfo, rows: slice = slice(None)) -> np.ndarray:
     """Rows of one tensor as float32, through `gguf.quants.dequantize` (F32 is a view of the file)."""
-    values = dequantize(gguf.raw(info, rows), info.kind)
+    with np.errstate(all="ignore"):  # a damaged scale makes inf or NaN: refused by the caller, not warned about
+        values = dequantize(gguf.raw(info, rows), info.kind)
     return values.astype(np.float32, copy=False)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +38,12 @@ def blocks_the_timer(completion, prompt, **columns):
 
 def crashes_the_process(completion, prompt, **columns):
     os._exit(3)
+
+def marks_then_sleeps(completion, prompt, *, marker, **columns):
+    if not os.path.exists(marker):  # the first try only: the test stops the process in this sleep
+        open(marker, "w").close()
+        time.sleep(30)
+    return 0.25
 '''
 
 
@@ -107,6 +116,85 @@ def test_a_reward_that_kills_its_process_fails_only_its_group(module: str, tmp_p
         scorer.close()
 
 
+def child_pid(scorer: ScoringProcess) -> int:
+    assert scorer._process is not None and scorer._process.pid is not None
+    return scorer._process.pid
+
+
+def _kill_and_wait(pid: int, signum: int) -> None:
+    os.kill(pid, signum)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # dead, and reaped or a zombie: either way its pipe is closed
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(") ", 1)[1].startswith("Z"):
+                    return
+        except FileNotFoundError:
+            return
+        except OSError:  # no /proc (macOS): signal 0 says whether it is still there
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} outlived signal {signum}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_reward_process_killed_while_idle_is_replaced_and_costs_no_group(module: str, signum: int) -> None:
+    """The OOM killer, or a stop sent to the process group, between two calls: the next call once raised
+    BrokenPipeError for ever (every Rollouts answered `internal` on the learner; an actor crashed)."""
+    scorer = process(module, "fine")
+    try:
+        for killed in (1, 2):
+            _kill_and_wait(child_pid(scorer), signum)
+            assert [s.rewards for s in scorer.score([job("42"), job("41")])] == [[1.0], [0.0]]
+            assert scorer.restarts == killed
+    finally:
+        scorer.close()
+
+
+def _kill_when_marked(marker: Path, pid: int, signum: int) -> threading.Thread:
+    def kill() -> None:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pid, signum)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_reward_process_stopped_during_a_group_hands_the_group_to_a_fresh_one(module: str, tmp_path: Path) -> None:
+    """SIGTERM (a stop sent to the actor's process group) is not the group's doing: a fresh process scores it."""
+    marker = tmp_path / "started"
+    scorer = process(module, "marks_then_sleeps", timeout=60.0)
+    try:
+        killer = _kill_when_marked(marker, child_pid(scorer), signal.SIGTERM)
+        jobs = [ScoringJob(prompt="p", columns={"marker": str(marker)}, completions=["a", "b"]) for _ in range(2)]
+        assert [s.rewards for s in scorer.score(jobs)] == [[0.25, 0.25], [0.25, 0.25]]
+        killer.join()
+        assert scorer.restarts == 1
+    finally:
+        scorer.close()
+
+
+def test_a_reward_process_sigkilled_during_a_group_charges_that_group_only(module: str, tmp_path: Path) -> None:
+    """SIGKILL may be the OOM killer's answer to the reward itself: that group fails, the next is scored."""
+    marker = tmp_path / "started"
+    scorer = process(module, "marks_then_sleeps", timeout=60.0)
+    try:
+        killer = _kill_when_marked(marker, child_pid(scorer), signal.SIGKILL)
+        jobs = [ScoringJob(prompt="p", columns={"marker": str(marker)}, completions=["a"]) for _ in range(2)]
+        first, second = scorer.score(jobs)
+        killer.join()
+        assert first.failure is not None and first.failure.error is RewardError.CRASHED
+        assert second.rewards == [0.25] and scorer.restarts == 1
+    finally:
+        scorer.close()
+
+
 def test_a_module_that_cannot_load_is_refused_with_its_error(tmp_path: Path) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('no GPU here')\n")
@@ -117,7 +205,7 @@ def test_a_module_that_cannot_load_is_refused_with_its_error(tmp_path: Path) -> 
 
 
 CTRL_C_SCRIPT = '''
-import sys, time
+import itertools, sys, time
 from grpo_fleet.tasks.reward_runner import RewardSet, ScoringProcess
 from grpo_fleet.tasks.scoring import ScoringJob
 
@@ -126,7 +214,13 @@ def main():
     job = ScoringJob(prompt="p", columns={"answer": "42"}, completions=("42",))
     try:  # entered before the line goes out: the test's Ctrl-C may land before print() returns
         print("child", scorer._process.pid, flush=True)
-        time.sleep(60)
+        # The Ctrl-C lands here, in C code that checks no signal (a scan: about 0.3 s). Python runs the
+        # handler only at its next check, so a wait must check again soon: one sleep(60) here waited out
+        # its 60 s (the test timed out after 30 s, once in a fresh-clone make test, when the Ctrl-C fell
+        # between the last check and sleep's system call). Short sleeps each check on return.
+        -1 in itertools.repeat(0, 10_000_000)
+        for _ in range(1200):
+            time.sleep(0.05)
     except KeyboardInterrupt:
         # What an actor does on Ctrl-C: finish in order, which still needs its reward process.
         print("scored", scorer.score([job])[0].rewards, flush=True)
@@ -140,8 +234,6 @@ if __name__ == "__main__":  # spawn re-imports this file in the child
 def test_ctrl_c_leaves_the_reward_process_to_its_parent(tmp_path: Path) -> None:
     """Ctrl-C goes to the whole process group; the reward process must not die of it before its parent
     has shut down (it did, and actors died with BrokenPipeError on the next score)."""
-    import os
-    import signal
     import subprocess
     import sys
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import multiprocessing
 import signal
 import threading
@@ -27,11 +28,16 @@ from grpo_fleet.tasks.reward_module import RewardModuleError, load_rewards
 from grpo_fleet.tasks.rewards import RewardFn, UnknownRewardError
 from grpo_fleet.tasks.scoring import GroupScore, RewardError, RewardFailure, ScoringJob, checked_value, group_score
 
+log = logging.getLogger("grpo_fleet.rewards")
 # How long a new child may take to import the rewards (math-verify brings sympy).
 STARTUP_SECONDS = 120.0
 # Added to a group's summed timeouts before the parent kills the child: pickling and scheduling.
 HARD_DEADLINE_SLACK_SECONDS = 2.0
 DETAIL_CHARS = 300
+# A child that died of one of these was stopped from outside (a stop sent to its process group, a hangup),
+# not by the job it held: that job is not charged, it goes to a fresh child.
+STOPPED_FROM_OUTSIDE = (-signal.SIGTERM, -signal.SIGHUP)
+STOP_REAP_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -163,8 +169,11 @@ def _serve(conn: Connection, rewards: RewardSet) -> None:
             jobs = conn.recv()
         except (EOFError, OSError):  # the parent went away
             return
-        for job in jobs:
-            conn.send(score_job(rewards, functions, job, timed_call))
+        try:
+            for job in jobs:
+                conn.send(score_job(rewards, functions, job, timed_call))
+        except OSError:  # the parent went away while we scored: nobody to answer, and no traceback for its log
+            return
 
 
 class ScoringProcess:
@@ -199,24 +208,54 @@ class ScoringProcess:
             raise RewardsRefused(detail)
 
     def score(self, jobs: Sequence[ScoringJob]) -> list[GroupScore]:
-        """One GroupScore per job, in order; a hung or dead child costs its job, then is replaced."""
+        """One GroupScore per job, in order; a child that hangs or crashes on a job costs that job, then is replaced.
+
+        A child found dead before a batch (killed while idle: the OOM killer, a stop signal to its process
+        group) costs no job: a fresh one takes the batch. Nor does one stopped from outside during a job
+        (SIGTERM, SIGHUP): that job goes to a fresh child, once.
+        """
         results: list[GroupScore] = []
         pending = list(jobs)
+        retried = False  # pending[0] already went to a fresh child after an outside stop
         while pending:
-            if self._conn is None:
-                self._start()
-                self.restarts += 1
-            assert self._conn is not None
-            self._conn.send(pending)
-            for job in list(pending):
-                answer = self._receive(job)
+            refusal = self._hand_over(pending)
+            if refusal is not None:  # no child would start: every job left is unscorable, none crashes us
+                return results + [GroupScore(failure=RewardFailure("*", RewardError.CRASHED, refusal))
+                                  for _ in pending]
+            while pending and self._conn is not None:
+                answer = self._receive(pending[0])
+                if answer is None and not retried:
+                    retried = True  # the child is gone: the outer loop hands the rest to a fresh one
+                    continue
+                results.append(answer or GroupScore(failure=RewardFailure(
+                    "*", RewardError.CRASHED, "the reward process was stopped from outside twice on this group")))
                 pending.pop(0)
-                results.append(answer)
-                if self._conn is None:  # killed: the rest go to a fresh child
-                    break
+                retried = False
         return results
 
-    def _receive(self, job: ScoringJob) -> GroupScore:
+    def _hand_over(self, jobs: list[ScoringJob]) -> Optional[str]:
+        """Send `jobs` to a live child, starting a fresh one when there is none; why none took them, or None."""
+        for _ in range(2):  # a child that dies between the check and the send gets one successor
+            if self._conn is None or self._process is None or not self._process.is_alive():
+                if self._process is not None:
+                    log.warning("the reward process had died (exit code %s); starting a fresh one",
+                                self._process.exitcode)
+                self._kill()
+                try:
+                    self._start()
+                except RewardsRefused as exc:
+                    return f"the reward process could not be restarted: {exc}"[:DETAIL_CHARS]
+                self.restarts += 1
+            assert self._conn is not None
+            try:
+                self._conn.send(jobs)
+                return None
+            except OSError:  # BrokenPipeError, ConnectionResetError: it died just now
+                self._kill()
+        return "the reward process died as soon as it was started, twice"
+
+    def _receive(self, job: ScoringJob) -> Optional[GroupScore]:
+        """The child's answer for `job`, a failure charged to it, or None: stopped from outside, not by the job."""
         assert self._conn is not None
         calls = max(1, len(job.completions) * len(self.rewards.names))
         deadline = calls * self.rewards.timeout_seconds + HARD_DEADLINE_SLACK_SECONDS
@@ -227,9 +266,18 @@ class ScoringProcess:
             detail = f"no answer within {deadline:g}s (a reward blocked its own timeout); the process was restarted"
             error = RewardError.TIMEOUT
         except (EOFError, OSError):
+            if self._stopped_from_outside():
+                self._kill()
+                return None
             detail, error = "the reward process died (a reward crashed it); it was restarted", RewardError.CRASHED
         self._kill()
         return GroupScore(failure=RewardFailure("*", error, detail))
+
+    def _stopped_from_outside(self) -> bool:
+        """Whether the child that just closed its pipe died of a stop signal rather than of the job it held."""
+        assert self._process is not None
+        self._process.join(timeout=STOP_REAP_SECONDS)  # the pipe closes as it dies: reap it for its exit code
+        return self._process.exitcode in STOPPED_FROM_OUTSIDE
 
     def _kill(self) -> None:
         if self._conn is not None:

@@ -78,7 +78,8 @@ def per_completion_rollout(
     return [[naive_completion(policy.model, prompt, settings) for _ in range(settings.group_size)] for prompt in prompts]
 
 
-def _config(root: Path, steps: int, seed: int) -> RunConfig:
+def demo_run_config(root: Path, steps: int, seed: int) -> RunConfig:
+    """The demo's run config in `root`, for `steps` steps from `seed`, with a checkpoint every eval's steps."""
     cfg = demo_config(DemoOptions(run_dir=str(root / "fleet"), steps=steps, progress=False))
     train = cfg.train.model_copy(update={
         "checkpoint_every": EVAL_EVERY, "keep_checkpoints": steps // EVAL_EVERY + 2, "seed": seed,
@@ -218,7 +219,7 @@ def run(report: Report, scale: Scale) -> None:
     curves: dict[str, list[Curve]] = {"fleet": [], "batched": [], "notebook": []}
     with tempfile.TemporaryDirectory(prefix="grpo-bench-e2e-") as tmp:
         for seed in seeds:
-            cfg = _config(Path(tmp) / f"seed{seed}", steps, seed)
+            cfg = demo_run_config(Path(tmp) / f"seed{seed}", steps, seed)
             model_path = resolve_model_path(cfg, build_task(cfg.task))
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_path})})
             if seed == seeds[0]:  # every seed's run dir gets the same deterministic tiny model

@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 
 from grpo_fleet.bench import Figure, Report, Scale
-from grpo_fleet.bench.ingest import GROUP_SIZE, MAX_TOKENS, _start_learner, _stop_learner, _wait_serving
+from grpo_fleet.bench.learner_process import GROUP_SIZE, MAX_TOKENS, start_learner, stop_learner, wait_serving
 
 ISSUE_COMPLETIONS = 100_000
 LEASE_GROUPS = 256  # the ingest learner's max_groups_per_lease
@@ -192,12 +192,12 @@ def slow_reward_stalls(root: Path, repeats: int) -> list[float]:
 
     rewards = root / "slow_rewards.py"
     rewards.write_text(SLOW_REWARD)
-    learner = _start_learner(root, "slow-reward", overrides={
+    learner = start_learner(root, "slow-reward", overrides={
         "task": {"reward_module": str(rewards), "rewards": ["slow"], "reward_timeout_seconds": 10.0},
         "security": {"verify_rewards": True}})
     ctx = make_context()
     try:
-        _wait_serving(learner)
+        wait_serving(learner)
         submitter, probe = _registered(ctx, learner.endpoint, "submitter"), _registered(ctx, learner.endpoint, "probe")
         try:
             return [_slow_submission_stall(submitter, probe) for _ in range(repeats)]
@@ -206,19 +206,19 @@ def slow_reward_stalls(root: Path, repeats: int) -> list[float]:
             probe.close()
     finally:
         ctx.term()
-        _stop_learner(learner)
+        stop_learner(learner)
 
 
 def run(report: Report, scale: Scale) -> None:
     """One learner, the hostile messages, the stall figures; then the slow reward's."""
     with tempfile.TemporaryDirectory(prefix="grpo-fleet-hostile-") as tmp:
-        learner = _start_learner(Path(tmp), "hostile")
+        learner = start_learner(Path(tmp), "hostile")
         try:
-            _wait_serving(learner)
+            wait_serving(learner)
             results = measure(learner.endpoint, repeats=2 if scale is Scale.QUICK else 3)
             baseline = _baseline_seconds(learner.run_dir)
         finally:
-            _stop_learner(learner)
+            stop_learner(learner)
         slow = slow_reward_stalls(Path(tmp), repeats=2 if scale is Scale.QUICK else 3)
     report_stalls(report, results, baseline)
     report.add(Figure("hostile", f"worst request stall while a {SLOW_REWARD_SECONDS:g} s reward re-scores a "

@@ -21,41 +21,37 @@ learner at ~1 core busy is the limit; well under 1 core, the CPUs are.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import queue
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
 from grpo_fleet.bench import Figure, Report, Scale
+from grpo_fleet.bench.learner_process import (
+    GROUP_SIZE,
+    MAX_TOKENS,
+    START_TIMEOUT_S,
+    LearnerProcess,
+    curve_for,
+    start_learner,
+    stop_learner,
+    wait_serving,
+)
 from grpo_fleet.bench.simulated_actor import (
     GROUPS_PER_LEASE,
     REQUEST_TIMEOUT_S,
     completion_arrays,
     pool_worker,
-    session,
 )
-from grpo_fleet.protocol.endpoints import loopback_endpoint
 
-# Shapes of the simulated work: G completions of MAX_TOKENS tokens per group,
-# GROUPS_PER_LEASE groups per Rollouts message (about 33 KB of tensors each).
-GROUP_SIZE = 8
-MAX_TOKENS = 128
 # A real run's batch (GRPOConfig's default) for the plumbing-vs-step comparison.
 STEP_GROUPS = 8
-# The ingest learner must never train: the buffer can then grow without bound
-# and `_lease_capacity` (2 * groups_per_step) never throttles leases.
-NEVER_TRAIN_GROUPS = 10**9
-START_TIMEOUT_S = 180.0
 GOAL_TOKENS = ">= 1M tok/s at 32 actors"
 # Benchmark 6 compares plain and CURVE at this actor count, in alternating windows.
 CURVE_ACTORS = 8
@@ -78,17 +74,6 @@ def _plan(scale: Scale) -> Plan:
     if scale is Scale.DEFAULT:  # the goal's 32 actors; 64 only in the full run
         return Plan(actor_counts=[1, 8, 32], warmup_s=1.5, duration_s=5.0, step_repeats=3)
     return Plan(actor_counts=[1, 8, 32, 64], warmup_s=1.5, duration_s=5.0, step_repeats=3)
-
-
-@dataclass
-class Learner:
-    """One learner subprocess and how to reach it."""
-
-    proc: subprocess.Popen
-    endpoint: str
-    run_dir: Path
-    log_path: Path
-    keys: Optional[Path] = None  # CURVE keys directory when CURVE is on
 
 
 @dataclass
@@ -146,78 +131,6 @@ class Ingest:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
 
 
-# ---------------------------------------------------------------- learner process
-
-
-def _learner_config(run_dir: Path, keys: Optional[Path]) -> dict[str, Any]:
-    return {
-        "run_dir": str(run_dir),
-        "model": {"path": "tiny"},
-        "generation": {"group_size": GROUP_SIZE, "max_tokens": MAX_TOKENS},
-        "grpo": {"groups_per_step": NEVER_TRAIN_GROUPS},
-        "server": {
-            "bind": loopback_endpoint(),
-            "pub_bind": loopback_endpoint(),
-            "max_groups_per_lease": 256,
-            # A bug in the simulated actors should show up as counted rejections, not a ban.
-            "max_violations": 10**9,
-        },
-        # Simulated actors send made-up tokens and rewards: these figures are the plumbing's, without the
-        # learner's re-scoring and logprob checks (security.verify_*), which real actors' groups pass.
-        "security": {"keys_dir": str(keys) if keys else None, "verify_rewards": False, "verify_logprobs": False},
-        "metrics": {"port": 0},
-    }
-
-
-def _start_learner(root: Path, name: str, keys: Optional[Path] = None, overrides: Optional[dict] = None) -> Learner:
-    """A real learner process; `overrides` replaces keys of the ingest config's sections."""
-    from grpo_fleet.blas import child_env
-
-    data = _learner_config(root / name, keys)
-    for section, values in (overrides or {}).items():
-        data[section] = {**data.get(section, {}), **values}
-    config = root / f"{name}.json"
-    config.write_text(json.dumps(data))
-    log_path = root / f"{name}.log"
-    with open(log_path, "w") as log:
-        # Own session, so the kill in `_stop_learner` reaches anything it starts.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_fleet", "learner", "--config", str(config)],
-            stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True,
-        )
-    return Learner(proc, data["server"]["bind"], root / name, log_path, keys)
-
-
-def _stop_learner(learner: Learner) -> None:
-    # SIGKILL, not SIGTERM: a stop would checkpoint the huge untrained buffer.
-    if learner.proc.poll() is None:
-        try:
-            os.killpg(learner.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    learner.proc.wait()
-
-
-def _curve_for(learner: Learner, index: int) -> Optional[tuple[str, str]]:
-    """(actor secret key file, learner public key file) for actor `index`, or None when plain."""
-    if learner.keys is None:
-        return None
-    return str(learner.keys / "actors" / f"bench{index}.key_secret"), str(learner.keys / "learner.key")
-
-
-def _wait_serving(learner: Learner) -> None:
-    """Block until the learner answers a Hello (it builds the tiny model first)."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if learner.proc.poll() is not None:
-            raise RuntimeError(f"learner exited: {learner.log_path.read_text()[-2000:]}")
-        job = {"endpoint": learner.endpoint, "identity": f"probe-{time.time_ns()}", "curve": _curve_for(learner, 0)}
-        out = session(job | {"start": 0.0, "end": 0.0}, timeout=2.0)
-        if not out["errors"]:
-            return
-    raise RuntimeError(f"learner never answered: {learner.log_path.read_text()[-2000:]}")
-
-
 def _cpu_seconds(pid: int) -> Optional[float]:
     """User + system CPU of a process (Linux /proc); None where unavailable."""
     try:
@@ -270,12 +183,12 @@ class ActorPool:
                 proc.join()
 
 
-def _measure(pool: ActorPool, learner: Learner, actors: int, plan: Plan, label: str) -> Ingest:
+def _measure(pool: ActorPool, learner: LearnerProcess, actors: int, plan: Plan, label: str) -> Ingest:
     """Run `actors` simulated actors against `learner`; only the window after warm-up counts."""
     start = time.time() + plan.warmup_s
     end = start + plan.duration_s
     jobs = [
-        {"endpoint": learner.endpoint, "identity": f"{label}-{actors}-{i}", "curve": _curve_for(learner, i),
+        {"endpoint": learner.endpoint, "identity": f"{label}-{actors}-{i}", "curve": curve_for(learner, i),
          "start": start, "end": end}
         for i in range(actors)
     ]
@@ -411,15 +324,15 @@ def _make_keys(directory: Path, actors: int) -> Path:
 def _ingest_phases(root: Path, plan: Plan) -> tuple[dict[int, Ingest], Ingest]:
     """Start both learners and the actor pool, measure every phase, and kill them all."""
     keys = _make_keys(root / "keys", CURVE_ACTORS)
-    learners: list[Learner] = []
+    learners: list[LearnerProcess] = []
     pool: Optional[ActorPool] = None
     try:
-        learners.append(_start_learner(root, "plain"))
-        learners.append(_start_learner(root, "curve", keys))
+        learners.append(start_learner(root, "plain"))
+        learners.append(start_learner(root, "curve", keys))
         pool = ActorPool(max(plan.actor_counts))  # spawns while the learners load
         plain, curve = learners
-        _wait_serving(plain)
-        _wait_serving(curve)
+        wait_serving(plain)
+        wait_serving(curve)
         results: dict[int, Ingest] = {}
         curve_result = Ingest(actors=CURVE_ACTORS)
         for n in plan.actor_counts:
@@ -438,7 +351,7 @@ def _ingest_phases(root: Path, plan: Plan) -> tuple[dict[int, Ingest], Ingest]:
         if pool is not None:
             pool.close()
         for learner in learners:
-            _stop_learner(learner)
+            stop_learner(learner)
 
 
 def run(report: Report, scale: Scale) -> None:

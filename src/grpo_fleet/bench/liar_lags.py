@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_map, tree_unflatten
 
 from grpo_fleet.bench import Figure, Report, Scale
-from grpo_fleet.bench.e2e import TrainLoop, _config, batched_rollout
+from grpo_fleet.bench.e2e import TrainLoop, batched_rollout, demo_run_config
 from grpo_fleet.config import SecurityConfig
 from grpo_fleet.learner.door.logprob_check import LogprobCheck, WeightHistory
 from grpo_fleet.learner.records.groups import AcceptedGroup
@@ -69,7 +69,7 @@ def run(report: Report, scale: Scale) -> None:
     picker = random.Random(0)
     gaps: dict[tuple[str, int], list[list[float]]] = {(d, lag): [] for d in DTYPES for lag in LAGS}
     with tempfile.TemporaryDirectory(prefix="grpo-bench-liars-") as tmp:
-        cfg = _config(Path(tmp), warmup + probes, seed=0)
+        cfg = demo_run_config(Path(tmp), warmup + probes, seed=0)
         model_path = resolve_model_path(cfg, build_task(cfg.task))
         loop = TrainLoop.build(cfg, model_path)
         size = cfg.server.max_groups_per_lease

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from grpo_fleet.bench import Figure, Report, Scale
-from grpo_fleet.bench.ingest import START_TIMEOUT_S, ActorPool, _start_learner, _stop_learner, _wait_serving
+from grpo_fleet.bench.ingest import ActorPool
+from grpo_fleet.bench.learner_process import START_TIMEOUT_S, start_learner, stop_learner, wait_serving
 
 FAST_SECONDS_PER_GROUP = 0.005
 SLOWDOWN = 10
@@ -48,9 +49,9 @@ def _steps_done(run_dir: Path) -> int:
 def _phase(pool: ActorPool, root: Path, sized: bool, warmup: float, window: float) -> dict:
     """One fleet (fast + slow actor) against a fresh learner; what happened in the window."""
     name = "sized" if sized else "fixed"
-    learner = _start_learner(root, name, overrides=_overrides(sized))
+    learner = start_learner(root, name, overrides=_overrides(sized))
     try:
-        _wait_serving(learner)
+        wait_serving(learner)
         start = time.time() + warmup
         end = start + window
         speeds = {"fast": FAST_SECONDS_PER_GROUP, "slow": FAST_SECONDS_PER_GROUP * SLOWDOWN}
@@ -64,7 +65,7 @@ def _phase(pool: ActorPool, root: Path, sized: bool, warmup: float, window: floa
         steps = _steps_done(learner.run_dir) - steps_before
         results = [pool.get(timeout=START_TIMEOUT_S + window) for _ in speeds]
     finally:
-        _stop_learner(learner)
+        stop_learner(learner)
     errors = [e for r in results for e in r["errors"]]
     if errors:
         raise RuntimeError(f"simulated actors failed: {errors[:3]}")

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from grpo_fleet.bench import Figure, Report, Scale
-from grpo_fleet.bench.e2e import TrainLoop, _config, batched_rollout
+from grpo_fleet.bench.e2e import TrainLoop, batched_rollout, demo_run_config
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.learner.step.stats import StepStats
@@ -123,7 +123,7 @@ def run(report: Report, scale: Scale) -> None:
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="grpo-bench-offpolicy-") as tmp:
         for seed in seeds:
-            base = _config(Path(tmp) / f"seed{seed}", steps, seed)
+            base = demo_run_config(Path(tmp) / f"seed{seed}", steps, seed)
             model_path = resolve_model_path(base, build_task(base.task))
             for lag in lags:
                 for objective in ("coupled", "decoupled"):

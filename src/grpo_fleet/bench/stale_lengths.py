@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from grpo_fleet.bench import Figure, Report, Scale
-from grpo_fleet.bench.e2e import _config
+from grpo_fleet.bench.e2e import demo_run_config
 from grpo_fleet.bench.scraping import scrape as scrape_page
 from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.local_fleet import running
@@ -39,7 +39,7 @@ def scrape(port: int) -> Optional[dict[str, tuple[float, float]]]:
 def run(report: Report, scale: Scale) -> None:
     steps, max_tokens = (150, 24) if scale is Scale.QUICK else (400, 48)
     with tempfile.TemporaryDirectory(prefix="grpo-bench-stale-") as tmp:
-        cfg = _config(Path(tmp), steps, seed=0)
+        cfg = demo_run_config(Path(tmp), steps, seed=0)
         cfg = cfg.model_copy(update={
             "generation": cfg.generation.model_copy(update={"max_tokens": max_tokens}),
             "grpo": cfg.grpo.model_copy(update={"max_staleness": 0}),

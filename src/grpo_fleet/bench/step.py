@@ -69,7 +69,7 @@ def _phases(trainer: Trainer, groups: list[AcceptedGroup], repeats: int) -> dict
     batch = build_train_batch(groups)
     micro = split_batch(batch, trainer.micro_batch_tokens)
     totals = batch_totals(batch)
-    refs = trainer._references(micro)
+    refs = trainer.references(micro)
 
     def forward() -> None:
         for part, ref in zip(micro, refs):
@@ -81,7 +81,7 @@ def _phases(trainer: Trainer, groups: list[AcceptedGroup], repeats: int) -> dict
 
     phases = {
         "data prep": _mean_ms(lambda: split_batch(build_train_batch(groups), trainer.micro_batch_tokens), repeats),
-        "ref forward": _mean_ms(lambda: trainer._references(micro), repeats),
+        "ref forward": _mean_ms(lambda: trainer.references(micro), repeats),
         "forward": _mean_ms(forward, repeats),
         "forward+backward": _mean_ms(lambda: trainer.accumulate(micro, refs, totals), repeats),
         "optimizer": _mean_ms(lambda: trainer.apply(gradients), repeats),

@@ -130,7 +130,7 @@ class Trainer:
     def gradients(self, batch: TrainBatch) -> Gradients:
         """The batch's gradients under the current weights, without applying them."""
         micro = split_batch(batch, self.micro_batch_tokens)
-        return self.accumulate(micro, self._references(micro), batch_totals(batch))
+        return self.accumulate(micro, self.references(micro), batch_totals(batch))
 
     def apply(self, gradients: Gradients) -> tuple[float, Optional[str]]:
         """Clip to `grad_clip` and take one AdamW step, unless loss or norm is not finite.
@@ -159,7 +159,7 @@ class Trainer:
             return self.ref_model, contextlib.nullcontext()
         raise ValueError("beta > 0 with full fine-tuning needs a reference model")
 
-    def _references(self, micro_batches: list[MicroBatch]) -> list[Optional[mx.array]]:
+    def references(self, micro_batches: list[MicroBatch]) -> list[Optional[mx.array]]:
         """pi_ref logprobs `[n, T]` per micro-batch (None each when beta = 0), evaluated one at a time."""
         if self.grpo.beta == 0:
             return [None] * len(micro_batches)
@@ -184,7 +184,7 @@ class Trainer:
     def reference_logprobs(self, batch: TrainBatch) -> Optional[mx.array]:
         """pi_ref logprobs on the batch's `[N, L]` grid: completion positions, 0 elsewhere."""
         micro = split_batch(batch, self.micro_batch_tokens)
-        refs = self._references(micro)
+        refs = self.references(micro)
         if refs and refs[0] is None:
             return None
         rows, width = batch.mask.shape
@@ -198,7 +198,7 @@ class Trainer:
         own = self.sharding.own_rows(batch)
         micro = split_batch(own, self.micro_batch_tokens)
         totals = batch_totals(batch)  # the whole batch's: every rank's share is normalised by the same totals
-        refs = self._references(micro)
+        refs = self.references(micro)
         ref_seconds = time.perf_counter() - start
         with_proximal = self._proximal(micro)
         proximal_seconds = 0.0 if with_proximal is micro else time.perf_counter() - start - ref_seconds

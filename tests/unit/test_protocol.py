@@ -363,15 +363,22 @@ def test_decode_accepts_depth_at_limit() -> None:
     assert decode(encode(valid_rollouts()), Limits(max_depth=8)) == valid_rollouts()
 
 
-@pytest.mark.parametrize("v", [1, 2, 4, 0, "3", 3.0, True, None])
+@pytest.mark.parametrize("v", [1, 2, 3, 5, 0, "4", 4.0, True, None])
 def test_decode_rejects_wrong_version(v: object) -> None:
     assert reason_of(envelope(v=v)) == "bad_version"
 
 
 def test_a_v1_peer_is_told_which_protocol_versions_differ() -> None:
-    assert PROTOCOL_VERSION == 3
-    with pytest.raises(ProtocolError, match="protocol version 1, but this grpo-fleet speaks 3"):
+    assert PROTOCOL_VERSION == 4
+    with pytest.raises(ProtocolError, match="protocol version 1, but this grpo-fleet speaks 4"):
         decode(envelope(v=1))
+
+
+def test_an_actor_from_before_episodes_is_told_to_upgrade() -> None:
+    # Version 3 actors know no episode fields: their Hello is refused at the door, with a reason that says why.
+    hello = {"actor_id": "old-mac", "host": "old", "backend": "cpu", "versions": {}}
+    with pytest.raises(ProtocolError, match="protocol version 3, but this grpo-fleet speaks 4: run the same release"):
+        decode(envelope(v=3, type_="Hello", body=hello))
 
 
 @pytest.mark.parametrize("type_", ["Pickle", "Tensor", "", 5, None, b"GetWeights"])

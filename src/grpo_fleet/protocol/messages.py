@@ -25,18 +25,21 @@ from grpo_fleet.protocol.reasons import RejectReason
 # 2: Ack carries lease_id; WeightsGone answers a GetWeights for a version no longer kept.
 # 3: user reward modules (RewardSpec.module/digest), every dataset column to rewards, unscored groups,
 #    eval leases (Lease.eval).
-PROTOCOL_VERSION = 3
+# 4: episodes (task.env): Welcome.env, PromptItem.messages, and each completion's sampled/environment mask, turn
+#    starts and end; a run may name no task reward (the episode's own reward then stands alone).
+PROTOCOL_VERSION = 4
 
-TensorDType = Literal["int32", "uint32", "float32", "float16", "bfloat16"]
+TensorDType = Literal["int32", "uint32", "uint8", "float32", "float16", "bfloat16"]
 
 # Little-endian is fixed on the wire so hosts of either byte order agree.
 _NUMPY_DTYPES: dict[TensorDType, np.dtype] = {
     "int32": np.dtype("<i4"),
     "uint32": np.dtype("<u4"),
+    "uint8": np.dtype("u1"),
     "float32": np.dtype("<f4"),
     "float16": np.dtype("<f2"),
 }
-_ITEMSIZE: dict[str, int] = {"int32": 4, "uint32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
+_ITEMSIZE: dict[str, int] = {"int32": 4, "uint32": 4, "uint8": 1, "float32": 4, "float16": 2, "bfloat16": 2}
 
 # Every number on the wire is bounded, in the dtype it is used in, and the same
 # types serve inbound and outbound messages: a value the learner accepts at the
@@ -117,13 +120,13 @@ class Tensor(_Strict):
 
     @classmethod
     def from_numpy(cls, arr: np.ndarray) -> "Tensor":
-        """Wrap an int32/uint32/float32/float16 array (one copy into `bytes`)."""
+        """Wrap an int32/uint32/uint8/float32/float16 array (one copy into `bytes`)."""
         arr = np.asarray(arr)
         for name, dt in _NUMPY_DTYPES.items():
             if arr.dtype.kind == dt.kind and arr.dtype.itemsize == dt.itemsize:
                 contiguous = np.ascontiguousarray(arr, dtype=dt)
                 return cls(dtype=name, shape=list(contiguous.shape), data=contiguous.tobytes())
-        raise TypeError(f"unsupported numpy dtype {arr.dtype}; convert to int32/uint32/float32/float16")
+        raise TypeError(f"unsupported numpy dtype {arr.dtype}; convert to int32/uint32/uint8/float32/float16")
 
     @classmethod
     def from_raw(cls, dtype: TensorDType, shape: list[int], data: bytes) -> "Tensor":
@@ -164,8 +167,9 @@ RewardName = Annotated[str, Field(min_length=1, max_length=64)]
 
 
 class RewardSpec(_Strict):
-    names: list[RewardName] = Field(min_length=1, max_length=16)
-    weights: list[FiniteFloat] = Field(min_length=1, max_length=16)
+    # Empty only in an episode run (Welcome.env), where the episode's own reward stands alone.
+    names: list[RewardName] = Field(max_length=16)
+    weights: list[FiniteFloat] = Field(max_length=16)
     # task.reward_module as the learner reaches it (an absolute file path or a module
     # name) and the BLAKE3 of its source: an actor runs only a copy with that digest.
     module: Optional[Annotated[str, printable(1024)]] = None
@@ -192,6 +196,27 @@ class ModelRef(_Strict):
     system_prompt: Optional[str] = None
 
 
+# Episodes (task.env): bounds on what one episode may hold.
+MAX_TURNS = 1024
+MAX_EPISODE_TOKENS = 2**20
+EpisodeEnd = Literal["done", "max_turns", "budget"]  # the env said done; task.max_turns; task.max_episode_tokens
+MessageKey = Annotated[str, Field(min_length=1, max_length=64)]
+ChatMessage = dict[MessageKey, JsonValue]  # {"role": ..., "content": ...}, as chat templates take them
+
+
+class EnvSpec(_Strict):
+    """task.env as Welcome names it: the environment class actors run episodes in, from their own checked copy."""
+
+    module: Annotated[str, printable(1024)]  # a file path (absolute, as the learner reaches it) or a module name
+    class_name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+    module_digest: Blake3Hex
+    config: dict[Annotated[str, Field(min_length=1, max_length=256)], JsonValue] = Field(default_factory=dict,
+                                                                                          max_length=256)
+    max_turns: int = Field(ge=1, le=MAX_TURNS)
+    max_episode_tokens: int = Field(ge=1, le=MAX_EPISODE_TOKENS)  # sampled and environment tokens after the prompt
+    timeout_seconds: PositiveSeconds = 10.0  # one init/step/close call
+
+
 class Welcome(_Strict):
     run_id: RunId
     actor_id: ActorId
@@ -203,6 +228,13 @@ class Welcome(_Strict):
     pub_address: Optional[Annotated[str, printable(1024)]] = None
     vocab_size: int = Field(ge=1, le=INT32_MAX)
     incarnation: Incarnation = ""  # this life of the learner; a new one means "reload policy_version"
+    env: Optional[EnvSpec] = None  # set: every prompt is an episode (envs/), else one completion per sample
+
+    @model_validator(mode="after")
+    def _scored(self) -> "Welcome":
+        if not self.reward.names and self.env is None:
+            raise ValueError("a run without an environment needs at least one reward")
+        return self
 
 
 class GetWeights(_Strict):
@@ -247,6 +279,9 @@ class PromptItem(_Strict):
     # values are bounded by the decoder's depth and the message size limits.
     fields: dict[Annotated[str, Field(min_length=1, max_length=256)], JsonValue] = Field(max_length=256)
     prompt_text: str = ""  # the prompt rewards see (a conversation's last user message)
+    # The conversation prompt_tokens render (system prompt included): what an episode's env.init gets.
+    # None: [{"role": "user", "content": prompt_text}], after Welcome's system prompt if any.
+    messages: Optional[list[ChatMessage]] = Field(default=None, max_length=256)
 
 
 class EvalSampling(_Strict):
@@ -271,6 +306,12 @@ class Completion(_Strict):
     logprobs: Tensor
     reward: FiniteFloat
     finish_reason: Literal["stop", "length"]
+    # An episode's (Welcome.env), all three or none: `mask` is 1 at each token the model sampled and 0 at each
+    # the environment gave (observations through the chat template), whose logprob must be exactly 0; `turns`
+    # the offsets where the sampled turns start; `end` why the episode ended. None: every token was sampled.
+    mask: Optional[Tensor] = None
+    turns: Optional[list[NonNegInt]] = Field(default=None, max_length=MAX_TURNS)
+    end: Optional[EpisodeEnd] = None
 
     @model_validator(mode="after")
     def _intrinsic(self) -> "Completion":
@@ -284,7 +325,36 @@ class Completion(_Strict):
             raise ValueError("a completion needs at least one token")
         if not math.isfinite(self.reward):
             raise ValueError("reward must be finite")
+        problem = episode_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
+
+
+def episode_problem(completion: "Completion") -> Optional[str]:
+    """What is wrong with a completion's episode fields (mask, turns, end), or None when they hold together.
+
+    Sampled turns are the runs of 1s in the mask and nothing else: `turns` lists
+    exactly where each run starts, and an episode ends on a sampled token (an
+    observation nobody answered is never sent). Environment tokens carry no
+    logprob, so a nonzero one there is refused rather than ignored.
+    """
+    fields = (completion.mask, completion.turns, completion.end)
+    if all(value is None for value in fields):
+        return None
+    if completion.mask is None or completion.turns is None or completion.end is None:
+        return "an episode needs mask, turns and end together"
+    if completion.mask.dtype != "uint8" or completion.mask.shape != completion.tokens.shape:
+        return f"mask must be a uint8 tensor of the tokens' shape {completion.tokens.shape}"
+    mask = completion.mask.to_numpy()
+    if mask.size == 0 or int(mask.max()) > 1 or int(mask[-1]) != 1:
+        return "mask values must be 0 or 1, ending on a sampled token (1)"
+    starts = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=np.int8(0)) == 1)
+    if completion.turns != starts.tolist():
+        return f"turns {completion.turns[:8]} are not where the mask's sampled runs start {starts[:8].tolist()}"
+    if np.any(completion.logprobs.to_numpy()[mask == 0] != 0.0):
+        return "environment tokens (mask 0) must carry logprob 0: only sampled tokens have one"
+    return None
 
 
 class GroupResult(_Strict):

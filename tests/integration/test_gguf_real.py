@@ -39,8 +39,12 @@ def _gguf_dequantized(reader: Any, name: str) -> np.ndarray:
 
 
 def test_dequantized_weights_equal_gguf_dequantize(smollm2_gguf: Path, reader: Any) -> None:
-    from grpo_fleet.gguf import dequantized
+    from grpo_fleet.gguf_file import read_gguf
+    from grpo_fleet.gguf_weights import dequantized
 
+    ours = read_gguf(smollm2_gguf)
+    infos = {info.name: info for info in ours.tensors}
+    assert [t.name for t in reader.tensors] == list(infos)  # the importer's reader sees the tensors gguf's sees
     tensors = mx.load(str(smollm2_gguf))
     assert isinstance(tensors, dict)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -49,10 +53,20 @@ def test_dequantized_weights_equal_gguf_dequantize(smollm2_gguf: Path, reader: A
         for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm")]
     assert {types[name] for name in names} == {"Q8_0", "Q4_1", "F32"}
     for name in names:
-        # Exact: a block is d * q (+ m) with fp16 d and m and small integers q; both sides compute it in fp32,
-        # where every such product and sum is exact (the importer used to do it in fp16 and rounded most weights).
-        ours = np.array(dequantized(tensors, name).astype(mx.float32))
-        np.testing.assert_array_equal(ours, _gguf_dequantized(reader, name), err_msg=f"{name} ({types[name]})")
+        values = dequantized(ours, infos[name])
+        np.testing.assert_array_equal(values, _gguf_dequantized(reader, name), err_msg=f"{name} ({types[name]})")
+        # ... which is also what MLX's own reader gives, dequantized in fp32 (d * q + m is exact there).
+        np.testing.assert_array_equal(values, _mlx_dequantized(tensors, name), err_msg=f"{name} ({types[name]})")
+
+
+def _mlx_dequantized(tensors: dict[str, mx.array], name: str) -> np.ndarray:
+    stem = name[: -len(".weight")]
+    if f"{stem}.scales" not in tensors:
+        return np.array(tensors[name].astype(mx.float32))
+    packed = tensors[name]
+    scales, biases = tensors[f"{stem}.scales"].astype(mx.float32), tensors[f"{stem}.biases"].astype(mx.float32)
+    bits = packed.shape[-1] * 32 // (scales.shape[-1] * 32)
+    return np.array(mx.dequantize(packed, scales, biases, group_size=32, bits=bits))
 
 
 def test_imported_q_and_k_are_llamacpps_permute_undone(smollm2_f32_dir: Path, reader: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from grpo_fleet.tasks.reward_runner import RewardSet, RewardsRefused, ScoringProcess
 from grpo_fleet.tasks.scoring import RewardError, ScoringJob
+from helpers import jsonl, scrape, wait_for
 
 USER_REWARDS = '''
 import os
@@ -234,7 +236,6 @@ if __name__ == "__main__":  # spawn re-imports this file in the child
 def test_ctrl_c_leaves_the_reward_process_to_its_parent(tmp_path: Path) -> None:
     """Ctrl-C goes to the whole process group; the reward process must not die of it before its parent
     has shut down (it did, and actors died with BrokenPipeError on the next score)."""
-    import subprocess
     import sys
 
     module = tmp_path / "user_rewards.py"
@@ -255,3 +256,45 @@ def test_ctrl_c_leaves_the_reward_process_to_its_parent(tmp_path: Path) -> None:
     assert "scored [1.0]" in out, out + err
     assert "BrokenPipeError" not in err and "EOFError" not in err, err
     assert proc.returncode == 0, err
+
+
+def _reward_children(parent: int) -> list[int]:
+    """The reward processes `parent` spawned (multiprocessing's spawn children; not its resource tracker)."""
+    found = subprocess.run(["pgrep", "-P", str(parent), "-f", "spawn_main"], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def _steps(run_dir: Path) -> int:
+    return len(jsonl(run_dir / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_reward_processes_killed_under_load_on_the_learner_and_an_actor(run_config, spawn, free_port) -> None:
+    """The learner's reward process and an actor's, killed again and again while the fleet trains: training
+    goes on, no submission is answered `internal`, and no process dies or leaves a traceback."""
+    metrics_port = free_port()
+    config, cfg = run_config(metrics={"port": metrics_port}, train={"steps": 100000},
+                             security={"verify_rewards": True})
+    run_dir = Path(cfg.run_dir)
+    learner = spawn("learner", "--config", str(config), name="learner")
+    actors = [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"a{i}", "--metrics-port", "0",
+                    "--model-dir", str(run_dir), name=f"actor{i}") for i in range(2)]
+    everyone = [learner, *actors]
+    wait_for(lambda: _steps(run_dir) >= 3, "3 steps before the kills", procs=everyone)
+    kills = 0
+    for round_, signum in enumerate([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM, signal.SIGKILL]):
+        for parent in (learner, actors[0]):
+            victims = wait_for(lambda p=parent: _reward_children(p.pid), "a reward process to kill", procs=everyone)
+            for pid in victims:
+                os.kill(pid, signum)
+                kills += 1
+        reached = _steps(run_dir) + 2
+        wait_for(lambda r=reached: _steps(run_dir) >= r, f"2 more steps after kill round {round_ + 1}",
+                 procs=everyone)
+    internal = scrape(metrics_port).total("grpo_fleet_learner_internal_errors_total")
+    logs = {proc.log_path.name: proc.log_path.read_text() for proc in everyone}
+    assert internal == 0, learner.log_path.read_text()[-3000:]
+    for name, text in logs.items():
+        assert "Traceback" not in text and "error handling" not in text, f"{name}: {text[-3000:]}"
+    assert all(proc.poll() is None for proc in everyone)
+    print(f"reward processes killed: {kills} (learner and actor a0), steps {_steps(run_dir)}, internal {internal:g}")

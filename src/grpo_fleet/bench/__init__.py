@@ -135,7 +135,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("step", "step", True, 0.1, "learner step phases, eager vs mx.compile (50M and memory rows: full)"),
     Benchmark("real_decode", "real_decode", True, 3.4, "real model: actor lease vs mlx_lm.batch_generate, idle slots"),
     Benchmark("real_step", "real_step", False, 3.7, "real model: one Trainer.step tok/s, micro-batch padding"),
-    Benchmark("gguf_import", "gguf_import", True, 0.5, "import-gguf on Gemma 3 270M Q4_K_M: time, peak memory vs model size"),
+    Benchmark("gguf_import", "gguf_import", False, 0.5, "import-gguf on Gemma 3 270M Q4_K_M: time, peak memory vs model size"),
     Benchmark("real", "real", True, 23.5, "real model learning: fleet vs in-process loop vs mlx-lm-lora, same task"),
     Benchmark("mixed", "mixed", True, 0.5, "capacity-sized leases with a 10x slower actor"),
     Benchmark("e2e", "e2e", False, 4.3, "tiny demo: wall time to its target, fleet vs batched loop and notebook loop"),

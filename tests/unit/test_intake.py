@@ -16,12 +16,10 @@ from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules, suspect_groups, unusable_version
 from grpo_fleet.learner.fleet.leasing import Leasing
 from grpo_fleet.learner.fleet.registry import Registry
-from grpo_fleet.learner.records.acks import AckCache
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
-from grpo_fleet.learner.records.handoff import BatchHandOff
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
-from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.records.state import AckCache, BatchHandOff, LearnerState
 from grpo_fleet.metrics import LearnerMetrics, learner_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason

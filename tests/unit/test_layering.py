@@ -188,7 +188,7 @@ def test_the_cycle_walk_finds_a_cycle_through_other_modules():
 
 def test_the_package_imports_in_no_circle():
     """Not even at type level or lazily, bench/ included: what two modules share gets a module of its own
-    (learner/records/acks.py, learner/fleet/moving_average.py, tasks/examples.py, bench/learner_process.py)."""
+    (learner/records/state.py: AckCache, tasks/examples.py, bench/learner_process.py)."""
     found = cycles(_package_imports(), "*")
     assert not found, f"import cycles: {[' -> '.join(chain) for chain in found]}"
 

@@ -15,8 +15,7 @@ from grpo_fleet.learner.fleet.leasing import (
     lease_target_seconds,
     retry_after,
 )
-from grpo_fleet.learner.fleet.moving_average import MovingAverage
-from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.learner.fleet.registry import ActorInfo, MovingAverage
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import learner_metrics

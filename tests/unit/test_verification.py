@@ -1,4 +1,4 @@
-"""The learner's checks of what actors report (learner/door/reward_check.py, logprob_check.py), on a real tiny
+"""The learner's checks of what actors report (learner/door/actor_checks.py), on a real tiny
 learner; no sockets."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from test_learner_core import ACTOR_A, GROUP_SIZE, INFORMATIVE, MAX_TOKENS, ask, generated_rollouts, hello, lease, run_config
 
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.door.reward_check import RewardCheck, reward_gap
+from grpo_fleet.learner.door.actor_checks import RewardCheck, reward_gap
 from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import load_policy

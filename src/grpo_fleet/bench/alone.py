@@ -25,7 +25,7 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.door.logprob_check import LogprobCheck, WeightHistory
+from grpo_fleet.learner.door.actor_checks import LogprobCheck, WeightHistory
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.run.build import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.step.batch import build_train_batch

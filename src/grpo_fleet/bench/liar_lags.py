@@ -29,7 +29,7 @@ from mlx.utils import tree_map, tree_unflatten
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, batched_rollout, demo_run_config
 from grpo_fleet.config import SecurityConfig
-from grpo_fleet.learner.door.logprob_check import LogprobCheck, WeightHistory
+from grpo_fleet.learner.door.actor_checks import LogprobCheck, WeightHistory
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.learner.step.gap_bounds import logprob_gap_bound

@@ -29,7 +29,7 @@ from grpo_fleet.learner.fleet.leasing import (
     lease_target_seconds,
     retry_after,
 )
-from grpo_fleet.learner.fleet.moving_average import MovingAverage
+from grpo_fleet.learner.fleet.registry import MovingAverage
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ class RejectReason(str, Enum):
     # Groups the sender was never given: a violation.
     NOT_YOUR_LEASE = "not_your_lease"
     NOT_LEASED = "not_leased"
-    # What the learner recomputed disagrees with what the actor reported (door/reward_check.py, logprob_check.py): a violation.
+    # What the learner recomputed disagrees with what the actor reported (door/actor_checks.py): a violation.
     REWARD_MISMATCH = "reward_mismatch"
     LOGPROB_MISMATCH = "logprob_mismatch"
     # The learner's own reward check failed (a reward timed out here): not the actor's fault, re-queued.

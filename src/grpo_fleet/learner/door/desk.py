@@ -9,8 +9,8 @@ from typing import Callable, Optional, Protocol
 from pydantic import BaseModel
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.door.actor_checks import RewardCheck
 from grpo_fleet.learner.door.replies import Reply
-from grpo_fleet.learner.door.reward_check import RewardCheck
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.state import LearnerState
@@ -19,16 +19,8 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 
 
-class Desk(Protocol):
-    """The run as the loop sees it: the records it reads, the requests it forwards, the thread it starts."""
-
-    cfg: RunConfig
-    metrics: LearnerMetrics
-    state: LearnerState
-    registry: Registry
-    snapshots: SnapshotStore
-    reward_check: Optional[RewardCheck]
-    pub_address: Optional[str]
+class RequestDesk(Protocol):
+    """The I/O thread's part of the run (learner/run/handlers.py): every request goes through it."""
 
     def handle(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
                peer_address: str = "", *, observer: bool = False) -> Reply: ...
@@ -42,8 +34,30 @@ class Desk(Protocol):
 
     def refresh_service_discovery(self, learner_target: Optional[str]) -> None: ...
 
-    def train_until(self, should_stop: Callable[[], bool]) -> None: ...
+
+class TrainingDesk(Protocol):
+    """The training thread's part of the run (learner/run/training_thread.py)."""
+
+    def run(self, should_stop: Callable[[], bool]) -> None: ...
 
     def checkpoint(self) -> Path: ...
+
+
+class Desk(Protocol):
+    """The run as the loop sees it: the records it reads, its two threads' parts, and its end."""
+
+    cfg: RunConfig
+    metrics: LearnerMetrics
+    state: LearnerState
+    registry: Registry
+    snapshots: SnapshotStore
+    reward_check: Optional[RewardCheck]
+    pub_address: Optional[str]
+
+    @property
+    def requests(self) -> RequestDesk: ...
+
+    @property
+    def training(self) -> TrainingDesk: ...
 
     def close(self) -> None: ...

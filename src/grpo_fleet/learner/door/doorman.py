@@ -84,7 +84,7 @@ class Doorman:
             return False
         if self.keyring is not None and not (principal and self.keyring.allows(principal.encode())):
             self.learner.metrics.auth_failures.labels(reason="revoked").inc()
-            self.learner.drop_actor(identity)
+            self.learner.requests.drop_actor(identity)
             return False
         return True
 
@@ -113,7 +113,7 @@ class Doorman:
             return
         for identity, info in list(self.learner.registry.actors.items()):
             if not self.keyring.allows(info.principal.encode()):
-                released = self.learner.drop_actor(identity)
+                released = self.learner.requests.drop_actor(identity)
                 log.warning("actor %s (%s) revoked; re-queued %d leases", shown(info.actor_id), shown(info.principal), released)
 
     def close(self, router: zmq.Socket) -> None:

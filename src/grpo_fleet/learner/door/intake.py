@@ -23,9 +23,8 @@ from grpo_fleet.learner.door.intake_rules import (
     unusable_version,
 )
 from grpo_fleet.learner.records.groups import AcceptedGroup
-from grpo_fleet.learner.records.handoff import BatchHandOff
 from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
-from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -33,8 +32,7 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.scoring import RewardError
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.door.logprob_check import LogprobGap
-    from grpo_fleet.learner.door.reward_check import RewardCheck
+    from grpo_fleet.learner.door.actor_checks import LogprobGap, RewardCheck
     from grpo_fleet.learner.fleet.leasing import Leasing
     from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
     from grpo_fleet.learner.step.stats import StepStats

@@ -121,7 +121,7 @@ class LearnerServer:
             else:
                 # Stopped early (signal): save everything; actors keep retrying and
                 # carry on with a learner resumed from this checkpoint.
-                self.learner.checkpoint()
+                self.learner.training.checkpoint()
         finally:
             self.stopping = True
             training.join()
@@ -130,7 +130,7 @@ class LearnerServer:
 
     def _train_loop(self) -> None:
         try:
-            self.learner.train_until(lambda: self.stopping)
+            self.learner.training.run(lambda: self.stopping)
         except BaseException as exc:  # surfaced by serve() on the main thread
             self.training_error = exc
 
@@ -176,10 +176,10 @@ class LearnerServer:
             self.verifier = None
 
     def _answer_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str], peer_address: str) -> Reply:
-        """On the verifier thread: `_answer`, rewards scored outside the lock (`RunCoordinator.handle_rollouts`)."""
+        """On the verifier thread: `_answer`, rewards scored outside the lock (`RequestHandlers.handle_rollouts`)."""
         try:
             with self.learner.metrics.rollouts_answer_seconds.time():
-                return self.learner.handle_rollouts(identity, msg, principal, peer_address)
+                return self.learner.requests.handle_rollouts(identity, msg, principal, peer_address)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling Rollouts")
             self.learner.metrics.internal_errors.labels(where="handle").inc()
@@ -192,7 +192,7 @@ class LearnerServer:
                 self.told_to_stop.add(identity)
             return Reply(m.Shutdown(reason="done"))
         try:
-            return self.learner.handle(identity, msg, principal, peer_address, observer=observer)
+            return self.learner.requests.handle(identity, msg, principal, peer_address, observer=observer)
         except Exception as exc:  # a bug must not take the learner down with it
             log.exception("error handling %s", type(msg).__name__)
             self.learner.metrics.internal_errors.labels(where="handle").inc()
@@ -206,9 +206,9 @@ class LearnerServer:
         self._last_housekeeping = now
         self.door.count_connection_events()
         self.door.reload_allow_list()
-        self.learner.expire_leases()
+        self.learner.requests.expire_leases()
         self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
-        self.learner.refresh_service_discovery(self.metrics_target)
+        self.learner.requests.refresh_service_discovery(self.metrics_target)
         state = self.learner.state
         self._publish(m.Heartbeat(actor_id="learner", policy_version=state.version, sent_at=time.time(),
                                   incarnation=state.incarnation))
@@ -216,7 +216,7 @@ class LearnerServer:
     def _drop_silent_actors(self, cutoff: float) -> None:
         for identity, info in list(self.learner.registry.actors.items()):
             if info.last_seen < cutoff:
-                released = self.learner.drop_actor(identity)
+                released = self.learner.requests.drop_actor(identity)
                 log.info("actor %s went silent; re-queued %d leases", shown(info.actor_id), released)
 
     def _publish(self, msg: BaseModel) -> None:

@@ -1,7 +1,7 @@
 """Rollouts answered on their own thread, so that a slow reward never holds the request loop.
 
 The learner re-scores every submitted group with its own rewards
-(learner/door/reward_check.py): one round trip to the reward process per
+(learner/door/actor_checks.py): one round trip to the reward process per
 submission, as slow as the task's reward (a sympy check, a sandboxed test run,
 a judge). On the I/O thread, under the lock, every other actor's request waited
 that long. Here the loop hands each Rollouts to one verifier thread, which

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.fleet.moving_average import MovingAverage
-from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.learner.fleet.registry import ActorInfo, MovingAverage
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Example, prompt_text, reward_kwargs

@@ -2,6 +2,8 @@
 
 Plain bookkeeping (no sockets). It feeds leases (who owns what), Prometheus
 service discovery (`/sd`) and `grpo-fleet status`; the ban policy is in bans.py.
+`MovingAverage` is how the learner follows each actor's speed (here) and its own
+step interval (leasing.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from typing import TYPE_CHECKING, Optional
 
 from grpo_fleet.config import ServerConfig
 from grpo_fleet.learner.fleet.bans import Bans
-from grpo_fleet.learner.fleet.moving_average import MovingAverage
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -23,6 +24,24 @@ if TYPE_CHECKING:
     from grpo_fleet.learner.records.state import LearnerState
 
 log = logging.getLogger("grpo_fleet.learner")
+
+# Weight of the newest sample in the moving averages: recent enough to follow an
+# actor that slows down (thermal throttling, a user on the Mac), smooth enough to
+# ignore one slow lease.
+EMA_WEIGHT = 0.3
+
+
+@dataclass
+class MovingAverage:
+    """Exponential moving average; `value` is None until the first sample."""
+
+    weight: float = EMA_WEIGHT
+    value: Optional[float] = None
+
+    def add(self, sample: float) -> float:
+        self.value = sample if self.value is None else self.weight * sample + (1 - self.weight) * self.value
+        return self.value
+
 
 # Throughput is averaged over this window, so `status` shows current speed, not lifetime speed.
 RATE_WINDOW_SECONDS = 60.0

@@ -19,10 +19,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from grpo_fleet.learner.records.acks import AckCache
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.runlog import LogSizes
-from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.records.state import AckCache, LearnerState
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, load_checkpoint_weights, save_checkpoint
 from grpo_fleet.protocol import messages as m

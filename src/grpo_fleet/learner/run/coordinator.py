@@ -1,10 +1,10 @@
 """The run's coordinator: the rooms of one run (learner/run/rooms.py) and the two threads that work on them.
 
-`learner/door/server.py` owns the ZeroMQ loop and calls `handle()` on the I/O
-thread, whose handler table is learner/run/handlers.py; it runs `train_until()`
-on the training thread, whose loop is learner/run/training_thread.py. The two
+`learner/door/server.py` owns the ZeroMQ loop: on the I/O thread it calls
+`requests` (learner/run/handlers.py, the handler table), and it runs
+`training` (learner/run/training_thread.py, the loop) on the training thread. The two
 threads share the rooms under `lock`, and meet at one named hand-off
-(learner/records/handoff.py): intake puts accepted groups in, training takes
+(learner/records/state.py): intake puts accepted groups in, training takes
 batches out. Every room takes and returns plain typed records, so all of it
 can be tested without a network.
 """
@@ -19,7 +19,6 @@ from pydantic import BaseModel
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.door.replies import Reply
-from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.records.runlog import StepRecord
 from grpo_fleet.learner.run.handlers import RequestHandlers
 from grpo_fleet.learner.run.rooms import RunRooms
@@ -45,67 +44,23 @@ class RunCoordinator(RunRooms):
         self.requests = RequestHandlers(self)
         self.training = TrainingThread(self)
 
-    # ------------------------------------------------------------------ requests (I/O thread)
+    # ------------------------------------------------------------------ requests (I/O thread): RequestHandlers
 
     def handle(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
                peer_address: str = "", *, observer: bool = False) -> Reply:
-        """Answer one decoded message (or a decoding failure) from `identity`.
-
-        `principal` is the authenticated CURVE key; leases are bound to it, so a
-        peer reusing another actor's routing id cannot act for it. An `observer`
-        key (`keys add-observer`) may ask Status and nothing else.
-        """
-        with self.lock:
-            return self.requests.answer(identity, msg, principal, peer_address, observer=observer)
+        return self.requests.handle(identity, msg, principal, peer_address, observer=observer)
 
     def handle_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str] = None,
                         peer_address: str = "") -> Reply:
-        """`handle` for Rollouts, with the rewards re-scored first, outside the lock (the verifier thread only).
-
-        Scoring is a round trip to the reward process, as slow as the task's
-        reward; under the lock it would hold every other request that long.
-        What is scored is what `take` will accept; if the state moved meanwhile,
-        `take` scores the rest itself.
-        """
-        with self.lock:
-            # Not `known`: that counts an unregistered sender, and `handle` below does so once already.
-            actor = self.registry.peek(identity, peer_key(identity, principal))
-            owner = self.requests.rollouts_owner(msg.lease_id)
-            jobs = owner.reward_jobs(actor, msg) if actor is not None else []
-            check = owner.reward_check
-        if check is None or not jobs:
-            return self.handle(identity, msg, principal, peer_address)
-        check.score_ahead(jobs)
-        try:
-            return self.handle(identity, msg, principal, peer_address)
-        finally:
-            check.forget_ahead()
+        return self.requests.handle_rollouts(identity, msg, principal, peer_address)
 
     def drop_actor(self, identity: bytes) -> int:
-        """Forget an actor (silent or revoked) and re-queue its leases; returns the lease count."""
-        with self.lock:
-            info = self.registry.drop(identity)
-            if info is None:
-                return 0
-            self.evaluation.release_actor(info.principal)
-            return self.state.scheduler.release_actor(info.principal)
+        return self.requests.drop_actor(identity)
 
     def expire_leases(self) -> int:
-        """Re-queue leases past their deadline; returns how many expired."""
-        with self.lock:
-            self.evaluation.expire()
-            return self.leasing.expire()
-
-    def refresh_service_discovery(self, learner_target: Optional[str]) -> None:
-        """Rebuild the /sd answer on the main thread; the HTTP thread reads the list it swaps in."""
-        with self.lock:
-            self.registry.refresh_service_discovery(learner_target)
+        return self.requests.expire_leases()
 
     # ------------------------------------------------------------------ training (training thread)
-
-    def train_until(self, should_stop: Callable[[], bool]) -> None:
-        """The training thread's loop (learner/run/training_thread.py)."""
-        self.training.run(should_stop)
 
     def ready_to_train(self) -> bool:
         return self.training.ready()

@@ -31,7 +31,7 @@ ActorHandler = Callable[[ActorInfo, Any], Reply]
 
 
 class RequestHandlers:
-    """Answers each decoded request; the caller (the I/O thread, or the verifier thread) holds `rooms.lock`."""
+    """Answers each decoded request (on the I/O thread, or Rollouts on the verifier thread) under `rooms.lock`."""
 
     def __init__(self, rooms: RunRooms) -> None:
         self.rooms = rooms
@@ -44,15 +44,66 @@ class RequestHandlers:
             m.Rollouts: self.rollouts,
         }
 
-    def answer(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str],
-               peer_address: str, *, observer: bool) -> Reply:
-        """The reply to one decoded message (or a decoding failure); see RunCoordinator.handle."""
+    def handle(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
+               peer_address: str = "", *, observer: bool = False) -> Reply:
+        """Answer one decoded message (or a decoding failure) from `identity`.
+
+        `principal` is the authenticated CURVE key; leases are bound to it, so a
+        peer reusing another actor's routing id cannot act for it. An `observer`
+        key (`keys add-observer`) may ask Status and nothing else.
+        """
         rooms, owner = self.rooms, peer_key(identity, principal)
-        if isinstance(msg, ProtocolError):
-            return Reply(undecodable(owner, msg, rooms.metrics, rooms.registry))
-        if observer and not isinstance(msg, OBSERVER_REQUESTS):
-            return Reply(refuse_observer(owner, msg, rooms.metrics))
-        return self._dispatch(Request(identity, owner, peer_address), msg)
+        with rooms.lock:
+            if isinstance(msg, ProtocolError):
+                return Reply(undecodable(owner, msg, rooms.metrics, rooms.registry))
+            if observer and not isinstance(msg, OBSERVER_REQUESTS):
+                return Reply(refuse_observer(owner, msg, rooms.metrics))
+            return self._dispatch(Request(identity, owner, peer_address), msg)
+
+    def handle_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str] = None,
+                        peer_address: str = "") -> Reply:
+        """`handle` for Rollouts, with the rewards re-scored first, outside the lock (the verifier thread only).
+
+        Scoring is a round trip to the reward process, as slow as the task's
+        reward; under the lock it would hold every other request that long.
+        What is scored is what `take` will accept; if the state moved meanwhile,
+        `take` scores the rest itself.
+        """
+        rooms = self.rooms
+        with rooms.lock:
+            # Not `known`: that counts an unregistered sender, and `handle` below does so once already.
+            actor = rooms.registry.peek(identity, peer_key(identity, principal))
+            owner = self.rollouts_owner(msg.lease_id)
+            jobs = owner.reward_jobs(actor, msg) if actor is not None else []
+            check = owner.reward_check
+        if check is None or not jobs:
+            return self.handle(identity, msg, principal, peer_address)
+        check.score_ahead(jobs)
+        try:
+            return self.handle(identity, msg, principal, peer_address)
+        finally:
+            check.forget_ahead()
+
+    def drop_actor(self, identity: bytes) -> int:
+        """Forget an actor (silent or revoked) and re-queue its leases; returns the lease count."""
+        rooms = self.rooms
+        with rooms.lock:
+            info = rooms.registry.drop(identity)
+            if info is None:
+                return 0
+            rooms.evaluation.release_actor(info.principal)
+            return rooms.state.scheduler.release_actor(info.principal)
+
+    def expire_leases(self) -> int:
+        """Re-queue leases past their deadline; returns how many expired."""
+        with self.rooms.lock:
+            self.rooms.evaluation.expire()
+            return self.rooms.leasing.expire()
+
+    def refresh_service_discovery(self, learner_target: Optional[str]) -> None:
+        """Rebuild the /sd answer on the main thread; the HTTP thread reads the list it swaps in."""
+        with self.rooms.lock:
+            self.rooms.registry.refresh_service_discovery(learner_target)
 
     def rollouts_owner(self, lease_id: str) -> RolloutsTaker:
         """The room whose lease this is: an eval round's, else intake."""

@@ -15,22 +15,19 @@ from typing import Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.door.actor_checks import LogprobCheck, RewardCheck, WeightHistory
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules
-from grpo_fleet.learner.door.logprob_check import LogprobCheck, WeightHistory
-from grpo_fleet.learner.door.reward_check import RewardCheck
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.door.welcome import run_card
 from grpo_fleet.learner.evals.evaluation import Evaluation
 from grpo_fleet.learner.fleet.leasing import Leasing
 from grpo_fleet.learner.fleet.registry import Registry
-from grpo_fleet.learner.records.handoff import BatchHandOff
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.samples import SampleLog, tokenizer_decode
-from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.learner.records.trackers import Trackers
-from grpo_fleet.learner.run.batch_cycle import BatchCycle
 from grpo_fleet.learner.step.gap_bounds import compute_dtype
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
@@ -68,7 +65,6 @@ class RunRooms:
         self.intake = Intake(rules, self.state, self.registry, self.leasing, self.runlog, metrics, prompt_tokens,
                              self.handoff, self.reward_check)
         self.weight_history, self.logprob_check = logprob_check(cfg, policy, metrics)
-        self.cycle = BatchCycle(cfg, trainer, self.handoff, self.snapshots, self.runlog, metrics)
         eval_check = (None if self.reward_check is None
                       else RewardCheck(task, task.eval, policy.tokenizer, self.reward_check.scorer))
         self.evaluation = Evaluation(cfg, task.eval, eval_prompt_tokens or [], policy.vocab_size, self.state,

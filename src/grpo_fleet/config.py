@@ -101,10 +101,11 @@ class GenerationConfig(_Section):
 class TaskConfig(_Section):
     """What the policy is trained to do, and how completions are scored."""
 
-    name: Literal["reverse", "jsonl", "dataset"] = Field(
+    name: Literal["reverse", "jsonl", "dataset", "reasoning_gym"] = Field(
         "reverse",
-        description="'reverse' (built-in synthetic), 'jsonl' ({prompt, answer} lines) or 'dataset' (task.dataset, "
-        "read with Hugging Face `datasets`).",
+        description="'reverse' (built-in synthetic), 'jsonl' ({prompt, answer} lines), 'dataset' (task.dataset, "
+        "read with Hugging Face `datasets`) or 'reasoning_gym' (procedural tasks, no download: task.dataset names "
+        "the generator(s); `pip install grpo-fleet[reasoning-gym]`).",
     )
     train_path: Optional[str] = Field(None, description="JSONL training file for task 'jsonl'.")
     eval_path: Optional[str] = Field(
@@ -117,6 +118,11 @@ class TaskConfig(_Section):
         "JSONL / JSON / parquet / CSV file, a directory of such files, or a `save_to_disk` directory.",
     )
     dataset_config: Optional[str] = Field(None, description="The hub dataset's configuration name (GSM8K: 'main').")
+    generator_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="For 'reasoning_gym': each generator's own settings by name, e.g. {chain_sum = {min_terms = 2, "
+        "max_terms = 3}}. num_train / num_eval are the sizes, task.seed the seed (eval draws from seed + 1).",
+    )
     split: str = Field("train", description="The split trained on (a single local file has only 'train').")
     eval_split: Optional[str] = Field(
         None, description="Held-out split (GSM8K: 'test'), first num_eval rows; default: num_eval rows of `split` "
@@ -160,6 +166,24 @@ class TaskConfig(_Section):
         "(checked in the float32 the rewards are trained in).",
     )
     system_prompt: Optional[str] = Field(None, description="System message when chat_template is on.")
+    env: Optional[str] = Field(
+        None,
+        description="Episodes instead of single replies: 'my_env.py:ClassName' or 'package.module:ClassName', a class "
+        "with skyrl-gym's interface (ClassName(env_config, extras), init(prompt), step(text) -> {observations, reward, "
+        "done, metadata}). The episode's reward is the sum of its steps', plus `rewards` if any are named. Needs "
+        "chat_template. Actors need the same file (checked by digest).",
+    )
+    env_config: dict[str, Any] = Field(default_factory=dict, description="The env_config the environment is built with.")
+    max_turns: int = Field(4, ge=1, le=1024, description="Most turns (model replies) in one episode.")
+    max_episode_tokens: int = Field(
+        1024, ge=1, le=2**20,
+        description="Most tokens after the prompt in one episode, sampled and environment ones together; an episode "
+        "whose next observation would not fit ends there. generation.max_tokens bounds each turn.",
+    )
+    env_timeout_seconds: float = Field(
+        10.0, gt=0, le=3600, description="Longest one environment call (init, step, close) may run; past it the "
+        "episode fails and its group goes back unscored.",
+    )
 
     @model_validator(mode="after")
     def _weights_match(self) -> "TaskConfig":
@@ -169,8 +193,13 @@ class TaskConfig(_Section):
             raise ValueError("task 'jsonl' needs train_path")
         if self.name == "dataset" and not self.dataset:
             raise ValueError("task 'dataset' needs task.dataset (a hub id or a local path)")
-        if self.dataset and self.name != "dataset":
+        if self.dataset and self.name not in ("dataset", "reasoning_gym"):
             raise ValueError(f"task.dataset is set but task.name is {self.name!r}: set task.name = 'dataset' to use it")
+        if self.name == "reasoning_gym" and not self.dataset:
+            raise ValueError("task 'reasoning_gym' needs task.dataset: a generator name (e.g. 'basic_arithmetic') or a "
+                             "weighted mix ('chain_sum:2,basic_arithmetic:1')")
+        if self.env and not self.chat_template:
+            raise ValueError("task.env needs task.chat_template = true: observations are chat messages")
         return self
 
 

@@ -43,15 +43,30 @@ SHARED_PREFIX_MIN_TOKENS = 16
 PREFILL_STEP_TOKENS = 512
 
 
+@dataclass(frozen=True)
+class EpisodeMarks:
+    """What an episode's completion adds (envs/runner.py): 1 per sampled token and 0 per environment token,
+    where each sampled turn starts, and why the episode ended ("done", "max_turns", "budget")."""
+
+    mask: list[int]
+    turns: list[int]
+    end: str
+
+
 @dataclass
 class GeneratedCompletion:
-    """One sampled completion: token ids (EOS included when it stopped) and their logprobs."""
+    """One sampled completion: token ids (EOS included when it stopped) and their logprobs.
+
+    An episode's completion holds every token after the prompt, the environment's
+    too (logprob 0.0 there), and `episode` says which are which.
+    """
 
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
     text: str = ""
     reward: float = 0.0
+    episode: Optional[EpisodeMarks] = None
 
 
 @dataclass
@@ -132,22 +147,9 @@ def generate_groups(
     Prompts with at least `min_shared_prefix` tokens are prefilled once for
     their whole group; None prefills G copies of every prompt.
     """
-    from mlx_lm.generate import BatchGenerator
-    from mlx_lm.sample_utils import make_sampler
-
-    refuse_truncated_sampling(settings.top_p)
     size = settings.group_size
     batch_size = min(len(prompts) * size, completion_batch_size)
-    generator = BatchGenerator(
-        cast(nn.Module, Float32Logits(model, settings.temperature)),  # duck-typed: calls it, reads its layers
-        max_tokens=settings.max_tokens,
-        stop_tokens=[[int(t)] for t in settings.stop_token_ids],
-        # The temperature is already in the logits; T = 0 stays greedy.
-        sampler=make_sampler(temp=0.0 if settings.temperature == 0 else 1.0),
-        completion_batch_size=batch_size,
-        prefill_batch_size=batch_size,
-        prefill_step_size=prefill_step_size,
-    )
+    generator = make_generator(model, settings, batch_size, prefill_step_size)
     try:
         rows = [list(map(int, p)) for p in prompts]
         shared = [] if min_shared_prefix is None else [r for r in rows if len(r) >= max(min_shared_prefix, 2)]
@@ -161,8 +163,27 @@ def generate_groups(
     return [flat[i : i + size] for i in range(0, len(flat), size)]
 
 
+def make_generator(model: nn.Module, settings: SamplingSettings, batch_size: int, prefill_step_size: int) -> Any:
+    """mlx-lm's BatchGenerator over float32 logits at `settings`' temperature (nucleus sampling refused)."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    refuse_truncated_sampling(settings.top_p)
+    return BatchGenerator(
+        cast(nn.Module, Float32Logits(model, settings.temperature)),  # duck-typed: calls it, reads its layers
+        max_tokens=settings.max_tokens,
+        stop_tokens=[[int(t)] for t in settings.stop_token_ids],
+        # The temperature is already in the logits; T = 0 stays greedy.
+        sampler=make_sampler(temp=0.0 if settings.temperature == 0 else 1.0),
+        completion_batch_size=batch_size,
+        prefill_batch_size=batch_size,
+        prefill_step_size=prefill_step_size,
+    )
+
+
 def _insert_groups(
-    generator: Any, prompts: list[list[int]], group_size: int, prefilled: dict[tuple[int, ...], list]
+    generator: Any, prompts: list[list[int]], group_size: int, prefilled: dict[tuple[int, ...], list],
+    max_tokens: Optional[list[int]] = None,
 ) -> list[int]:
     """Queue G sequences per prompt, in prompt order; uids come back in the same order.
 
@@ -179,7 +200,8 @@ def _insert_groups(
             caches.append(None if cache is None else _clone_cache(cache))
             # The generator extends each sequence's token context in place: a list of its own each.
             contexts.append([] if cache is None else list(prompt[:-1]))
-    return generator.insert(inputs, caches=caches, all_tokens=contexts)
+    limits = None if max_tokens is None else [limit for limit in max_tokens for _ in range(group_size)]
+    return generator.insert(inputs, max_tokens=limits, caches=caches, all_tokens=contexts)
 
 
 def _prefill_distinct(model: nn.Module, prompts: list[list[int]], batch_size: int, step: int) -> dict[tuple[int, ...], list]:
@@ -243,6 +265,90 @@ def _drain(generator: Any, uids: list[int], on_step: Optional[Callable[[], None]
     if missing:
         raise RuntimeError(f"generation ended without finishing sequences {sorted(missing)[:5]}")
     return finished
+
+
+@dataclass
+class TurnEnd:
+    """A sequence's turn, ended: what it sampled, and the KV cache to go on from (every token through the last)."""
+
+    key: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    cache: list
+    context: list[int]  # the tokens that cache holds
+
+
+class TurnGenerator:
+    """Sequences that sample a turn, stop, and may go on later with tokens appended (an episode's observation).
+
+    One continuous batch: a sequence that ends its turn leaves the batch with its
+    KV cache, and one that resumes is prefilled with the appended tokens only, so
+    a conversation is never prefilled (or tokenized) again. Keys are the caller's.
+    """
+
+    def __init__(self, model: nn.Module, settings: SamplingSettings, batch_size: int,
+                 prefill_step_size: int = PREFILL_STEP_TOKENS) -> None:
+        self.settings = settings
+        self.generator = make_generator(model, settings, batch_size, prefill_step_size)
+        self._model, self._batch_size = model, batch_size
+        self._keys: dict[int, int] = {}  # uid -> key
+        self._sampled: dict[int, tuple[list[int], list[float]]] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._keys)
+
+    def start(self, keys: Sequence[int], prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+              min_shared_prefix: Optional[int] = SHARED_PREFIX_MIN_TOKENS) -> None:
+        """First turns; prompts with the same prefix of at least `min_shared_prefix` tokens are prefilled once."""
+        rows = [list(map(int, p)) for p in prompts]
+        shared = [] if min_shared_prefix is None else [r for r in rows if len(r) >= max(min_shared_prefix, 2)]
+        with mx.stream(self.generator.stream):
+            prefilled = _prefill_distinct(self._model, shared, self._batch_size, self.generator.prefill_step_size)
+        uids = _insert_groups(self.generator, rows, 1, prefilled, list(max_tokens))
+        self._track(keys, uids)
+
+    def resume(self, end: TurnEnd, tokens: Sequence[int], max_tokens: int) -> None:
+        """Go on from `end`'s cache with `tokens` appended (at least one), for at most `max_tokens` sampled."""
+        uids = self.generator.insert([list(map(int, tokens))], max_tokens=[max_tokens], caches=[end.cache],
+                                     all_tokens=[list(end.context)])
+        self._track([end.key], uids)
+
+    def cancel(self, keys: set[int]) -> None:
+        """Stop these sequences wherever they are (their episode failed)."""
+        uids = [uid for uid, key in self._keys.items() if key in keys]
+        if uids:
+            self.generator.remove(uids)
+        for uid in uids:
+            del self._keys[uid], self._sampled[uid]
+
+    def next_ends(self, on_step: Optional[Callable[[], None]] = None) -> list[TurnEnd]:
+        """Decode until at least one sequence ends its turn; every turn that ended in that step."""
+        ends: list[TurnEnd] = []
+        while self._keys and not ends:
+            responses = self.generator.next_generated()
+            if on_step is not None:
+                on_step()
+            if not responses:
+                raise RuntimeError(f"generation stopped with {len(self._keys)} turns unfinished")
+            for response, value in zip(responses, _sampled_logprobs(responses)):
+                tokens, logprobs = self._sampled[response.uid]
+                tokens.append(int(response.token))
+                logprobs.append(value)
+                if response.finish_reason is not None:
+                    ends.append(TurnEnd(self._keys.pop(response.uid), tokens, logprobs, response.finish_reason,
+                                        response.prompt_cache, list(response.all_tokens)))
+                    del self._sampled[response.uid]
+        return ends
+
+    def close(self) -> None:
+        self.generator.close()
+
+    def _track(self, keys: Sequence[int], uids: Sequence[int]) -> None:
+        for key, uid in zip(keys, uids):
+            self._keys[uid] = key
+            self._sampled[uid] = ([], [])
 
 
 # Below this many logprobs per step, one stacked gather beats a gather per row.

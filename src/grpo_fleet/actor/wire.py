@@ -28,12 +28,17 @@ def lease_prompts(lease: m.Lease) -> list[list[int]]:
 
 
 def to_completion(completion: GeneratedCompletion, reward: float) -> m.Completion:
-    """One completion in the dtypes the learner validates and trains in: int32 tokens, float32 logprobs."""
+    """One completion in the dtypes the learner validates and trains in: int32 tokens, float32 logprobs
+    (an episode's with its uint8 sampled/environment mask, turn starts and end)."""
+    episode = completion.episode
     return m.Completion(
         tokens=m.Tensor.from_numpy(np.asarray(completion.tokens, dtype=np.int32)),
         logprobs=m.Tensor.from_numpy(np.asarray(completion.logprobs, dtype=np.float32)),
         reward=float(reward),
         finish_reason=cast(Literal["stop", "length"], completion.finish_reason),  # pydantic checks it
+        mask=None if episode is None else m.Tensor.from_numpy(np.asarray(episode.mask, dtype=np.uint8)),
+        turns=None if episode is None else list(episode.turns),
+        end=None if episode is None else cast(m.EpisodeEnd, episode.end),
     )
 
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from grpo_fleet.actor import wire
 from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit, plan_rewards
+from grpo_fleet.actor.episodes import RunEpisodes
 from grpo_fleet.actor.link import Answer, LearnerLink, LearnerUnavailable, Notice, StopActor
 from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rewarding import RunRewards
@@ -72,6 +73,7 @@ class ActorWorker:
         self.policy: Optional[Policy] = None
         self.model_key: Optional[ModelKey] = None
         self.rewards = RunRewards()  # the rewards' own process, started on admission
+        self.episodes = RunEpisodes()  # the environment's own process, when the run has one (Welcome.env)
         self.welcome: Optional[m.Welcome] = None
         self.stopping = False
         self.metrics_port = 0
@@ -108,6 +110,7 @@ class ActorWorker:
         finally:
             self.link.shut()
             self.rewards.close()
+            self.episodes.close()
             if metrics_server is not None:
                 metrics_server.close()
 
@@ -148,6 +151,7 @@ class ActorWorker:
         """Admit the learner's run; load its model once (same path, digest, adapters and dtype = same model)."""
         plan = admit(welcome, self.cfg.model_dirs, self.model_key)
         self.rewards.start(plan_rewards(welcome.reward, self.cfg.reward_module, self.cfg.model_dirs))
+        self.episodes.start(welcome.env, self.cfg.model_dirs)
         if plan is not None:
             self.policy = load_policy(plan.path, lora=plan.lora, dtype=plan.dtype)
             self.model_key = plan.key
@@ -242,10 +246,14 @@ class ActorWorker:
         def beat() -> None:  # between decoding steps, so a long lease does not look like a dead actor
             self.link.heartbeat(self.weights.loaded, welcome.heartbeat_seconds)
 
-        groups = generate_groups(policy.model, wire.lease_prompts(lease), settings, on_step=beat)
-        self.metrics.generation_seconds.observe(time.perf_counter() - started)
+        if welcome.env is not None:  # every prompt is an episode (actor/episodes.py), environment steps included
+            scored, unscored = self.episodes.rollout(lease, welcome, policy, settings, self.rewards, self.metrics, beat)
+            self.metrics.generation_seconds.observe(time.perf_counter() - started)
+        else:
+            groups = generate_groups(policy.model, wire.lease_prompts(lease), settings, on_step=beat)
+            self.metrics.generation_seconds.observe(time.perf_counter() - started)
+            scored, unscored = self.rewards.score(lease.prompts, groups, policy.tokenizer, self.metrics)
         self.metrics.peak_memory.set(mx.get_peak_memory())
-        scored, unscored = self.rewards.score(lease.prompts, groups, policy.tokenizer, self.metrics)
         return m.Rollouts(lease_id=lease.lease_id, policy_version=version, incarnation=incarnation, groups=scored,
                           unscored=unscored)
 

@@ -20,8 +20,12 @@ from grpo_fleet.tasks.reverse import make_reverse_splits
 from grpo_fleet.tasks.rewards import REWARDS, RewardFn, UnknownRewardError, get_reward, register_reward
 from grpo_fleet.tasks.scoring import ScoringJob
 
+# Registers the `reasoning_gym` reward (the package itself is imported only when used).
+from grpo_fleet.tasks import reasoning_gym as _reasoning_gym  # noqa: F401,E402  isort: skip
+
 if TYPE_CHECKING:
     from grpo_fleet.config import TaskConfig
+    from grpo_fleet.envs.loading import EnvSetup
     from grpo_fleet.tasks.reward_runner import RewardSet
 
 __all__ = [
@@ -92,6 +96,7 @@ class Task:
     reward_module: Optional[str] = None  # canonical: an absolute file path or a module name
     reward_timeout_seconds: float = 10.0
     reward_bound: float = 1e4
+    env: Optional["EnvSetup"] = None  # task.env: every prompt is an episode (envs/); its module canonical
 
     def fields(self, example: Example) -> dict[str, Any]:
         """What travels to actors alongside a prompt so they can score completions (reward_kwargs)."""
@@ -131,8 +136,11 @@ def build_task(cfg: "TaskConfig") -> Task:
         train, eval_examples = _jsonl_splits(cfg)
     elif cfg.name == "dataset":
         train, eval_examples = _dataset_splits(cfg)
+    elif cfg.name == "reasoning_gym":
+        train, eval_examples = _reasoning_gym.make_splits(cfg.dataset or "", cfg.generator_options, cfg.num_train,
+                                                          cfg.num_eval, cfg.seed)
     else:
-        raise ValueError(f"unknown task {cfg.name!r}; known tasks: dataset, jsonl, reverse")
+        raise ValueError(f"unknown task {cfg.name!r}; known tasks: dataset, jsonl, reasoning_gym, reverse")
     return Task(
         name=cfg.name,
         train=train,
@@ -142,7 +150,20 @@ def build_task(cfg: "TaskConfig") -> Task:
         reward_module=module,
         reward_timeout_seconds=cfg.reward_timeout_seconds,
         reward_bound=cfg.reward_bound,
+        env=_env_setup(cfg),
     )
+
+
+def _env_setup(cfg: "TaskConfig") -> Optional["EnvSetup"]:
+    """task.env, its module made canonical and its class checked to load (a bad one fails the run at start)."""
+    if not cfg.env:
+        return None
+    from grpo_fleet.envs.loading import EnvSetup, canonical_env, load_env_class
+
+    module, class_name = canonical_env(cfg.env)
+    load_env_class(module, class_name)
+    return EnvSetup(module=module, class_name=class_name, config=dict(cfg.env_config), max_turns=cfg.max_turns,
+                    max_episode_tokens=cfg.max_episode_tokens, timeout_seconds=cfg.env_timeout_seconds)
 
 
 def _reverse_splits(cfg: "TaskConfig") -> tuple[list[Example], list[Example]]:

@@ -129,7 +129,7 @@ def _alarm(_signum: int, _frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
+def sigint_ignored() -> Iterator[None]:
     """SIGINT ignored while the child starts, so it inherits SIG_IGN from its first instruction on.
 
     Ctrl-C reaches the whole foreground process group: the reward process must not die of it
@@ -191,7 +191,7 @@ class ScoringProcess:
         parent, child = self._context.Pipe()
         process = self._context.Process(target=_serve, args=(child, self.rewards), daemon=True,
                                         name="grpo-fleet-rewards")
-        with _sigint_ignored():
+        with sigint_ignored():
             process.start()
         child.close()
         self._process, self._conn = process, parent

@@ -13,7 +13,6 @@ from grpo_fleet.actor import wire
 from grpo_fleet.actor.episodes import score_episodes
 from grpo_fleet.actor.rewarding import RunRewards
 from grpo_fleet.envs.hosting import EnvAnswer, EnvCalls, InlineEnvs
-from grpo_fleet.envs.loading import EnvSetup
 from grpo_fleet.envs.protocol import env_extras
 from grpo_fleet.envs.runner import EpisodeLimits, EpisodeOutcome, EpisodeRunner, EpisodeStart
 from grpo_fleet.envs.template import ObservationEncoder
@@ -23,6 +22,7 @@ from grpo_fleet.metrics import actor_metrics
 from grpo_fleet.model import load_policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import decode, encode
+from grpo_fleet.tasks.env_module import EnvSetup
 from grpo_fleet.tasks.prompts import chat_messages, decode_completion
 from grpo_fleet.tasks.reward_runner import InlineScorer, RewardSet
 

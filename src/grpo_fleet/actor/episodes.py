@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional
 from grpo_fleet.actor import wire
 from grpo_fleet.actor.admission import ActorRefused, model_path_allowed
 from grpo_fleet.actor.rewarding import RunRewards, scoring_jobs
-from grpo_fleet.envs.loading import EnvLoadError, EnvSetup, env_digest
 from grpo_fleet.envs.process import EnvProcess, EnvsRefused
 from grpo_fleet.envs.protocol import env_extras
 from grpo_fleet.envs.runner import EpisodeLimits, EpisodeOutcome, EpisodeRunner, EpisodeStart
@@ -26,6 +25,7 @@ from grpo_fleet.metrics import ActorMetrics
 from grpo_fleet.model import Policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.tasks.env_module import EnvLoadError, EnvSetup, env_digest
 from grpo_fleet.tasks.prompts import chat_messages
 from grpo_fleet.tasks.reward_module import is_module_name
 from grpo_fleet.tasks.scoring import GroupScore

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
-from grpo_fleet.envs.loading import EnvSetup, load_env_class
 from grpo_fleet.envs.protocol import EnvError, StepResult, checked_init, checked_step
+from grpo_fleet.tasks.env_module import EnvSetup, load_env_class
 
 # Added to a batch's summed timeouts before the parent gives up on the child: pickling and scheduling.
 BATCH_SLACK_SECONDS = 2.0

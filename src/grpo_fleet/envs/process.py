@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
 from grpo_fleet.envs.hosting import EnvAnswer, EnvCalls, EnvHost, EnvTimeout, batch_deadline, lost
-from grpo_fleet.envs.loading import EnvLoadError, EnvSetup
+from grpo_fleet.tasks.env_module import EnvLoadError, EnvSetup
 from grpo_fleet.tasks.reward_runner import sigint_ignored
 
 STARTUP_SECONDS = 120.0  # importing the environment's module (and what it imports)

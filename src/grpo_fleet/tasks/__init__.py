@@ -25,7 +25,7 @@ from grpo_fleet.tasks import reasoning_gym as _reasoning_gym  # noqa: F401,E402 
 
 if TYPE_CHECKING:
     from grpo_fleet.config import TaskConfig
-    from grpo_fleet.envs.loading import EnvSetup
+    from grpo_fleet.tasks.env_module import EnvSetup
     from grpo_fleet.tasks.reward_runner import RewardSet
 
 __all__ = [
@@ -158,7 +158,7 @@ def _env_setup(cfg: "TaskConfig") -> Optional["EnvSetup"]:
     """task.env, its module made canonical and its class checked to load (a bad one fails the run at start)."""
     if not cfg.env:
         return None
-    from grpo_fleet.envs.loading import EnvSetup, canonical_env, load_env_class
+    from grpo_fleet.tasks.env_module import EnvSetup, canonical_env, load_env_class
 
     module, class_name = canonical_env(cfg.env)
     load_env_class(module, class_name)

@@ -1,4 +1,4 @@
-"""Finding a user's environment class: `task.env = "my_env.py:ClassName"` or `"package.module:ClassName"`.
+"""A task's environment (envs/): finding the user's class, `task.env = "my_env.py:ClassName"` or `"package.module:ClassName"`.
 
 The module part is read like `task.reward_module` (tasks/reward_module.py): a
 file path or an importable module, whose BLAKE3 digest the learner sends in

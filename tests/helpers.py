@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -83,6 +84,12 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 90.0, pro
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def reward_children(parent: int) -> list[int]:
+    """The reward processes `parent` spawned (multiprocessing's spawn children; not its resource tracker)."""
+    found = subprocess.run(["pgrep", "-P", str(parent), "-f", "spawn_main"], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
 
 
 def jsonl(path: Path) -> list[dict]:

@@ -13,7 +13,7 @@ import pytest
 
 from grpo_fleet.tasks.reward_runner import RewardSet, RewardsRefused, ScoringProcess
 from grpo_fleet.tasks.scoring import RewardError, ScoringJob
-from helpers import jsonl, scrape, wait_for
+from helpers import jsonl, reward_children, scrape, wait_for
 
 USER_REWARDS = '''
 import os
@@ -258,12 +258,6 @@ def test_ctrl_c_leaves_the_reward_process_to_its_parent(tmp_path: Path) -> None:
     assert proc.returncode == 0, err
 
 
-def _reward_children(parent: int) -> list[int]:
-    """The reward processes `parent` spawned (multiprocessing's spawn children; not its resource tracker)."""
-    found = subprocess.run(["pgrep", "-P", str(parent), "-f", "spawn_main"], capture_output=True, text=True)
-    return [int(pid) for pid in found.stdout.split()]
-
-
 def _steps(run_dir: Path) -> int:
     return len(jsonl(run_dir / "metrics.jsonl"))
 
@@ -284,7 +278,7 @@ def test_reward_processes_killed_under_load_on_the_learner_and_an_actor(run_conf
     kills = 0
     for round_, signum in enumerate([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM, signal.SIGKILL]):
         for parent in (learner, actors[0]):
-            victims = wait_for(lambda p=parent: _reward_children(p.pid), "a reward process to kill", procs=everyone)
+            victims = wait_for(lambda p=parent: reward_children(p.pid), "a reward process to kill", procs=everyone)
             for pid in victims:
                 os.kill(pid, signum)
                 kills += 1

@@ -237,9 +237,10 @@ class ScoringProcess:
         """Send `jobs` to a live child, starting a fresh one when there is none; why none took them, or None."""
         for _ in range(2):  # a child that dies between the check and the send gets one successor
             if self._conn is None or self._process is None or not self._process.is_alive():
-                if self._process is not None:
-                    log.warning("the reward process had died (exit code %s); starting a fresh one",
-                                self._process.exitcode)
+                if self._process is not None:  # it died since its last answer: say how, stopped or killed
+                    code = self._process.exitcode
+                    log.log(logging.INFO if code in STOPPED_FROM_OUTSIDE else logging.WARNING,
+                            "the reward process had died (exit code %s); starting a fresh one", code)
                 self._kill()
                 try:
                     self._start()

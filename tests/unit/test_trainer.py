@@ -13,9 +13,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch, split_batch
+from grpo_fleet.learner.step.fused_check import check_bounds_array
+from grpo_fleet.learner.step.gap_bounds import GapBound
 from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
-from grpo_fleet.learner.step.objective import behaviour_correction, policy_logprobs
+from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, behaviour_correction, default_loss, policy_logprobs
 from grpo_fleet.learner.step.schedule import learning_rate_schedule
+from grpo_fleet.learner.step.stats import LOGPROB_MISMATCH
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, adapters_disabled, load_policy, trainable_weights
 
@@ -527,3 +530,48 @@ def test_coupled_objective_reports_the_gap_but_caps_nothing(tiny_model_dir):
     assert coupled.offpolicy_gap_mean == pytest.approx(decoupled.offpolicy_gap_mean, rel=1e-6)
     assert coupled.ratio_mean != 1.0 and coupled.loss != pytest.approx(decoupled.loss)
 
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_a_lie_the_step_sees_in_its_own_forward_drops_the_step(tiny_model_dir, contrast_completions, compiled, ppo_epochs):
+    """The fused check: on-policy groups pass and the step applies; one spiked token drops the gradients untouched."""
+    trainer = make_trainer(tiny_model_dir, "full", ppo_epochs=ppo_epochs, compile=compiled)
+    bound = check_bounds_array([GapBound(1.0, 0.05)])  # a loose mean: the one token must decide
+    honest = on_policy_batch(trainer.policy, *contrast_completions)
+    honest.check = bound
+    stats = trainer.step(honest)
+    assert stats.skipped is None and [c.broke for c in stats.checked] == [None]
+    assert stats.checked[0].worst < 1e-4  # the same weights, the same logprobs
+    lying = on_policy_batch(trainer.policy, *contrast_completions)
+    old = np.array(lying.old_logprobs)
+    old[1, np.flatnonzero(np.array(lying.mask)[1])[-1]] += 3.0  # one token of one completion
+    lying.old_logprobs = mx.array(old)
+    lying.check = bound
+    before = snapshot(trainer)
+
+    stats = trainer.step(lying)
+
+    assert stats.skipped == LOGPROB_MISMATCH and [c.broke for c in stats.failed_checks] == ["token"]
+    assert stats.epochs == 1
+    after = snapshot(trainer)
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+    lying.check = None  # unchecked, the same batch trains: the check is what stopped it
+    assert trainer.step(lying).skipped is None
+
+
+def test_a_loss_without_the_policy_logprobs_cannot_take_a_fused_check(tiny_model_dir, contrast_completions):
+    policy = make_policy(tiny_model_dir, "lora")
+
+    def plain_loss(model, micro, ref, totals, **kwargs):
+        loss, stats = default_loss(model, micro, ref, totals, **kwargs)
+        return loss, {k: v for k, v in stats.items() if k != POLICY_LOGPROBS}
+
+    trainer = Trainer(policy, GRPOConfig(beta=0.0, groups_per_step=1), OptimConfig(lr=1e-3), temperature=TEMPERATURE,
+                      max_tokens=MAX_TOKENS, loss_fn=plain_loss)
+    assert not trainer.fuses_check and make_trainer(tiny_model_dir, "lora").fuses_check
+    batch = on_policy_batch(policy, *contrast_completions)
+    batch.check = check_bounds_array([GapBound(0.001, 0.05)])
+    with pytest.raises(ValueError, match="fuses_check"):
+        trainer.step(batch)

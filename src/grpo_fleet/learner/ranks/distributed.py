@@ -65,7 +65,9 @@ class DataParallel:
         if self.ranks.rank == 0:
             rows, width = batch.mask.shape
             self.send(Header(Command.STEP, rows=rows, width=width, num_groups=batch.num_groups))
-            self.ranks.broadcast([getattr(batch, name).astype(dtype) for name, dtype in BATCH_FIELDS], "step batch")
+            arrays = [getattr(batch, name).astype(dtype) for name, dtype in BATCH_FIELDS]
+            # The step's own logprob check runs on every rank, on the gathered grid: each must judge the same groups.
+            self.ranks.broadcast([*arrays, mx.array(check_rows(batch))], "step batch")
 
     def own_rows(self, batch: TrainBatch) -> TrainBatch:
         self.rows = shard_rows(batch.mask.shape[0], self.ranks.rank, self.ranks.size)
@@ -110,10 +112,19 @@ class DataParallel:
         rows, width = header.rows, header.width
         shapes = {"inputs": (rows, width), "targets": (rows, width), "mask": (rows, width),
                   "old_logprobs": (rows, width), "advantages": (rows,), "rewards": (rows,)}
-        arrays = self.ranks.broadcast([mx.zeros(shapes[name], dtype=dtype) for name, dtype in BATCH_FIELDS],
-                                      "step batch")
+        *arrays, check = self.ranks.broadcast(
+            [*(mx.zeros(shapes[name], dtype=dtype) for name, dtype in BATCH_FIELDS),
+             mx.zeros((header.num_groups, 2), dtype=mx.float32)], "step batch")
+        checked = np.array(check)
         return TrainBatch(**{name: value for (name, _), value in zip(BATCH_FIELDS, arrays)},
-                          num_groups=header.num_groups)
+                          num_groups=header.num_groups, check=checked if np.isfinite(checked).any() else None)
+
+
+def check_rows(batch: TrainBatch) -> np.ndarray:
+    """`TrainBatch.check` as it travels: `[groups, 2]`, +inf where a group is not checked (all of it for None)."""
+    if batch.check is not None:
+        return batch.check.astype(np.float32)
+    return np.full((batch.num_groups, 2), np.inf, np.float32)
 
 
 def state_layout(trainer: Trainer) -> dict[str, list[tuple[str, list[int], str]]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND
+from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND, HALF_PRECISION_TOKEN_BOUND, GapBound
 
 
 @dataclass
@@ -39,10 +39,16 @@ class AcceptedGroup:
     policy_version: int
     actor_id: str
     actor_key: str = ""  # the peer key its violations and bans are counted under
-    # Checked against the learner's own logprobs before it trains (a sample per submission; learner/door/verification.py),
-    # against this bound: the honest gap of the actor's dtype (learner/step/gap_bounds.py).
+    # Picked to be checked against the learner's own logprobs before it trains (every group of an actor on probation,
+    # a random share after: learner/fleet/trust.py), against these bounds: the honest mean and worst-token gaps of the
+    # actor's dtype on this model (learner/step/gap_bounds.py). Saved with the group: a checkpoint never unflags it.
     check_logprobs: bool = False
     logprob_bound: float = HALF_PRECISION_BOUND
+    token_bound: float = HALF_PRECISION_TOKEN_BOUND
+
+    @property
+    def bound(self) -> GapBound:
+        return GapBound(self.logprob_bound, self.token_bound)
 
     @property
     def rewards(self) -> np.ndarray:

@@ -14,20 +14,25 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, cast
 
+import mlx.core as mx
 import msgpack
 import numpy as np
 
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.state import AckCache, LearnerState
+from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND, HALF_PRECISION_TOKEN_BOUND
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, load_checkpoint_weights, save_checkpoint
 from grpo_fleet.protocol import messages as m
 
 STATE_FILE = "learner_state.msgpack"
 OPTIMIZER_FILE = "optimizer.safetensors"
+HISTORY_FILE = "weight_history.safetensors"
+# version -> the trainable weights of that version, as (name, array) pairs (the logprob check's WeightHistory).
+KeptVersions = dict[int, list[tuple[str, mx.array]]]
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,14 @@ def capture(state: LearnerState, logs: LogSizes) -> SavedState:
     )
 
 
-def save(saved: SavedState, policy: Policy, trainer: Trainer, run_dir: Path, *, keep: int) -> Path:
+def save(saved: SavedState, policy: Policy, trainer: Trainer, run_dir: Path, *, keep: int,
+         history: Optional[KeptVersions] = None) -> Path:
     """Write weights (mlx-lm format), optimizer and state in one atomic swap, repoint `latest`, prune old ones.
 
     Touches no shared state, so it runs without the lock; the training thread
     calls it, and nothing else changes the weights or the optimizer meanwhile.
+    `history`: the trainable weights of the versions the logprob check keeps (LoRA
+    adapters: small), so that a resumed learner can still check what it accepts.
     """
     root = run_dir / "checkpoints"
     path = root / f"step_{saved.step:06d}"
@@ -69,6 +77,8 @@ def save(saved: SavedState, policy: Policy, trainer: Trainer, run_dir: Path, *, 
 
     def write_extra(staging: Path) -> None:
         trainer.save_optimizer(staging / OPTIMIZER_FILE)
+        if history:
+            save_history(staging / HISTORY_FILE, history)
         write_state(staging, state_to_dict(saved))
 
     save_checkpoint(policy, path, extra=meta, write_extra=write_extra)
@@ -86,6 +96,25 @@ def load(checkpoint: Path, policy: Policy, trainer: Trainer) -> SavedState:
     load_checkpoint_weights(policy, checkpoint)
     trainer.load_optimizer(checkpoint / OPTIMIZER_FILE)
     return saved
+
+
+def save_history(path: Path, history: KeptVersions) -> None:
+    """Kept versions' weights as one safetensors file, keyed "<version>/<name>"."""
+    arrays = {f"{version}/{name}": value for version, weights in history.items() for name, value in weights}
+    mx.save_safetensors(str(path), arrays)
+
+
+def load_history(checkpoint: Path) -> KeptVersions:
+    """What `save_history` wrote ({} for a checkpoint without it: full fine-tuning, or written before it existed)."""
+    path = checkpoint / HISTORY_FILE
+    if not path.exists():
+        return {}
+    loaded = cast(dict[str, mx.array], mx.load(str(path)))
+    history: KeptVersions = {}
+    for key, value in loaded.items():
+        version, name = key.split("/", 1)
+        history.setdefault(int(version), []).append((name, value))
+    return history
 
 
 def restore(state: LearnerState, saved: SavedState) -> None:
@@ -164,6 +193,9 @@ def group_to_dict(group: AcceptedGroup) -> dict[str, Any]:
         "policy_version": group.policy_version,
         "actor_id": group.actor_id,
         "actor_key": group.actor_key,
+        "check_logprobs": group.check_logprobs,
+        "logprob_bound": group.logprob_bound,
+        "token_bound": group.token_bound,
         "completions": [
             {
                 "tokens": np.ascontiguousarray(c.tokens, dtype="<i4").tobytes(),
@@ -194,6 +226,10 @@ def group_from_dict(data: dict[str, Any]) -> AcceptedGroup:
         policy_version=data["policy_version"],
         actor_id=data["actor_id"],
         actor_key=data.get("actor_key", ""),  # absent in checkpoints written before it existed
+        # Checkpoints from before the flags were saved lost them: such a group is checked again (never skipped).
+        check_logprobs=data.get("check_logprobs", True),
+        logprob_bound=data.get("logprob_bound", HALF_PRECISION_BOUND),
+        token_bound=data.get("token_bound", HALF_PRECISION_TOKEN_BOUND),
     )
 
 

@@ -58,6 +58,9 @@ class TrainBatch:
     advantages: mx.array  # float32 [N]
     rewards: mx.array  # float32 [N], the task's (before any length shaping)
     num_groups: int
+    # float32 [groups, 2]: (mean, token) logprob-gap bounds of the groups the step itself checks against its own
+    # first forward (learner/step/fused_check.py); +inf rows are not checked there. None: no group is.
+    check: Optional[np.ndarray] = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,11 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from grpo_fleet.learner.step.fused_check import CheckedGroup
 from grpo_fleet.learner.step.update_stats import UpdateStats
+
+# StepStats.skipped when the step's own check found a lie: the gradients were dropped, not applied.
+LOGPROB_MISMATCH = "logprob_mismatch"
 
 
 @dataclass
@@ -36,3 +40,11 @@ class StepStats(UpdateStats):
     # pi_prox at the batch's completion positions, [N, L] like TrainBatch.old_logprobs (0 elsewhere), for
     # comparing what the learner computes with what each actor reported; None if the loss_fn returned none.
     proximal_logprobs: Optional[np.ndarray] = field(default=None, repr=False)
+    # The groups the step checked against its own first forward (TrainBatch.check), with their gaps; when one broke
+    # its bound, `skipped` is LOGPROB_MISMATCH and nothing was applied.
+    checked: tuple[CheckedGroup, ...] = ()
+    check_seconds: float = 0.0
+
+    @property
+    def failed_checks(self) -> list[CheckedGroup]:
+        return [c for c in self.checked if c.broke is not None]

@@ -25,16 +25,18 @@ from typing import Any, Callable, Optional, cast
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
 from grpo_fleet.learner.step.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
 from grpo_fleet.learner.step.forward import enable_grad_checkpoint, frozen_logprobs
+from grpo_fleet.learner.step.fused_check import CheckedGroup, fused_check
 from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, LossFn, behaviour_correction, default_loss, offpolicy_summary
 from grpo_fleet.learner.step.rows import Sharding, SingleProcess
 from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
-from grpo_fleet.learner.step.stats import Gradients, StepStats
+from grpo_fleet.learner.step.stats import LOGPROB_MISMATCH, Gradients, StepStats
 from grpo_fleet.model import Policy, adapters_disabled, load_policy
 from grpo_fleet.trees import flat_leaves, scalar
 
@@ -83,6 +85,7 @@ class Trainer:
         if memory_limit_bytes is not None:
             # Process-wide: MLX throttles evaluation past it, so chained chunks really run one at a time.
             mx.set_memory_limit(memory_limit_bytes)
+        self.loss_returns_logprobs = loss_fn is None or loss_fn is default_loss
         bound = partial(loss_fn or default_loss, grpo=grpo, temperature=temperature, max_tokens=max_tokens,
                         chunk_tokens=logprob_chunk_tokens)
         self._value_and_grad = nn.value_and_grad(policy.model, bound)
@@ -205,19 +208,25 @@ class Trainer:
         micro = with_proximal
         proximal = [m.proximal_logprobs for m in micro if m.proximal_logprobs is not None]
         sums: dict[str, float] = {}
-        epochs, skipped = 0, None
+        epochs, skipped, grid, checked, check_seconds = 0, None, None, [], 0.0
         while epochs < self.grpo.ppo_epochs and skipped is None:
             gradients = self.sharding.combine(self.accumulate(micro, refs, totals))
-            grad_norm, skipped = self.apply(gradients)
-            if epochs == 0 and not proximal:
-                # Only the first epoch's forward runs under the weights before the step: its logprobs are pi_prox.
-                proximal = gradients.policy_logprobs
+            if epochs == 0:
+                # Only the first epoch's forward runs under the weights before the step: its logprobs are pi_prox,
+                # and what an honest actor sampling those weights reported.
+                grid = self.sharding.combine_proximal(batch, own, micro, proximal or gradients.policy_logprobs)
+                check_started = time.perf_counter()
+                checked = self._fused_check(batch, grid)
+                check_seconds = time.perf_counter() - check_started
+            if any(c.broke for c in checked):
+                grad_norm, skipped = float("nan"), LOGPROB_MISMATCH  # a lie never trains: drop these gradients
+            else:
+                grad_norm, skipped = self.apply(gradients)
             epochs += 1
             values: dict[str, Any] = {"loss": gradients.loss, "grad_norm": grad_norm, **gradients.stats}
             for key, value in values.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
-        grid, offpolicy = offpolicy_summary(batch, self.sharding.combine_proximal(batch, own, micro, proximal),
-                                            behaviour_correction(self.grpo))
+        grid, offpolicy = offpolicy_summary(batch, grid, behaviour_correction(self.grpo))
         train_seconds = time.perf_counter() - start
         peak = int(mx.get_peak_memory())
         trim_cache(peak)
@@ -229,7 +238,19 @@ class Trainer:
                          update_seconds=train_seconds - ref_seconds - proximal_seconds, train_seconds=train_seconds,
                          peak_memory_bytes=peak, micro_batches=len(micro), epochs=epochs,
                          learning_rate=float(self.optimizer.learning_rate.item()), skipped=skipped, extra=means,
-                         proximal_logprobs=grid)
+                         proximal_logprobs=grid, checked=tuple(checked), check_seconds=check_seconds)
+
+    @property
+    def fuses_check(self) -> bool:
+        """Whether the step can check groups against its own forward: its loss returns the policy's logprobs."""
+        return self.loss_returns_logprobs
+
+    def _fused_check(self, batch: TrainBatch, grid: Optional[np.ndarray]) -> list[CheckedGroup]:
+        if batch.check is None:
+            return []
+        if grid is None:
+            raise ValueError("TrainBatch.check needs a loss_fn that returns the policy's logprobs (Trainer.fuses_check)")
+        return fused_check(grid, np.array(batch.old_logprobs), np.array(batch.mask), batch.check)
 
     def save_optimizer(self, path: Path) -> None:
         """Optimizer moments and step, for an exact resume."""

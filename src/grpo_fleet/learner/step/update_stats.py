@@ -30,7 +30,9 @@ class UpdateStats:
     offpolicy_gap_max: float = 0.0
     is_capped_fraction: float = 0.0
     learning_rate: float = 0.0  # the rate of this step's last applied update (optim.schedule's value)
-    skipped: Optional[str] = None  # "nonfinite_loss" or "nonfinite_grad": that epoch applied no update
+    # "nonfinite_loss" or "nonfinite_grad": that epoch applied no update; "logprob_mismatch": the step's own check
+    # found a group beyond its bound before anything was applied (stats.LOGPROB_MISMATCH)
+    skipped: Optional[str] = None
     peak_memory_bytes: int
 
     def update_stats(self) -> dict[str, Any]:

@@ -103,6 +103,7 @@ class LedgerAudit:
 
     accepted: list[str]
     dropped: dict[str, dict]
+    unchecked: dict[str, str]  # group id -> why it trained without a logprob check
 
     @property
     def trained(self) -> set[str]:
@@ -118,9 +119,14 @@ def audit_ledger(path: Path) -> LedgerAudit:
     """
     accepted: list[str] = []
     dropped: dict[str, dict] = {}
+    unchecked: dict[str, str] = {}
     for entry in jsonl(path):
         group = entry["group_id"]
-        if entry.get("event") == "dropped":
+        if entry.get("event") == "unchecked":
+            assert group in accepted and group not in dropped and group not in unchecked, entry
+            assert entry["reason"] in ("sampled_out", "verification_off", "version_gone"), entry
+            unchecked[group] = entry["reason"]
+        elif entry.get("event") == "dropped":
             assert group in accepted, f"group {group} dropped before it was accepted"
             assert group not in dropped, f"group {group} dropped twice"
             assert entry["retried_as"] != group and entry["reason"], entry
@@ -129,7 +135,7 @@ def audit_ledger(path: Path) -> LedgerAudit:
             assert "event" not in entry, entry
             assert group not in accepted, f"group {group} accepted twice"
             accepted.append(group)
-    return LedgerAudit(accepted, dropped)
+    return LedgerAudit(accepted, dropped, unchecked)
 
 
 def wait_steps(run_dir: Path, count: int, proc: Any, timeout: float = 120.0) -> list[dict]:

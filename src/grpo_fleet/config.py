@@ -469,22 +469,35 @@ class SecurityConfig(_Section):
         "differs is refused as reward_mismatch (a violation). Turn off only for rewards that are not deterministic.",
     )
     verify_logprobs: bool = Field(
-        True, description="Recompute a sample of the informative groups of every submission (logprob_checks_per_"
-        "submission) under the version it claims before they train; a mean gap beyond the bound bans the actor at once "
-        "(logprob_mismatch). Keeps the trainable weights of the last max_staleness + in_flight_steps + 1 versions "
-        "(free under LoRA).",
+        True, description="Check the logprobs actors report against the learner's own before a group trains; a group "
+        "beyond its bound bans the actor at once (logprob_mismatch) and nothing of it trains. Groups at the version the "
+        "step trains from are checked inside the step's own forward (free); older ones by a forward at their version, "
+        "every group of an actor on probation and a random check_share after. Keeps the trainable weights of the last "
+        "max_staleness + in_flight_steps + 1 versions (free under LoRA, and saved with each checkpoint; under full "
+        "fine-tuning a resumed learner refuses groups of versions it no longer holds as version_gone).",
     )
     max_logprob_gap: Optional[float] = Field(
         None, gt=0,
-        description="Largest mean |reported - recomputed| token logprob (nats) of an honest group. Default: from the "
-        "actor's and the learner's dtypes (learner/step/gap_bounds.py, measured by bench logprob_gap): 0.001 when both are "
-        "float32 (floor under 4e-6), 0.15 when either is bfloat16/float16 or the actor's is unknown (floor 0.001 on the "
-        "tiny model, 0.045 on SmolLM2-135M). A value here applies to every actor.",
+        description="Largest mean |reported - recomputed| token logprob (nats) of an honest group, for every actor. "
+        "Default: per dtype pair (learner/step/gap_bounds.py): 0.001 when both are float32; for half precision a "
+        "margin over the honest gaps calibrated on this run's model at start (calibration_prompts), between 0.003 and "
+        "0.15. Every single token is held to a bound of its own as well.",
     )
-    logprob_checks_per_submission: int = Field(
-        4, ge=1,
-        description="Informative groups of each submission whose logprobs are recomputed, picked at random (all of "
-        "them when fewer). Each costs one forward pass of its G completions on the training thread.",
+    probation_groups: int = Field(
+        8, ge=0,
+        description="Checks an actor key must pass, after each Hello or violation, before its groups are only sampled "
+        "(check_share); until then every group it sends is checked.",
+    )
+    check_share: float = Field(
+        0.2, gt=0, le=1,
+        description="After probation, the chance that a group at an older version than the step's is checked (drawn "
+        "from the OS's randomness, unpredictable to the actor). A liar that turns after probation trains (1 - p) / p "
+        "groups on average before it is caught: 4 at 0.2. 1 checks everything.",
+    )
+    calibration_prompts: int = Field(
+        2, ge=0,
+        description="Train prompts the learner samples G completions of at start, in a half-precision actor's dtype, to "
+        "measure this model's honest logprob gap (the half-precision bound). 0 keeps the uncalibrated ceilings.",
     )
 
 

@@ -71,6 +71,9 @@ class LearnerMetrics:
     groups_unscorable: Counter
     logprob_gap: Histogram
     logprob_check_seconds: Histogram
+    logprob_checks: Counter
+    groups_unchecked: Counter
+    step_check_seconds: Histogram
     train_staleness: Histogram
     stale_group_tokens: Histogram
     accepted_group_tokens: Histogram
@@ -177,6 +180,20 @@ def learner_metrics() -> LearnerMetrics:
         logprob_check_seconds=Histogram(
             f"{p}_logprob_check_seconds", "Time to recompute one checked group's logprobs, on the training thread "
             "before the step that takes it", buckets=PHASE_BUCKETS, registry=r,
+        ),
+        logprob_checks=Counter(
+            f"{p}_logprob_checks", "Groups whose logprobs were checked before training, by how (fused: against the "
+            "step's own forward; forward: recomputed at their version) and result (passed, failed)", ["how", "result"],
+            registry=r,
+        ),
+        groups_unchecked=Counter(
+            f"{p}_groups_unchecked", "Groups trained without a logprob check, by reason (sampled_out: not drawn after "
+            "probation; verification_off: security.verify_logprobs = false; version_gone: its weights were not kept)",
+            ["reason"], registry=r,
+        ),
+        step_check_seconds=Histogram(
+            f"{p}_step_check_seconds", "Seconds each step spent checking its groups' logprobs (the metrics.jsonl "
+            "line's check_seconds)", buckets=PHASE_BUCKETS, registry=r,
         ),
         train_staleness=Histogram(f"{p}_train_staleness_versions", "Policy versions behind when trained",
                                   buckets=STALENESS_BUCKETS, registry=r),

@@ -8,7 +8,18 @@ from typing import Callable, Iterator
 
 import numpy as np
 import pytest
-from test_learner_core import ACTOR_A, GROUP_SIZE, INFORMATIVE, MAX_TOKENS, ask, generated_rollouts, hello, lease, run_config
+from test_learner_core import (
+    ACTOR_A,
+    GROUP_SIZE,
+    GROUPS_PER_STEP,
+    INFORMATIVE,
+    MAX_TOKENS,
+    ask,
+    generated_rollouts,
+    hello,
+    lease,
+    run_config,
+)
 
 from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.door.actor_checks import RewardCheck, reward_gap
@@ -177,11 +188,19 @@ def test_a_liar_behind_an_honest_first_group_is_caught(make: Callable[..., RunCo
     assert learner.registry.is_banned(next(iter(learner.registry.actors.values())).principal)
 
 
-def test_checks_per_submission_bound_how_many_groups_are_recomputed(make: Callable[..., RunCoordinator]) -> None:
-    learner = make(security={"verify_logprobs": True, "logprob_checks_per_submission": 1})
+def test_an_actor_on_probation_has_every_group_flagged_and_a_new_hello_restarts_it(
+        make: Callable[..., RunCoordinator]) -> None:
+    learner = make(security={"verify_logprobs": True, "probation_groups": 4, "check_share": 1e-9})
     hello(learner)
     ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner)))
-    assert sum(g.check_logprobs for g in learner.state.buffer) == 1
+    assert [g.check_logprobs for g in learner.state.buffer] == [True] * GROUPS_PER_STEP, "on probation: all of them"
+    key = next(iter(learner.registry.actors.values())).principal
+    learner.trust.record_pass(key, 4)
+    learner.state.buffer.clear()
+    ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner)))
+    assert not any(g.check_logprobs for g in learner.state.buffer), "trusted, and the share drew none"
+    hello(learner)  # a restarted actor (or learner): trust is earned again
+    assert learner.trust.on_probation(key)
 
 
 def test_an_honest_bfloat16_actor_passes_its_own_bound(make: Callable[..., RunCoordinator], tiny_model_dir: Path) -> None:
@@ -195,16 +214,21 @@ def test_an_honest_bfloat16_actor_passes_its_own_bound(make: Callable[..., RunCo
                      logprobs=m.Tensor.from_numpy(np.asarray(c.logprobs, np.float32)), reward=INFORMATIVE[i],
                      finish_reason="stop" if c.finish_reason == "stop" else "length") for i, c in enumerate(samples)])
         for item, samples in zip(lease_msg.prompts, generate_groups(
-            actor.model, prompts, SamplingSettings(group_size=GROUP_SIZE, max_tokens=MAX_TOKENS)))]
+            actor.model, prompts, SamplingSettings(group_size=GROUP_SIZE, max_tokens=MAX_TOKENS,
+                                                   stop_token_ids=sorted(actor.tokenizer.eos_token_ids))))]
     msg = m.Rollouts(lease_id=lease_msg.lease_id, policy_version=lease_msg.policy_version, groups=groups,
                      incarnation=learner.state.incarnation)
     assert ask(learner, ACTOR_A, msg).status == "accepted"
     assert learner.train_step() is not None, "bf16 rounding is not a lie"
-    # The largest honest bf16 floor measured (SmolLM2-135M, 0.045 nats/token) passes too.
-    gpu = make(security={"verify_logprobs": True})
-    gpu_hello(gpu)
-    assert ask(gpu, ACTOR_A, shifted(generated_rollouts(gpu, lease(gpu)), 0.045)).status == "accepted"
-    assert gpu.train_step() is not None and rejections(gpu, RejectReason.LOGPROB_MISMATCH) == 0
+    assert rejections(learner, RejectReason.LOGPROB_MISMATCH) == 0
+    # Uncalibrated, the bf16 ceiling lets the largest honest floor measured (SmolLM2-135M, 0.045 nats/token) pass;
+    # calibrated on the tiny model, whose honest bf16 floor is 0.0015, the same gap is a lie.
+    for calibration, caught in ((0, 0), (2, GROUPS_PER_STEP)):
+        gpu = make(security={"verify_logprobs": True, "calibration_prompts": calibration})
+        gpu_hello(gpu)
+        assert ask(gpu, ACTOR_A, shifted(generated_rollouts(gpu, lease(gpu)), 0.045)).status == "accepted"
+        gpu.train_step()
+        assert rejections(gpu, RejectReason.LOGPROB_MISMATCH) == caught, calibration
 
 
 def test_security_max_logprob_gap_overrides_the_dtypes_bound(make: Callable[..., RunCoordinator]) -> None:
@@ -255,3 +279,96 @@ def test_groups_checked_in_one_forward_get_the_gaps_each_gets_alone(make: Callab
         assert joint.mean == pytest.approx(single.mean, abs=1e-6) and joint.max == pytest.approx(single.max, abs=1e-5)
     honest, liar = together
     assert honest is not None and liar is not None and honest.mean < 1e-3 and liar.mean == pytest.approx(0.5, abs=0.01)
+
+
+# ---------------------------------------------------------------- issue Q: never skipped, never fooled
+
+
+def spiked(msg: m.Rollouts, nats: float) -> m.Rollouts:
+    """`msg` with one token of its first group's first completion moved by `nats`: a concentrated lie."""
+    group = msg.groups[0]
+    first = group.completions[0]
+    logprobs = first.logprobs.to_numpy().copy()
+    logprobs[-1] += nats
+    completions = [first.model_copy(update={"logprobs": m.Tensor.from_numpy(logprobs)}), *group.completions[1:]]
+    return msg.model_copy(update={"groups": [group.model_copy(update={"completions": completions}), *msg.groups[1:]]})
+
+
+def test_one_spiked_token_is_caught_where_the_mean_alone_lets_it_through(make: Callable[..., RunCoordinator]) -> None:
+    # A mean bound of 1 nat (security.max_logprob_gap) is far beyond what one token moves the mean by here: only
+    # the per-token bound (0.05 for a float32 pair) sees it.
+    learner = make(security={"verify_logprobs": True, "max_logprob_gap": 1.0})
+    hello(learner)
+    assert ask(learner, ACTOR_A, spiked(generated_rollouts(learner, lease(learner)), 0.5)).status == "accepted"
+    assert learner.train_step() is None and learner.state.step == 0
+    assert rejections(learner, RejectReason.LOGPROB_MISMATCH) == GROUPS_PER_STEP
+
+
+def test_a_cut_off_completion_claimed_finished_is_refused(make: Callable[..., RunCoordinator]) -> None:
+    learner = make()
+    hello(learner)
+    msg = generated_rollouts(learner, lease(learner))
+    eos = set(learner.policy.tokenizer.eos_token_ids)
+    cut = next(c for g in msg.groups for c in g.completions if c.finish_reason == "length")
+    assert int(cut.tokens.to_numpy()[-1]) not in eos and cut.tokens.shape[0] == MAX_TOKENS
+    lying = msg.model_copy(update={"groups": [g.model_copy(update={"completions": [
+        c.model_copy(update={"finish_reason": "stop"}) if c is cut else c for c in g.completions]}) for g in msg.groups]})
+    ack = ask(learner, ACTOR_A, lying)
+    assert isinstance(ack, m.Ack) and (ack.status, ack.reason) == ("invalid", RejectReason.FINISH_REASON_MISMATCH)
+    assert learner.state.buffer == [] and rejections(learner, RejectReason.FINISH_REASON_MISMATCH) == 1
+    assert ask(learner, ACTOR_A, msg).status == "accepted", "the honest submission still goes through"
+
+
+def test_a_flagged_group_behind_a_stale_one_is_still_checked(make: Callable[..., RunCoordinator]) -> None:
+    """The batch is checked as taken: groups dropped as too stale cannot let an unchecked one slide in."""
+    learner = make(security={"verify_logprobs": True}, grpo={"max_staleness": 2, "max_train_staleness": 0})
+    hello(learner)
+    early, late = lease(learner), lease(learner)
+    assert ask(learner, ACTOR_A, generated_rollouts(learner, early)).status == "accepted"
+    assert learner.train_step() is not None and learner.state.version == 1
+    assert ask(learner, ACTOR_A, generated_rollouts(learner, late)).status == "accepted"  # v0: stale at train
+    liar = shifted(generated_rollouts(learner, lease(learner)), -0.3)  # v1: lies
+    assert ask(learner, ACTOR_A, liar).status == "accepted"
+    assert learner.train_step() is None and learner.state.step == 1
+    assert rejections(learner, RejectReason.STALE_AT_TRAIN) == GROUPS_PER_STEP
+    assert rejections(learner, RejectReason.LOGPROB_MISMATCH) == GROUPS_PER_STEP
+
+
+def test_flagged_groups_keep_their_flags_and_bounds_through_a_checkpoint(make: Callable[..., RunCoordinator]) -> None:
+    first = make(security={"verify_logprobs": True})
+    hello(first)
+    ask(first, ACTOR_A, generated_rollouts(first, lease(first)))
+    buffered = [(g.group_id, g.check_logprobs, g.logprob_bound, g.token_bound) for g in first.state.buffer]
+    assert buffered and all(flag for _, flag, _, _ in buffered)
+    checkpoint = first.checkpoint()
+    resumed = make(security={"verify_logprobs": True})
+    resumed.resume(checkpoint)
+    assert [(g.group_id, g.check_logprobs, g.logprob_bound, g.token_bound) for g in resumed.state.buffer] == buffered
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_a_resumed_learner_checks_older_versions_or_refuses_them(make: Callable[..., RunCoordinator], mode: str) -> None:
+    """After a resume, work sampled one version back is still checked (LoRA: the checkpoint kept that version's
+    adapters) or refused as version_gone (full fine-tuning): never trained unchecked."""
+    sections = {"security": {"verify_logprobs": True, "probation_groups": 1000},
+                "lora": {"enabled": mode == "lora"}, "grpo": {"beta": 0.0}}
+    first = make(**sections)
+    hello(first)
+    ask(first, ACTOR_A, generated_rollouts(first, lease(first)))
+    first.train_step()
+    stale_lease = lease(first)
+    stale = shifted(generated_rollouts(first, stale_lease), -0.3)  # sampled at v1, lying
+    ask(first, ACTOR_A, generated_rollouts(first, lease(first)))
+    assert first.train_step() is not None and first.state.version == 2
+    checkpoint = first.checkpoint()
+    resumed = make(**sections)
+    resumed.resume(checkpoint)
+    hello(resumed)
+    ack = ask(resumed, ACTOR_A, stale.model_copy(update={"lease_id": lease(resumed).lease_id,
+                                                           "incarnation": first.state.incarnation}))
+    assert isinstance(ack, m.Ack)
+    if mode == "full":
+        assert ack.reason == RejectReason.VERSION_GONE and resumed.state.buffer == []
+        return
+    assert ack.status == "accepted" and sorted(resumed.weight_history.versions) == [0, 1, 2]  # type: ignore[union-attr]
+    assert resumed.train_step() is None and rejections(resumed, RejectReason.LOGPROB_MISMATCH) == GROUPS_PER_STEP

@@ -482,8 +482,9 @@ def validate_rollouts(
     tokens = np.concatenate([c.tokens.to_numpy().astype(np.int64, copy=False) for c in completions])
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         return RejectReason.TOKEN_OUT_OF_RANGE
-    if stop_token_ids is not None and any(finish_reason_mismatch(c.tokens.to_numpy(), c.finish_reason, stop_token_ids,
-                                                                 max_tokens) for c in completions):
+    # An episode's finish_reason is its last turn's, cut by the episode's own token budget: checked by its `end`.
+    if stop_token_ids is not None and any(c.mask is None and finish_reason_mismatch(
+            c.tokens.to_numpy(), c.finish_reason, stop_token_ids, max_tokens) for c in completions):
         return RejectReason.FINISH_REASON_MISMATCH
     logprobs = np.concatenate([c.logprobs.to_numpy() for c in completions])
     rewards = np.array([c.reward for c in completions], dtype=np.float64)

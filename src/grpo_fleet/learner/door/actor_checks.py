@@ -9,15 +9,17 @@ reports besides tokens:
   must have) and the answer the learner holds. A reward that differs beyond
   float noise is `reward_mismatch`: the group is refused and the actor charged a
   violation.
-- **Logprobs** (`LogprobCheck`). A random sample of the informative groups of
-  every submission (`security.logprob_checks_per_submission`) is re-scored under
-  the weights of the version it claims, kept for the versions still trainable
-  (`WeightHistory`), before it trains. A mean per-token gap beyond the honest
-  bound for the actor's and the learner's dtypes (learner/step/gap_bounds.py, or
-  `security.max_logprob_gap`) is `logprob_mismatch`: wrong weights, altered
-  logprobs, and a lied-about or stale version all show up as a gap. Such an
-  actor is banned at once and its buffered groups are dropped, so nothing from
-  it is trained after that.
+- **Logprobs** (`LogprobCheck`). A group's reported logprobs are compared with
+  the learner's own under the weights of the version it claims, kept for the
+  versions still trainable (`WeightHistory`), before it trains. Groups at the
+  version the step trains from are compared inside the step's own forward
+  (learner/step/fused_check.py); older ones are recomputed here, every group of
+  an actor on probation and a random share after (learner/fleet/trust.py). A
+  mean or single-token gap beyond the honest bound of the actor's dtype pair on
+  this model (learner/step/gap_bounds.py, learner/door/gap_calibration.py) is
+  `logprob_mismatch`: wrong weights, altered logprobs, and a lied-about or stale
+  version all show up as a gap. Such an actor is banned at once and its
+  buffered groups are dropped, so nothing from it is trained after that.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.step.batch import build_train_batch, split_batch, unpack_completions
 from grpo_fleet.learner.step.forward import frozen_logprobs
+from grpo_fleet.learner.step.gap_bounds import GapBound, group_gap
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example, Task
@@ -119,6 +122,8 @@ class LogprobGap:
     mean: float
     max: float
     bound: float  # the largest mean an honest group has
+    token_bound: float = float("inf")  # the largest single-token gap an honest group has
+    broke: Optional[str] = None  # "mean" or "token" when beyond its bound
 
 
 class LogprobCheck:
@@ -174,11 +179,15 @@ class LogprobCheck:
         for group in groups:
             own = slice(first, first + len(group.completions))  # rows are group-major
             first = own.stop
-            diff = np.abs(reported[own][mask[own]] - ours[own][mask[own]])
-            bound = self.max_gap if self.max_gap is not None else group.logprob_bound
-            gaps.append(LogprobGap(group.group_id, float(diff.mean()) if diff.size else 0.0,
-                                   float(diff.max()) if diff.size else 0.0, bound))
+            mean, worst = group_gap(reported[own][mask[own]], ours[own][mask[own]])
+            bound = self.bound_of(group)
+            gaps.append(LogprobGap(group.group_id, mean, worst, bound.mean, bound.token, bound.judge(mean, worst)))
         return gaps
+
+    def bound_of(self, group: AcceptedGroup) -> GapBound:
+        """The group's own bound (its actor's dtype pair, calibrated), its mean overridden by security.max_logprob_gap."""
+        bound = group.bound
+        return bound if self.max_gap is None else GapBound(self.max_gap, bound.token)
 
     def failures(self, groups: Sequence[AcceptedGroup]) -> list[tuple[AcceptedGroup, LogprobGap]]:
         """The groups among `groups` whose gap is beyond their bound (the dtypes', or security.max_logprob_gap)."""
@@ -186,26 +195,6 @@ class LogprobCheck:
         for group, gap in zip(groups, self.gaps(groups)):
             if gap is not None and self.observe is not None:
                 self.observe(gap.mean)
-            if gap is not None and gap.mean > gap.bound:
+            if gap is not None and gap.broke is not None:
                 failed.append((group, gap))
         return failed
-
-
-def check_next_batch(lock: Any, state: Any, intake: Any, check: LogprobCheck, count: int) -> bool:
-    """Check the flagged groups of the next batch (training thread); False when some failed and were dropped.
-
-    The groups are read under the lock, recomputed outside it (requests keep
-    being answered), and a failure is applied under it again: the actor is
-    banned and its buffered groups dropped, so the caller looks again.
-    """
-    with lock:
-        flagged = [g for g in state.buffer[:count] if g.check_logprobs]
-    if not flagged:
-        return True
-    failures = check.failures(flagged)
-    with lock:
-        for group in flagged:
-            group.check_logprobs = False
-        if failures:
-            intake.blame_tampered(failures)
-    return not failures

@@ -10,7 +10,7 @@ of the rejection metric.
 from __future__ import annotations
 
 import logging
-import random
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -22,6 +22,7 @@ from grpo_fleet.learner.door.intake_rules import (
     suspect_groups,
     unusable_version,
 )
+from grpo_fleet.learner.fleet.trust import Trust
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
@@ -32,7 +33,7 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.scoring import RewardError
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.door.actor_checks import LogprobGap, RewardCheck
+    from grpo_fleet.learner.door.actor_checks import LogprobGap, RewardCheck, WeightHistory
     from grpo_fleet.learner.fleet.leasing import Leasing
     from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
     from grpo_fleet.learner.step.stats import StepStats
@@ -43,8 +44,6 @@ log = logging.getLogger("grpo_fleet.learner")
 # otherwise have the fleet regenerate it forever.
 MAX_UNSCORED_ATTEMPTS = 3
 REWARD_ERRORS = frozenset(str(error) for error in RewardError)
-# Which groups of a submission get their logprobs checked: unpredictable, so a liar cannot put honest ones first.
-_CHECK_PICKER = random.SystemRandom()
 
 
 class Intake:
@@ -52,10 +51,16 @@ class Intake:
 
     def __init__(self, rules: IntakeRules, state: LearnerState, registry: Registry, leasing: Leasing,
                  runlog: RunLog, metrics: LearnerMetrics, prompt_tokens: list[np.ndarray],
-                 handoff: BatchHandOff, reward_check: Optional[RewardCheck] = None) -> None:
+                 handoff: BatchHandOff, reward_check: Optional[RewardCheck] = None, trust: Optional[Trust] = None,
+                 history: Optional[WeightHistory] = None) -> None:
         self.rules, self.state, self.registry, self.leasing = rules, state, registry, leasing
         self.runlog, self.metrics, self.prompt_tokens = runlog, metrics, prompt_tokens
         self.handoff, self.reward_check = handoff, reward_check
+        self.trust = trust or Trust(probation_groups=0, share=1.0)  # no record of anyone: check everything
+        self.history = history  # the versions the logprob check can still recompute (None: it is off)
+
+    def _kept(self) -> Optional[Collection[int]]:
+        return None if self.history is None else self.history.versions.keys()
 
     def take(self, actor: ActorInfo, msg: m.Rollouts) -> m.Ack:
         """The answer to one Rollouts from `actor`; a replay gets the stored answer and changes nothing."""
@@ -69,7 +74,8 @@ class Intake:
                          groups={g.group_id: "stale" for g in msg.groups})
         rules, scheduler = self.rules, self.state.scheduler
         invalid = m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
-                                      max_tokens=rules.max_tokens, reward_bound=rules.reward_bound)
+                                      max_tokens=rules.max_tokens, reward_bound=rules.reward_bound,
+                                      stop_token_ids=rules.stop_token_ids)
         if invalid is not None:
             return self._invalid(actor, msg.lease_id, invalid)
         known_lease = msg.lease_id in scheduler.leases
@@ -80,7 +86,7 @@ class Intake:
             return self._invalid(actor, msg.lease_id, violations[0])
         self.leasing.measure(actor, msg.lease_id, len(msg.groups) + len(msg.unscored))
         requeued = self._unscored(msg, unscored)
-        unusable = unusable_version(msg, self.state, rules.max_staleness)
+        unusable = unusable_version(msg, self.state, rules.max_staleness, self._kept())
         if not msg.groups:
             ack = m.Ack(lease_id=msg.lease_id, status="requeued", groups=requeued)
         elif unusable is not None:
@@ -97,9 +103,10 @@ class Intake:
         """The groups `take` would re-score, with their prompts; reads the state, changes nothing (under the lock)."""
         rules, scheduler = self.rules, self.state.scheduler
         if (self.reward_check is None or self.state.done or self.state.acks.get(msg.lease_id) is not None
-                or unusable_version(msg, self.state, rules.max_staleness) is not None
+                or unusable_version(msg, self.state, rules.max_staleness, self._kept()) is not None
                 or m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
-                                       max_tokens=rules.max_tokens, reward_bound=rules.reward_bound) is not None):
+                                       max_tokens=rules.max_tokens, reward_bound=rules.reward_bound,
+                                      stop_token_ids=rules.stop_token_ids) is not None):
             return []
         return [(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in msg.groups
                 if scheduler.classify(actor.principal, msg.lease_id, g.group_id) is None]
@@ -169,16 +176,18 @@ class Intake:
         return m.Ack(lease_id=msg.lease_id, status=overall, groups={**answer, **requeued})  # type: ignore[arg-type]  # one of Ack's statuses
 
     def _pick_for_logprob_checks(self, actor: ActorInfo, records: list[AcceptedGroup]) -> None:
-        """Flag a random sample of the submission's informative groups (only those train) for the logprob check.
+        """Give each informative group (only those train) its actor's bounds, and flag those to be checked.
 
-        A sample rather than the first: a proxy that lies about its version, or
-        serves weights a version or two stale, is only a few hundredths of a nat
-        off, and each checked group is another chance to see it.
+        Every group of an actor on probation is flagged; after it, a share drawn
+        from the OS's randomness (learner/fleet/trust.py), so an actor cannot
+        tell which of its groups will be looked at. A group at the version the
+        step trains from is checked anyway, inside the step, whatever its flag.
         """
-        informative = [r for r in records if r.is_informative]
         bound = self.rules.logprob_bound(actor.backend)
-        for record in _CHECK_PICKER.sample(informative, min(len(informative), self.rules.logprob_checks)):
-            record.check_logprobs, record.logprob_bound = True, bound
+        for record in records:
+            if record.is_informative:
+                record.logprob_bound, record.token_bound = bound.mean, bound.token
+                record.check_logprobs = self.trust.wants_check(actor.principal)
 
     def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
         """The learner's own rewards for every group it would accept (security.verify_rewards)."""
@@ -202,24 +211,30 @@ class Intake:
                         group_id)
         return reason.group_status
 
-    def blame_tampered(self, failures: list[tuple[AcceptedGroup, LogprobGap]]) -> None:
-        """Logprobs that the claimed version cannot have produced: ban the actor now, drop all it sent."""
+    def blame_tampered(self, failures: list[tuple[AcceptedGroup, LogprobGap]],
+                       in_hand: Sequence[AcceptedGroup] = ()) -> None:
+        """Logprobs that the claimed version cannot have produced: ban the actor now, drop all it sent.
+
+        `in_hand`: groups already out of the buffer (the batch being checked); the
+        liar's among them are dropped too, so nothing of it trains.
+        """
         blamed: set[str] = set()
         for group, gap in failures:
             key = group.actor_key
             if key in blamed:  # several of its checked groups failed: one ban, one drop
                 continue
             blamed.add(key)
-            dropped = [g for g in self.state.buffer if g.actor_key == key]
+            dropped = [g for g in (*in_hand, *self.state.buffer) if g.actor_key == key]
             # Their prompts go to honest actors, as new groups.
             self.handoff.drop(dropped, RejectReason.LOGPROB_MISMATCH)
             self.metrics.rejections.labels(reason=RejectReason.LOGPROB_MISMATCH).inc(len(dropped))
             released = self.state.scheduler.release_actor(key)
             self.registry.record_violation(key, RejectReason.LOGPROB_MISMATCH, ban_now=True)
-            log.warning("actor %s: group %s (claimed v%d) has logprobs %.4f nats off the learner's on average (max "
-                        "%.3f; honest bound %s); banned after step %d, %d of its buffered groups dropped, "
-                        "%d leases re-queued", shown(group.actor_id), group.group_id, group.policy_version, gap.mean,
-                        gap.max, gap.bound, self.state.step, len(dropped), released)
+            log.warning("actor %s: group %s (claimed v%d) has logprobs %.4f nats off the learner's on average, %.3f "
+                        "at worst (honest bounds %.4f and %.3f: the %s broke it); banned after step %d, %d of its "
+                        "groups dropped, %d leases re-queued", shown(group.actor_id), group.group_id,
+                        group.policy_version, gap.mean, gap.max, gap.bound, gap.token_bound, gap.broke,
+                        self.state.step, len(dropped), released)
 
     def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
         """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""

@@ -6,6 +6,7 @@ each Rollouts, and `suspect_groups` finds whom to blame for a non-finite step.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,7 +16,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.gap_bounds import actor_dtype, logprob_gap_bound
+from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, GapBound, actor_dtype, default_bound
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits
 from grpo_fleet.protocol.reasons import RejectReason
@@ -57,25 +58,41 @@ class IntakeRules:
     max_staleness: int
     groups_per_step: int
     reward_names: frozenset[str] = frozenset()
-    logprob_checks: int = 4  # security.logprob_checks_per_submission
     requested_dtype: Optional[str] = None  # model.dtype: what every actor is told to sample in
     learner_dtype: str = "float32"  # what the learner recomputes logprobs in
+    # Actor dtype -> the half-precision bound measured on this run's model at start (learner/door/gap_calibration.py).
+    calibrated: tuple[tuple[str, GapBound], ...] = ()
+    # The tokens that end sampling: each single-turn completion's finish_reason is checked against them. None: not.
+    stop_token_ids: Optional[frozenset[int]] = None
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, vocab_size: int, learner_dtype: str = "float32") -> "IntakeRules":
+    def from_config(cls, cfg: RunConfig, vocab_size: int, learner_dtype: str = "float32",
+                    calibrated: tuple[tuple[str, GapBound], ...] = (),
+                    stop_token_ids: Optional[frozenset[int]] = None) -> "IntakeRules":
         gen = cfg.generation
         return cls(group_size=gen.group_size, vocab_size=vocab_size, max_tokens=gen.max_tokens,
                    reward_bound=cfg.task.reward_bound, max_staleness=cfg.grpo.max_staleness,
                    groups_per_step=cfg.grpo.groups_per_step, reward_names=frozenset(cfg.task.rewards),
-                   logprob_checks=cfg.security.logprob_checks_per_submission, requested_dtype=cfg.model.dtype,
-                   learner_dtype=learner_dtype)
+                   requested_dtype=cfg.model.dtype, learner_dtype=learner_dtype, calibrated=calibrated,
+                   stop_token_ids=stop_token_ids)
 
-    def logprob_bound(self, backend: str) -> float:
-        """The honest gap of an actor on `backend` (its Hello's) from this learner (learner/step/gap_bounds.py)."""
-        return logprob_gap_bound(actor_dtype(self.requested_dtype, backend), self.learner_dtype)
+    def logprob_bound(self, backend: str) -> GapBound:
+        """The honest gaps of an actor on `backend` (its Hello's) from this learner (learner/step/gap_bounds.py).
+
+        A half-precision pair takes the bound calibrated on this model: for the
+        actor's own dtype, else bfloat16's, which rounds coarsest (an actor of
+        unknown dtype is held to it too).
+        """
+        dtype = actor_dtype(self.requested_dtype, backend)
+        ceiling = default_bound(dtype, self.learner_dtype)
+        if ceiling.mean <= FLOAT32_PAIR_BOUND:
+            return ceiling
+        measured = dict(self.calibrated)
+        return measured.get(dtype or "bfloat16", measured.get("bfloat16", ceiling))
 
 
-def unusable_version(msg: m.Rollouts, state: LearnerState, max_staleness: int) -> Optional[RejectReason]:
+def unusable_version(msg: m.Rollouts, state: LearnerState, max_staleness: int,
+                     kept: Optional[Collection[int]] = None) -> Optional[RejectReason]:
     """Why rollouts cannot train this policy (None = they can); none of these is the actor's fault.
 
     After a resume, actors may still hold versions the previous life published
@@ -89,6 +106,9 @@ def unusable_version(msg: m.Rollouts, state: LearnerState, max_staleness: int) -
         return RejectReason.PREVIOUS_INCARNATION
     if state.version - version > max_staleness:
         return RejectReason.STALE_VERSION
+    if kept is not None and version not in kept:
+        # The logprob check keeps no weights of it (full fine-tuning, after a resume): it could not be checked.
+        return RejectReason.VERSION_GONE
     return None
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 from grpo_fleet.config import ServerConfig
 from grpo_fleet.learner.fleet.bans import Bans
+from grpo_fleet.learner.fleet.trust import Trust
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -143,9 +144,10 @@ class RunCard:
 class Registry:
     """Who is connected, under which key, how fast, and who is banned."""
 
-    def __init__(self, server: ServerConfig, metrics: LearnerMetrics) -> None:
+    def __init__(self, server: ServerConfig, metrics: LearnerMetrics, trust: Optional[Trust] = None) -> None:
         self.max_actors = server.max_actors
         self.metrics = metrics
+        self.trust = trust  # the logprob check's record of each key: a Hello or a violation restarts its probation
         self.actors: dict[bytes, ActorInfo] = {}
         self.bans = Bans(server.max_violations, server.ban_seconds)
         self.rate = TokenRate()  # the whole fleet's accepted tokens
@@ -161,6 +163,8 @@ class Registry:
             return m.ErrorReply(reason="too_many_actors", detail=f"{len(self.actors)} actors registered "
                                 "(server.max_actors); retry when one leaves")
         self.actors[identity] = actor_from_hello(msg, owner, peer_address)
+        if self.trust is not None:  # either side restarted, or the link did: trust is earned again
+            self.trust.begin_probation(owner)
         log.info("actor %s joined from %s (%s)", shown(msg.actor_id), shown(msg.host), shown(msg.backend))
         self.metrics.actors_connected.set(len(self.actors))
         return None
@@ -205,6 +209,8 @@ class Registry:
     def record_violation(self, key: str, reason: str, *, ban_now: bool = False) -> None:
         """Count malformed or hostile input from a peer key (see learner/fleet/bans.py); `ban_now` bans it at once."""
         self.metrics.violations.labels(reason=reason).inc()
+        if self.trust is not None:
+            self.trust.begin_probation(key)
         if self.bans.record(key, self.bans.max_violations if ban_now else 1):
             self.metrics.bans.inc()
             log.warning("peer %s banned for %.0fs after %d violations (last: %s)", key,

@@ -42,6 +42,11 @@ class StepRecord(UpdateStats):
     step_seconds: float
     wall_seconds: float
     actors: int
+    # The logprob check of this step's groups: seconds spent (forwards at older versions plus the comparison against
+    # the step's own forward; the slowest rank's), and how many groups were checked and trained unchecked.
+    check_seconds: float = 0.0
+    groups_checked: int = 0
+    groups_unchecked: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,17 @@ class DropEntry:
 
 
 @dataclass(frozen=True)
+class UncheckedEntry:
+    """A group trained without a logprob check, as its ledger.jsonl line (with "event": "unchecked")."""
+
+    group_id: str
+    actor_id: str
+    actor_key: str
+    reason: str  # sampled_out, verification_off or version_gone (grpo_fleet_learner_groups_unchecked_total)
+    step: int  # the step that trained it
+
+
+@dataclass(frozen=True)
 class SampleRow:
     """One completion the model wrote, decoded, as its samples.jsonl line (learner/records/samples.py picks them)."""
 
@@ -135,6 +151,9 @@ class RunLog:
 
     def dropped(self, entry: DropEntry) -> None:
         self._ledger.write(json.dumps({"event": "dropped", **asdict(entry)}) + "\n")
+
+    def unchecked(self, entry: UncheckedEntry) -> None:
+        self._ledger.write(json.dumps({"event": "unchecked", **asdict(entry)}) + "\n")
 
     def samples(self, rows: list[SampleRow]) -> None:
         # json.dumps escapes control characters, so model output stays one line.

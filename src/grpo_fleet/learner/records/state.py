@@ -105,6 +105,10 @@ class BatchHandOff:
         groups, self.state.buffer = self.state.buffer[:count], self.state.buffer[count:]
         return groups
 
+    def put_back(self, groups: list[AcceptedGroup]) -> None:
+        """Groups taken for a batch that did not train (a check found a lie among them): first in line again."""
+        self.state.buffer[:0] = groups
+
     def drop(self, dropped: list[AcceptedGroup], reason: RejectReason) -> None:
         """Take accepted groups out of the buffer untrained, retry their prompts as new groups, ledger each drop.
 

@@ -15,7 +15,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.generation import SamplingSettings
 from grpo_fleet.learner.door.actor_checks import LogprobCheck, RewardCheck, WeightHistory
+from grpo_fleet.learner.door.gap_calibration import calibrate
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules
 from grpo_fleet.learner.door.snapshots import SnapshotStore
@@ -23,12 +25,13 @@ from grpo_fleet.learner.door.welcome import run_card
 from grpo_fleet.learner.evals.evaluation import Evaluation
 from grpo_fleet.learner.fleet.leasing import Leasing
 from grpo_fleet.learner.fleet.registry import Registry
+from grpo_fleet.learner.fleet.trust import Trust
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.samples import SampleLog, tokenizer_decode
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.learner.records.trackers import Trackers
-from grpo_fleet.learner.step.gap_bounds import compute_dtype
+from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, GapBound, compute_dtype, default_bound
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
@@ -53,7 +56,9 @@ class RunRooms:
         self.lock = threading.RLock()
         self.runlog = RunLog(run_dir)
         self.handoff = BatchHandOff(self.state, self.runlog, self.lock, cfg.grpo.groups_per_step)
-        self.registry = Registry(cfg.server, metrics)
+        security = cfg.security
+        self.trust = Trust(probation_groups=security.probation_groups, share=security.check_share)
+        self.registry = Registry(cfg.server, metrics, self.trust)
         self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, task.train)
         self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
         # Rewards are re-scored in a process of the learner's own, which can kill a reward that hangs; never
@@ -61,10 +66,14 @@ class RunRooms:
         self.make_scorer = make_scorer  # the local evaluator's rewards run in one of these too
         self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, make_scorer(task.reward_set()))
                              if cfg.security.verify_rewards else None)
-        rules = IntakeRules.from_config(cfg, policy.vocab_size, compute_dtype(policy.model))
-        self.intake = Intake(rules, self.state, self.registry, self.leasing, self.runlog, metrics, prompt_tokens,
-                             self.handoff, self.reward_check)
         self.weight_history, self.logprob_check = logprob_check(cfg, policy, metrics)
+        learner_dtype = compute_dtype(policy.model)
+        calibrated = (calibrate_bounds(cfg, policy, prompt_tokens, learner_dtype)
+                      if self.logprob_check is not None else ())
+        rules = IntakeRules.from_config(cfg, policy.vocab_size, learner_dtype, calibrated,
+                                        stop_token_ids=frozenset(int(t) for t in policy.tokenizer.eos_token_ids))
+        self.intake = Intake(rules, self.state, self.registry, self.leasing, self.runlog, metrics, prompt_tokens,
+                             self.handoff, self.reward_check, self.trust, self.weight_history)
         eval_check = (None if self.reward_check is None
                       else RewardCheck(task, task.eval, policy.tokenizer, self.reward_check.scorer))
         self.evaluation = Evaluation(cfg, task.eval, eval_prompt_tokens or [], policy.vocab_size, self.state,
@@ -81,10 +90,37 @@ def logprob_check(cfg: RunConfig, policy: Policy,
     security = cfg.security
     if not security.verify_logprobs:
         return None, None
-    history = WeightHistory(policy.model, keep=cfg.grpo.max_staleness + cfg.server.in_flight_steps + 1)
+    # Every version a buffered group may still train from: up to grpo.max_train_staleness behind the live one.
+    max_train_staleness = cfg.grpo.max_train_staleness
+    reach = cfg.grpo.max_staleness + cfg.server.in_flight_steps
+    history = WeightHistory(policy.model, keep=max(reach, max_train_staleness or 0) + 1)
     history.record(0)
     check = LogprobCheck(policy.model, history, temperature=cfg.generation.temperature,
                          chunk_tokens=cfg.train.logprob_chunk_tokens, micro_batch_tokens=cfg.train.micro_batch_tokens,
                          max_gap=security.max_logprob_gap, observe=metrics.logprob_gap.observe,
                          observe_seconds=metrics.logprob_check_seconds.observe)
     return history, check
+
+
+def calibrate_bounds(cfg: RunConfig, policy: Policy, prompt_tokens: list[np.ndarray],
+                     learner_dtype: str) -> tuple[tuple[str, GapBound], ...]:
+    """The half-precision bound measured on this model at start (security.calibration_prompts; none when 0).
+
+    Actors sample in model.dtype when it is set, else float32 on a CPU and their
+    own (unknown, held to bfloat16's bound) on a GPU: only a half-precision pair
+    is calibrated, a float32 one keeps its fixed bound.
+    """
+    dtype = cfg.model.dtype or "bfloat16"
+    count = min(cfg.security.calibration_prompts, len(prompt_tokens))
+    ceiling = default_bound(dtype, learner_dtype)
+    if count == 0 or ceiling.mean <= FLOAT32_PAIR_BOUND:
+        return ()
+    gen = cfg.generation
+    settings = SamplingSettings(group_size=gen.group_size, max_tokens=gen.max_tokens, temperature=gen.temperature,
+                                stop_token_ids=sorted(policy.tokenizer.eos_token_ids))
+    # Sampling in the learner's own dtype would show no rounding at all: a half-precision learner is calibrated
+    # against float32 sampling, as wide an honest gap as a same-dtype actor on other hardware shows.
+    sample_in = "float32" if dtype == learner_dtype else dtype
+    found = calibrate(policy.model, prompt_tokens[:count], settings, dtype=sample_in, ceiling=ceiling,
+                      chunk_tokens=cfg.train.logprob_chunk_tokens, micro_batch_tokens=cfg.train.micro_batch_tokens)
+    return ((dtype, found.bound),)

@@ -19,16 +19,16 @@ from typing import Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.door.actor_checks import check_next_batch
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.records import persistence
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import RunLog, StepRecord
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
+from grpo_fleet.learner.run.batch_checks import BatchChecks
 from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
-from grpo_fleet.learner.step.stats import StepStats
+from grpo_fleet.learner.step.stats import LOGPROB_MISMATCH, StepStats
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol.reasons import RejectReason
@@ -43,6 +43,7 @@ class TrainingThread:
     def __init__(self, rooms: RunRooms) -> None:
         self.rooms = rooms
         self.cycle = BatchCycle(rooms.cfg, rooms.trainer, rooms.handoff, rooms.snapshots, rooms.runlog, rooms.metrics)
+        self.checks = BatchChecks(rooms)
         self._saving = threading.Lock()  # one checkpoint written at a time, outside the run's lock
 
     def run(self, should_stop: Callable[[], bool]) -> None:
@@ -74,19 +75,24 @@ class TrainingThread:
     def train_step(self) -> Optional[StepRecord]:
         """One optimizer batch from the oldest informative groups; publishes and checkpoints when due.
 
-        None when the logprob check dropped groups (learner/door/actor_checks.py): no step yet.
+        None when the logprob check (run/batch_checks.py) found a lie in the batch:
+        its actor is banned, everything of it dropped, the rest of the batch back
+        in the buffer, and no step taken yet.
         """
         rooms, state = self.rooms, self.rooms.state
-        if rooms.logprob_check is not None and not check_next_batch(
-                rooms.lock, state, rooms.intake, rooms.logprob_check, rooms.cfg.grpo.groups_per_step):
-            return None
         with rooms.lock:
+            # Stale groups go first, then the batch is taken and checked as it is: no group slides in unchecked.
             self.cycle.drop_too_stale(state)
             if not self.cycle.ready(state):
                 return None
             groups, trained_on = self.cycle.take_batch(state)
+            plan = self.checks.plan(groups, trained_on, state.weights_published)
             step = state.step + 1  # only this thread moves the step
-        trained = self.cycle.run(groups, trained_on, step)
+        if not self.checks.forward(plan, groups):
+            return None
+        trained = self.cycle.run(groups, trained_on, step, plan.fused_bounds())
+        if not self.checks.fused(plan, groups, trained.stats):
+            return None
         # Decoding and writing samples.jsonl take no lock: `groups` left the shared buffer
         # above, only this thread writes the file, and the log sizes a checkpoint records
         # are taken on this thread too (below; `checkpoint()` on the main thread runs only
@@ -96,7 +102,9 @@ class TrainingThread:
         with rooms.lock:
             if trained.stats.skipped is not None:
                 rooms.intake.blame_poisoned(groups, trained.stats, step)
-            record = self.cycle.record(state, trained, actors=len(rooms.registry.actors))
+            self.checks.record_unchecked(plan, step)
+            record = self.cycle.record(state, trained, actors=len(rooms.registry.actors),
+                                       checks=CheckTally(plan.seconds, plan.checked, len(plan.unchecked)))
             rooms.leasing.step_finished()
             if rooms.evaluation.due(state.step, final=state.done):
                 rooms.evaluation.start(state.step, state.version)
@@ -120,7 +128,16 @@ class TrainingThread:
     def _save(self, saved: persistence.SavedState) -> Path:
         rooms = self.rooms
         with self._saving:
-            return persistence.save(saved, rooms.policy, rooms.trainer, rooms.run_dir, keep=rooms.cfg.train.keep_checkpoints)
+            return persistence.save(saved, rooms.policy, rooms.trainer, rooms.run_dir, keep=rooms.cfg.train.keep_checkpoints,
+                                    history=self._kept_versions())
+
+    def _kept_versions(self) -> Optional[persistence.KeptVersions]:
+        """The logprob check's kept versions, saved with a checkpoint under LoRA (adapters only: small); a full
+        fine-tuning resume refuses groups of versions it no longer holds instead (version_gone)."""
+        history = self.rooms.weight_history
+        if history is None or self.rooms.policy.lora is None:
+            return None
+        return dict(history.versions)
 
     def resume(self, checkpoint: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, leases, finished groups, logs cut back to match."""
@@ -134,7 +151,10 @@ class TrainingThread:
             rooms.runlog.truncate(saved.logs)
             rooms.snapshots.install(rooms.snapshots.serialize(state.version))
             if rooms.weight_history is not None:
+                # Every version intake may still accept, as the life that saved the checkpoint held them (under
+                # LoRA); the live weights are the current one's.
                 rooms.weight_history.versions.clear()
+                rooms.weight_history.versions.update(persistence.load_history(checkpoint))
                 rooms.weight_history.record(state.version)
             rooms.metrics.policy_version.set(state.version)
         log.info("resumed run %s at step %d (policy v%d) from %s as incarnation %s",
@@ -154,6 +174,15 @@ class StepPhases:
 
     def timed(self) -> dict[str, float]:
         return {phase: seconds for phase, seconds in asdict(self).items() if seconds is not None}
+
+
+@dataclass(frozen=True)
+class CheckTally:
+    """A step's logprob check, for its metrics.jsonl line: seconds spent, groups checked and trained unchecked."""
+
+    seconds: float = 0.0
+    checked: int = 0
+    unchecked: int = 0
 
 
 @dataclass(frozen=True)
@@ -198,23 +227,28 @@ class BatchCycle:
             self.metrics.train_staleness.observe(state.version - group.policy_version)
         return groups, state.version
 
-    def run(self, groups: list[AcceptedGroup], trained_on: int, step: int) -> TrainedBatch:
-        """Train on `groups` and serialise the new version if `step` publishes; touches no shared state."""
+    def run(self, groups: list[AcceptedGroup], trained_on: int, step: int,
+            check: Optional[np.ndarray] = None) -> TrainedBatch:
+        """Train on `groups` and serialise the new version if `step` publishes; touches no shared state.
+
+        `check`: the bounds of the groups the step checks against its own forward (`TrainBatch.check`).
+        """
         started = time.perf_counter()
         batch = build_train_batch(groups, scale_by_std=self.grpo.scales_by_std, lengths=self.lengths)
+        batch.check = check
         data_prep = time.perf_counter() - started
         stats = self.trainer.step(batch)
         self.metrics.peak_memory.set(stats.peak_memory_bytes)
         phases = StepPhases(data_prep=data_prep, ref_forward=stats.ref_seconds, update=stats.update_seconds,
                             proximal_forward=stats.proximal_seconds or None)
         snapshot = None
-        if step % self.train.sync_every == 0:
+        if step % self.train.sync_every == 0 and stats.skipped != LOGPROB_MISMATCH:  # a lie's step is taken again
             publish_started = time.perf_counter()
             snapshot = self.snapshots.serialize(trained_on + 1)
             phases.publish = time.perf_counter() - publish_started
         return TrainedBatch(groups, trained_on, stats, snapshot, phases, started)
 
-    def record(self, state: LearnerState, done: TrainedBatch, actors: int) -> StepRecord:
+    def record(self, state: LearnerState, done: TrainedBatch, actors: int, checks: Optional[CheckTally] = None) -> StepRecord:
         """Move the step (and the version, when published), log the step's line and gauges."""
         state.step += 1
         state.weights_published = done.snapshot is not None
@@ -223,7 +257,7 @@ class BatchCycle:
             self.snapshots.install(done.snapshot)
             self.metrics.weight_publish_seconds.observe(done.phases.publish or 0.0)
             self.metrics.weight_publish_bytes.set(len(done.snapshot.blob))
-        record = self._step_record(state, done, actors)
+        record = self._step_record(state, done, actors, checks or CheckTally())
         self.runlog.step(record)
         self._observe(record)
         return record
@@ -236,7 +270,7 @@ class BatchCycle:
         for phase, seconds in phases.timed().items():
             self.metrics.step_phase_seconds.labels(phase=phase).observe(seconds)
 
-    def _step_record(self, state: LearnerState, done: TrainedBatch, actors: int) -> StepRecord:
+    def _step_record(self, state: LearnerState, done: TrainedBatch, actors: int, checks: CheckTally) -> StepRecord:
         groups, stats = done.groups, done.stats
         rewards = np.concatenate([g.rewards for g in groups])
         zero_var = state.zero_variance_since_step / max(1, state.accepted_since_step)
@@ -249,7 +283,8 @@ class BatchCycle:
             staleness_mean=float(np.mean([done.trained_on - g.policy_version for g in groups])),
             staleness_max=int(max(done.trained_on - g.policy_version for g in groups)),
             zero_variance_fraction=zero_var, step_seconds=time.perf_counter() - done.started,
-            wall_seconds=state.wall_seconds(), actors=actors,
+            wall_seconds=state.wall_seconds(), actors=actors, check_seconds=checks.seconds,
+            groups_checked=checks.checked, groups_unchecked=checks.unchecked,
         )
 
     def _observe(self, record: StepRecord) -> None:

@@ -1,0 +1,141 @@
+"""The logprob check of one batch, on the training thread: which groups are checked, how, and what trains unchecked.
+
+Every group of a batch goes one of three ways (`plan`):
+
+- **fused**: sampled at the version the step trains from, while the live weights
+  are that version's: checked inside the step against its own first forward
+  (learner/step/fused_check.py), for the price of a comparison. Always.
+- **forward**: an older version, flagged at intake (probation, or drawn:
+  learner/fleet/trust.py): recomputed at its version before the step.
+- **unchecked**, with a reason counted in `grpo_fleet_learner_groups_unchecked_total`
+  and written to the ledger: `sampled_out` (not drawn), `verification_off`,
+  `version_gone` (its weights are not kept; intake refuses such groups, so this
+  stays 0 unless something is wrong).
+
+A failed check bans the actor and drops everything of it, the batch's groups
+included; the rest of the batch goes back to the head of the buffer untrained,
+and the next step takes it again. Nothing is applied before the check is done,
+so a lie never trains.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from grpo_fleet.learner.door.actor_checks import LogprobGap
+from grpo_fleet.learner.records.groups import AcceptedGroup
+from grpo_fleet.learner.records.runlog import UncheckedEntry
+from grpo_fleet.learner.run.rooms import RunRooms
+from grpo_fleet.learner.step.fused_check import CheckedGroup, check_bounds_array
+from grpo_fleet.learner.step.gap_bounds import GapBound
+from grpo_fleet.learner.step.stats import StepStats
+
+SAMPLED_OUT, VERIFICATION_OFF, VERSION_GONE = "sampled_out", "verification_off", "version_gone"
+
+
+@dataclass
+class CheckPlan:
+    """How each group of one batch is checked; `fused` follows the batch's group order."""
+
+    fused: list[Optional[GapBound]]
+    forward: list[AcceptedGroup] = field(default_factory=list)
+    unchecked: list[tuple[AcceptedGroup, str]] = field(default_factory=list)
+    seconds: float = 0.0  # spent on this batch's checks, the forwards and the step's comparison
+
+    def fused_bounds(self) -> Optional[np.ndarray]:
+        """`TrainBatch.check`: None when the step checks nothing itself."""
+        return check_bounds_array(self.fused) if any(b is not None for b in self.fused) else None
+
+    @property
+    def checked(self) -> int:
+        return sum(b is not None for b in self.fused) + len(self.forward)
+
+
+class BatchChecks:
+    """Plans and runs the logprob check of each batch; the caller holds no lock (each method takes it as needed)."""
+
+    def __init__(self, rooms: RunRooms) -> None:
+        self.rooms = rooms
+
+    def plan(self, groups: list[AcceptedGroup], trained_on: int, weights_published: bool) -> CheckPlan:
+        """Sort a batch's groups into fused, forward and unchecked (under the lock: flags and history are shared)."""
+        check, history = self.rooms.logprob_check, self.rooms.weight_history
+        plan = CheckPlan(fused=[None] * len(groups))
+        if check is None or history is None:
+            plan.unchecked = [(g, VERIFICATION_OFF) for g in groups]
+            return plan
+        fuse = weights_published and self.rooms.trainer.fuses_check
+        for index, group in enumerate(groups):
+            if fuse and group.policy_version == trained_on:
+                plan.fused[index] = check.bound_of(group)
+            elif not group.check_logprobs:
+                plan.unchecked.append((group, SAMPLED_OUT))
+            elif group.policy_version not in history.versions:
+                plan.unchecked.append((group, VERSION_GONE))
+            else:
+                plan.forward.append(group)
+        return plan
+
+    def forward(self, plan: CheckPlan, groups: list[AcceptedGroup]) -> bool:
+        """Recompute the plan's older groups at their versions (no lock held while it runs); False on a lie."""
+        check = self.rooms.logprob_check
+        if check is None or not plan.forward:
+            return True
+        started = time.perf_counter()
+        failures = check.failures(plan.forward)
+        plan.seconds += time.perf_counter() - started
+        self._count("forward", len(plan.forward), len(failures))
+        with self.rooms.lock:
+            for group in plan.forward:
+                group.check_logprobs = False  # passed, or about to be dropped: never recomputed twice
+            return self._settle(plan.forward, failures, groups)
+
+    def fused(self, plan: CheckPlan, groups: list[AcceptedGroup], stats: StepStats) -> bool:
+        """Apply the step's own check (`stats.checked`); False when it found a lie and nothing was applied."""
+        plan.seconds += stats.check_seconds
+        checked = [groups[c.index] for c in stats.checked]
+        failures = [(groups[c.index], _gap(groups[c.index], c, plan.fused[c.index]))
+                    for c in stats.checked if c.broke is not None]
+        self._count("fused", len(checked), len(failures))
+        observe = self.rooms.metrics.logprob_gap.observe
+        for c in stats.checked:
+            observe(c.mean)
+        with self.rooms.lock:
+            return self._settle(checked, failures, groups)
+
+    def record_unchecked(self, plan: CheckPlan, step: int) -> None:
+        """Count and ledger each group that trained unchecked (under the lock, like every ledger line)."""
+        metrics, runlog = self.rooms.metrics, self.rooms.runlog
+        for group, reason in plan.unchecked:
+            metrics.groups_unchecked.labels(reason=reason).inc()
+            runlog.unchecked(UncheckedEntry(group_id=group.group_id, actor_id=group.actor_id,
+                                            actor_key=group.actor_key, reason=reason, step=step))
+        metrics.step_check_seconds.observe(plan.seconds)
+
+    def _settle(self, checked: list[AcceptedGroup], failures: list[tuple[AcceptedGroup, LogprobGap]],
+                groups: list[AcceptedGroup]) -> bool:
+        """Credit the honest, ban the liars (their groups, the batch's included, dropped) and return the batch
+        to the buffer's head untrained; True when nothing failed."""
+        liars = {group.actor_key for group, _ in failures}
+        for group in checked:
+            if group.actor_key not in liars:
+                self.rooms.trust.record_pass(group.actor_key)
+        if not failures:
+            return True
+        self.rooms.intake.blame_tampered(failures, in_hand=groups)
+        self.rooms.handoff.put_back([g for g in groups if g.actor_key not in liars])
+        return False
+
+    def _count(self, how: str, checked: int, failed: int) -> None:
+        counter = self.rooms.metrics.logprob_checks
+        counter.labels(how=how, result="passed").inc(checked - failed)
+        counter.labels(how=how, result="failed").inc(failed)
+
+
+def _gap(group: AcceptedGroup, checked: CheckedGroup, bound: Optional[GapBound]) -> LogprobGap:
+    assert bound is not None, "the step checks only the groups the plan gave it a bound for"
+    return LogprobGap(group.group_id, checked.mean, checked.worst, bound.mean, bound.token, checked.broke)

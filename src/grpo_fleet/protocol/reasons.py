@@ -68,5 +68,6 @@ class RejectReason(str, Enum):
 _VIOLATIONS = frozenset({
     RejectReason.DUPLICATE_GROUP_IN_MESSAGE, RejectReason.BAD_GROUP_SIZE, RejectReason.LENGTH_MISMATCH,
     RejectReason.TOO_LONG, RejectReason.TOKEN_OUT_OF_RANGE, RejectReason.BAD_LOGPROB, RejectReason.BAD_REWARD,
-    RejectReason.FINISH_REASON_MISMATCH, RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED, RejectReason.REWARD_MISMATCH, RejectReason.LOGPROB_MISMATCH,
+    RejectReason.FINISH_REASON_MISMATCH, RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED,
+    RejectReason.REWARD_MISMATCH, RejectReason.LOGPROB_MISMATCH,
 })

@@ -10,9 +10,10 @@ once, and learns from the hint when it is not. After `tries` tries (2) it ends
 with 0. Written to skyrl-gym's interface and importing nothing from grpo_fleet,
 as a user's environment would.
 
-Measured on SmolLM2-135M-Instruct before training (the 32 held-out countries,
-8 samples each at temperature 1, 16 tokens a turn): right at the first try 0.36,
-right at the second try after a wrong first 0.08, right at either 0.41.
+Measured on SmolLM2-135M-Instruct before training, through the episode runner
+(the 32 held-out countries x 4 episodes, temperature 1, 16 tokens a turn, system
+prompt "Answer in one short sentence."): right at the first try 0.38, at the
+second try after a wrong first 0.13, at either 0.46; mean reward 0.42.
 """
 
 from __future__ import annotations

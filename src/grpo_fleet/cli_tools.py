@@ -143,8 +143,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, render
+    from dataclasses import replace
+
+    from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, render, render_on_off
     from grpo_fleet.fleetsim.published import MODELS
+    from grpo_fleet.fleetsim.specs import FleetRules
 
     if args.model not in MODELS or args.mac not in MODELS[args.model].decode_tok_s:
         print(f"grpo-fleet simulate: choose --model from {', '.join(MODELS)} and --mac from "
@@ -152,11 +155,22 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     inputs = PlanInputs(model=args.model, mac=args.mac, batch_speedup=args.batch_speedup,
                         learner_tok_s=args.learner_tok_s, link_gbps=args.link_gbps,
-                        logprob_check=not args.no_logprob_check)
+                        logprob_check=not args.no_logprob_check, check_share=args.check_share)
     shape = PlanShape(group_size=args.group_size, prompt_tokens=args.prompt_tokens,
-                      completion_tokens=args.completion_tokens, groups_per_step=args.groups_per_step)
-    print(render(plan(inputs, shape, args.actors, args.ranks), inputs, shape))
+                      completion_tokens=args.completion_tokens, rules=FleetRules(groups_per_step=args.groups_per_step))
+    result = plan(inputs, shape, args.actors, args.ranks)
+    if args.on_off:  # the same fleet with verification on and off, as a Markdown table (the README's)
+        print(render_on_off(result, plan(replace(inputs, logprob_check=False), shape, args.actors, args.ranks)))
+        return 0
+    print(render(result, inputs, shape))
     return 0
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share is between 0 and 1, got {text}")
+    return value
 
 
 def _counts(text: str) -> list[int]:
@@ -176,7 +190,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                           help="an actor's batched decode over the published batch-1 tok/s (default 1: a lower bound)")
     simulate.add_argument("--link-gbps", type=float, default=10.0, help="network between Macs (10 GbE; TB5 is 80)")
     simulate.add_argument("--no-logprob-check", action="store_true",
-                          help="a fleet run with security.verify_logprobs=false (trusted actors): no check on rank 0")
+                          help="a fleet run with security.verify_logprobs=false (trusted actors): no logprob check")
+    simulate.add_argument("--check-share", type=_share, default=0.2,
+                          help="security.check_share: older groups recomputed after an actor's probation")
+    simulate.add_argument("--on-off", action="store_true",
+                          help="print steps/h with verification on and off side by side (Markdown)")
     simulate.add_argument("--group-size", type=_at_least_one, default=8)
     simulate.add_argument("--prompt-tokens", type=_at_least_one, default=150)
     simulate.add_argument("--completion-tokens", type=_at_least_one, default=384)

@@ -12,24 +12,35 @@ settings, once the run has ended (nothing else is busy):
   warm-up step.
 
 Each comes with the cores it kept busy: CPU seconds over wall seconds.
+
+`measure_alone_as_fleet` measures them in a child process with the fleet's own
+environment (`local_fleet.fleet_env`: one OpenBLAS thread, as the run's learner
+and actors had), not in the bench process with OpenBLAS's default threads:
+speeds and cores measured under other threads are not the run's processes'.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from grpo_fleet.config import RunConfig
+from grpo_fleet.config import RunConfig, load_run_config
 from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.door.actor_checks import LogprobCheck, WeightHistory
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.run.build import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.step.batch import build_train_batch
 from grpo_fleet.learner.step.trainer import Trainer, load_trainer
+from grpo_fleet.local_fleet import fleet_env
 from grpo_fleet.model import load_policy
 from grpo_fleet.tasks import build_task
 
@@ -51,6 +62,12 @@ class AloneSpeeds:
     lease_groups: int
     step: Timed  # the learner's step on groups_per_step groups
     logprob_check: Timed  # the learner's check of one group
+
+    @classmethod
+    def from_json(cls, text: str) -> "AloneSpeeds":
+        data = json.loads(text)
+        return cls(group=Timed(**data["group"]), lease_groups=int(data["lease_groups"]), step=Timed(**data["step"]),
+                   logprob_check=Timed(**data["logprob_check"]))
 
 
 def timed(work: Callable[[], object]) -> Timed:
@@ -130,3 +147,25 @@ def measure_alone(cfg: RunConfig, lease_groups: int) -> AloneSpeeds:
     group, generated = _actor_alone(cfg, path, lease_groups)
     step, check = _learner_alone(cfg, path, generated)
     return AloneSpeeds(group=group, lease_groups=lease_groups, step=step, logprob_check=check)
+
+
+def measure_alone_as_fleet(cfg: RunConfig, lease_groups: int) -> AloneSpeeds:
+    """`measure_alone` in a child process with the environment the run's learner and actors had."""
+    with tempfile.TemporaryDirectory(prefix="grpo-fleet-alone-") as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(json.dumps(cfg.model_dump(mode="json")))
+        done = subprocess.run([sys.executable, "-m", "grpo_fleet.bench.alone", str(path), str(lease_groups)],
+                              env=fleet_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring alone failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return AloneSpeeds.from_json(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str]) -> None:
+    """`python -m grpo_fleet.bench.alone CONFIG.json LEASE_GROUPS`: the speeds as one JSON line on stdout."""
+    cfg = load_run_config(argv[0])
+    print(json.dumps(asdict(measure_alone(cfg, int(argv[1])))), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -3,19 +3,22 @@
 Check: the real model (SmolLM2-135M, the demo-real task at 2 groups x 4 a
 step) trained by a learner and 1, then 2 actors on this machine. Here every
 process shares two cores, so the speeds a run shows are partly each other's
-contention. The simulator is given what each process does alone
-(`bench.alone`: the actor's seconds per group, the learner's step and logprob
-check, and the cores each keeps busy) and this host's cores
-(`fleetsim.SharedHost`), plus what is the task's, not the machine's: the share
-of informative groups and the weight-fetch time the run saw. Its steady-state
-steps/s is compared with the run's (steps after the first, by wall clock).
-For contrast it is also given the run's own contended speeds as if each
-process had a machine to itself, which is what it would be told on a fleet of
-Macs.
+contention. The simulator is given what each process does alone, measured
+right after the run in a process with the run's own environment
+(`bench.alone`: the actor's seconds per group, the learner's step and the
+check's forward of one group, and the cores each keeps busy) and this host's
+cores (`fleetsim.SharedHost`), plus what is the task's, not the machine's: the
+share of informative groups and the weight-fetch time the run saw. It
+simulates as many steps as the run had, the probation of each new actor
+included, and its steps/s is compared with the run's (steps after the first,
+by wall clock). For contrast it is also given the run's own contended speeds
+as if each process had a machine to itself, which is what it would be told on
+a fleet of Macs.
 
 Plan: 1-64 simulated actors at published Apple-silicon decode speeds
-(fleetsim.published) feeding 1, 2 and 4 learner ranks, and how the actor
-count that saturates one learner moves with the learner's speed.
+(fleetsim.published) feeding 1, 2 and 4 learner ranks, with the check's share
+of a step measured in the same run, and how the actor count that saturates one
+learner moves with the learner's speed.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from pathlib import Path
 from typing import Optional
 
 from grpo_fleet.bench import Figure, Report, Scale
-from grpo_fleet.bench.alone import AloneSpeeds, measure_alone
+from grpo_fleet.bench.alone import AloneSpeeds, measure_alone_as_fleet
 from grpo_fleet.bench.real import real_config
 from grpo_fleet.bench.scraping import Scraped, scrape
 from grpo_fleet.config import RunConfig
 from grpo_fleet.fleetsim.plan import Plan, PlanInputs, PlanShape, plan, render
-from grpo_fleet.fleetsim.simulation import ActorSpec, RunSpec, SharedHost, simulate
+from grpo_fleet.fleetsim.published import LOGPROB_CHECK_SHARE
+from grpo_fleet.fleetsim.simulation import simulate
+from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, SharedHost
 from grpo_fleet.local_fleet import running
 from grpo_fleet.plotting import load_step_records
 
@@ -54,9 +59,10 @@ class MeasuredRun:
     fetch_seconds: float
     step_seconds: float
     informative_fraction: float
-    check_seconds_per_group: float
-    logprob_check_seconds: float
+    answer_seconds_per_group: float
+    logprob_check_seconds: float  # the check's seconds a step (metrics.jsonl check_seconds), mean over steps
     lease_groups: float  # mean groups per lease
+    steps: int  # step lines in metrics.jsonl
 
 
 def _actor_figures(pages: list[Scraped]) -> tuple[float, float, float]:
@@ -82,7 +88,8 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
             pages = [scrape(port) or page for port, page in zip(fleet.actor_ports, pages)]
             learner_page = scrape(cfg.metrics.port) or learner_page
             time.sleep(1.0)
-    steps = load_step_records(run_dir / "metrics.jsonl")[1:]  # the first step carries start-up and warm-up
+    every = load_step_records(run_dir / "metrics.jsonl")
+    steps = every[1:]  # the first step carries start-up and warm-up
     walls = [float(s["wall_seconds"]) for s in steps]
     groups, per_group, fetch = _actor_figures([p for p in pages if p is not None])
     learner = learner_page.value if learner_page is not None else (lambda name: 0.0)
@@ -92,27 +99,26 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
         seconds_per_group=per_group, fetch_seconds=fetch,
         step_seconds=sum(float(s["step_seconds"]) for s in steps) / len(steps),
         informative_fraction=1.0 - sum(float(s["zero_variance_fraction"]) for s in steps) / len(steps),
-        check_seconds_per_group=learner(f"{LEARNER}_rollouts_answer_seconds_sum") / max(groups, 1.0),
-        logprob_check_seconds=(learner(f"{LEARNER}_logprob_check_seconds_sum")
-                               / max(learner(f"{LEARNER}_logprob_check_seconds_count"), 1.0)),
+        answer_seconds_per_group=learner(f"{LEARNER}_rollouts_answer_seconds_sum") / max(groups, 1.0),
+        logprob_check_seconds=sum(float(s.get("check_seconds") or 0.0) for s in steps) / len(steps),
         lease_groups=learner(f"{LEARNER}_lease_groups_sum") / max(learner(f"{LEARNER}_lease_groups_count"), 1.0),
+        steps=len(every),
     )
 
 
-def _run_spec(cfg: RunConfig, run: MeasuredRun, step_seconds: float, logprob_check_seconds: float) -> RunSpec:
-    return RunSpec(groups_per_step=cfg.grpo.groups_per_step, step_seconds=step_seconds,
-                   informative_fraction=run.informative_fraction, max_staleness=cfg.grpo.max_staleness,
-                   in_flight_steps=cfg.server.in_flight_steps, max_groups_per_lease=cfg.server.max_groups_per_lease,
-                   lease_seconds=cfg.server.lease_seconds, check_seconds_per_group=run.check_seconds_per_group,
-                   logprob_check_seconds=logprob_check_seconds if cfg.security.verify_logprobs else 0.0,
-                   logprob_checks_per_submission=cfg.security.logprob_checks_per_submission)
+def _run_spec(cfg: RunConfig, run: MeasuredRun, step_seconds: float, forward_seconds: float) -> RunSpec:
+    """The run as the simulator takes it: as many steps, measured from the second (as the run is)."""
+    return RunSpec(rules=FleetRules.from_config(cfg), step_seconds=step_seconds,
+                   informative_fraction=run.informative_fraction, answer_seconds_per_group=run.answer_seconds_per_group,
+                   check=CheckSpec.from_config(cfg, forward_seconds), steps=run.steps, measure_from=1)
 
 
-def predicted_own_machines(run: MeasuredRun, cfg: RunConfig) -> float:
-    """Steps/s from the run's own (contended) speeds, as if each process had a machine to itself."""
+def predicted_own_machines(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds) -> float:
+    """Steps/s from the run's own (contended) speeds, as if each process had a machine to itself (the check's
+    forward scaled from alone by the step's contention)."""
     actor = ActorSpec(run.seconds_per_group, run.fetch_seconds, max_groups=cfg.server.max_groups_per_lease)
-    spec = _run_spec(cfg, run, run.step_seconds, run.logprob_check_seconds)
-    return simulate([actor] * run.actors, spec).steps_per_second
+    forward = alone.logprob_check.seconds * run.step_seconds / alone.step.seconds
+    return simulate([actor] * run.actors, _run_spec(cfg, run, run.step_seconds, forward)).steps_per_second
 
 
 def predicted_shared_host(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds) -> float:
@@ -124,40 +130,55 @@ def predicted_shared_host(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds) 
     return simulate([actor] * run.actors, spec, host).steps_per_second
 
 
-def check(report: Report, steps: int) -> None:
+def check_share(cfg: RunConfig, alone: AloneSpeeds) -> float:
+    """The check's forward of one group over that group's part of a step, as measured alone."""
+    return alone.logprob_check.seconds / (alone.step.seconds / cfg.grpo.groups_per_step)
+
+
+def check(report: Report, steps: int) -> list[float]:
+    """Each fleet against the simulator; returns the check's share of a step measured alone in each run."""
+    shares = []
     for actors in (1, 2):
         with tempfile.TemporaryDirectory(prefix="grpo-fleet-sim-") as tmp:
             cfg = real_config(Path(tmp) / "run", steps=steps, overrides=SHAPE)
             measured = measure_fleet(cfg, actors)
-            alone = measure_alone(cfg, max(1, round(measured.lease_groups)))
-        shared, own = predicted_shared_host(measured, cfg, alone), predicted_own_machines(measured, cfg)
-        label = f"{actors} actor{'s' if actors > 1 else ''}"
-        report.add(Figure(
-            "fleet_sim", f"simulated vs measured steps/s, real model, {label}, shared host",
-            shared, "steps/s", baseline=measured.steps_per_second, baseline_name="measured",
-            goal=f"within {GOAL:.0%}",
-            notes=f"measured {measured.steps_per_second:.4f} steps/s, simulated {shared:.4f} "
-            f"({shared / measured.steps_per_second - 1:+.1%}) from each process alone: {alone.group.seconds:.2f} s a "
-            f"group ({alone.group.cores:.2f} cores, leases of {alone.lease_groups}), step {alone.step.seconds:.2f} s "
-            f"({alone.step.cores:.2f} cores), logprob check {alone.logprob_check.seconds:.2f} s a group, on "
-            f"{os.cpu_count()} shared cores; {measured.informative_fraction:.0%} informative, fetch "
-            f"{measured.fetch_seconds:.2f} s",
-        ))
-        report.add(Figure(
-            "fleet_sim", f"simulated vs measured steps/s, real model, {label}, as if on machines of their own",
-            own, "steps/s", baseline=measured.steps_per_second, baseline_name="measured",
-            notes=f"simulated {own:.4f} ({own / measured.steps_per_second - 1:+.1%}) from the run's contended "
-            f"speeds: {measured.seconds_per_group:.2f} s a group, step {measured.step_seconds:.2f} s, logprob check "
-            f"{measured.logprob_check_seconds:.2f} s, checks {measured.check_seconds_per_group:.3f} s a group: what "
-            "ignoring the shared cores costs",
-        ))
+            alone = measure_alone_as_fleet(cfg, max(1, round(measured.lease_groups)))
+        shares.append(check_share(cfg, alone))
+        _report_check(report, cfg, measured, alone)
+    return shares
 
 
-def plans(report: Report) -> None:
-    """The planning tables: M5 Max actors for 0.5B and 7B, and the saturation point by learner speed."""
+def _report_check(report: Report, cfg: RunConfig, measured: MeasuredRun, alone: AloneSpeeds) -> None:
+    shared, own = predicted_shared_host(measured, cfg, alone), predicted_own_machines(measured, cfg, alone)
+    label = f"{measured.actors} actor{'s' if measured.actors > 1 else ''}"
+    report.add(Figure(
+        "fleet_sim", f"simulated vs measured steps/s, real model, {label}, shared host",
+        shared, "steps/s", baseline=measured.steps_per_second, baseline_name="measured",
+        goal=f"within {GOAL:.0%}",
+        notes=f"measured {measured.steps_per_second:.4f} steps/s over {measured.steps} steps, simulated {shared:.4f} "
+        f"({shared / measured.steps_per_second - 1:+.1%}) from each process alone, one BLAS thread each as in the "
+        f"run: {alone.group.seconds:.2f} s a group ({alone.group.cores:.2f} cores, leases of {alone.lease_groups}), "
+        f"step {alone.step.seconds:.2f} s ({alone.step.cores:.2f} cores), the check's forward "
+        f"{alone.logprob_check.seconds:.2f} s a group ({check_share(cfg, alone):.2f} of a group's step), on "
+        f"{os.cpu_count()} shared cores; {measured.informative_fraction:.0%} informative, fetch "
+        f"{measured.fetch_seconds:.2f} s",
+    ))
+    report.add(Figure(
+        "fleet_sim", f"simulated vs measured steps/s, real model, {label}, as if on machines of their own",
+        own, "steps/s", baseline=measured.steps_per_second, baseline_name="measured",
+        notes=f"simulated {own:.4f} ({own / measured.steps_per_second - 1:+.1%}) from the run's contended "
+        f"speeds: {measured.seconds_per_group:.2f} s a group, step {measured.step_seconds:.2f} s, check "
+        f"{measured.logprob_check_seconds:.2f} s a step, answers {measured.answer_seconds_per_group:.3f} s a group: "
+        "what ignoring the shared cores costs",
+    ))
+
+
+def plans(report: Report, forward_share: float) -> None:
+    """The planning tables (M5 Max actors for 0.5B and 7B), verification on against off at 8 actors and 4
+    ranks, and the saturation point by learner speed; the check's forward share as measured in this run."""
     shape = PlanShape()
     for model in ("qwen2.5-0.5b", "qwen2.5-7b"):
-        inputs = PlanInputs(model=model, mac="m5-max")
+        inputs = PlanInputs(model=model, mac="m5-max", check_forward_share=forward_share)
         result = plan(inputs, shape, PLAN_ACTORS, PLAN_RANKS)
         print(render(result, inputs, shape), flush=True)
         report.add(Figure(
@@ -167,13 +188,28 @@ def plans(report: Report) -> None:
                 f"{result.saturating_actors[r]} actor(s)" for r in PLAN_RANKS)
             + (" (learner extrapolated by parameter count)" if result.learner_extrapolated else ""),
         ))
+    on_over_off(report, forward_share)
     for tok_s in (20.0, 200.0, 2000.0, 20000.0):
-        inputs = PlanInputs(model="qwen2.5-0.5b", mac="m5-max", learner_tok_s=tok_s)
+        inputs = PlanInputs(model="qwen2.5-0.5b", mac="m5-max", learner_tok_s=tok_s, check_forward_share=forward_share)
         result = plan(inputs, shape, PLAN_ACTORS, PLAN_RANKS)
         report.add(Figure(
             "fleet_sim", f"M5 Max actors that saturate a {tok_s:g} tok/s learner, Qwen2.5-0.5B",
             float(result.saturating_actors[1]), "actors", notes=_saturation_notes(result),
         ))
+
+
+def on_over_off(report: Report, forward_share: float) -> None:
+    """Issue 26's planning goal: Qwen2.5-0.5B at 2,000 tok/s, 8 M5 Max actors, 4 ranks, the check on against off."""
+    on = PlanInputs(learner_tok_s=2000.0, check_forward_share=forward_share)
+    checked = plan(on, PlanShape(), [8], [4]).rows[0]
+    trusted = plan(PlanInputs(learner_tok_s=2000.0, logprob_check=False), PlanShape(), [8], [4]).rows[0]
+    report.add(Figure(
+        "fleet_sim", "plan, Qwen2.5-0.5B at 2,000 tok/s, 8 actors, 4 ranks: steps/h, verification on",
+        3600 * checked.steps_per_second, "steps/h", baseline=3600 * trusted.steps_per_second,
+        baseline_name="verification off", goal=">= 0.85x",
+        notes=f"{checked.forward_fraction:.0%} of trained groups recomputed at an older version, "
+        f"{checked.check_seconds_per_step:.2f} s a step on the slowest rank; check forward share {forward_share:.2f}",
+    ))
 
 
 def _saturation_notes(result: Plan) -> str:
@@ -183,5 +219,9 @@ def _saturation_notes(result: Plan) -> str:
 
 
 def run(report: Report, scale: Scale) -> None:
-    plans(report)
-    check(report, steps=4 if scale is Scale.QUICK else 10)
+    shares = check(report, steps=4 if scale is Scale.QUICK else 10)
+    share = sum(shares) / len(shares)
+    report.add(Figure("fleet_sim", "the check's forward of one group over its part of a one-rank step", share, "x",
+                      baseline=LOGPROB_CHECK_SHARE, baseline_name="fleetsim.published",
+                      notes="measured alone after each run (one BLAS thread): " + ", ".join(f"{x:.2f}" for x in shares)))
+    plans(report, share)

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from grpo_fleet.fleetsim.published import LOGPROB_CHECK_SHARE, MODELS, learner_tokens_per_second, lora_gradient_bytes
-from grpo_fleet.fleetsim.simulation import ActorSpec, RunSpec, simulate
+from grpo_fleet.fleetsim.simulation import simulate
+from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec
 
 SATURATED = 0.95  # "one learner saturates" where more actors add less than 5% more steps/s
 
 
 @dataclass(frozen=True)
 class PlanShape:
-    """The run being planned: the config's group size, lengths and batch."""
+    """The run being planned: the config's group size and lengths, and the fleet's rules (its batch among them)."""
 
     group_size: int = 8
     prompt_tokens: int = 150
     completion_tokens: int = 384
-    groups_per_step: int = 16
-    max_staleness: int = 2
-    in_flight_steps: int = 2
-    logprob_checks_per_submission: int = 4  # security.logprob_checks_per_submission
+    rules: FleetRules = field(default_factory=lambda: FleetRules(groups_per_step=16))
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,10 @@ class PlanInputs:
     batch_speedup: float = 1.0  # batched decode of a group over batch-1 tokens/s (1: none, a lower bound)
     learner_tok_s: Optional[float] = None  # trained tokens/s of one rank; None: this VM's measured figure
     link_gbps: float = 10.0  # between learner ranks and to actors (10 GbE; Thunderbolt 5 is 80)
-    logprob_check: bool = True  # security.verify_logprobs: one group of each submission re-run on rank 0
+    logprob_check: bool = True  # security.verify_logprobs
+    check_share: float = CheckSpec.share  # security.check_share: older groups drawn for a forward after probation
+    # The check's forward of one group over that group's part of a one-rank step (measured: bench fleet_sim)
+    check_forward_share: float = LOGPROB_CHECK_SHARE
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,15 @@ class PlanRow:
     steps_per_second: float
     learner_busy: float
     actor_busy: float
+    forward_fraction: float  # trained groups the check recomputed at an older version
+    check_seconds_per_step: float  # those forwards, on the slowest rank
 
 
 @dataclass(frozen=True)
 class Plan:
     rows: list[PlanRow]
     step_seconds: dict[int, float]  # by rank count
-    check_seconds: float  # the logprob check of one group, per submission, on rank 0
+    check_seconds: float  # the logprob check's forward of one older group, on one rank
     actor_seconds_per_group: float
     saturating_actors: dict[int, int]  # by rank count: the fewest actors within 5% of the most steps/s
     learner_extrapolated: bool
@@ -65,18 +68,18 @@ def step_seconds(inputs: PlanInputs, shape: PlanShape, ranks: int) -> tuple[floa
     model = MODELS[inputs.model]
     measured, extrapolated = learner_tokens_per_second(model)
     tok_s = inputs.learner_tok_s or measured
-    tokens = shape.groups_per_step * shape.group_size * (shape.prompt_tokens + shape.completion_tokens)
+    tokens = shape.rules.groups_per_step * shape.group_size * (shape.prompt_tokens + shape.completion_tokens)
     ring = 2.0 * (ranks - 1) / ranks * lora_gradient_bytes(model) / (inputs.link_gbps * 1e9 / 8)
     return tokens / tok_s / ranks + ring, extrapolated and inputs.learner_tok_s is None
 
 
 def check_seconds(inputs: PlanInputs, shape: PlanShape) -> float:
-    """The logprob check of one group on rank 0 (up to `logprob_checks_per_submission` a submission): a share
-    of one group's part of a one-rank step."""
+    """The check's forward of one group at an older version, on one rank: a share of one group's part of a
+    one-rank step (a group at the step's own version is checked for nothing)."""
     if not inputs.logprob_check:
         return 0.0
-    one_rank, _ = step_seconds(inputs, replace(shape, groups_per_step=1), 1)
-    return LOGPROB_CHECK_SHARE * one_rank
+    one_rank, _ = step_seconds(inputs, replace(shape, rules=replace(shape.rules, groups_per_step=1)), 1)
+    return inputs.check_forward_share * one_rank
 
 
 def plan(inputs: PlanInputs, shape: PlanShape, actor_counts: list[int], rank_counts: list[int],
@@ -88,13 +91,12 @@ def plan(inputs: PlanInputs, shape: PlanShape, actor_counts: list[int], rank_cou
     extrapolated, check = False, check_seconds(inputs, shape)
     for ranks in rank_counts:
         seconds[ranks], extrapolated = step_seconds(inputs, shape, ranks)
-        run = RunSpec(groups_per_step=shape.groups_per_step, step_seconds=seconds[ranks],
-                      max_staleness=shape.max_staleness, in_flight_steps=shape.in_flight_steps, steps=steps,
-                      logprob_check_seconds=check, logprob_checks_per_submission=shape.logprob_checks_per_submission)
+        verify = CheckSpec(enabled=inputs.logprob_check, forward_seconds=check, share=inputs.check_share)
+        run = RunSpec(rules=shape.rules, step_seconds=seconds[ranks], ranks=ranks, check=verify, steps=steps)
         for count in actor_counts:
             result = simulate([ActorSpec(per_group, fetch)] * count, run)
             rows.append(PlanRow(ranks, count, result.steps_per_second, result.learner_busy_fraction,
-                                result.actor_busy_fraction))
+                                result.actor_busy_fraction, result.forward_fraction, result.check_seconds_per_step))
         best = max(r.steps_per_second for r in rows if r.ranks == ranks)
         saturating[ranks] = min(r.actors for r in rows if r.ranks == ranks and r.steps_per_second >= SATURATED * best)
     return Plan(rows, seconds, check, per_group, saturating, extrapolated)
@@ -105,12 +107,12 @@ def render(result: Plan, inputs: PlanInputs, shape: PlanShape) -> str:
     ranks = sorted(result.step_seconds)
     lines = [
         f"{inputs.model} on {inputs.mac} actors ({result.actor_seconds_per_group:.1f} s a group of "
-        f"{shape.group_size} x {shape.completion_tokens} tokens), {shape.groups_per_step} groups a step",
+        f"{shape.group_size} x {shape.completion_tokens} tokens), {shape.rules.groups_per_step} groups a step",
         "learner step: " + ", ".join(f"{r} rank{'s' if r > 1 else ''} {result.step_seconds[r]:.0f} s" for r in ranks)
         + (" (extrapolated by parameter count)" if result.learner_extrapolated else "")
-        + (f"; logprob check {result.check_seconds:.0f} s a group, up to {shape.logprob_checks_per_submission} a "
-           "submission, on rank 0" if result.check_seconds else
-           "; no logprob check"),
+        + (f"; logprob check: free at the step's version, {result.check_seconds:.1f} s a group at an older one on "
+           f"one rank when drawn (probation, then {inputs.check_share:.0%}), split over the ranks"
+           if inputs.logprob_check else "; no logprob check (trusted actors)"),
         "actors | " + " | ".join(f"steps/h, {r} rank{'s' if r > 1 else ''}" for r in ranks),
     ]
     for count in sorted({row.actors for row in result.rows}):
@@ -119,4 +121,20 @@ def render(result: Plan, inputs: PlanInputs, shape: PlanShape) -> str:
     lines.append("one learner saturates at: " + ", ".join(
         f"{result.saturating_actors[r]} actors ({r} rank{'s' if r > 1 else ''})" for r in ranks))
     lines.append("A model, not a measurement: see README 'When one learner Mac is not enough'.")
+    return "\n".join(lines)
+
+
+def render_on_off(checked: Plan, trusted: Plan) -> str:
+    """Steps/h with verification on and off side by side, by actors and ranks, as a Markdown table."""
+    ranks = sorted(checked.step_seconds)
+    lines = ["| Macs of actors | " + " | ".join(f"{r} rank{'s' if r > 1 else ''}: on / off" for r in ranks) + " |",
+             "|---|" + "---|" * len(ranks)]
+    for count in sorted({row.actors for row in checked.rows}):
+        cells = []
+        for r in ranks:
+            on, off = (next(x for x in p.rows if x.actors == count and x.ranks == r) for p in (checked, trusted))
+            cells.append(f"{3600 * on.steps_per_second:.0f} / {3600 * off.steps_per_second:.0f}")
+        lines.append(f"| {count} | " + " | ".join(cells) + " |")
+    lines.append("| one learner saturates at | " + " | ".join(
+        f"{checked.saturating_actors[r]} / {trusted.saturating_actors[r]} Macs" for r in ranks) + " |")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ class ModelFigures:
     params: float  # billions
     hidden: int
     layers: int
+    mlp: int  # the MLP's inner width
     decode_tok_s: dict[str, float]
     source: str
 
@@ -35,11 +36,11 @@ ISSUE = "mlx-lm 0.31 via lablup/mlxcel's tables, as quoted in issue K (4-bit, ba
 
 MODELS: dict[str, ModelFigures] = {
     m.name: m for m in (
-        ModelFigures("smollm2-135m", 0.135, 576, 30, {"m1-ultra": 374.92, "m5-max": 916.80}, MLXCEL + ", SmolLM-135M"),
-        ModelFigures("qwen2.5-0.5b", 0.494, 896, 24, {"m1-ultra": 315.0, "m5-max": 637.0}, ISSUE),
-        ModelFigures("1.6b", 1.6, 2048, 24, {"m1-ultra": 270.88, "m5-max": 424.38}, MLXCEL + ", StableLM-1.6B"),
-        ModelFigures("3b", 3.0, 2048, 36, {"m1-ultra": 126.29, "m5-max": 232.99}, MLXCEL + ", SmolLM3-3B"),
-        ModelFigures("qwen2.5-7b", 7.6, 3584, 28, {"m1-ultra": 111.0, "m5-max": 124.0}, ISSUE),
+        ModelFigures("smollm2-135m", 0.135, 576, 30, 1536, {"m1-ultra": 374.92, "m5-max": 916.80}, MLXCEL + ", SmolLM-135M"),
+        ModelFigures("qwen2.5-0.5b", 0.494, 896, 24, 4864, {"m1-ultra": 315.0, "m5-max": 637.0}, ISSUE),
+        ModelFigures("1.6b", 1.6, 2048, 24, 5632, {"m1-ultra": 270.88, "m5-max": 424.38}, MLXCEL + ", StableLM-1.6B"),
+        ModelFigures("3b", 3.0, 2048, 36, 11008, {"m1-ultra": 126.29, "m5-max": 232.99}, MLXCEL + ", SmolLM3-3B"),
+        ModelFigures("qwen2.5-7b", 7.6, 3584, 28, 18944, {"m1-ultra": 111.0, "m5-max": 124.0}, ISSUE),
     )
 }
 
@@ -67,5 +68,8 @@ def learner_tokens_per_second(model: ModelFigures) -> tuple[float, bool]:
 
 
 def lora_gradient_bytes(model: ModelFigures, rank: int = LORA_RANK) -> float:
-    """fp32 gradient bytes a step all-reduces for LoRA on q and v (mlx-lm's default keys) of every layer."""
-    return 4.0 * model.layers * 2 * rank * (model.hidden + model.hidden)
+    """fp32 gradient bytes a step all-reduces for LoRA on every linear of every block (mlx-lm's default keys):
+    r x (in + out) for the four attention projections (taken as hidden x hidden: GQA's k and v are narrower,
+    so this is an upper bound) and the MLP's three."""
+    per_block = 4 * (2 * model.hidden) + 3 * (model.hidden + model.mlp)
+    return 4.0 * model.layers * rank * per_block

@@ -5,9 +5,13 @@ actor returns one within `max_staleness` learner steps, no lease is granted
 while leased-out plus buffered groups reach `in_flight_steps x groups_per_step`,
 a refused actor asks again after `retry_after`, and a group sampled more than
 `max_staleness` versions behind the policy it reaches is rejected (its prompt
-goes back to the queue). Each submission's first informative group has its
-logprobs recomputed on the learner's training thread before the step that
-takes it (up to `logprob_checks_per_submission` of them, security.verify_logprobs).
+goes back to the queue).
+
+The logprob check is the learner's own too (`learner.fleet.trust.Trust`, with a
+seeded draw): a group sampled at the version the step trains from is checked
+inside the step's forward, for nothing; an older one is recomputed at its own
+version when drawn (every group of an actor on probation, then a random share),
+inside the step, spread over the ranks (`specs.CheckSpec`).
 
 Processes run on machines of their own (a fleet of Macs), or on one shared
 host (`SharedHost`, how the check on this VM runs): there every busy process
@@ -20,9 +24,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from grpo_fleet.fleetsim.specs import ActorSpec, RunSpec, SharedHost, SimResult
 from grpo_fleet.learner.fleet.leasing import (
     in_flight_limit,
     lease_size,
@@ -30,60 +36,7 @@ from grpo_fleet.learner.fleet.leasing import (
     retry_after,
 )
 from grpo_fleet.learner.fleet.registry import MovingAverage
-
-
-@dataclass(frozen=True)
-class ActorSpec:
-    """One simulated actor: seconds to generate and score one group, and to fetch a new policy version."""
-
-    seconds_per_group: float
-    fetch_seconds: float = 0.0
-    max_groups: int = 2  # ActorConfig.max_groups: what it asks for per lease
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """The run's shape and the learner's side; defaults are RunConfig's."""
-
-    groups_per_step: int = 8
-    step_seconds: float = 1.0  # the learner's step at this rank count, all-reduce included
-    informative_fraction: float = 1.0  # groups with reward variance (the rest are skipped, not trained)
-    max_staleness: int = 2
-    in_flight_steps: int = 2
-    max_groups_per_lease: int = 4
-    lease_seconds: float = 60.0
-    # The learner's work per submitted group besides training (grpo_fleet_learner_rollouts_answer_seconds:
-    # rewards re-scored, logprobs re-checked). One verifier thread does it, on the device the steps use, so
-    # a step under way is delayed by as much.
-    check_seconds_per_group: float = 0.0
-    # The learner's logprob check of one group (grpo_fleet_learner_logprob_check_seconds), on the training
-    # thread, so the step that takes the group waits for it; up to security.logprob_checks_per_submission
-    # informative groups of each submission are checked.
-    logprob_check_seconds: float = 0.0
-    logprob_checks_per_submission: int = 4
-    steps: int = 200
-
-
-@dataclass(frozen=True)
-class SharedHost:
-    """All processes on one machine of `cores` cores. `learner_cores` and `actor_cores` are what each keeps
-    busy when it runs alone (CPU seconds over wall seconds); the seconds in ActorSpec and RunSpec are then
-    its alone-speeds."""
-
-    cores: float
-    learner_cores: float
-    actor_cores: float
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """Steady-state figures over the second half of the simulated steps."""
-
-    steps_per_second: float
-    learner_busy_fraction: float
-    actor_busy_fraction: float
-    stale_fraction: float
-    mean_staleness: float
+from grpo_fleet.learner.fleet.trust import Trust
 
 
 @dataclass
@@ -101,11 +54,19 @@ class _Job:
 LEARNER = -1
 
 
+@dataclass(frozen=True)
+class _Buffered:
+    """One accepted group: the version it was sampled at, its actor, and whether the learner drew it for a check."""
+
+    version: int
+    actor: int
+    drawn: bool
+
+
 @dataclass
 class _Learner:
     version: int = 0
-    # Each buffered group: the policy version it was sampled at, and whether its logprobs get checked.
-    buffer: list[tuple[int, bool]] = field(default_factory=list)
+    buffer: list[_Buffered] = field(default_factory=list)
     busy: bool = False
     leased_out: int = 0
     informative_credit: float = 0.0
@@ -113,6 +74,7 @@ class _Learner:
     step_starts: list[float] = field(default_factory=list)  # checks included: when the training thread took it
     interval: MovingAverage = field(default_factory=MovingAverage)
     trained_staleness: list[int] = field(default_factory=list)
+    checked: list[tuple[int, int, float]] = field(default_factory=list)  # each step's (fused, forwards, seconds)
     checker_free_at: float = 0.0
 
 
@@ -134,7 +96,10 @@ class FleetSimulation:
         # frees instead, which costs the same time without an event per poll over an hour-long step.
         self.waiting: list[int] = []
         self.submitted = self.rejected = 0
-        self.limit = in_flight_limit(run.in_flight_steps, run.groups_per_step)
+        self.rules = run.rules
+        self.limit = in_flight_limit(self.rules.in_flight_steps, self.rules.groups_per_step)
+        check = run.check
+        self.trust = Trust(check.probation_groups, check.share, draw=random.Random(check.seed))
 
     def run_to_end(self) -> SimResult:
         for index in range(len(self.actors)):
@@ -144,7 +109,7 @@ class FleetSimulation:
             if kind == "ask":
                 self._ask_idle(index)
             elif kind == "accept":
-                self._accept(a, b)
+                self._accept(index, a, b)
             elif index in self.jobs and self.jobs[index].token == a:  # a job's newest finish
                 self._finish(index)
         return self._result()
@@ -202,10 +167,10 @@ class FleetSimulation:
 
     def _grant(self, index: int) -> int:
         """Groups leased to actor `index` now, sized as the learner sizes them (0: refused)."""
-        actor, learner, run = self.actors[index], self.learner, self.run
+        actor, learner, rules = self.actors[index], self.learner, self.rules
         capacity = max(0, self.limit - learner.leased_out - len(learner.buffer))
-        target = lease_target_seconds(None, run.max_staleness, learner.interval.value, run.lease_seconds)
-        count = lease_size(actor.max_groups, min(run.max_groups_per_lease, capacity),
+        target = lease_target_seconds(None, rules.max_staleness, learner.interval.value, rules.lease_seconds)
+        count = lease_size(actor.max_groups, min(rules.max_groups_per_lease, capacity),
                            1.0 / actor.seconds_per_group, target)
         learner.leased_out += count
         return count
@@ -237,11 +202,11 @@ class FleetSimulation:
     def _submit(self, index: int, groups: int, version: int) -> None:
         """Rollouts reach the learner's verifier; the actor goes on with the lease it was already granted."""
         learner = self.learner
-        cost = groups * self.run.check_seconds_per_group
+        cost = groups * self.run.answer_seconds_per_group
         learner.checker_free_at = max(self.now, learner.checker_free_at) + cost
         if LEARNER in self.jobs and cost > 0:
             self._extend(LEARNER, cost)
-        self._at(learner.checker_free_at, "accept", -1, groups, version)
+        self._at(learner.checker_free_at, "accept", index, groups, version)
         pending, self.pending[index] = self.pending[index], None
         if pending:
             self._start(index, pending)
@@ -250,32 +215,49 @@ class FleetSimulation:
 
     # ------------------------------------------------------------------ the learner
 
-    def _accept(self, groups: int, version: int) -> None:
-        """The verdict: too stale is rejected (the prompts go back); the informative rest are buffered, up
-        to `logprob_checks_per_submission` of them flagged for the logprob check."""
-        learner, run = self.learner, self.run
+    def _accept(self, actor: int, groups: int, version: int) -> None:
+        """The verdict: too stale is rejected (the prompts go back); the informative rest are buffered, each
+        drawn for the logprob check or not as the learner's Trust draws it."""
+        learner, rules = self.learner, self.rules
         learner.leased_out -= groups
         self.submitted += groups
-        if learner.version - version > run.max_staleness:
+        if learner.version - version > rules.max_staleness:
             self.rejected += groups  # re-queued on the learner: the prompts come back, the work is lost
         else:
-            learner.informative_credit += groups * run.informative_fraction
+            learner.informative_credit += groups * self.run.informative_fraction
             whole = int(learner.informative_credit + 1e-9)
             learner.informative_credit -= whole
-            learner.buffer.extend((version, i < run.logprob_checks_per_submission) for i in range(whole))
+            key = str(actor)
+            learner.buffer.extend(_Buffered(version, actor, self.run.check.enabled and self.trust.wants_check(key))
+                                  for _ in range(whole))
         self._maybe_step()
         self._wake_waiting()
 
     def _maybe_step(self) -> None:
-        learner, run = self.learner, self.run
-        if LEARNER in self.jobs or len(learner.buffer) < run.groups_per_step:
+        learner, size = self.learner, self.rules.groups_per_step
+        if LEARNER in self.jobs or len(learner.buffer) < size:
             return
-        batch, learner.buffer = learner.buffer[: run.groups_per_step], learner.buffer[run.groups_per_step:]
-        learner.trained_staleness.extend(learner.version - v for v, _ in batch)
-        checks = sum(1 for _, flagged in batch if flagged)
+        batch, learner.buffer = learner.buffer[:size], learner.buffer[size:]
+        learner.trained_staleness.extend(learner.version - group.version for group in batch)
+        checks = self._check_seconds(batch)
         self._wake_waiting()
         cores = self.host.learner_cores if self.host is not None else 1.0
-        self._begin(LEARNER, checks * run.logprob_check_seconds + run.step_seconds, cores)
+        self._begin(LEARNER, checks + self.run.step_seconds, cores)
+
+    def _check_seconds(self, batch: list[_Buffered]) -> float:
+        """The step's own check of `batch`: free at the version it trains from, a forward for a drawn older group,
+        spread over the ranks. Every checked group counts towards its actor's probation."""
+        check = self.run.check
+        if not check.enabled:
+            self.learner.checked.append((0, 0, 0.0))
+            return 0.0
+        fused = [g for g in batch if g.version == self.learner.version]
+        forwards = [g for g in batch if g.version != self.learner.version and g.drawn]
+        for group in fused + forwards:
+            self.trust.record_pass(str(group.actor))
+        seconds = len(forwards) * check.forward_seconds / max(1, self.run.ranks)
+        self.learner.checked.append((len(fused), len(forwards), seconds))
+        return seconds
 
     def _finish_step(self) -> None:
         learner = self.learner
@@ -291,19 +273,23 @@ class FleetSimulation:
         return busy / (end - start) if end > start else 1.0
 
     def _result(self) -> SimResult:
-        ends = self.learner.step_ends
-        half = len(ends) // 2
-        if len(ends) < 4:
+        ends, learner = self.learner.step_ends, self.learner
+        first = self.run.measure_from if self.run.measure_from is not None else len(ends) // 2
+        if len(ends) < 4 or first >= len(ends) - 1:
             return SimResult(0.0, 0.0, 0.0, 0.0, 0.0)
-        span = ends[-1] - ends[half]
-        steps_per_second = (len(ends) - 1 - half) / span if span > 0 else float("inf")
-        staleness = self.learner.trained_staleness
+        span = ends[-1] - ends[first]
+        steps_per_second = (len(ends) - 1 - first) / span if span > 0 else float("inf")
+        staleness = learner.trained_staleness
+        trained = max(1, len(learner.checked) * self.rules.groups_per_step)
         return SimResult(
             steps_per_second=steps_per_second,
-            learner_busy_fraction=self._learner_busy(ends[half], ends[-1]),
+            learner_busy_fraction=self._learner_busy(ends[first], ends[-1]),
             actor_busy_fraction=sum(self.actor_busy) / (len(self.actors) * ends[-1]),
             stale_fraction=self.rejected / max(1, self.submitted),
             mean_staleness=sum(staleness) / max(1, len(staleness)),
+            fused_fraction=sum(c[0] for c in learner.checked) / trained,
+            forward_fraction=sum(c[1] for c in learner.checked) / trained,
+            check_seconds_per_step=sum(c[2] for c in learner.checked) / max(1, len(learner.checked)),
         )
 
 

@@ -1,0 +1,111 @@
+"""What a simulated run is made of: the fleet's rules, the check, the actors, the learner, and the host.
+
+`FleetRules` is declared once and shared by a simulated run (`RunSpec`) and a
+planned one (`plan.PlanShape`): the learner's own leasing and staleness rules,
+read from a RunConfig by `FleetRules.from_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from grpo_fleet.config import RunConfig
+
+
+@dataclass(frozen=True)
+class FleetRules:
+    """The rules the learner runs its fleet by; the defaults are RunConfig's."""
+
+    groups_per_step: int = 8  # grpo.groups_per_step
+    max_staleness: int = 2  # grpo.max_staleness: older groups are rejected at intake
+    in_flight_steps: int = 2  # server.in_flight_steps: leased-out plus buffered groups, in steps
+    max_groups_per_lease: int = 4  # server.max_groups_per_lease
+    lease_seconds: float = 60.0  # server.lease_seconds
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "FleetRules":
+        return cls(groups_per_step=cfg.grpo.groups_per_step, max_staleness=cfg.grpo.max_staleness,
+                   in_flight_steps=cfg.server.in_flight_steps, max_groups_per_lease=cfg.server.max_groups_per_lease,
+                   lease_seconds=cfg.server.lease_seconds)
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """The learner's logprob check (security.*), as the step runs it.
+
+    A group sampled at the version the step trains from is checked inside the
+    step's own forward: free. An older group needs a forward pass at its own
+    version, and gets one only when drawn: every group of an actor on probation
+    (its first `probation_groups` checked groups), then a random `share`. Those
+    forwards run inside the step, spread over the ranks (each rank recomputes its
+    own rows), so they cost `forward_seconds x drawn groups / ranks`.
+    """
+
+    enabled: bool = True  # security.verify_logprobs
+    forward_seconds: float = 0.0  # one older group's forward at its own version, on one rank
+    probation_groups: int = 8  # security.probation_groups
+    share: float = 0.2  # security.check_share
+    seed: int = 0  # the draw is the learner's own Trust, seeded here so a simulation repeats
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, forward_seconds: float) -> "CheckSpec":
+        security = cfg.security
+        return cls(enabled=security.verify_logprobs, forward_seconds=forward_seconds,
+                   probation_groups=security.probation_groups, share=security.check_share)
+
+
+TRUSTED = CheckSpec(enabled=False)
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """One simulated actor: seconds to generate and score one group, and to fetch a new policy version."""
+
+    seconds_per_group: float
+    fetch_seconds: float = 0.0
+    max_groups: int = 2  # ActorConfig.max_groups: what it asks for per lease
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The run's rules and the learner's side."""
+
+    rules: FleetRules = field(default_factory=FleetRules)
+    step_seconds: float = 1.0  # the learner's step at `ranks` ranks, all-reduce included, checks not
+    ranks: int = 1
+    informative_fraction: float = 1.0  # groups with reward variance (the rest are skipped, not trained)
+    # The learner's work per submitted group besides training (grpo_fleet_learner_rollouts_answer_seconds:
+    # rewards re-scored). One verifier thread does it, on the device the steps use, so a step under way is
+    # delayed by as much.
+    answer_seconds_per_group: float = 0.0
+    check: CheckSpec = TRUSTED
+    steps: int = 200
+    # Steps/s is measured from the end of this step to the last (None: the second half, a steady state). A
+    # measured run of a few steps is compared from its second step on (its first carries the start-up).
+    measure_from: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class SharedHost:
+    """All processes on one machine of `cores` cores. `learner_cores` and `actor_cores` are what each keeps
+    busy when it runs alone (CPU seconds over wall seconds); the seconds in ActorSpec and RunSpec are then
+    its alone-speeds."""
+
+    cores: float
+    learner_cores: float
+    actor_cores: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Figures over the measured steps (RunSpec.measure_from)."""
+
+    steps_per_second: float
+    learner_busy_fraction: float
+    actor_busy_fraction: float
+    stale_fraction: float
+    mean_staleness: float
+    fused_fraction: float = 0.0  # trained groups checked inside the step's own forward (at its version)
+    forward_fraction: float = 0.0  # trained groups recomputed at an older version (probation or drawn)
+    check_seconds_per_step: float = 0.0  # the forwards' seconds a step, on the slowest rank

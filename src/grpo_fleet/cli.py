@@ -233,8 +233,8 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--steps", type=int, default=None, help="training steps (default from the demo config)")
     demo.add_argument("--run-dir", help="default runs/demo, or runs/demo-real with --model")
     demo.add_argument("--config", help="run config TOML (default configs/demo.toml settings)")
-    demo.add_argument("--model", help="a pretrained zoo model (smollm2-135m-instruct, gemma3-270m): fetched, imported from GGUF and "
-                                      "trained on its packaged task; --config replaces that task with yours")
+    demo.add_argument("--model", help="a pretrained zoo model (smollm2-135m-instruct, gemma3-270m): fetched, imported "
+                                      "from GGUF and trained on its packaged task; --config replaces that task with yours")
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted config override, repeatable")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_demo)

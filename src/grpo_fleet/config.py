@@ -494,6 +494,13 @@ class SecurityConfig(_Section):
         "from the OS's randomness, unpredictable to the actor). A liar that turns after probation trains (1 - p) / p "
         "groups on average before it is caught: 4 at 0.2. 1 checks everything.",
     )
+    check_completions: int = Field(
+        2, ge=0,
+        description="Completions of a group recomputed when it is checked at an older version, picked at random (0: "
+        "all G). A liar that lies in every completion (stale weights, a lifted version) is caught as surely; one that "
+        "alters c of G is caught by a checked group with probability 1 - C(G-c, k) / C(G, k). Groups checked inside "
+        "the step are checked whole.",
+    )
     calibration_prompts: int = Field(
         2, ge=0,
         description="Train prompts the learner samples G completions of at start, in a half-precision actor's dtype, to "

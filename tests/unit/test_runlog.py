@@ -45,7 +45,8 @@ STEP_LINE_KEYS = {
     "step", "policy_version", "reward_mean", "reward_std", "loss", "kl", "clip_fraction", "grad_norm", "ratio_mean",
     "offpolicy_gap_mean", "offpolicy_gap_max", "is_capped_fraction", "completion_length_mean", "completion_length_max",
     "truncated_fraction", "learning_rate", "skipped", "peak_memory_bytes", "groups", "tokens", "staleness_mean",
-    "staleness_max", "zero_variance_fraction", "step_seconds", "wall_seconds", "actors",
+    "staleness_max", "zero_variance_fraction", "step_seconds", "wall_seconds", "actors", "check_seconds", "groups_checked",
+    "groups_unchecked",
 }
 
 

@@ -20,8 +20,9 @@ so a lie never trains.
 
 from __future__ import annotations
 
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -35,6 +36,7 @@ from grpo_fleet.learner.step.gap_bounds import GapBound
 from grpo_fleet.learner.step.stats import StepStats
 
 SAMPLED_OUT, VERIFICATION_OFF, VERSION_GONE = "sampled_out", "verification_off", "version_gone"
+_PICKER = random.SystemRandom()  # which completions a forward check recomputes: the OS's randomness
 
 
 @dataclass
@@ -86,7 +88,9 @@ class BatchChecks:
         if check is None or not plan.forward:
             return True
         started = time.perf_counter()
-        failures = check.failures(plan.forward)
+        parts = [self._part(group) for group in plan.forward]
+        picked = {id(part): group for part, group in zip(parts, plan.forward)}
+        failures = [(picked[id(part)], gap) for part, gap in check.failures(parts)]
         plan.seconds += time.perf_counter() - started
         self._count("forward", len(plan.forward), len(failures))
         with self.rooms.lock:
@@ -129,6 +133,14 @@ class BatchChecks:
         self.rooms.intake.blame_tampered(failures, in_hand=groups)
         self.rooms.handoff.put_back([g for g in groups if g.actor_key not in liars])
         return False
+
+    def _part(self, group: AcceptedGroup) -> AcceptedGroup:
+        """The completions of `group` a forward check recomputes: security.check_completions of them, unpredictably
+        (a forward's cost is per completion; a liar cannot know which it must get right)."""
+        count = self.rooms.cfg.security.check_completions
+        if count == 0 or count >= len(group.completions):
+            return group
+        return replace(group, completions=_PICKER.sample(group.completions, count))
 
     def _count(self, how: str, checked: int, failed: int) -> None:
         counter = self.rooms.metrics.logprob_checks

@@ -48,6 +48,7 @@ from grpo_fleet.protocol import (
     encode,
     validate_rollouts,
 )
+from grpo_fleet.protocol.messages import EnvSpec
 from grpo_fleet.protocol.reasons import RejectReason
 from wire_samples import bulky
 
@@ -124,6 +125,31 @@ def sample_messages() -> list[BaseModel]:
         ErrorReply(reason="malformed", detail="truncated"),
         PolicyUpdated(version=4, digest=DIGEST),
         Shutdown(reason="done"),
+        *episode_messages(prompt, model),
+    ]
+
+
+def episode_messages(prompt: PromptItem, model: ModelRef) -> list[BaseModel]:
+    """An episode run (issue 28): Welcome names the environment, prompts carry their conversation, completions
+    carry their sampled/environment mask, turn starts and end."""
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 6*7?"}]
+    episode = Completion(
+        tokens=Tensor.from_numpy(np.array([5, 6, 2, 9, 9, 7, 2], dtype=np.int32)),
+        logprobs=Tensor.from_numpy(np.array([-0.5, -0.1, -0.2, 0.0, 0.0, -0.3, -0.1], dtype=np.float32)),
+        reward=0.5, finish_reason="stop", mask=Tensor.from_numpy(np.array([1, 1, 1, 0, 0, 1, 1], dtype=np.uint8)),
+        turns=[0, 5], end="done",
+    )
+    return [
+        Welcome(
+            run_id="r", actor_id="a1", model=model,
+            generation=GenerationParams(group_size=2, max_tokens=16, temperature=1.0, top_p=1.0),
+            reward=RewardSpec(names=[], weights=[]), policy_version=0, heartbeat_seconds=2.0, vocab_size=320,
+            env=EnvSpec(module="/home/me/my_env.py", class_name="Guess", module_digest=DIGEST, config={"tries": 2},
+                        max_turns=3, max_episode_tokens=256, timeout_seconds=5.0),
+        ),
+        Lease(lease_id="L4", deadline_seconds=60.0, policy_version=3,
+              prompts=[prompt.model_copy(update={"messages": conversation})]),
+        rollouts(group("g2", episode, episode)),
     ]
 
 

@@ -38,7 +38,7 @@ def to_completion(completion: GeneratedCompletion, reward: float) -> m.Completio
         finish_reason=cast(Literal["stop", "length"], completion.finish_reason),  # pydantic checks it
         mask=None if episode is None else m.Tensor.from_numpy(np.asarray(episode.mask, dtype=np.uint8)),
         turns=None if episode is None else list(episode.turns),
-        end=None if episode is None else cast(m.EpisodeEnd, episode.end),
+        end="" if episode is None else cast(m.EpisodeEnd, episode.end),
     )
 
 

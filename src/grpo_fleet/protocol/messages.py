@@ -308,10 +308,10 @@ class Completion(_Strict):
     finish_reason: Literal["stop", "length"]
     # An episode's (Welcome.env), all three or none: `mask` is 1 at each token the model sampled and 0 at each
     # the environment gave (observations through the chat template), whose logprob must be exactly 0; `turns`
-    # the offsets where the sampled turns start; `end` why the episode ended. None: every token was sampled.
+    # the offsets where the sampled turns start; `end` why the episode ended. None / "": every token was sampled.
     mask: Optional[Tensor] = None
     turns: Optional[list[NonNegInt]] = Field(default=None, max_length=MAX_TURNS)
-    end: Optional[EpisodeEnd] = None
+    end: Literal["", "done", "max_turns", "budget"] = ""
 
     @model_validator(mode="after")
     def _intrinsic(self) -> "Completion":
@@ -339,10 +339,9 @@ def episode_problem(completion: "Completion") -> Optional[str]:
     observation nobody answered is never sent). Environment tokens carry no
     logprob, so a nonzero one there is refused rather than ignored.
     """
-    fields = (completion.mask, completion.turns, completion.end)
-    if all(value is None for value in fields):
+    if completion.mask is None and completion.turns is None and not completion.end:
         return None
-    if completion.mask is None or completion.turns is None or completion.end is None:
+    if completion.mask is None or completion.turns is None or not completion.end:
         return "an episode needs mask, turns and end together"
     if completion.mask.dtype != "uint8" or completion.mask.shape != completion.tokens.shape:
         return f"mask must be a uint8 tensor of the tokens' shape {completion.tokens.shape}"

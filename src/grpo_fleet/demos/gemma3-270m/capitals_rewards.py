@@ -1,7 +1,7 @@
 """Rewards for the Gemma 3 270M demo (demo.toml beside this file): the capital, alone, on the answer's line.
 
 Gemma 3 270M is a base model: it continues text rather than answering. The
-prompts are a two-question quiz it continues ("Q: ...?\nA: Rome\nQ: ...?\nA:"),
+prompts are a quiz it continues ("Q: ...?\nA: Rome\nQ: ...?\nA:"),
 so its answer is the first line of what it writes; what follows is the quiz going
 on, and is not judged. Greedily it often names the right city; sampled at
 temperature 1 it as often names another, adds words, or wanders. GRPO has a clear

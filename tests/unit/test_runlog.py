@@ -8,7 +8,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from grpo_fleet.learner.records.runlog import LedgerEntry, LogSizes, RunLog, StepRecord
-from grpo_fleet.learner.step.stats import StepStats
+from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.learner.step.update_stats import UpdateStats
 
 README = Path(__file__).resolve().parents[2] / "README.md"

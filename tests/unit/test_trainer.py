@@ -18,7 +18,7 @@ from grpo_fleet.learner.step.gap_bounds import GapBound
 from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
 from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, behaviour_correction, default_loss, policy_logprobs
 from grpo_fleet.learner.step.schedule import learning_rate_schedule
-from grpo_fleet.learner.step.stats import LOGPROB_MISMATCH
+from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, adapters_disabled, load_policy, trainable_weights
 

@@ -40,7 +40,7 @@ from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.run.build import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
-from grpo_fleet.learner.step.stats import StepStats
+from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.learner.step.trainer import Trainer, trainer_from_config
 from grpo_fleet.local_fleet import running
 from grpo_fleet.model import Policy, load_policy

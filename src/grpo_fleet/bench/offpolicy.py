@@ -29,7 +29,7 @@ from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, batched_rollout, demo_run_config
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.run.build import resolve_model_path
-from grpo_fleet.learner.step.stats import StepStats
+from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.tasks import build_task
 
 EVAL_EVERY = 100

@@ -35,7 +35,7 @@ from grpo_fleet.bench.e2e import TrainLoop
 from grpo_fleet.bench.offpolicy import OffPolicyStats, lagged_training
 from grpo_fleet.bench.real_task import real_config, real_model_dir, real_task_config
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.step.stats import StepStats
+from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.model import Policy, load_policy
 
 NATURAL_LAG = 1

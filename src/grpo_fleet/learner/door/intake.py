@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from grpo_fleet.learner.door.actor_checks import LogprobGap, RewardCheck, WeightHistory
     from grpo_fleet.learner.fleet.leasing import Leasing
     from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
-    from grpo_fleet.learner.step.stats import StepStats
+    from grpo_fleet.learner.step.step_result import StepStats
 
 log = logging.getLogger("grpo_fleet.learner")
 # A prompt whose group comes back unscored this many times in a row is given up

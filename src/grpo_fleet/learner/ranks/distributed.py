@@ -38,7 +38,7 @@ from grpo_fleet.learner.ranks.sharding import (
 )
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch
 from grpo_fleet.learner.step.objective import proximal_grid
-from grpo_fleet.learner.step.stats import Gradients
+from grpo_fleet.learner.step.step_result import Gradients
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.trees import flat_leaves
 

@@ -33,7 +33,7 @@ from grpo_fleet.learner.records.runlog import UncheckedEntry
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.step.fused_check import CheckedGroup, check_bounds_array
 from grpo_fleet.learner.step.gap_bounds import GapBound
-from grpo_fleet.learner.step.stats import StepStats
+from grpo_fleet.learner.step.step_result import StepStats
 
 SAMPLED_OUT, VERIFICATION_OFF, VERSION_GONE = "sampled_out", "verification_off", "version_gone"
 _PICKER = random.SystemRandom()  # which completions a forward check recomputes: the OS's randomness

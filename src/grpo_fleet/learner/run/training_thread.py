@@ -28,7 +28,7 @@ from grpo_fleet.learner.run.batch_checks import BatchChecks
 from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
-from grpo_fleet.learner.step.stats import LOGPROB_MISMATCH, StepStats
+from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, StepStats
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol.reasons import RejectReason

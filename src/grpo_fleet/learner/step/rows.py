@@ -10,7 +10,7 @@ import numpy as np
 
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch
 from grpo_fleet.learner.step.objective import proximal_grid
-from grpo_fleet.learner.step.stats import Gradients
+from grpo_fleet.learner.step.step_result import Gradients
 
 
 class Sharding(Protocol):

@@ -36,7 +36,7 @@ from grpo_fleet.learner.step.fused_check import CheckedGroup, fused_check
 from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, LossFn, behaviour_correction, default_loss, offpolicy_summary
 from grpo_fleet.learner.step.rows import Sharding, SingleProcess
 from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
-from grpo_fleet.learner.step.stats import LOGPROB_MISMATCH, Gradients, StepStats
+from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, Gradients, StepStats
 from grpo_fleet.model import Policy, adapters_disabled, load_policy
 from grpo_fleet.trees import flat_leaves, scalar
 

@@ -31,7 +31,7 @@ class UpdateStats:
     is_capped_fraction: float = 0.0
     learning_rate: float = 0.0  # the rate of this step's last applied update (optim.schedule's value)
     # "nonfinite_loss" or "nonfinite_grad": that epoch applied no update; "logprob_mismatch": the step's own check
-    # found a group beyond its bound before anything was applied (stats.LOGPROB_MISMATCH)
+    # found a group beyond its bound before anything was applied (step_result.LOGPROB_MISMATCH)
     skipped: Optional[str] = None
     peak_memory_bytes: int
 

@@ -153,9 +153,10 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"grpo-fleet simulate: choose --model from {', '.join(MODELS)} and --mac from "
               f"{', '.join(next(iter(MODELS.values())).decode_tok_s)}", file=sys.stderr)
         return 2
+    given = {"check_share": args.check_share, "check_completions": args.check_completions}
     inputs = PlanInputs(model=args.model, mac=args.mac, batch_speedup=args.batch_speedup,
                         learner_tok_s=args.learner_tok_s, link_gbps=args.link_gbps,
-                        logprob_check=not args.no_logprob_check, check_share=args.check_share)
+                        logprob_check=not args.no_logprob_check, **{k: v for k, v in given.items() if v is not None})
     shape = PlanShape(group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                       completion_tokens=args.completion_tokens, rules=FleetRules(groups_per_step=args.groups_per_step))
     result = plan(inputs, shape, args.actors, args.ranks)
@@ -191,8 +192,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     simulate.add_argument("--link-gbps", type=float, default=10.0, help="network between Macs (10 GbE; TB5 is 80)")
     simulate.add_argument("--no-logprob-check", action="store_true",
                           help="a fleet run with security.verify_logprobs=false (trusted actors): no logprob check")
-    simulate.add_argument("--check-share", type=_share, default=0.2,
-                          help="security.check_share: older groups recomputed after an actor's probation")
+    simulate.add_argument("--check-share", type=_share, default=None,
+                          help="security.check_share: older groups recomputed after an actor's probation "
+                          "(default: the config's)")
+    simulate.add_argument("--check-completions", type=int, default=None,
+                          help="security.check_completions: of a group's completions, what such a check recomputes "
+                          "(default: the config's)")
     simulate.add_argument("--on-off", action="store_true",
                           help="print steps/h with verification on and off side by side (Markdown)")
     simulate.add_argument("--group-size", type=_at_least_one, default=8)

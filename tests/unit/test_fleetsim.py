@@ -87,6 +87,9 @@ def test_older_groups_drawn_for_the_check_delay_the_step_by_their_forwards_split
     assert every.forward_fraction == pytest.approx(1.0, abs=0.01)
     assert every.steps_per_second == pytest.approx(1 / (2.0 + 4 * 0.5), rel=0.03)
     assert spread.steps_per_second == pytest.approx(1 / (2.0 + 4 * 0.5 / 2), rel=0.03)
+    # A forward of 2 of 8 completions costs a quarter of the whole group's.
+    part = _learner_bound(CheckSpec(forward_seconds=0.5, completions=0.25, probation_groups=0, share=1.0))
+    assert part.steps_per_second == pytest.approx(1 / (2.0 + 4 * 0.5 / 4), rel=0.03)
     # One group in four drawn, on average: one forward a step.
     assert sampled.forward_fraction == pytest.approx(0.25, abs=0.05)
     assert sampled.steps_per_second == pytest.approx(1 / (2.0 + 0.5), rel=0.05)

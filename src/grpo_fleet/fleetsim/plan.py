@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from grpo_fleet.config import SecurityConfig
 from grpo_fleet.fleetsim.published import LOGPROB_CHECK_SHARE, MODELS, learner_tokens_per_second, lora_gradient_bytes
 from grpo_fleet.fleetsim.simulation import simulate
-from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec
+from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, completions_share
 
+SECURITY = SecurityConfig()
 SATURATED = 0.95  # "one learner saturates" where more actors add less than 5% more steps/s
 
 
@@ -33,6 +35,7 @@ class PlanInputs:
     link_gbps: float = 10.0  # between learner ranks and to actors (10 GbE; Thunderbolt 5 is 80)
     logprob_check: bool = True  # security.verify_logprobs
     check_share: float = CheckSpec.share  # security.check_share: older groups drawn for a forward after probation
+    check_completions: int = SECURITY.check_completions  # security.check_completions: of a group's G, what a forward recomputes
     # The check's forward of one group over that group's part of a one-rank step (measured: bench fleet_sim)
     check_forward_share: float = LOGPROB_CHECK_SHARE
 
@@ -91,7 +94,8 @@ def plan(inputs: PlanInputs, shape: PlanShape, actor_counts: list[int], rank_cou
     extrapolated, check = False, check_seconds(inputs, shape)
     for ranks in rank_counts:
         seconds[ranks], extrapolated = step_seconds(inputs, shape, ranks)
-        verify = CheckSpec(enabled=inputs.logprob_check, forward_seconds=check, share=inputs.check_share)
+        verify = CheckSpec(enabled=inputs.logprob_check, forward_seconds=check, share=inputs.check_share,
+                           completions=completions_share(inputs.check_completions, shape.group_size))
         run = RunSpec(rules=shape.rules, step_seconds=seconds[ranks], ranks=ranks, check=verify, steps=steps)
         for count in actor_counts:
             result = simulate([ActorSpec(per_group, fetch)] * count, run)
@@ -110,8 +114,9 @@ def render(result: Plan, inputs: PlanInputs, shape: PlanShape) -> str:
         f"{shape.group_size} x {shape.completion_tokens} tokens), {shape.rules.groups_per_step} groups a step",
         "learner step: " + ", ".join(f"{r} rank{'s' if r > 1 else ''} {result.step_seconds[r]:.0f} s" for r in ranks)
         + (" (extrapolated by parameter count)" if result.learner_extrapolated else "")
-        + (f"; logprob check: free at the step's version, {result.check_seconds:.1f} s a group at an older one on "
-           f"one rank when drawn (probation, then {inputs.check_share:.0%}), split over the ranks"
+        + (f"; logprob check: free at the step's version, {result.check_seconds:.1f} s a whole group at an older one "
+           f"on one rank when drawn (probation, then {inputs.check_share:.0%}; {inputs.check_completions or 'all'} of "
+           f"{shape.group_size} completions), split over the ranks"
            if inputs.logprob_check else "; no logprob check (trusted actors)"),
         "actors | " + " | ".join(f"steps/h, {r} rank{'s' if r > 1 else ''}" for r in ranks),
     ]

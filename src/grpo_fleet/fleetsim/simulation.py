@@ -255,7 +255,7 @@ class FleetSimulation:
         forwards = [g for g in batch if g.version != self.learner.version and g.drawn]
         for group in fused + forwards:
             self.trust.record_pass(str(group.actor))
-        seconds = len(forwards) * check.forward_seconds / max(1, self.run.ranks)
+        seconds = len(forwards) * check.forward_seconds * check.completions / max(1, self.run.ranks)
         self.learner.checked.append((len(fused), len(forwards), seconds))
         return seconds
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from grpo_fleet.config import RunConfig
+from grpo_fleet.config import RunConfig, SecurityConfig
+
+_SECURITY = SecurityConfig()
 
 
 @dataclass(frozen=True)
@@ -37,22 +39,30 @@ class CheckSpec:
     A group sampled at the version the step trains from is checked inside the
     step's own forward: free. An older group needs a forward pass at its own
     version, and gets one only when drawn: every group of an actor on probation
-    (its first `probation_groups` checked groups), then a random `share`. Those
-    forwards run inside the step, spread over the ranks (each rank recomputes its
-    own rows), so they cost `forward_seconds x drawn groups / ranks`.
+    (its first `probation_groups` checked groups), then a random `share`. Such a
+    forward recomputes `completions` of the group's completions (a share of its
+    G), spread over the ranks (each rank its own rows), so the drawn groups cost
+    `forward_seconds x completions x drawn / ranks`.
     """
 
     enabled: bool = True  # security.verify_logprobs
-    forward_seconds: float = 0.0  # one older group's forward at its own version, on one rank
-    probation_groups: int = 8  # security.probation_groups
-    share: float = 0.2  # security.check_share
+    forward_seconds: float = 0.0  # one older group's forward at its own version (all G completions), on one rank
+    completions: float = 1.0  # the share of a group's completions such a forward recomputes (check_completions / G)
+    probation_groups: int = _SECURITY.probation_groups
+    share: float = _SECURITY.check_share
     seed: int = 0  # the draw is the learner's own Trust, seeded here so a simulation repeats
 
     @classmethod
     def from_config(cls, cfg: RunConfig, forward_seconds: float) -> "CheckSpec":
         security = cfg.security
         return cls(enabled=security.verify_logprobs, forward_seconds=forward_seconds,
+                   completions=completions_share(security.check_completions, cfg.generation.group_size),
                    probation_groups=security.probation_groups, share=security.check_share)
+
+
+def completions_share(check_completions: int, group_size: int) -> float:
+    """The share of a group's G completions a forward check recomputes (security.check_completions; 0: all)."""
+    return 1.0 if check_completions == 0 else min(1.0, check_completions / group_size)
 
 
 TRUSTED = CheckSpec(enabled=False)

@@ -24,6 +24,7 @@ from test_learner_core import (
 from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.door.actor_checks import RewardCheck, reward_gap
 from grpo_fleet.learner.run.coordinator import RunCoordinator
+from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND, HALF_PRECISION_MEAN_FLOOR, default_bound
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import load_policy
 from grpo_fleet.protocol import messages as m
@@ -372,3 +373,13 @@ def test_a_resumed_learner_checks_older_versions_or_refuses_them(make: Callable[
         return
     assert ack.status == "accepted" and sorted(resumed.weight_history.versions) == [0, 1, 2]  # type: ignore[union-attr]
     assert resumed.train_step() is None and rejections(resumed, RejectReason.LOGPROB_MISMATCH) == GROUPS_PER_STEP
+
+
+def test_the_learner_calibrates_the_half_precision_bound_on_its_own_model(make: Callable[..., RunCoordinator]) -> None:
+    learner = make(security={"verify_logprobs": True})
+    ((dtype, bound),) = learner.intake.rules.calibrated
+    # The tiny model's honest bf16 gaps are about 0.0015 nats: the bound sits near the floor, far under 0.15.
+    assert dtype == "bfloat16" and HALF_PRECISION_MEAN_FLOOR <= bound.mean < HALF_PRECISION_BOUND / 10
+    assert learner.intake.rules.logprob_bound("Device(gpu, 0)") == bound, "an actor of unknown dtype: bf16's"
+    assert learner.intake.rules.logprob_bound("cpu") == default_bound("float32", "float32"), "fp32 keeps its own"
+    assert make(security={"verify_logprobs": True, "calibration_prompts": 0}).intake.rules.calibrated == ()

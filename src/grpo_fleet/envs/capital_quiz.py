@@ -36,6 +36,10 @@ def names_city(reply: str, city: str) -> bool:
 class CapitalQuiz:
     """One question, up to `tries` answers; feedback with a hint after a wrong one."""
 
+    # The same replies always get the same feedback and reward: the learner may replay its episodes to check them
+    # (security.verify_rewards; learner/door/env_replay.py).
+    deterministic = True
+
     def __init__(self, env_config: Optional[dict[str, Any]] = None, extras: Optional[dict[str, Any]] = None) -> None:
         config, extras = dict(env_config or {}), dict(extras or {})
         self.city = str(extras["reward_spec"]["ground_truth"])

@@ -11,6 +11,11 @@ is built once per episode and driven like this:
     out == {"observations": [messages], "reward": float, "done": bool, "metadata": dict}
     env.close()                              # optional
 
+A class attribute `deterministic = True` says the same actions always give the
+same observations and rewards: the learner then replays each submitted episode
+to check it (security.verify_rewards, learner/door/env_replay.py). A run that
+verifies rewards refuses to start with an environment that does not say so.
+
 The episode's reward is the sum of its steps' rewards. Observations are chat
 messages ({"role": "user", "content": ...}); their tokens come from the chat
 template, never from re-tokenizing the model's own text (envs/template.py).

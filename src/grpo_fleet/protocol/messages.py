@@ -453,14 +453,17 @@ MESSAGE_TYPES: dict[str, type[BaseModel]] = {cls.__name__: cls for cls in get_ar
 
 def validate_rollouts(
     msg: Rollouts, *, group_size: int, vocab_size: int, max_tokens: int, reward_bound: float = 1e4,
-    stop_token_ids: Optional[frozenset[int]] = None,
+    stop_token_ids: Optional[frozenset[int]] = None, episode_tokens: Optional[int] = None,
 ) -> Optional[RejectReason]:
     """Run-dependent checks; returns why the batch is unusable, or None when it is usable.
 
     Values are checked in the dtype they are trained in: a reward of 1e39 is a
     finite float64 but inf in float32, so rewards must lie within `reward_bound`.
     With `stop_token_ids` (the tokens that end sampling), each `finish_reason` is
-    checked against its tokens (`finish_reason_mismatch`).
+    checked against its tokens (`finish_reason_mismatch`; an episode's turn by
+    turn, `episode_finish_mismatch`). `episode_tokens` is task.max_episode_tokens
+    in a run with an environment: every completion must then be an episode no
+    longer than that (and `max_tokens` bounds each turn); None: none may be one.
     """
     ids = [g.group_id for g in msg.groups] + [u.group_id for u in msg.unscored]
     if len(set(ids)) != len(ids):
@@ -475,15 +478,16 @@ def validate_rollouts(
     # Re-checked here because model_construct() bypasses the Completion validator.
     if any(c.tokens.shape != c.logprobs.shape or len(c.tokens.shape) != 1 for c in completions):
         return RejectReason.LENGTH_MISMATCH
-    if any(c.tokens.shape[0] > max_tokens for c in completions):
+    if any((c.mask is not None) != (episode_tokens is not None) for c in completions):
+        return RejectReason.EPISODE_MISMATCH
+    if any(c.tokens.shape[0] > (max_tokens if episode_tokens is None else episode_tokens) for c in completions):
         return RejectReason.TOO_LONG
     # One concatenation per kind keeps the checks vectorised over the whole message.
     tokens = np.concatenate([c.tokens.to_numpy().astype(np.int64, copy=False) for c in completions])
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         return RejectReason.TOKEN_OUT_OF_RANGE
-    # An episode's finish_reason is its last turn's, cut by the episode's own token budget: checked by its `end`.
-    if stop_token_ids is not None and any(c.mask is None and finish_reason_mismatch(
-            c.tokens.to_numpy(), c.finish_reason, stop_token_ids, max_tokens) for c in completions):
+    if stop_token_ids is not None and any(_finish_mismatch(c, stop_token_ids, max_tokens, episode_tokens)
+                                          for c in completions):
         return RejectReason.FINISH_REASON_MISMATCH
     logprobs = np.concatenate([c.logprobs.to_numpy() for c in completions])
     rewards = np.array([c.reward for c in completions], dtype=np.float64)
@@ -506,6 +510,43 @@ def finish_reason_mismatch(tokens: np.ndarray, finish_reason: str, stop_token_id
     if finish_reason == "stop":
         return not bool(stops[-1])
     return bool(stops[-1]) or len(ids) != max_tokens
+
+
+def _finish_mismatch(completion: Completion, stop_token_ids: frozenset[int], max_tokens: int,
+                     episode_tokens: Optional[int]) -> bool:
+    tokens = completion.tokens.to_numpy()
+    if completion.mask is None:
+        return finish_reason_mismatch(tokens, completion.finish_reason, stop_token_ids, max_tokens)
+    return episode_finish_mismatch(tokens, completion.mask.to_numpy(), completion.finish_reason, stop_token_ids,
+                                   max_tokens, episode_tokens or MAX_EPISODE_TOKENS)
+
+
+def episode_finish_mismatch(tokens: np.ndarray, mask: np.ndarray, finish_reason: str, stop_token_ids: frozenset[int],
+                            max_tokens: int, episode_tokens: int) -> bool:
+    """True when an episode's sampled turns cannot have ended as sampling ends them.
+
+    Each turn (a run of 1s in the mask) is sampled like a single completion: it
+    holds no stop token before its last, and ends with one or after `max_tokens`.
+    The last turn's `finish_reason` is the episode's; a "length" there may also
+    be the episode's own budget running out, which leaves exactly
+    `episode_tokens` tokens in all (the runner gives a turn no more room).
+    """
+    ids = tokens.astype(np.int64, copy=False)
+    stops = np.isin(ids, np.fromiter(stop_token_ids, dtype=np.int64, count=len(stop_token_ids)))
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    turns = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+    for index, (start, stop) in enumerate(turns):
+        if stops[start : stop - 1].any():
+            return True
+        ends_on_stop, full = bool(stops[stop - 1]), stop - start == max_tokens
+        if index < len(turns) - 1:
+            if not (ends_on_stop or full):
+                return True
+        elif finish_reason == "stop":
+            return not ends_on_stop
+        else:
+            return ends_on_stop or not (full or len(ids) == episode_tokens)
+    return False
 
 
 def values_out_of_bounds(logprobs: np.ndarray, rewards: np.ndarray, reward_bound: float) -> Optional[RejectReason]:

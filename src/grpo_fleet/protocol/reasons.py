@@ -24,6 +24,11 @@ class RejectReason(str, Enum):
     # `finish_reason` disagrees with the tokens: "stop" must end at a stop token (and hold no earlier one), "length"
     # must have exactly max_tokens and no stop token (truncated completions are masked; a false "stop" escapes that).
     FINISH_REASON_MISMATCH = "finish_reason_mismatch"
+    # An episode (mask, turns, end) in a run without an environment, or a single completion in a run with one.
+    EPISODE_MISMATCH = "episode_mismatch"
+    # Replaying a deterministic environment (task.env's `deterministic = True`) on the learner with the episode's
+    # actions gave other observation tokens or another reward than the actor reported (door/env_replay.py).
+    ENV_REPLAY_MISMATCH = "env_replay_mismatch"
     # Groups the sender was never given: a violation.
     NOT_YOUR_LEASE = "not_your_lease"
     NOT_LEASED = "not_leased"
@@ -68,6 +73,7 @@ class RejectReason(str, Enum):
 _VIOLATIONS = frozenset({
     RejectReason.DUPLICATE_GROUP_IN_MESSAGE, RejectReason.BAD_GROUP_SIZE, RejectReason.LENGTH_MISMATCH,
     RejectReason.TOO_LONG, RejectReason.TOKEN_OUT_OF_RANGE, RejectReason.BAD_LOGPROB, RejectReason.BAD_REWARD,
-    RejectReason.FINISH_REASON_MISMATCH, RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED,
+    RejectReason.FINISH_REASON_MISMATCH, RejectReason.EPISODE_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH,
+    RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED,
     RejectReason.REWARD_MISMATCH, RejectReason.LOGPROB_MISMATCH,
 })

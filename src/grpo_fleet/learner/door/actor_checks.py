@@ -35,6 +35,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from grpo_fleet.learner.door.env_replay import EnvReplay
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.step.batch import build_train_batch, split_batch, unpack_completions
 from grpo_fleet.learner.step.forward import frozen_logprobs
@@ -56,10 +57,13 @@ def reward_gap(reported: Sequence[float], recomputed: Sequence[float]) -> float:
 
 
 class RewardCheck:
-    """Re-scores submitted groups with the learner's own rewards and answers."""
+    """Re-scores submitted groups with the learner's own rewards and answers (and, in a run with a deterministic
+    environment, the episodes' own rewards by replaying them: learner/door/env_replay.py)."""
 
-    def __init__(self, task: Task, examples: list[Example], tokenizer: Any, scorer: Scorer) -> None:
+    def __init__(self, task: Task, examples: list[Example], tokenizer: Any, scorer: Scorer,
+                 replay: Optional[EnvReplay] = None) -> None:
         self.task, self.examples, self.tokenizer, self.scorer = task, examples, tokenizer, scorer
+        self.replay = replay
         self.eos = set(tokenizer.eos_token_ids)
         # Verdicts scored ahead of `verdicts` (outside the learner's lock), by the group object they are for.
         self._ahead: dict[int, tuple[m.GroupResult, Optional[RejectReason]]] = {}
@@ -79,16 +83,35 @@ class RewardCheck:
         return {**self._score([(g, i) for g, i in groups if g.group_id not in ahead]), **ahead}
 
     def _score(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
-        jobs = [self.task.job(self.examples[index], [self._text(c) for c in group.completions])
-                for group, index in groups]
         verdicts: dict[str, Optional[RejectReason]] = {}
-        for (group, _), score in zip(groups, self.scorer.score(jobs) if jobs else []):
-            if score.rewards is None:
+        for (group, index), task_rewards in zip(groups, self._task_rewards(groups)):
+            if task_rewards is None:
                 verdicts[group.group_id] = RejectReason.REWARD_UNVERIFIABLE
                 continue
-            gap = reward_gap([c.reward for c in group.completions], score.rewards)
+            expected: list[float] = task_rewards
+            if self.replay is not None:
+                replayed = self.replay.replay_group(self.examples[index], group.completions)
+                if any(r.problem for r in replayed):
+                    log.warning("group %s: %s", group.group_id, next(r.problem for r in replayed if r.problem))
+                    verdicts[group.group_id] = RejectReason.ENV_REPLAY_MISMATCH
+                    continue
+                if any(r.failed for r in replayed):
+                    log.warning("group %s unverifiable: the environment failed on the learner: %s", group.group_id,
+                                next(r.failed for r in replayed if r.failed))
+                    verdicts[group.group_id] = RejectReason.REWARD_UNVERIFIABLE
+                    continue
+                expected = [task + r.reward for task, r in zip(task_rewards, replayed)]
+            gap = reward_gap([c.reward for c in group.completions], expected)
             verdicts[group.group_id] = RejectReason.REWARD_MISMATCH if gap > REWARD_TOLERANCE else None
         return verdicts
+
+    def _task_rewards(self, groups: Sequence[tuple[m.GroupResult, int]]) -> list[Optional[list[float]]]:
+        """The task's rewards of each group (0 each in an episode run that names none); None: they failed here."""
+        if not self.task.reward_names:
+            return [[0.0] * len(group.completions) for group, _ in groups]
+        jobs = [self.task.job(self.examples[index], [self._text(c) for c in group.completions])
+                for group, index in groups]
+        return [score.rewards for score in (self.scorer.score(jobs) if jobs else [])]
 
     def _text(self, completion: m.Completion) -> str:
         return decode_completion(self.tokenizer, completion.tokens.to_numpy().tolist(), completion.finish_reason, self.eos)

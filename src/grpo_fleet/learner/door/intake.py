@@ -73,9 +73,7 @@ class Intake:
             return m.Ack(lease_id=msg.lease_id, status="stale", reason=RejectReason.RUN_DONE,
                          groups={g.group_id: "stale" for g in msg.groups})
         rules, scheduler = self.rules, self.state.scheduler
-        invalid = m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
-                                      max_tokens=rules.max_tokens, reward_bound=rules.reward_bound,
-                                      stop_token_ids=rules.stop_token_ids)
+        invalid = rules.invalid(msg)
         if invalid is not None:
             return self._invalid(actor, msg.lease_id, invalid)
         known_lease = msg.lease_id in scheduler.leases
@@ -104,9 +102,7 @@ class Intake:
         rules, scheduler = self.rules, self.state.scheduler
         if (self.reward_check is None or self.state.done or self.state.acks.get(msg.lease_id) is not None
                 or unusable_version(msg, self.state, rules.max_staleness, self._kept()) is not None
-                or m.validate_rollouts(msg, group_size=rules.group_size, vocab_size=rules.vocab_size,
-                                       max_tokens=rules.max_tokens, reward_bound=rules.reward_bound,
-                                      stop_token_ids=rules.stop_token_ids) is not None):
+                or rules.invalid(msg) is not None):
             return []
         return [(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in msg.groups
                 if scheduler.classify(actor.principal, msg.lease_id, g.group_id) is None]
@@ -203,9 +199,9 @@ class Intake:
     def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
         """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""
         self.metrics.rejections.labels(reason=reason).inc()
-        if reason in (RejectReason.REWARD_MISMATCH, RejectReason.REWARD_UNVERIFIABLE):
+        if reason in (RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH, RejectReason.REWARD_UNVERIFIABLE):
             self.state.scheduler.requeue(lease_id, group_id)
-        if reason is RejectReason.REWARD_MISMATCH:
+        if reason in (RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH):
             self.registry.record_violation(actor.principal, reason)
             log.warning("actor %s reported rewards the learner does not get for group %s", shown(actor.actor_id),
                         group_id)

@@ -36,13 +36,15 @@ def inbound_limits(cfg: RunConfig) -> Limits:
     message costs the request loop no more than an honest one (the 14 MB, 100k
     completion Rollouts that held it for seconds is now dropped by libzmq).
     """
-    server, gen = cfg.server, cfg.generation
-    # A token travels as an int32/uint32 id plus a float32 logprob.
-    per_group = gen.group_size * (8 * gen.max_tokens + COMPLETION_FRAMING_BYTES) + GROUP_FRAMING_BYTES
+    server, gen, task = cfg.server, cfg.generation, cfg.task
+    # A token travels as an int32/uint32 id plus a float32 logprob; an episode's also as a uint8 of its mask, and
+    # each of its turns as one offset (a msgpack int, at most 5 bytes).
+    per_completion = (9 * task.max_episode_tokens + 5 * task.max_turns if task.env else 8 * gen.max_tokens)
+    per_group = gen.group_size * (per_completion + COMPLETION_FRAMING_BYTES) + GROUP_FRAMING_BYTES
     size = min(server.max_message_bytes, MESSAGE_FRAMING_BYTES + server.max_groups_per_lease * per_group)
     return Limits(
         max_message_bytes=size, max_bin_len=size,
-        max_array_len=max(256, server.max_groups_per_lease, gen.group_size),
+        max_array_len=max(256, server.max_groups_per_lease, gen.group_size, task.max_turns if task.env else 0),
         max_rollout_groups=server.max_groups_per_lease, max_group_completions=gen.group_size,
     )
 
@@ -64,6 +66,8 @@ class IntakeRules:
     calibrated: tuple[tuple[str, GapBound], ...] = ()
     # The tokens that end sampling: each single-turn completion's finish_reason is checked against them. None: not.
     stop_token_ids: Optional[frozenset[int]] = None
+    # task.max_episode_tokens in a run with an environment (every completion an episode, up to that long); else None.
+    episode_tokens: Optional[int] = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig, vocab_size: int, learner_dtype: str = "float32",
@@ -74,7 +78,14 @@ class IntakeRules:
                    reward_bound=cfg.task.reward_bound, max_staleness=cfg.grpo.max_staleness,
                    groups_per_step=cfg.grpo.groups_per_step, reward_names=frozenset(cfg.task.rewards),
                    requested_dtype=cfg.model.dtype, learner_dtype=learner_dtype, calibrated=calibrated,
-                   stop_token_ids=stop_token_ids)
+                   stop_token_ids=stop_token_ids,
+                   episode_tokens=cfg.task.max_episode_tokens if cfg.task.env else None)
+
+    def invalid(self, msg: m.Rollouts) -> Optional[RejectReason]:
+        """Why `msg` cannot be trained on in this run (messages.validate_rollouts), or None."""
+        return m.validate_rollouts(msg, group_size=self.group_size, vocab_size=self.vocab_size,
+                                   max_tokens=self.max_tokens, reward_bound=self.reward_bound,
+                                   stop_token_ids=self.stop_token_ids, episode_tokens=self.episode_tokens)
 
     def logprob_bound(self, backend: str) -> GapBound:
         """The honest gaps of an actor on `backend` (its Hello's) from this learner (learner/step/gap_bounds.py).
@@ -117,7 +128,9 @@ def accepted_group(group: m.GroupResult, prompt_index: int, prompt_tokens: np.nd
     """A validated wire group as the record the learner trains on, in the dtypes it trains in."""
     completions = [
         CompletionRecord(tokens=c.tokens.to_numpy().astype(np.int32), logprobs=c.logprobs.to_numpy().astype(np.float32),
-                         reward=float(c.reward), finish_reason=c.finish_reason)
+                         reward=float(c.reward), finish_reason=c.finish_reason,
+                         mask=None if c.mask is None else c.mask.to_numpy().astype(np.uint8),
+                         turns=None if c.turns is None else list(c.turns), end=c.end)
         for c in group.completions
     ]
     return AcceptedGroup(group_id=group.group_id, prompt_index=prompt_index, prompt_tokens=prompt_tokens,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.fleet.registry import RunCard
 from grpo_fleet.model import Policy
@@ -18,8 +20,20 @@ def run_card(cfg: RunConfig, policy: Policy, task: Task, model_digest: str) -> R
                          chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt),
         generation=m.GenerationParams(**cfg.generation.model_dump()),
         reward=reward_spec(task),
-        heartbeat_seconds=cfg.server.heartbeat_seconds, vocab_size=policy.vocab_size,
+        heartbeat_seconds=cfg.server.heartbeat_seconds, vocab_size=policy.vocab_size, env=env_spec(task),
     )
+
+
+def env_spec(task: Task) -> Optional[m.EnvSpec]:
+    """task.env as Welcome names it, with the module's digest for actors to check their copy; None without one."""
+    from grpo_fleet.tasks.env_module import env_digest
+
+    env = task.env
+    if env is None:
+        return None
+    return m.EnvSpec(module=env.module, class_name=env.class_name, module_digest=env_digest(env.module),
+                     config=dict(env.config), max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
+                     timeout_seconds=env.timeout_seconds)
 
 
 def reward_spec(task: Task) -> m.RewardSpec:

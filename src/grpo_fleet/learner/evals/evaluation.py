@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.fleet.leasing import prompt_item
+from grpo_fleet.learner.fleet.leasing import conversation_of, prompt_item
 from grpo_fleet.learner.records.runlog import EvalRecord, RunLog
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
@@ -100,11 +100,13 @@ class Evaluation:
         self.lease_seconds, self.max_tokens = cfg.server.lease_seconds, cfg.generation.max_tokens
         self.max_groups_per_lease = cfg.server.max_groups_per_lease
         self.vocab_size, self.reward_bound = vocab_size, cfg.task.reward_bound
+        self.episode_tokens = cfg.task.max_episode_tokens if cfg.task.env else None  # every sample an episode
         self.state, self.registry, self.runlog, self.metrics, self.clock = state, registry, runlog, metrics, clock
         self.current: Optional[EvalRound] = None
         self.waiting: Optional[int] = None  # a step whose round is due while another runs
         self.finished: list[tuple[int, EvalRecord]] = []  # (learner step at finish, round) for the trackers
         self._serial = 0
+        self.conversation = conversation_of(cfg)
 
     @property
     def enabled(self) -> bool:
@@ -141,7 +143,7 @@ class Evaluation:
         round_.leases[lease.lease_id] = lease
         self.metrics.eval_leases.inc()
         return m.Lease(lease_id=lease.lease_id, deadline_seconds=self.lease_seconds, policy_version=round_.version,
-                       prompts=[prompt_item(g, i, self.prompt_tokens[i], self.examples[i])
+                       prompts=[prompt_item(g, i, self.prompt_tokens[i], self.examples[i], self.conversation)
                                 for g, i in lease.tickets.items()], eval=self.sampling())
 
     def owns(self, lease_id: str) -> bool:
@@ -176,7 +178,7 @@ class Evaluation:
             return []
         if any(group_id not in lease.tickets for group_id in submitted_ids(msg)) or m.validate_rollouts(
                 msg, group_size=self.sampling().samples, vocab_size=self.vocab_size, max_tokens=self.max_tokens,
-                reward_bound=self.reward_bound) is not None:
+                reward_bound=self.reward_bound, episode_tokens=self.episode_tokens) is not None:
             return []
         return [(g, lease.tickets[g.group_id]) for g in msg.groups]
 
@@ -184,13 +186,15 @@ class Evaluation:
         if lease.actor != actor.principal:
             return RejectReason.NOT_YOUR_LEASE
         invalid = m.validate_rollouts(msg, group_size=self.sampling().samples, vocab_size=self.vocab_size,
-                                      max_tokens=self.max_tokens, reward_bound=self.reward_bound)
+                                      max_tokens=self.max_tokens, reward_bound=self.reward_bound,
+                                      episode_tokens=self.episode_tokens)
         if invalid is None and any(group_id not in lease.tickets for group_id in submitted_ids(msg)):
             return RejectReason.NOT_LEASED
         if invalid is None and self.reward_check is not None:
             verdicts = self.reward_check.verdicts([(g, lease.tickets[g.group_id]) for g in msg.groups])
-            if RejectReason.REWARD_MISMATCH in verdicts.values():
-                return RejectReason.REWARD_MISMATCH  # the whole lease: its prompts go back in the round
+            for lie in (RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH):
+                if lie in verdicts.values():
+                    return lie  # the whole lease: its prompts go back in the round
         return invalid
 
     def _retry(self, round_: EvalRound, index: int) -> None:

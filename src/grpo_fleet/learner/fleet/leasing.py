@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from grpo_fleet.learner.fleet.registry import ActorInfo, MovingAverage
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Example, prompt_text, reward_kwargs
+from grpo_fleet.tasks.prompts import chat_messages
 
 if TYPE_CHECKING:
     from grpo_fleet.learner.records.state import LearnerState
@@ -86,6 +87,7 @@ class Leasing:
         self.limit = in_flight_limit(cfg.server.in_flight_steps, cfg.grpo.groups_per_step)
         self.max_staleness = cfg.grpo.max_staleness
         self.prompt_tokens, self.examples = prompt_tokens, examples
+        self.conversation = conversation_of(cfg)
         self.step_interval = MovingAverage()  # seconds between learner steps
         self._last_step_at: Optional[float] = None
 
@@ -145,10 +147,27 @@ class Leasing:
         return len(expired)
 
     def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:
-        return prompt_item(group_id, index, self.prompt_tokens[index], self.examples[index])
+        return prompt_item(group_id, index, self.prompt_tokens[index], self.examples[index], self.conversation)
 
 
-def prompt_item(group_id: str, index: int, tokens: np.ndarray, example: Example) -> m.PromptItem:
-    """One prompt as leased: its tokens, and what the rewards are called with."""
+Conversation = Callable[[Example], Optional[list[dict[str, Any]]]]
+
+
+def conversation_of(cfg: RunConfig) -> Conversation:
+    """What a leased prompt's `messages` are: in a run with an environment, the conversation its tokens render
+    (system prompt included), which env.init gets; else nothing (the actor has no use for it)."""
+    system_prompt = cfg.task.system_prompt
+
+    def episode(example: Example) -> Optional[list[dict[str, Any]]]:
+        return chat_messages(example.prompt, system_prompt)
+
+    return episode if cfg.task.env else (lambda example: None)
+
+
+def prompt_item(group_id: str, index: int, tokens: np.ndarray, example: Example,
+                conversation: Optional[Conversation] = None) -> m.PromptItem:
+    """One prompt as leased: its tokens, what the rewards are called with, and an episode's conversation."""
+    messages = conversation(example) if conversation is not None else None
     return m.PromptItem(group_id=group_id, prompt_index=index, prompt_tokens=m.Tensor.from_numpy(tokens),
-                        fields=reward_kwargs(example), prompt_text=prompt_text(example.prompt))
+                        fields=reward_kwargs(example), prompt_text=prompt_text(example.prompt),
+                        messages=messages)

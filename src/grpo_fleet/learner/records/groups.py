@@ -8,6 +8,7 @@ sees them only through `learner/step/batch.py`'s `ScoredGroup` protocol.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -22,10 +23,21 @@ class CompletionRecord:
     logprobs: np.ndarray  # float32 [T], under pi_behav (the actor's snapshot)
     reward: float
     finish_reason: str  # "stop", or "length": cut off at generation.max_tokens
+    # An episode's (task.env): 1 where the model sampled the token, 0 where the environment gave it; the offsets
+    # where its sampled turns start; why it ended ("done", "max_turns", "budget"). None / "": all sampled.
+    mask: Optional[np.ndarray] = None  # uint8 [T]
+    turns: Optional[list[int]] = None
+    end: str = ""
 
     @property
     def truncated(self) -> bool:
-        return self.finish_reason == "length"
+        """Cut off: a single completion at generation.max_tokens, an episode by task.max_episode_tokens."""
+        return self.end == "budget" if self.mask is not None else self.finish_reason == "length"
+
+    @property
+    def sampled(self) -> np.ndarray:
+        """bool [T]: the tokens the model sampled (every one, unless an episode's environment gave some)."""
+        return np.ones(len(self.tokens), bool) if self.mask is None else self.mask != 0
 
 
 @dataclass

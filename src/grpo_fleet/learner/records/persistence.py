@@ -196,16 +196,35 @@ def group_to_dict(group: AcceptedGroup) -> dict[str, Any]:
         "check_logprobs": group.check_logprobs,
         "logprob_bound": group.logprob_bound,
         "token_bound": group.token_bound,
-        "completions": [
-            {
-                "tokens": np.ascontiguousarray(c.tokens, dtype="<i4").tobytes(),
-                "logprobs": np.ascontiguousarray(c.logprobs, dtype="<f4").tobytes(),
-                "reward": float(c.reward),
-                "finish_reason": c.finish_reason,
-            }
-            for c in group.completions
-        ],
+        "completions": [completion_to_dict(c) for c in group.completions],
     }
+
+
+def completion_to_dict(c: CompletionRecord) -> dict[str, Any]:
+    """One completion as plain data; an episode's mask, turns and end too (absent for a single completion)."""
+    out: dict[str, Any] = {
+        "tokens": np.ascontiguousarray(c.tokens, dtype="<i4").tobytes(),
+        "logprobs": np.ascontiguousarray(c.logprobs, dtype="<f4").tobytes(),
+        "reward": float(c.reward),
+        "finish_reason": c.finish_reason,
+    }
+    if c.mask is not None:
+        out.update(mask=np.ascontiguousarray(c.mask, dtype="u1").tobytes(), turns=list(c.turns or []), end=c.end)
+    return out
+
+
+def completion_from_dict(c: dict[str, Any]) -> CompletionRecord:
+    """Inverse of `completion_to_dict`."""
+    mask = c.get("mask")
+    return CompletionRecord(
+        tokens=np.frombuffer(c["tokens"], dtype="<i4").astype(np.int32),
+        logprobs=np.frombuffer(c["logprobs"], dtype="<f4").astype(np.float32),
+        reward=c["reward"],
+        finish_reason=c["finish_reason"],
+        mask=None if mask is None else np.frombuffer(mask, dtype="u1").copy(),
+        turns=None if mask is None else [int(t) for t in c["turns"]],
+        end=str(c.get("end", "")),
+    )
 
 
 def group_from_dict(data: dict[str, Any]) -> AcceptedGroup:
@@ -214,15 +233,7 @@ def group_from_dict(data: dict[str, Any]) -> AcceptedGroup:
         group_id=data["group_id"],
         prompt_index=data["prompt_index"],
         prompt_tokens=np.frombuffer(data["prompt_tokens"], dtype="<i4").astype(np.int32),
-        completions=[
-            CompletionRecord(
-                tokens=np.frombuffer(c["tokens"], dtype="<i4").astype(np.int32),
-                logprobs=np.frombuffer(c["logprobs"], dtype="<f4").astype(np.float32),
-                reward=c["reward"],
-                finish_reason=c["finish_reason"],
-            )
-            for c in data["completions"]
-        ],
+        completions=[completion_from_dict(c) for c in data["completions"]],
         policy_version=data["policy_version"],
         actor_id=data["actor_id"],
         actor_key=data.get("actor_key", ""),  # absent in checkpoints written before it existed

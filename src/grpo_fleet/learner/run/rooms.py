@@ -15,8 +15,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.envs.hosting import InlineEnvs
 from grpo_fleet.generation import SamplingSettings
 from grpo_fleet.learner.door.actor_checks import LogprobCheck, RewardCheck, WeightHistory
+from grpo_fleet.learner.door.env_replay import EnvReplay, check_verifiable
 from grpo_fleet.learner.door.gap_calibration import calibrate
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules
@@ -64,7 +66,9 @@ class RunRooms:
         # Rewards are re-scored in a process of the learner's own, which can kill a reward that hangs; never
         # in this one, which could not. (Unit tests, which may start no process, pass an in-process scorer.)
         self.make_scorer = make_scorer  # the local evaluator's rewards run in one of these too
-        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, make_scorer(task.reward_set()))
+        check_verifiable(task.env, cfg.security.verify_rewards)  # before anything starts a process
+        replay = env_replay(cfg, task, policy)
+        self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, make_scorer(task.reward_set()), replay)
                              if cfg.security.verify_rewards else None)
         self.weight_history, self.logprob_check = logprob_check(cfg, policy, metrics)
         learner_dtype = compute_dtype(policy.model)
@@ -75,13 +79,21 @@ class RunRooms:
         self.intake = Intake(rules, self.state, self.registry, self.leasing, self.runlog, metrics, prompt_tokens,
                              self.handoff, self.reward_check, self.trust, self.weight_history)
         eval_check = (None if self.reward_check is None
-                      else RewardCheck(task, task.eval, policy.tokenizer, self.reward_check.scorer))
+                      else RewardCheck(task, task.eval, policy.tokenizer, self.reward_check.scorer, replay))
         self.evaluation = Evaluation(cfg, task.eval, eval_prompt_tokens or [], policy.vocab_size, self.state,
                                      self.registry, self.runlog, metrics, reward_check=eval_check)
         if self.evaluation.due(0, final=False):
             self.evaluation.start(0, 0)  # the baseline: held-out reward before any training
         self.samples = SampleLog(cfg, tokenizer_decode(policy.tokenizer), self.runlog)
         self.trackers = Trackers([], metrics.tracker_errors)  # setup opens logging.report_to's once the step is known
+
+
+def env_replay(cfg: RunConfig, task: Task, policy: Policy) -> Optional[EnvReplay]:
+    """The replay of a deterministic environment's episodes (security.verify_rewards), in this process: the
+    environment is the run's own file, and the replay only gives it the actions an actor reported."""
+    if task.env is None or not cfg.security.verify_rewards:
+        return None
+    return EnvReplay(task.env, policy.tokenizer, cfg.task.system_prompt, InlineEnvs(task.env))
 
 
 def logprob_check(cfg: RunConfig, policy: Policy,

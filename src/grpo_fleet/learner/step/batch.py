@@ -32,6 +32,9 @@ class ScoredCompletion(Protocol):
     @property
     def truncated(self) -> bool: ...
 
+    @property
+    def sampled(self) -> np.ndarray: ...  # bool [T]: sampled by the model (an episode's environment tokens: False)
+
 
 class ScoredGroup(Protocol):
     """What a batch needs of one group: the step knows no learner record (learner/records/groups.py's
@@ -53,7 +56,8 @@ class TrainBatch:
 
     inputs: mx.array  # int32: prompt + completion, minus the last token
     targets: mx.array  # int32: inputs shifted by one
-    mask: mx.array  # float32: 1 where the target is a completion token the loss counts
+    mask: mx.array  # float32: 1 where the target is a sampled completion token the loss counts (0 at an
+    # episode's environment tokens: the loss, KL, normalisers, gaps and logprob checks all read only this)
     old_logprobs: mx.array  # float32: pi_behav logprob at completion targets, 0 elsewhere
     advantages: mx.array  # float32 [N]
     rewards: mx.array  # float32 [N], the task's (before any length shaping)
@@ -72,6 +76,10 @@ class LengthShaping:
     `overlong_buffer` > 0: `grpo.overlong_penalty` is added to each reward before the
     advantages, ramping from 0 to -overlong_penalty over the last `overlong_buffer`
     tokens before `max_tokens`.
+
+    Episodes (task.env) are shaped per episode: one cut off by task.max_episode_tokens
+    (end "budget") is the truncated one, and its length is the tokens the model
+    sampled, against task.max_episode_tokens.
     """
 
     max_tokens: int = 0
@@ -82,7 +90,8 @@ class LengthShaping:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "LengthShaping":
         grpo = cfg.grpo
-        return cls(max_tokens=cfg.generation.max_tokens, mask_truncated=grpo.mask_truncated,
+        max_tokens = cfg.task.max_episode_tokens if cfg.task.env else cfg.generation.max_tokens
+        return cls(max_tokens=max_tokens, mask_truncated=grpo.mask_truncated,
                    overlong_buffer=grpo.overlong_buffer, overlong_penalty=grpo.overlong_penalty)
 
     def shaped_rewards(self, rewards: mx.array, lengths: np.ndarray) -> mx.array:
@@ -120,10 +129,11 @@ def build_train_batch(
         inputs[row, :length] = sequence[:-1]
         targets[row, :length] = sequence[1:]
         start = len(prompt) - 1  # first position whose target is a completion token
-        mask[row, start:length] = 0.0 if lengths.mask_truncated and completion.truncated else 1.0
-        old[row, start:length] = completion.logprobs
+        sampled = completion.sampled
+        mask[row, start:length] = 0.0 if lengths.mask_truncated and completion.truncated else sampled
+        old[row, start:length] = np.where(sampled, completion.logprobs, 0.0)
     rewards = mx.array(np.concatenate([g.rewards for g in groups]))
-    shaped = lengths.shaped_rewards(rewards, np.array([len(c.tokens) for _, c in rows]))
+    shaped = lengths.shaped_rewards(rewards, np.array([int(c.sampled.sum()) for _, c in rows]))
     advantages = group_advantages(shaped, group_size, scale_by_std=scale_by_std)
     return TrainBatch(
         inputs=mx.array(inputs),

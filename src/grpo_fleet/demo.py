@@ -47,10 +47,10 @@ class DemoOptions:
 DEMOS_DIR = Path(__file__).parent / "demos"
 
 
-def packaged_demo(model: str) -> Path:
-    """The demo config shipped for a zoo model (grpo_fleet/demos/NAME/demo.toml)."""
+def packaged_demo(model: str, variant: str = "demo") -> Path:
+    """A demo config shipped for a zoo model (grpo_fleet/demos/NAME/VARIANT.toml; demo.toml by default)."""
     name = lookup(model).name
-    path = DEMOS_DIR / name / "demo.toml"
+    path = DEMOS_DIR / name / f"{variant}.toml"
     if not path.exists():
         raise ZooError(f"no packaged demo for {name!r}; pass --config with a task of yours")
     return path
@@ -82,16 +82,25 @@ def demo_config(options: DemoOptions) -> RunConfig:
 
 def demo_settings(options: DemoOptions) -> dict:
     """The settings the overrides apply to: the user's config, a zoo model's packaged demo, or the tiny demo."""
-    if options.config is not None:
+    variant = _packaged_variant(options)
+    if options.config is not None and variant is None:
         data = load_run_config(options.config, []).model_dump(mode="json")
     elif options.model is not None:
-        demo = packaged_demo(options.model)
+        demo = packaged_demo(options.model, variant or "demo")
         data = _anchored(load_run_config(demo, []).model_dump(mode="json"), demo.parent)
     else:
         return DEMO_SETTINGS
     if options.model is not None:
         data["model"] = {**data.get("model", {}), "path": f"{ZOO_PREFIX}{lookup(options.model).name}"}
     return data
+
+
+def _packaged_variant(options: DemoOptions) -> Optional[str]:
+    """--config NAME with --model: another demo shipped for that model (e.g. capital-quiz), when no such file is here."""
+    config = options.config
+    if options.model is None or config is None or Path(config).exists() or "/" in config or config.endswith(".toml"):
+        return None
+    return config
 
 
 def follow(fleet: Fleet, cfg: RunConfig, progress: bool) -> tuple[list[dict], Optional[FleetStop]]:

@@ -18,6 +18,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 LEASE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LENGTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TURN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
 GAP_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.003, 0.01, 0.03, 0.05, 0.1, 0.3, 1.0, 3.0)
 REWARD_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -77,6 +78,9 @@ class LearnerMetrics:
     train_staleness: Histogram
     stale_group_tokens: Histogram
     accepted_group_tokens: Histogram
+    episode_tokens: Counter
+    episode_turns: Histogram
+    episodes_ended: Counter
     eval_reward: Gauge
     eval_pass_at_k: Gauge
     eval_rounds: Counter
@@ -203,6 +207,12 @@ def learner_metrics() -> LearnerMetrics:
         ),
         accepted_group_tokens=Histogram(f"{p}_accepted_group_tokens", "Mean completion length of accepted groups",
                                         buckets=LENGTH_BUCKETS, registry=r),
+        episode_tokens=Counter(f"{p}_episode_tokens", "Tokens of accepted episodes (task.env) by kind: sampled by the "
+                               "model or given by the environment", ["kind"], registry=r),
+        episode_turns=Histogram(f"{p}_episode_turns", "Turns (model replies) per accepted episode",
+                                buckets=TURN_BUCKETS, registry=r),
+        episodes_ended=Counter(f"{p}_episodes_ended", "Accepted episodes by why they ended (done, max_turns, budget)",
+                               ["end"], registry=r),
         eval_reward=Gauge(f"{p}_eval_reward", "Held-out avg@k reward of the last complete eval round", registry=r),
         eval_pass_at_k=Gauge(f"{p}_eval_pass_at_k", "Held-out pass@k of the last complete eval round", registry=r),
         eval_rounds=Counter(f"{p}_eval_rounds", "Eval rounds started (train.eval_every)", registry=r),
@@ -232,6 +242,10 @@ class ActorMetrics:
     reward_errors: Counter
     reward_seconds: Histogram
     peak_memory: Gauge
+    episode_tokens: Counter
+    episode_turns: Histogram
+    episodes_ended: Counter
+    env_seconds: Histogram
 
 
 def actor_metrics() -> ActorMetrics:
@@ -261,4 +275,11 @@ def actor_metrics() -> ActorMetrics:
         reward_seconds=Histogram(f"{p}_reward_duration_seconds", "Time one reward took over one group, by reward",
                                  ["reward"], buckets=PHASE_BUCKETS, registry=r),
         peak_memory=Gauge(f"{p}_peak_memory_bytes", "MLX peak memory while generating the last lease", registry=r),
+        episode_tokens=Counter(f"{p}_episode_tokens", "Tokens of finished episodes by kind: sampled by the model or "
+                               "given by the environment", ["kind"], registry=r),
+        episode_turns=Histogram(f"{p}_episode_turns", "Turns per finished episode", buckets=TURN_BUCKETS, registry=r),
+        episodes_ended=Counter(f"{p}_episodes_ended", "Finished episodes by why they ended (done, max_turns, budget)",
+                               ["end"], registry=r),
+        env_seconds=Histogram(f"{p}_env_seconds", "Seconds one episode spent in its environment's calls (init, steps, "
+                              "close)", buckets=PHASE_BUCKETS, registry=r),
     )

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import textwrap
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Optional, get_type_hints
+from typing import Any, Optional, get_origin, get_type_hints
 
 from grpo_fleet.learner.records.runlog import SAMPLES_FILE, SampleRow
 from grpo_fleet.protocol.logsafe import shown
@@ -37,14 +37,21 @@ def row_from_json(line: str) -> Optional[SampleRow]:
         data = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(data, dict) or not all(_typed(data.get(f.name), _FIELD_TYPES[f.name]) for f in fields(SampleRow)):
+    if not isinstance(data, dict):
         return None
-    return SampleRow(**{f.name: data[f.name] for f in fields(SampleRow)})
+    # Fields with a default (an episode's turns and end) may be absent: rows written before them.
+    present = [f for f in fields(SampleRow) if f.name in data or f.default is MISSING and f.default_factory is MISSING]
+    if not all(_typed(data.get(f.name), _FIELD_TYPES[f.name]) for f in present):
+        return None
+    return SampleRow(**{f.name: data[f.name] for f in present})
 
 
-def _typed(value: Any, kind: type) -> bool:
+def _typed(value: Any, kind: Any) -> bool:
     if isinstance(value, bool):
         return False
+    if get_origin(kind) is list:  # an episode's turns: [[who, text], ...]
+        return isinstance(value, list) and all(
+            isinstance(run, list) and len(run) == 2 and all(isinstance(x, str) for x in run) for run in value)
     return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
 
 
@@ -91,8 +98,22 @@ def wrapped(text: str, width: int, max_chars: int) -> list[str]:
 
 def format_row(row: SampleRow, width: int = 100, max_chars: int = 2000) -> str:
     """A row as a header line, then its prompt and its completion, each wrapped and indented."""
+    if row.turns:
+        return "\n".join([header(row), "  prompt:", *wrapped(row.prompt, width, max_chars), *episode_lines(row, width,
+                                                                                                       max_chars)])
     completion = wrapped(row.completion, width, max_chars) if row.completion else [f"{INDENT}(empty)"]
     return "\n".join([header(row), "  prompt:", *wrapped(row.prompt, width, max_chars), "  completion:", *completion])
+
+
+def episode_lines(row: SampleRow, width: int, max_chars: int) -> list[str]:
+    """An episode turn by turn: each model turn, numbered, and what the environment answered after it."""
+    lines, turn = [], 0
+    for who, text in row.turns:
+        turn += who == "model"
+        label = f"  turn {turn} (model):" if who == "model" else "  environment:"
+        lines.extend([label, *(wrapped(text, width, max_chars) if text else [f"{INDENT}(empty)"])])
+    lines.append(f"  episode ended: {shown(row.end, 32)}")
+    return lines
 
 
 def format_samples(read: SamplesRead, width: int = 100, max_chars: int = 2000) -> str:

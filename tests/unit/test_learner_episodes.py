@@ -4,6 +4,8 @@ deterministic environment's episodes are replayed to check them."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -15,6 +17,7 @@ from test_learner_core import ask, hello, lease, rejections
 from grpo_fleet.actor.episodes import episode_starts, score_episodes
 from grpo_fleet.actor.rewarding import RunRewards
 from grpo_fleet.config import RunConfig
+from grpo_fleet.demo import DemoOptions, demo_settings
 from grpo_fleet.envs.hosting import InlineEnvs
 from grpo_fleet.envs.runner import EpisodeLimits, EpisodeRunner
 from grpo_fleet.generation import SamplingSettings, TurnEnd, TurnGenerator
@@ -23,14 +26,19 @@ from grpo_fleet.learner.door.env_replay import EnvNotVerifiable
 from grpo_fleet.learner.door.intake_rules import IntakeRules, accepted_group, inbound_limits
 from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.persistence import group_from_dict, group_to_dict
+from grpo_fleet.learner.records.samples import sample_rows, tokenizer_decode
 from grpo_fleet.learner.run.coordinator import RunCoordinator
+from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.learner.step.batch import LengthShaping, batch_totals, build_train_batch, split_batch
 from grpo_fleet.learner.step.fused_check import fused_check
 from grpo_fleet.metrics import actor_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.samples_view import format_row, row_from_json
 from grpo_fleet.tasks.env_module import env_digest
 from grpo_fleet.tasks.prompts import chat_messages, encode_prompt
+from grpo_fleet.tasks.reward_runner import InlineScorer
+from grpo_fleet.zoo import ZooError
 from in_process import build_learner
 
 DEMO = Path(__file__).resolve().parents[2] / "src/grpo_fleet/demos/smollm2-135m-instruct"
@@ -112,8 +120,15 @@ def run_episodes(learner: RunCoordinator, welcome: m.Welcome, lease_msg: m.Lease
                      EpisodeLimits(welcome.env.max_turns, welcome.env.max_episode_tokens),
                      InlineEnvs(learner.task.env))
     outcomes = runner.run(episode_starts(lease_msg, welcome, welcome.env))
-    groups, unscored = score_episodes(lease_msg.prompts, outcomes, RunRewards(), tokenizer, actor_metrics())
+    metrics = actor_metrics()
+    groups, unscored = score_episodes(lease_msg.prompts, outcomes, RunRewards(), tokenizer, metrics)
     assert not unscored
+    episodes = [o for group in outcomes for o in group]
+    environment = sum(len(o.completion.tokens) - sum(o.completion.episode.mask) for o in episodes if o.completion.episode)
+    read = metrics.registry.get_sample_value
+    assert read("grpo_fleet_actor_env_seconds_count") == len(episodes)
+    assert read("grpo_fleet_actor_episode_tokens_total", {"kind": "environment"}) == environment
+    assert read("grpo_fleet_actor_episode_turns_sum") == sum(o.turns for o in episodes)
     return m.Rollouts(lease_id=lease_msg.lease_id, policy_version=lease_msg.policy_version,
                       incarnation=learner.state.incarnation, groups=groups), runner
 
@@ -148,6 +163,13 @@ def test_episodes_are_accepted_replayed_and_trained_on_their_sampled_ids_only(ma
     assert ack.status == "accepted", ack
     assert set(ack.groups.values()) == {"accepted"}
     groups = records(rollouts, lease_msg)
+    read = learner.metrics.registry.get_sample_value
+    completions = [c for g in groups for c in g.completions]
+    assert read("grpo_fleet_learner_episode_tokens_total", {"kind": "sampled"}) == sum(c.sampled.sum() for c in completions)
+    assert read("grpo_fleet_learner_episode_tokens_total", {"kind": "environment"}) == sum(
+        (~c.sampled).sum() for c in completions)
+    assert sum(read("grpo_fleet_learner_episodes_ended_total", {"end": end}) or 0
+               for end in ("done", "max_turns", "budget")) == len(completions)
     batch = build_train_batch(groups)
     mask, targets, old = np.array(batch.mask), np.array(batch.targets), np.array(batch.old_logprobs)
     environment_tokens = 0
@@ -315,3 +337,48 @@ def test_a_run_that_verifies_rewards_refuses_an_environment_not_declared_determi
         make(task={"env": f"{path}:Coin"})
     learner = make(task={"env": f"{path}:Coin"}, security={"verify_rewards": False})
     assert hello(learner).env is not None
+
+
+def test_the_learner_evaluates_held_out_episodes_itself_when_no_actor_is_connected(make):
+    learner = make(train={"eval_every": 10, "eval_mode": "sampled", "eval_samples": 2})
+    evaluator = LocalEvaluator(learner, InlineScorer, wait_seconds=0.0, make_envs=InlineEnvs)
+    try:
+        assert learner.evaluation.current is not None  # the baseline round, waiting for an actor
+        assert evaluator.run_if_needed()
+    finally:
+        evaluator.close()
+    (line,) = [json.loads(x) for x in (learner.run_dir / "metrics.jsonl").read_text().splitlines()
+               if '"eval"' in x]
+    assert line["on_learner"] == line["scored"] == len(learner.task.eval) and line["dropped"] == 0
+    assert 0.0 <= line["eval_reward"] <= 1.0  # the quiz's rewards: 1, 0.5 or 0 per episode
+
+
+def test_samples_show_an_episode_turn_by_turn(make):
+    learner = make()
+    welcome = hello(learner)
+    lease_msg = lease(learner)
+    rollouts, runner = run_episodes(learner, welcome, lease_msg)
+    groups = records(rollouts, lease_msg)
+    decode = tokenizer_decode(learner.policy.tokenizer)
+    rows = sample_rows(groups, [(g, c) for g in range(len(groups)) for c in range(GROUP)], 1, decode,
+                       scale_by_std=True)
+    many = [row for row in rows if len(row.turns) > 1]
+    assert many, "no episode went past its first turn"
+    for row, (g, c) in zip(rows, [(g, c) for g in range(len(groups)) for c in range(GROUP)]):
+        completion = groups[g].completions[c]
+        assert [text for who, text in row.turns if who == "model"] == [decode(np.array(t))
+                                                                       for t in runner.sampled[g * GROUP + c]]
+        assert "".join(text for _, text in row.turns) == row.completion and row.end == completion.end
+    back = row_from_json(json.dumps(dataclasses.asdict(many[0])))
+    assert back == many[0]
+    shown = format_row(many[0], width=200, max_chars=10_000)
+    assert "turn 1 (model):" in shown and "turn 2 (model):" in shown and "environment:" in shown
+    assert f"episode ended: {many[0].end}" in shown
+
+
+def test_the_quiz_demo_is_one_packaged_config_of_the_real_model(tmp_path):
+    cfg = RunConfig.model_validate(demo_settings(DemoOptions(model="smollm2-135m-instruct", config="capital-quiz")))
+    assert cfg.task.env == f"{QUIZ}:CapitalQuiz" and cfg.task.rewards == [] and cfg.security.verify_rewards
+    assert Path(cfg.task.train_path or "").is_file() and cfg.model.path == "zoo:smollm2-135m-instruct"
+    with pytest.raises(ZooError, match="no packaged demo"):
+        demo_settings(DemoOptions(model="smollm2-135m-instruct", config="no-such-demo"))

@@ -83,6 +83,7 @@ def test_rows_carry_the_decoded_text_and_the_groups_advantage(scale_by_std):
     assert asdict(rows[0]) == {
         "step": 9, "policy_version": 5, "group_id": "b", "prompt_index": 7, "actor_id": "actor-b", "prompt": "1 2",
         "completion": "11 21 30", "reward": 1.0, "advantage": rows[0].advantage, "finish_reason": "stop", "num_tokens": 3,
+        "turns": [], "end": "",
     }
 
 

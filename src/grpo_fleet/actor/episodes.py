@@ -155,5 +155,15 @@ def _unscored(group_id: str, reward: str, error: str, detail: str) -> m.Unscored
 
 def _observe(outcomes: Sequence[EpisodeOutcome], metrics: ActorMetrics) -> None:
     """Sampled tokens only count as generated: environment tokens were not decoded by the model."""
-    metrics.tokens_generated.inc(sum(sum(o.completion.episode.mask) if o.completion.episode else 0 for o in outcomes))
+    for outcome in outcomes:
+        metrics.env_seconds.observe(outcome.env_seconds)
+        marks = outcome.completion.episode
+        if marks is None or outcome.failure is not None:
+            continue
+        sampled = sum(marks.mask)
+        metrics.tokens_generated.inc(sampled)
+        metrics.episode_tokens.labels(kind="sampled").inc(sampled)
+        metrics.episode_tokens.labels(kind="environment").inc(len(marks.mask) - sampled)
+        metrics.episode_turns.observe(outcome.turns)
+        metrics.episodes_ended.labels(end=marks.end).inc()
     metrics.groups_generated.inc()

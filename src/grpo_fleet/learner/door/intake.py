@@ -241,6 +241,7 @@ class Intake:
         mt.groups_accepted.inc()
         mt.tokens_accepted.inc(record.num_tokens)
         mt.accepted_group_tokens.observe(record.num_tokens / max(1, len(record.completions)))
+        observe_episodes(record, mt)
         self.registry.credit(actor, record.num_tokens, record.policy_version)
         mt.staleness.observe(state.version - record.policy_version)
         mt.group_reward.observe(float(record.rewards.mean()))
@@ -269,3 +270,15 @@ class Intake:
         for group in groups:
             if group.group_id in suspects and group.actor_key:
                 self.registry.record_violation(group.actor_key, f"poisoned_{suspects[group.group_id]}")
+
+
+def observe_episodes(record: AcceptedGroup, mt: LearnerMetrics) -> None:
+    """An accepted group's episodes (task.env): tokens of each kind, turns, and why each ended."""
+    for completion in record.completions:
+        if completion.mask is None:
+            continue
+        sampled = int(completion.sampled.sum())
+        mt.episode_tokens.labels(kind="sampled").inc(sampled)
+        mt.episode_tokens.labels(kind="environment").inc(len(completion.tokens) - sampled)
+        mt.episode_turns.observe(len(completion.turns or []))
+        mt.episodes_ended.labels(end=completion.end).inc()

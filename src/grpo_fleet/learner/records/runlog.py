@@ -11,7 +11,7 @@ they record after it is re-done.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Optional
 
@@ -120,6 +120,9 @@ class SampleRow:
     advantage: float  # its group-relative advantage, as the step computed it
     finish_reason: str
     num_tokens: int  # completion tokens
+    # An episode's (task.env) text run by run, in order: [["model", text], ["environment", text], ...]; [] otherwise.
+    turns: list[list[str]] = field(default_factory=list)
+    end: str = ""  # why the episode ended ("done", "max_turns", "budget"); "" for a single completion
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ with a stable sort, so ties go in the order the actor sent them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -71,8 +71,17 @@ def sample_rows(groups: Sequence[AcceptedGroup], picked: Sequence[tuple[int, int
             actor_id=group.actor_id, prompt=prompt, completion=decode(completion.tokens),
             reward=float(completion.reward), advantage=float(advantages[completion_index]),
             finish_reason=completion.finish_reason, num_tokens=len(completion.tokens),
+            turns=episode_runs(completion.tokens, completion.mask, decode), end=completion.end,
         ))
     return rows
+
+
+def episode_runs(tokens: np.ndarray, mask: Optional[np.ndarray], decode: Decode) -> list[list[str]]:
+    """An episode's text run by run: each of the model's turns and each environment chunk, decoded apart."""
+    if mask is None:
+        return []
+    edges = [0, *(np.flatnonzero(np.diff(mask.astype(np.int8))) + 1).tolist(), len(tokens)]
+    return [["model" if mask[a] else "environment", decode(tokens[a:b])] for a, b in zip(edges, edges[1:])]
 
 
 def tokenizer_decode(tokenizer: Any) -> Decode:

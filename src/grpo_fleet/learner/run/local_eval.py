@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable, Optional
 
+from grpo_fleet.envs.protocol import env_extras
+from grpo_fleet.envs.runner import EnvRunner, EpisodeLimits, EpisodeRunner, EpisodeStart
+from grpo_fleet.generation import SamplingSettings
 from grpo_fleet.learner.run.rooms import RunRooms
+from grpo_fleet.tasks import Example, reward_kwargs
+from grpo_fleet.tasks.env_module import EnvSetup
+from grpo_fleet.tasks.prompts import chat_messages, decode_completion, encode_prompt
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
 
 log = logging.getLogger("grpo_fleet.learner")
@@ -25,9 +31,13 @@ class LocalEvaluator:
     """Evaluates waiting eval prompts on the learner's own model; its rewards run in their own process."""
 
     def __init__(self, learner: RunRooms, make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess,
-                 wait_seconds: float = ACTOR_WAIT_SECONDS) -> None:
+                 wait_seconds: float = ACTOR_WAIT_SECONDS,
+                 make_envs: Optional[Callable[[EnvSetup], EnvRunner]] = None) -> None:
         self.learner, self.make_scorer, self.wait_seconds = learner, make_scorer, wait_seconds
         self._scorer: Scorer | None = None
+        # task.env's episodes: in a child process (envs/process.py) unless told otherwise; started when needed.
+        self.make_envs = make_envs
+        self._envs: Optional[EnvRunner] = None
 
     def run_if_needed(self) -> bool:
         """Evaluate the round's waiting prompts if no actor is connected; True if it did."""
@@ -61,11 +71,45 @@ class LocalEvaluator:
         model = learner.policy.model
         model.eval()  # no adapter dropout while generating
         try:
-            results = sample_and_score(model, learner.policy.tokenizer, learner.task, learner.cfg, examples,
-                                       self._scorer, samples=sampling.samples, temperature=sampling.temperature)
+            if learner.task.env is not None:
+                results = self._episodes(examples, sampling.samples, sampling.temperature)
+            else:
+                results = sample_and_score(model, learner.policy.tokenizer, learner.task, learner.cfg, examples,
+                                           self._scorer, samples=sampling.samples, temperature=sampling.temperature)
         finally:
             model.train()
         return dict(zip(indices, results))
+
+    def _episodes(self, examples: list[Example], samples: int, temperature: float) -> list[Optional[list[float]]]:
+        """Each held-out prompt's episodes (a prompt's score is its episode's reward, plus the task's rewards if
+        any), its environment in a child process as on an actor; None where an environment or a reward failed."""
+        from grpo_fleet.envs.process import EnvProcess  # starts processes: only an episode run's fallback needs it
+
+        learner, env = self.learner, self.learner.task.env
+        assert env is not None and self._scorer is not None
+        if self._envs is None:
+            self._envs = (self.make_envs or EnvProcess)(env)
+        tokenizer, task = learner.policy.tokenizer, learner.cfg.task
+        eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+        settings = SamplingSettings(group_size=samples, max_tokens=learner.cfg.generation.max_tokens,
+                                    temperature=temperature, stop_token_ids=eos)
+        runner = EpisodeRunner(learner.policy.model, tokenizer, settings,
+                               EpisodeLimits(env.max_turns, env.max_episode_tokens), self._envs)
+        groups = runner.run([episode_start(tokenizer, example, task.system_prompt, env.max_turns)
+                             for example in examples])
+        results: list[Optional[list[float]]] = []
+        for example, outcomes in zip(examples, groups):
+            if any(o.failure is not None for o in outcomes):
+                results.append(None)
+                continue
+            totals: Optional[list[float]] = [o.reward for o in outcomes]
+            if learner.task.reward_names:
+                texts = [decode_completion(tokenizer, o.completion.tokens, o.completion.finish_reason, set(eos))
+                         for o in outcomes]
+                (score,) = self._scorer.score([learner.task.job(example, texts)])
+                totals = None if score.rewards is None else [o.reward + r for o, r in zip(outcomes, score.rewards)]
+            results.append(totals)
+        return results
 
     def report_finished(self) -> None:
         """Send finished rounds to the trackers, at the step each finished at (trackers want steps increasing)."""
@@ -85,3 +129,15 @@ class LocalEvaluator:
         self.report_finished()
         if self._scorer is not None:
             self._scorer.close()
+        close = getattr(self._envs, "close", None)
+        if callable(close):
+            close()
+
+
+def episode_start(tokenizer: Any, example: Example, system_prompt: Optional[str], max_turns: int) -> EpisodeStart:
+    """A held-out prompt as an episode starts on an actor: the learner's prompt ids, their conversation, the extras."""
+    messages = chat_messages(example.prompt, system_prompt)
+    columns = {key: value for key, value in reward_kwargs(example).items() if key != "answer"}
+    return EpisodeStart(prompt_tokens=encode_prompt(tokenizer, example.prompt, chat_template=True,
+                                                    system_prompt=system_prompt),
+                        messages=messages, extras=env_extras(columns, example.answer, max_turns))

@@ -35,6 +35,14 @@ ifeq ($(UNAME),Linux)
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
 	    || echo "warning: could not install prometheus; those tests will be skipped"; \
 	fi
+	@# sshd for test_launch_ssh, which starts its own on 127.0.0.1; the package's service is not left running.
+	@if ! test -x /usr/sbin/sshd && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's openssh-server (for the launch tests over a real sshd on 127.0.0.1)"; \
+	  $(SUDO) apt-get update -qq; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends openssh-server >/dev/null \
+	    || echo "warning: could not install openssh-server; test_launch_ssh will be skipped"; \
+	  if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now ssh.service ssh.socket >/dev/null 2>&1 || true; fi; \
+	fi
 endif
 
 demo: system-deps $(VENV)/.installed

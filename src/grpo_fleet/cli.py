@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from grpo_fleet.cli_tools import add_tool_commands
 
 if TYPE_CHECKING:
+    from grpo_fleet.actor.worker import ActorWorker
     from grpo_fleet.config import ActorConfig, RunConfig
     from grpo_fleet.learner.run.coordinator import RunCoordinator
 
@@ -139,12 +140,31 @@ def _actor(args: argparse.Namespace) -> int:
 
     cfg = actor_config(args)
     try:
-        ActorWorker(cfg).run()
+        worker = ActorWorker(cfg)
+        if args.stdin_lifeline:
+            _stop_with_stdin(worker, cfg.request_timeout)
+        worker.run()
     except ActorRefused as exc:
         # One line, the last one: `grpo-fleet launch` shows it as the reason it stopped this actor.
         print(f"grpo-fleet actor: refusing to run: {exc}", file=sys.stderr)
         return REFUSED
     return DONE
+
+
+def _stop_with_stdin(worker: ActorWorker, request_timeout: float) -> None:
+    """--stdin-lifeline: stop the actor when stdin ends (actor/lifeline.py); not when stdin is /dev/null."""
+    from grpo_fleet.actor.lifeline import stdin_is_watchable, watch_stdin
+
+    if not stdin_is_watchable():
+        print("grpo-fleet actor: --stdin-lifeline ignored: stdin is closed or /dev/null (ssh -n?)", file=sys.stderr)
+        return
+
+    def stop() -> None:
+        if not worker.stopping:  # a signal may have asked first
+            worker.request_stop()
+
+    # The drain waits one request timeout at most for a learner that is gone; a little more, then stop now.
+    watch_stdin(stop, grace=request_timeout + 10.0)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -219,6 +239,8 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
     actor.add_argument("--learner-key", help="the learner's public key file (learner.key)")
     actor.add_argument("--model-dir", action="append", help="local directory the learner's model may live in; repeatable")
     actor.add_argument("--reward-module", help="this machine's copy of the learner's task.reward_module (file or module)")
+    actor.add_argument("--stdin-lifeline", action="store_true",
+                       help="stop when stdin ends, as on SIGTERM: how `grpo-fleet launch` stops actors over ssh")
     actor.set_defaults(func=_actor)
 
     launch = sub.add_parser("launch", help="the learner here, every actor of a fleet file over ssh, restarted when they die")

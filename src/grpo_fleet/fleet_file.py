@@ -48,12 +48,26 @@ class LearnerSpec(_Section):
 class ActorSpec(_Section):
     """One actor process on one host, started through the ssh template."""
 
-    host: str = Field(min_length=1, description="Host name given to the ssh template's {host}.")
+    host: str = Field(min_length=1, description="Host name given to the ssh template's {host}: one word, not an option.")
     id: Optional[str] = Field(None, description="--actor-id and the output prefix; default: host. Unique in the fleet.")
-    key: Optional[str] = Field(None, description="Path on that host to this actor's CURVE secret key (NAME.key_secret).")
-    learner_key: Optional[str] = Field(None, description="Path on that host to the learner's public key (learner.key).")
-    workdir: Optional[str] = Field(None, description="Directory on that host to cd into first (relative to the remote home).")
-    args: list[str] = Field(default_factory=list, description="Extra actor flags, e.g. ['--model-dir', 'models'].")
+    key: Optional[str] = Field(None, description="Path on that host to this actor's CURVE secret key (NAME.key_secret); "
+                               "a leading ~/ is the remote home.")
+    learner_key: Optional[str] = Field(None, description="Path on that host to the learner's public key (learner.key); "
+                                       "a leading ~/ is the remote home.")
+    workdir: Optional[str] = Field(None, description="Directory on that host to cd into first (relative to the remote "
+                                   "home, or a leading ~/).")
+    args: list[str] = Field(default_factory=list, description="Extra actor flags, e.g. ['--model-dir', 'models']; "
+                            "passed as they are (a ~ in them is not expanded).")
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_not_an_option(cls, host: str) -> str:
+        # ssh would read `-oProxyCommand=...` as an option and run its command here.
+        if host.startswith("-"):
+            raise ValueError(f"host {host!r} starts with '-': ssh would take it for an option")
+        if any(c.isspace() or not c.isprintable() for c in host):
+            raise ValueError(f"host {host!r} holds whitespace or control characters: it must be one word")
+        return host
 
     @model_validator(mode="after")
     def _keys_in_pairs(self) -> "ActorSpec":
@@ -151,12 +165,24 @@ def actor_gaps(cfg: FleetConfig, run: RunConfig) -> list[str]:
 
 
 def ssh_argv(template: str, host: str, command: str) -> list[str]:
-    """The local argv that runs `command` on `host`: the command travels as one quoted word."""
-    return shlex.split(template.format(host=shlex.quote(host), command=shlex.quote(command)))
+    """The local argv that runs `command` on `host`: the command travels as one quoted word.
+
+    For ssh itself, `--` goes before the host word when the template has none, so
+    that no host can be read as an option (fleet files also refuse a host that
+    starts with '-').
+    """
+    words = shlex.split(template.format(host=_HOST_MARK, command=shlex.quote(command)))
+    at = next((i for i, word in enumerate(words) if _HOST_MARK in word), None)
+    if at is not None and words and Path(words[0]).name == "ssh" and "--" not in words[:at]:
+        words.insert(at, "--")
+    return [word.replace(_HOST_MARK, host) for word in words]
+
+
+_HOST_MARK = "GRPO-FLEET-HOST"  # a word shlex keeps whole, put back after the split
 
 
 def _remote_path(path: str) -> str:
-    """Quote a path for the remote shell but keep a leading ~ expandable there."""
+    """Quote a path for the remote shell, but keep a leading ~/ (the remote home) expandable there."""
     if path == "~" or path.startswith("~/"):
         rest = path[2:]
         return "~/" + shlex.quote(rest) if rest else "~"
@@ -165,7 +191,8 @@ def _remote_path(path: str) -> str:
 
 def actor_command(cfg: FleetConfig, actor: ActorSpec, connect: str) -> str:
     """The shell command an actor's host runs: `[cd WORKDIR &&] GRPO_FLEET actor ...`."""
-    words = ["actor", "--connect", shlex.quote(connect), "--actor-id", shlex.quote(actor.name)]
+    # --stdin-lifeline: ssh forwards the end of its stdin, which launch holds; that is how the actor is stopped.
+    words = ["actor", "--connect", shlex.quote(connect), "--actor-id", shlex.quote(actor.name), "--stdin-lifeline"]
     if actor.key and actor.learner_key:
         words += ["--key", _remote_path(actor.key), "--learner-key", _remote_path(actor.learner_key)]
     words += [shlex.quote(arg) for arg in actor.args]

@@ -1,4 +1,5 @@
-"""What `grpo-fleet launch` does about an actor that exited (pure), and its record of actors it stopped for good.
+"""What `grpo-fleet launch` does about an actor that exited and how long a stopping learner gets (pure), and its
+record of actors it stopped for good.
 
 An exit is done, permanent or transient by its code (exit_codes.py). A transient
 one is restarted with an exponential backoff. A done one (the learner said
@@ -10,8 +11,11 @@ RUN_DIR/launch.json for `grpo-fleet status --run-dir`.
 from __future__ import annotations
 
 import json
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 from grpo_fleet.exit_codes import DONE, is_permanent
 
@@ -50,6 +54,90 @@ def after_exit(code: int, ran: float, backoff: float, backoff_max: float) -> Aft
         backoff = FIRST_BACKOFF_SECONDS
     delay = min(backoff, backoff_max)
     return AfterExit(restart=True, delay=delay, backoff=min(backoff * 2, backoff_max))
+
+
+# A stop may land as a step starts: the learner finishes that step, then writes a checkpoint. Twice the
+# measured sum allows for a step slower than any seen; the slack is for shutting down (telling the actors,
+# joining its threads).
+STOP_SAFETY = 2.0
+STOP_SLACK_SECONDS = 15.0
+RECENT_STEPS = 50  # the metrics.jsonl lines the learner's wait is sized from
+TAIL_BYTES = 256 * 1024  # enough for RECENT_STEPS lines; a long run's file is read from there only
+
+
+@dataclass(frozen=True)
+class LearnerStopWait:
+    """How long the learner gets after SIGTERM before SIGKILL, and what that was sized from (said in the log)."""
+
+    seconds: float
+    reason: str
+
+
+def learner_stop_wait(records: Sequence[dict[str, Any]], checkpoint_every: int, floor: float) -> LearnerStopWait:
+    """The learner's bound after SIGTERM, from its metrics.jsonl lines: it finishes the step in hand, then checkpoints.
+
+    A step takes its `step_seconds` (the slowest of the recent ones). A checkpoint
+    takes the wall-clock gap between a checkpointing step's line and the next one,
+    less that next step's own time: an upper bound, since the gap also holds any
+    wait for rollouts (the median of the gaps seen). Not yet measured, it is taken
+    as long as a step. Never less than `floor`, the fleet file's stop_timeout.
+    """
+    steps = _timed_steps(records)
+    if not steps:
+        return LearnerStopWait(floor, "stop_timeout; no step of this run measured yet")
+    step = max(s.seconds for s in steps)
+    gaps = [after.wall - before.wall - after.seconds for before, after in zip(steps, steps[1:])
+            if before.step % checkpoint_every == 0 and after.step == before.step + 1]
+    checkpoint = max(0.0, statistics.median(gaps)) if gaps else step
+    how = "measured" if gaps else "not measured yet, taken as a step"
+    needed = STOP_SAFETY * (step + checkpoint) + STOP_SLACK_SECONDS
+    sized = (f"its step takes up to {step:.1f}s and a checkpoint {checkpoint:.1f}s ({how}); "
+             f"x{STOP_SAFETY:g} + {STOP_SLACK_SECONDS:g}s to shut down")
+    if needed <= floor:
+        return LearnerStopWait(floor, f"stop_timeout, more than {sized}")
+    return LearnerStopWait(needed, sized)
+
+
+def recent_records(path: Path) -> list[dict[str, Any]]:
+    """The last lines of a metrics.jsonl, parsed (none when it does not exist; a torn or foreign line is skipped)."""
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, 2)
+            handle.seek(max(0, size - TAIL_BYTES))
+            lines = handle.read().splitlines()[1 if size > TAIL_BYTES else 0:]  # the first may be cut
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+@dataclass(frozen=True)
+class _TimedStep:
+    step: int
+    seconds: float  # the step's own time
+    wall: float  # the run's wall clock when its line was written
+
+
+def _timed_steps(records: Sequence[dict[str, Any]]) -> list[_TimedStep]:
+    """The recent step lines (eval lines and malformed ones left out)."""
+    steps = []
+    for record in records:
+        step, seconds, wall = record.get("step"), _seconds(record.get("step_seconds")), _seconds(record.get("wall_seconds"))
+        if "event" not in record and isinstance(step, int) and seconds is not None and wall is not None:
+            steps.append(_TimedStep(step, seconds, wall))
+    return steps[-RECENT_STEPS:]
+
+
+def _seconds(value: Any) -> Optional[float]:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    return float(value) if ok else None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import pytest
 from pydantic import ValidationError
 
 from grpo_fleet.blas import child_env
-from grpo_fleet.fleet_file import actor_command, learner_connect, load_fleet, ssh_argv
+from grpo_fleet.fleet_file import ActorSpec, FleetConfig, LearnerSpec, actor_command, learner_connect, load_fleet, ssh_argv
 from grpo_fleet.launch import run_fleet
 from grpo_fleet.protocol.auth import add_actor, init_keys
 from recipe_helpers import recipe_config, save_gsm8k_like
@@ -99,11 +99,13 @@ def test_fleet_file_defaults_paths_and_commands(tmp_path: Path, run_config) -> N
     command = actor_command(fleet, fleet.actors[0], connect)
     assert command.startswith("cd ~/'my repo' && grpo-fleet actor ")
     assert shlex.split(command.split(" && ", 1)[1]) == [
-        "grpo-fleet", "actor", "--connect", connect, "--actor-id", "mac1",
+        "grpo-fleet", "actor", "--connect", connect, "--actor-id", "mac1", "--stdin-lifeline",
         "--key", "a b.key_secret", "--learner-key", "learner.key", "--max-groups", "4",
     ]
-    # The remote command is ONE argument of the local ssh argv.
-    assert ssh_argv(fleet.ssh, "mac1", command) == ["ssh", "-o", "BatchMode=yes", "mac1", command]
+    # The remote command is ONE argument of the local ssh argv, and no host can be read as an option.
+    assert ssh_argv(fleet.ssh, "mac1", command) == ["ssh", "-o", "BatchMode=yes", "--", "mac1", command]
+    assert ssh_argv("ssh -p 2222 -- me@{host} {command}", "mac1", "x") == ["ssh", "-p", "2222", "--", "me@mac1", "x"]
+    assert ssh_argv("/opt/my-ssh {host} {command}", "mac1", "x") == ["/opt/my-ssh", "mac1", "x"]  # not ssh: as written
     assert "--actor-id mac1-b" in actor_command(fleet, fleet.actors[1], connect)
 
     # The learner's run config is read up front: its errors show before anything starts.
@@ -112,12 +114,30 @@ def test_fleet_file_defaults_paths_and_commands(tmp_path: Path, run_config) -> N
         load_fleet(fleet_file)
 
 
+def test_a_leading_tilde_is_the_remote_home_and_args_pass_as_they_are(tmp_path: Path) -> None:
+    """What deploy/fleet.toml says: ~/ in key, learner_key and workdir is the remote home; args are not expanded."""
+    (tmp_path / "my repo").mkdir()
+    actor = ActorSpec(host="mac1", workdir="~/my repo", key="~/k s/a.key_secret", learner_key="~/learner.key",
+                      args=["--reward-module", "~/r.py"])
+    fleet = FleetConfig(learner=LearnerSpec(config="run.toml"), actors=[actor], grpo_fleet="printf '%s\\n'")
+    command = actor_command(fleet, actor, "tcp://h:5555")
+    # As sshd runs it: the login shell, in the remote home.
+    out = subprocess.run(["sh", "-c", command + " && pwd"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "HOME": str(tmp_path)}, cwd="/").stdout.splitlines()
+    assert out[out.index("--key") + 1] == f"{tmp_path}/k s/a.key_secret"
+    assert out[out.index("--learner-key") + 1] == f"{tmp_path}/learner.key"
+    assert out[out.index("--reward-module") + 1] == "~/r.py"
+    assert out[-1] == f"{tmp_path}/my repo"
+
+
 @pytest.mark.parametrize("body, message", [
     ('[learner]\nconfig = "x"\n[[actors]]\nhost = "a"\nport = 1\n', "Extra inputs"),
     ('[learner]\nconfig = "x"\n[[actors]]\nhost = "a"\n[[actors]]\nhost = "a"\n', "unique"),
     ('[learner]\nconfig = "x"\n[[actors]]\nhost = "a"\nkey = "k"\n', "go together"),
     ('ssh = "ssh {host}"\n[learner]\nconfig = "x"\n[[actors]]\nhost = "a"\n', "{command}"),
     ('actors = []\n[learner]\nconfig = "x"\n', "at least 1"),
+    ('[learner]\nconfig = "x"\n[[actors]]\nhost = "-oProxyCommand=touch /tmp/owned"\n', "starts with '-'"),
+    ('[learner]\nconfig = "x"\n[[actors]]\nhost = "mac1 -oProxyCommand=x"\n', "one word"),
 ])
 def test_fleet_file_errors(tmp_path: Path, body: str, message: str) -> None:
     path = tmp_path / "fleet.toml"
@@ -247,6 +267,28 @@ def test_restarts_back_off_and_ctrl_c_stops_everything(tmp_path: Path, run_confi
     out = "".join(lines)
     assert code == 0, out[-4000:]
     assert "[launch] stopping" in out and "SIGKILL" not in out
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] >= 3 and latest["step"] == _metrics_lines(run_dir), "the stop checkpoint holds the last step"
+
+
+def test_the_learner_gets_the_time_its_step_and_checkpoint_need_past_stop_timeout(
+        tmp_path: Path, run_config, capsys) -> None:
+    """stop_timeout is a floor: a learner's last step plus its checkpoint outlasted it and was SIGKILLed, losing the
+    steps since its last checkpoint. Here only the stop writes one, and stop_timeout is far too short for it."""
+    config, cfg = run_config(task={"num_train": 100, "num_eval": 8}, train={"steps": 100000, "checkpoint_every": 100000})
+    run_dir = Path(cfg.run_dir)
+    fleet = _write_fleet(tmp_path, config, ["hostA"], ["--model-dir", str(run_dir), "--metrics-port", "0"],
+                         stop_timeout=0.1)
+    stop = threading.Event()
+    stopper = threading.Thread(target=lambda: (_wait_lines(run_dir, 3, stop, 120), stop.set()), daemon=True)
+    stopper.start()
+    assert run_fleet(load_fleet(fleet), stop_event=stop) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\[launch\] waiting up to \d+s for the learner's last step and checkpoint \(stop_timeout, more "
+                     r"than its step takes up to [\d.]+s", out) is None, "0.1 s is less than any learner needs"
+    assert re.search(r"\[launch\] waiting up to (\d+)s for the learner's last step and checkpoint \(its step takes "
+                     r"up to [\d.]+s and a checkpoint [\d.]+s \(not measured yet, taken as a step\)", out), out[-4000:]
+    assert "learner still running" not in out, out[-4000:]
     latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
     assert latest["step"] >= 3 and latest["step"] == _metrics_lines(run_dir), "the stop checkpoint holds the last step"
 

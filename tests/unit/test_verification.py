@@ -32,6 +32,7 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.prompts import decode_completion
 from grpo_fleet.tasks.reward_runner import InlineScorer
 from helpers import audit_ledger
+from helpers import jsonl as json_lines
 from in_process import build_learner
 
 
@@ -383,3 +384,26 @@ def test_the_learner_calibrates_the_half_precision_bound_on_its_own_model(make: 
     assert learner.intake.rules.logprob_bound("Device(gpu, 0)") == bound, "an actor of unknown dtype: bf16's"
     assert learner.intake.rules.logprob_bound("cpu") == default_bound("float32", "float32"), "fp32 keeps its own"
     assert make(security={"verify_logprobs": True, "calibration_prompts": 0}).intake.rules.calibrated == ()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_every_trained_group_is_checked_or_counted_unchecked_with_its_reason(
+        make: Callable[..., RunCoordinator], verify: bool) -> None:
+    """After probation at a share of ~0, older groups train unchecked: each is counted, ledgered and in its step line."""
+    learner = make(security={"verify_logprobs": verify, "probation_groups": 0, "check_share": 1e-9},
+                   grpo={"max_staleness": 2})
+    hello(learner)
+    early = lease(learner)
+    assert ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner))).status == "accepted"
+    assert learner.train_step() is not None  # v0 groups at the step's version: checked in the step when verifying
+    assert ask(learner, ACTOR_A, generated_rollouts(learner, early)).status == "accepted"  # v0, now one behind
+    assert learner.train_step() is not None
+    learner.runlog.sizes()  # flushes
+    steps = [line for line in json_lines(Path(learner.cfg.run_dir) / "metrics.jsonl") if "event" not in line]
+    assert [(s["groups_checked"], s["groups_unchecked"]) for s in steps] == (
+        [(GROUPS_PER_STEP, 0), (0, GROUPS_PER_STEP)] if verify else [(0, GROUPS_PER_STEP)] * 2)
+    reason = "sampled_out" if verify else "verification_off"
+    audit = audit_ledger(Path(learner.cfg.run_dir) / "ledger.jsonl")
+    assert list(audit.unchecked.values()) == [reason] * (GROUPS_PER_STEP if verify else 2 * GROUPS_PER_STEP)
+    counted = learner.metrics.registry.get_sample_value("grpo_fleet_learner_groups_unchecked_total", {"reason": reason})
+    assert counted == len(audit.unchecked)

@@ -63,6 +63,7 @@ class MeasuredRun:
     logprob_check_seconds: float  # the check's seconds a step (metrics.jsonl check_seconds), mean over steps
     lease_groups: float  # mean groups per lease
     steps: int  # step lines in metrics.jsonl
+    load_average: float  # the host's, over the run (other work on a shared host slows every process alike)
 
 
 def _actor_figures(pages: list[Scraped]) -> tuple[float, float, float]:
@@ -84,9 +85,11 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
     with running(cfg, config_path, actors) as fleet:
         pages: list[Optional[Scraped]] = [None] * actors
         learner_page: Optional[Scraped] = None
+        loads: list[float] = []  # the host's 1-minute load average, the run's own processes included
         while fleet.learner.proc.poll() is None:
             pages = [scrape(port) or page for port, page in zip(fleet.actor_ports, pages)]
             learner_page = scrape(cfg.metrics.port) or learner_page
+            loads.append(os.getloadavg()[0])
             time.sleep(1.0)
     every = load_step_records(run_dir / "metrics.jsonl")
     steps = every[1:]  # the first step carries start-up and warm-up
@@ -102,7 +105,7 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
         answer_seconds_per_group=learner(f"{LEARNER}_rollouts_answer_seconds_sum") / max(groups, 1.0),
         logprob_check_seconds=sum(float(s.get("check_seconds") or 0.0) for s in steps) / len(steps),
         lease_groups=learner(f"{LEARNER}_lease_groups_sum") / max(learner(f"{LEARNER}_lease_groups_count"), 1.0),
-        steps=len(every),
+        steps=len(every), load_average=sum(loads) / max(1, len(loads)),
     )
 
 
@@ -161,7 +164,7 @@ def _report_check(report: Report, cfg: RunConfig, measured: MeasuredRun, alone: 
         f"step {alone.step.seconds:.2f} s ({alone.step.cores:.2f} cores), the check's forward "
         f"{alone.logprob_check.seconds:.2f} s a group ({check_share(cfg, alone):.2f} of a group's step), on "
         f"{os.cpu_count()} shared cores; {measured.informative_fraction:.0%} informative, fetch "
-        f"{measured.fetch_seconds:.2f} s",
+        f"{measured.fetch_seconds:.2f} s; load average {measured.load_average:.1f} during the run",
     ))
     report.add(Figure(
         "fleet_sim", f"simulated vs measured steps/s, real model, {label}, as if on machines of their own",

@@ -1,24 +1,40 @@
-"""How often the logprob check catches an actor whose weights are 1 or 2 versions behind the version it claims.
+"""How often the logprob check catches the quiet lies, and how long a sleeper liar goes unseen.
 
-Such a proxy (one that lifts the claimed version, or serves stale weights) is
-only a few hundredths of a nat per token off on the demo model. In one process,
-the demo task trains on-policy; at each probe version v, submissions of
+Liars whose weights are 1 or 2 versions behind the version they claim (a proxy
+that lifts the claimed version, or serves stale weights) are only a few
+hundredths of a nat per token off on the demo model. In one process, the demo
+task trains on-policy; at each probe version v, submissions of
 `max_groups_per_lease` groups are sampled from the weights of v - lag and
-claimed as v, in float32 (a CPU actor) and in bfloat16 (a Mac's), then checked
-the way the learner checks them (`LogprobCheck` under the weights of v):
+claimed as v, in float32 (a CPU actor) and in bfloat16 (a Mac's), then
+recomputed the way the learner does it (`LogprobCheck` under the weights of v).
+From each honest submission (lag 0) two more liars are made:
 
-- before: the first informative group of a submission against 0.05 nats;
-- after: up to security.logprob_checks_per_submission groups, picked at random,
-  against the bound for the pair of dtypes (learner/step/gap_bounds.py).
+- spikes: 1% of each group's tokens (at least one) reported `SPIKE_NATS` lower
+  than sampled, the rest honest: the ratio of those tokens is what the lie buys;
+- a cut-off completion claimed finished (`length` sent as `stop`), which would
+  escape grpo.mask_truncated (only submissions that hold a cut-off one).
 
-A submission is caught when a checked group is over its bound. Lag 0 is the
-honest actor: anything caught there is a false rejection.
+Each submission is judged as an actor on probation is: every group checked,
+against the bound the learner calibrates at start for the actor's dtype (honest
+groups the learner samples itself at version 0, `gap_calibration.calibrate`),
+on the mean and on every token, and every `finish_reason` against its tokens.
+A group is checked whole when the step trains from the version it claims (the
+step's own forward), or security.check_completions of its completions, picked at
+random, when it is older (a forward of its own): both are judged. Beside them,
+the judge before issue 26: the mean alone against one constant per dtype pair,
+on up to 4 random groups. Lag 0 is the honest actor: anything caught there is a
+false rejection.
+
+The sleeper: an actor that turns liar right after its probation, each lying
+group checked with probability security.check_share, drawn by the learner's own
+`Trust`; the groups it trains before the first checked one, over many trials.
 """
 
 from __future__ import annotations
 
 import random
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,27 +46,67 @@ from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, batched_rollout, demo_run_config
 from grpo_fleet.config import SecurityConfig
 from grpo_fleet.learner.door.actor_checks import LogprobCheck, WeightHistory
+from grpo_fleet.learner.door.gap_calibration import calibrate
+from grpo_fleet.learner.fleet.trust import Trust, expected_exposure
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.run.build import resolve_model_path
-from grpo_fleet.learner.step.gap_bounds import logprob_gap_bound
+from grpo_fleet.learner.step.gap_bounds import GapBound, default_bound, logprob_gap_bound
 from grpo_fleet.model import load_policy
+from grpo_fleet.protocol.messages import finish_reason_mismatch
 from grpo_fleet.tasks import build_task
 
-OLD_BOUND = 0.05  # the one-size security.max_logprob_gap before the bound followed the dtypes
+BENCH = "liar_lags"
+OLD_CHECKS = 4  # security.logprob_checks_per_submission before issue 26: random groups of a submission
 LAGS = (0, 1, 2)
 DTYPES = ("float32", "bfloat16")
+SPIKE_SHARE, SPIKE_NATS = 0.01, 20.0
+SLEEPER_TRIALS = 100_000
+WHOLE, PART = "whole groups (the step's version)", "part of each group (an older version)"
 
 
-def submission_gaps(loop: TrainLoop, check: LogprobCheck, sampler: Any, version: int, size: int) -> list[float]:
-    """The mean per-token gap of each group of one submission sampled by `sampler` and claimed as `version`."""
-    groups: list[AcceptedGroup] = loop.batch(sampler, batched_rollout)[:size]
-    gaps = []
-    for group in groups:
-        group.policy_version = version
-        gap = check.gap(group)
-        assert gap is not None
-        gaps.append(gap.mean)
-    return gaps
+@dataclass(frozen=True)
+class Judged:
+    """One submission as the learner sees it: each group's (mean, worst token) gap, and any false finish_reason."""
+
+    gaps: list[tuple[float, float]]
+    finish_lie: bool = False
+
+    def caught(self, bound: GapBound) -> bool:
+        return self.finish_lie or any(bound.judge(mean, worst) is not None for mean, worst in self.gaps)
+
+    def caught_before(self, bound: float, picker: random.Random) -> bool:
+        """The judge before issue 26: the mean of up to OLD_CHECKS random groups against one constant."""
+        return any(mean > bound for mean, _ in picker.sample(self.gaps, min(OLD_CHECKS, len(self.gaps))))
+
+
+def judged(check: LogprobCheck, groups: list[AcceptedGroup], stop_ids: frozenset[int], max_tokens: int) -> Judged:
+    found = check.gaps(groups)
+    assert all(gap is not None for gap in found), "every claimed version is kept"
+    lie = any(finish_reason_mismatch(c.tokens, c.finish_reason, stop_ids, max_tokens)
+              for g in groups for c in g.completions)
+    return Judged([(g.mean, g.max) for g in found if g is not None], lie)
+
+
+def spiked(group: AcceptedGroup, rng: np.random.Generator) -> AcceptedGroup:
+    """`group` with SPIKE_SHARE of its tokens (at least one) reported SPIKE_NATS lower."""
+    sizes = [len(c.logprobs) for c in group.completions]
+    chosen = rng.choice(sum(sizes), size=max(1, round(SPIKE_SHARE * sum(sizes))), replace=False)
+    flat = np.concatenate([c.logprobs for c in group.completions]).astype(np.float32)
+    flat[chosen] -= SPIKE_NATS
+    parts = np.split(flat, np.cumsum(sizes)[:-1])
+    return replace(group, completions=[replace(c, logprobs=p) for c, p in zip(group.completions, parts)])
+
+
+def part_of(group: AcceptedGroup, count: int, picker: random.Random) -> AcceptedGroup:
+    """`count` of `group`'s completions, at random, as a forward check recomputes them (0: all)."""
+    if count == 0 or count >= len(group.completions):
+        return group
+    return replace(group, completions=picker.sample(group.completions, count))
+
+
+def finished_claim(group: AcceptedGroup) -> AcceptedGroup:
+    """`group` with every cut-off completion claimed finished."""
+    return replace(group, completions=[replace(c, finish_reason="stop") for c in group.completions])
 
 
 def cast(flat: list[tuple[str, mx.array]], dtype: str) -> Any:
@@ -59,25 +115,89 @@ def cast(flat: list[tuple[str, mx.array]], dtype: str) -> Any:
     return tree_map(lambda w: w.astype(target), tree_unflatten(flat))
 
 
-def caught(gaps: list[float], checks: int, bound: float, picker: random.Random) -> bool:
-    return any(gap > bound for gap in picker.sample(gaps, min(checks, len(gaps))))
+def sleeper_exposure(share: float, probation: int, trials: int) -> np.ndarray:
+    """Groups a sleeper trains before its first checked lie, per trial, as the learner's `Trust` draws them."""
+    out = np.zeros(trials, np.int64)
+    for trial in range(trials):
+        trust = Trust(probation, share)
+        trust.begin_probation("sleeper")
+        while trust.on_probation("sleeper"):  # honest while on probation: every group checked, and passed
+            trust.record_pass("sleeper")
+        while not trust.wants_check("sleeper"):
+            out[trial] += 1
+    return out
+
+
+def report_sleeper(report: Report, trials: int) -> None:
+    security = SecurityConfig()
+    trained = sleeper_exposure(security.check_share, security.probation_groups, trials)
+    expected = expected_exposure(security.check_share)
+    report.add(Figure(BENCH, "sleeper liar after probation: lying groups trained before the ban, mean",
+                      float(trained.mean()), "groups", baseline=expected, baseline_name="(1 - p) / p",
+                      goal="<= 4 expected",
+                      notes=f"{trials} trials of the learner's Trust (probation {security.probation_groups}, share "
+                      f"{security.check_share}); worst case: every lying group older than the step's version "
+                      "(a group at it is checked in the step for nothing)"))
+    report.add(Figure(BENCH, "sleeper liar after probation: lying groups trained before the ban, 99th percentile",
+                      float(np.percentile(trained, 99)), "groups",
+                      baseline=float(np.ceil(np.log(0.01) / np.log(1 - security.check_share))),
+                      baseline_name="k with (1 - p)^k = 1%", notes=f"largest of {trials}: {int(trained.max())}"))
+
+
+def calibrated_bounds(loop: TrainLoop) -> dict[str, GapBound]:
+    """The bound for each actor dtype, calibrated as the learner does at start (version 0)."""
+    train = loop.cfg.train
+    prompts = loop.prompts[: loop.cfg.security.calibration_prompts]
+    return {dtype: calibrate(loop.policy.model, prompts, loop.settings, dtype=dtype,
+                             ceiling=default_bound(dtype, "float32"), chunk_tokens=train.logprob_chunk_tokens,
+                             micro_batch_tokens=train.micro_batch_tokens).bound for dtype in DTYPES}
+
+
+@dataclass
+class Probe:
+    """What one probe needs: the loop, the check, and where the judged submissions go by (dtype, kind)."""
+
+    loop: TrainLoop
+    check: LogprobCheck
+    size: int
+    rng: np.random.Generator
+    picker: random.Random
+    judged: dict[tuple[str, str, str], list[Judged]]
+
+    def judge(self, dtype: str, kind: str, groups: list[AcceptedGroup]) -> None:
+        """Judged whole, and as a forward check would see it (check_completions of each group)."""
+        settings, count = self.loop.settings, self.loop.cfg.security.check_completions
+        stops = frozenset(settings.stop_token_ids)
+        for how, seen in ((WHOLE, groups), (PART, [part_of(g, count, self.picker) for g in groups])):
+            self.judged.setdefault((dtype, kind, how), []).append(judged(self.check, seen, stops, settings.max_tokens))
+
+    def submission(self, sampler: Any, dtype: str, lag: int, version: int) -> None:
+        """One submission sampled by `sampler`, claimed as `version`; from an honest one, the two made-up liars."""
+        groups = self.loop.batch(sampler, batched_rollout)[: self.size]
+        for group in groups:
+            group.policy_version = version
+        self.judge(dtype, "honest" if lag == 0 else f"weights {lag} version{'s' if lag > 1 else ''} stale", groups)
+        if lag:
+            return
+        self.judge(dtype, f"spikes of {SPIKE_NATS:g} nats on {SPIKE_SHARE:.0%} of tokens",
+                   [spiked(g, self.rng) for g in groups])
+        if any(c.truncated for g in groups for c in g.completions):
+            self.judge(dtype, "a cut-off completion claimed finished", [finished_claim(g) for g in groups])
 
 
 def run(report: Report, scale: Scale) -> None:
+    report_sleeper(report, 2_000 if scale is Scale.QUICK else SLEEPER_TRIALS)
     warmup, probes, per_probe = (40, 3, 3) if scale is Scale.QUICK else (100, 6, 5)
-    checks = SecurityConfig().logprob_checks_per_submission
-    picker = random.Random(0)
-    gaps: dict[tuple[str, int], list[list[float]]] = {(d, lag): [] for d in DTYPES for lag in LAGS}
     with tempfile.TemporaryDirectory(prefix="grpo-bench-liars-") as tmp:
         cfg = demo_run_config(Path(tmp), warmup + probes, seed=0)
         model_path = resolve_model_path(cfg, build_task(cfg.task))
         loop = TrainLoop.build(cfg, model_path)
-        size = cfg.server.max_groups_per_lease
-        model = loop.policy.model
-        history = WeightHistory(model, keep=max(LAGS))
-        check = LogprobCheck(model, history, temperature=cfg.generation.temperature,
+        bounds = calibrated_bounds(loop)
+        history = WeightHistory(loop.policy.model, keep=max(LAGS))
+        check = LogprobCheck(loop.policy.model, history, temperature=cfg.generation.temperature,
                              chunk_tokens=cfg.train.logprob_chunk_tokens,
                              micro_batch_tokens=cfg.train.micro_batch_tokens)
+        probe = Probe(loop, check, cfg.server.max_groups_per_lease, np.random.default_rng(0), random.Random(0), {})
         samplers = {dtype: load_policy(model_path, dtype=dtype) for dtype in DTYPES}
         for version in range(1, warmup + probes + 1):
             loop.train(loop.batch(loop.policy, batched_rollout))
@@ -88,24 +208,27 @@ def run(report: Report, scale: Scale) -> None:
                 for lag in LAGS:
                     sampler.model.update(cast(history.versions[version - lag], dtype))
                     for _ in range(per_probe):
-                        gaps[(dtype, lag)].append(submission_gaps(loop, check, sampler, version, size))
-            print(f"liar_lags v{version}: mean gap by (dtype, lag)",
-                  {k: round(float(np.mean([np.mean(s) for s in v])), 4) for k, v in gaps.items()}, flush=True)
-    _report(report, gaps, checks, picker, size)
+                        probe.submission(sampler, dtype, lag, version)
+            print(f"liar_lags v{version}: submissions judged", {k: len(v) for k, v in probe.judged.items()}, flush=True)
+    _report(report, probe.judged, bounds, probe.size)
 
 
-def _report(report: Report, gaps: dict[tuple[str, int], list[list[float]]], checks: int, picker: random.Random,
+def _report(report: Report, judged_by: dict[tuple[str, str, str], list[Judged]], bounds: dict[str, GapBound],
             size: int) -> None:
-    for (dtype, lag), submissions in gaps.items():
-        bound = logprob_gap_bound(dtype, "float32")
-        after = np.mean([caught(s, checks, bound, picker) for s in submissions])
-        before = np.mean([s[0] > OLD_BOUND for s in submissions])
-        flat = [g for s in submissions for g in s]
-        what = "false rejections of honest actors" if lag == 0 else f"weights {lag} versions stale caught"
+    picker = random.Random(0)
+    for (dtype, kind, how), submissions in judged_by.items():
+        bound, honest = bounds[dtype], kind == "honest"
+        caught = sum(s.caught(bound) for s in submissions)
+        before = sum(s.caught_before(logprob_gap_bound(dtype, "float32"), picker) for s in submissions)
+        means = [mean for s in submissions for mean, _ in s.gaps]
+        worst = [w for s in submissions for _, w in s.gaps]
+        what = "false rejections of honest submissions" if honest else "submissions caught"
         report.add(Figure(
-            "liar_lags", f"{dtype} actor, lag {lag}: share of submissions {what}", float(after), "fraction",
-            baseline=float(before), baseline_name="first group vs 0.05",
-            goal="0" if lag == 0 else ">= 0.95",
-            notes=f"{len(submissions)} submissions of {size} groups; per-group mean gap {np.mean(flat):.4f} "
-                  f"(min {np.min(flat):.4f}, max {np.max(flat):.4f}) nats; bound {bound}; {checks} checks each",
+            BENCH, f"{dtype} actor, {kind}, {how}: {what}", float(caught), "submissions",
+            baseline=float(before), baseline_name="judged as before issue 26", goal="0" if honest else
+            f">= {len(submissions) - 1} of {len(submissions)}",
+            notes=f"{caught} of {len(submissions)} submissions of {size} groups, every group judged against the "
+            f"calibrated bound {bound.mean:.4f} mean / {bound.token:.3f} a token; group means {min(means):.4f}-"
+            f"{max(means):.4f}, worst tokens {min(worst):.3f}-{max(worst):.3f} nats; before: the mean of up to "
+            f"{OLD_CHECKS} groups against {logprob_gap_bound(dtype, 'float32')}",
         ))

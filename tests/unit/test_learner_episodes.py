@@ -382,3 +382,19 @@ def test_the_quiz_demo_is_one_packaged_config_of_the_real_model(tmp_path):
     assert Path(cfg.task.train_path or "").is_file() and cfg.model.path == "zoo:smollm2-135m-instruct"
     with pytest.raises(ZooError, match="no packaged demo"):
         demo_settings(DemoOptions(model="smollm2-135m-instruct", config="no-such-demo"))
+
+
+def test_logged_advantages_of_episodes_are_the_ones_the_step_trains_on(make):
+    """The overlong penalty counts an episode's sampled tokens, in the step and in samples.jsonl alike."""
+    learner = make()
+    welcome = hello(learner)
+    lease_msg = lease(learner)
+    rollouts, _ = run_episodes(learner, welcome, lease_msg)
+    groups = records(rollouts, lease_msg)
+    shaping = LengthShaping(max_tokens=2 * MAX_TOKENS, overlong_buffer=MAX_TOKENS, overlong_penalty=1.0)
+    assert any(int(c.sampled.sum()) > MAX_TOKENS for g in groups for c in g.completions)  # some are penalised
+    batch = build_train_batch(groups, lengths=shaping)
+    picked = [(g, c) for g in range(len(groups)) for c in range(GROUP)]
+    rows = sample_rows(groups, picked, 1, tokenizer_decode(learner.policy.tokenizer), scale_by_std=True,
+                       lengths=shaping)
+    assert [row.advantage for row in rows] == pytest.approx(np.array(batch.advantages).tolist(), abs=1e-5)

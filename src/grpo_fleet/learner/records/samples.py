@@ -61,7 +61,7 @@ def sample_rows(groups: Sequence[AcceptedGroup], picked: Sequence[tuple[int, int
     for group_index, completion_index in picked:
         group = groups[group_index]
         if group_index not in per_group:
-            shaped = lengths.shaped_rewards(mx.array(group.rewards), np.array([len(c.tokens) for c in group.completions]))
+            shaped = lengths.shaped_rewards(mx.array(group.rewards), np.array([int(c.sampled.sum()) for c in group.completions]))
             computed = group_advantages(shaped, len(group.completions), scale_by_std=scale_by_std)
             per_group[group_index] = (decode(group.prompt_tokens), np.array(computed))
         prompt, advantages = per_group[group_index]

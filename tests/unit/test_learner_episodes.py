@@ -109,8 +109,11 @@ class TurnLog(EpisodeRunner):
         super()._step(episodes, ends, generator)
 
 
-def run_episodes(learner: RunCoordinator, welcome: m.Welcome, lease_msg: m.Lease) -> tuple[m.Rollouts, TurnLog]:
-    """What an actor does with an episode lease: the real runner and scoring, environments in this process."""
+def run_episodes(learner: RunCoordinator) -> tuple[m.Lease, m.Rollouts, TurnLog]:
+    """What an actor does after Hello with an episode lease: the real runner and scoring, environments in this
+    process; the lease, the Rollouts it would send, and the runner (which kept each turn as sampled)."""
+    welcome = hello(learner)
+    lease_msg = lease(learner)
     assert welcome.env is not None and learner.task.env is not None
     mx.random.seed(3)
     tokenizer = learner.policy.tokenizer
@@ -129,8 +132,8 @@ def run_episodes(learner: RunCoordinator, welcome: m.Welcome, lease_msg: m.Lease
     assert read("grpo_fleet_actor_env_seconds_count") == len(episodes)
     assert read("grpo_fleet_actor_episode_tokens_total", {"kind": "environment"}) == environment
     assert read("grpo_fleet_actor_episode_turns_sum") == sum(o.turns for o in episodes)
-    return m.Rollouts(lease_id=lease_msg.lease_id, policy_version=lease_msg.policy_version,
-                      incarnation=learner.state.incarnation, groups=groups), runner
+    return lease_msg, m.Rollouts(lease_id=lease_msg.lease_id, policy_version=lease_msg.policy_version,
+                                 incarnation=learner.state.incarnation, groups=groups), runner
 
 
 def records(rollouts: m.Rollouts, lease_msg: m.Lease) -> list[Any]:
@@ -156,9 +159,7 @@ def test_welcome_names_the_environment_and_leases_carry_the_conversation(make):
 
 def test_episodes_are_accepted_replayed_and_trained_on_their_sampled_ids_only(make):
     learner = make()
-    welcome = hello(learner)
-    lease_msg = lease(learner)
-    rollouts, runner = run_episodes(learner, welcome, lease_msg)
+    lease_msg, rollouts, runner = run_episodes(learner)
     ack = ask(learner, A, rollouts)
     assert ack.status == "accepted", ack
     assert set(ack.groups.values()) == {"accepted"}
@@ -192,9 +193,7 @@ def test_environment_tokens_weigh_nothing_in_the_loss_the_kl_or_the_check(make):
     """The loss and KL are computed at the micro-batches' packed positions only, and the checks compare only where
     the batch's mask counts: no environment token is among them, and lies told there change no gap."""
     learner = make()
-    welcome = hello(learner)
-    lease_msg = lease(learner)
-    rollouts, _ = run_episodes(learner, welcome, lease_msg)
+    lease_msg, rollouts, _ = run_episodes(learner)
     groups = records(rollouts, lease_msg)
     batch = build_train_batch(groups)
     mask = np.array(batch.mask)
@@ -268,9 +267,7 @@ def test_an_episodes_finish_reason_is_checked_turn_by_turn(tokens, mask, reason,
 
 def test_records_keep_an_episodes_marks_through_a_checkpoint_and_truncation_is_per_episode(make):
     learner = make()
-    welcome = hello(learner)
-    lease_msg = lease(learner)
-    rollouts, _ = run_episodes(learner, welcome, lease_msg)
+    lease_msg, rollouts, _ = run_episodes(learner)
     group = records(rollouts, lease_msg)[0]
     back = group_from_dict(group_to_dict(group))
     for before, after in zip(group.completions, back.completions):
@@ -297,9 +294,7 @@ def test_message_limits_are_sized_from_the_episode_budget(tiny_chat_model_dir, t
 
 def test_a_lying_episode_is_refused_as_a_replay_mismatch_and_counted(make):
     learner = make()
-    welcome = hello(learner)
-    lease_msg = lease(learner)
-    rollouts, _ = run_episodes(learner, welcome, lease_msg)
+    lease_msg, rollouts, _ = run_episodes(learner)
     lied = []
     for group in rollouts.groups:
         completions = []
@@ -321,8 +316,7 @@ def test_a_lying_episode_is_refused_as_a_replay_mismatch_and_counted(make):
 
 def test_a_reward_the_replay_does_not_give_is_refused(make):
     learner = make()
-    welcome = hello(learner)
-    rollouts, _ = run_episodes(learner, welcome, lease(learner))
+    _, rollouts, _ = run_episodes(learner)
     inflated = [m.GroupResult(group_id=g.group_id, completions=[c.model_copy(update={"reward": c.reward + 1.0})
                                                                 for c in g.completions]) for g in rollouts.groups]
     ack = ask(learner, A, rollouts.model_copy(update={"groups": inflated}))
@@ -355,9 +349,7 @@ def test_the_learner_evaluates_held_out_episodes_itself_when_no_actor_is_connect
 
 def test_samples_show_an_episode_turn_by_turn(make):
     learner = make()
-    welcome = hello(learner)
-    lease_msg = lease(learner)
-    rollouts, runner = run_episodes(learner, welcome, lease_msg)
+    lease_msg, rollouts, runner = run_episodes(learner)
     groups = records(rollouts, lease_msg)
     decode = tokenizer_decode(learner.policy.tokenizer)
     rows = sample_rows(groups, [(g, c) for g in range(len(groups)) for c in range(GROUP)], 1, decode,
@@ -387,9 +379,7 @@ def test_the_quiz_demo_is_one_packaged_config_of_the_real_model(tmp_path):
 def test_logged_advantages_of_episodes_are_the_ones_the_step_trains_on(make):
     """The overlong penalty counts an episode's sampled tokens, in the step and in samples.jsonl alike."""
     learner = make()
-    welcome = hello(learner)
-    lease_msg = lease(learner)
-    rollouts, _ = run_episodes(learner, welcome, lease_msg)
+    lease_msg, rollouts, _ = run_episodes(learner)
     groups = records(rollouts, lease_msg)
     shaping = LengthShaping(max_tokens=2 * MAX_TOKENS, overlong_buffer=MAX_TOKENS, overlong_penalty=1.0)
     assert any(int(c.sampled.sum()) > MAX_TOKENS for g in groups for c in g.completions)  # some are penalised

@@ -22,8 +22,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_reduce
 
+from grpo_fleet.checkpoint_dirs import latest_checkpoint as latest_checkpoint  # where callers have found it
 from grpo_fleet.config import LoraConfig
 from grpo_fleet.digest import blob_digest
+from grpo_fleet.durable import sync_path, sync_tree
 from grpo_fleet.quant import is_quantized, prepare_weights, wants_dequantize
 
 
@@ -178,15 +180,21 @@ def atomic_dir(final: Path) -> Path:
 
 
 def _commit_dir(staging: Path, final: Path) -> None:
-    """Replace `final` with `staging` so readers see the old or the new checkpoint, never half of one."""
+    """Put the fsynced `staging` at `final`, the rename itself made durable (the parent directory fsynced).
+
+    Over an existing `final` (an export written twice; a run's checkpoints never are: checkpoint_dirs.py) the old
+    one is moved aside first: a kill between the two renames leaves it as `.NAME.old`.
+    """
     if final.exists():
         trash = final.with_name(f".{final.name}.old")
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(final, trash)
         os.rename(staging, final)
+        sync_path(final.parent)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(staging, final)
+        sync_path(final.parent)
 
 
 def save_checkpoint(
@@ -213,6 +221,7 @@ def save_checkpoint(
         json.dump({"base_model": policy.path, **(extra or {})}, handle, indent=2)
     if write_extra is not None:
         write_extra(staging)
+    sync_tree(staging)  # every file's data, then the names in it, before the rename can make it visible
     _commit_dir(staging, final)
     return final
 
@@ -268,11 +277,3 @@ def load_checkpoint_weights(policy: Policy, checkpoint: str | Path) -> None:
     for file in files:
         policy.model.load_weights(list(_safetensors(str(file)).items()), strict=False)
     mx.eval(policy.model.parameters())
-
-
-def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint of a run, or None."""
-    pointer = Path(run_dir) / "checkpoints" / "latest.json"
-    if not pointer.exists():
-        return None
-    return pointer.parent / json.loads(pointer.read_text())["path"]

@@ -8,9 +8,6 @@ with arrays as raw bytes, never pickle.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,16 +17,16 @@ import mlx.core as mx
 import msgpack
 import numpy as np
 
+from grpo_fleet.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, fresh_checkpoint_path, point_latest, prune
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
-from grpo_fleet.learner.records.runlog import LogSizes
+from grpo_fleet.learner.records.runlog import LogSizes, check_log_lengths, sync_logs
 from grpo_fleet.learner.records.state import AckCache, LearnerState
 from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND, HALF_PRECISION_TOKEN_BOUND
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import Policy, load_checkpoint_weights, save_checkpoint
 from grpo_fleet.protocol import messages as m
 
-STATE_FILE = "learner_state.msgpack"
-OPTIMIZER_FILE = "optimizer.safetensors"
+__all__ = ["OPTIMIZER_FILE", "STATE_FILE"]  # named here since checkpoints began; checkpoint_dirs.py holds them
 HISTORY_FILE = "weight_history.safetensors"
 # version -> the trainable weights of that version, as (name, array) pairs (the logprob check's WeightHistory).
 KeptVersions = dict[int, list[tuple[str, mx.array]]]
@@ -64,15 +61,20 @@ def capture(state: LearnerState, logs: LogSizes) -> SavedState:
 
 def save(saved: SavedState, policy: Policy, trainer: Trainer, run_dir: Path, *, keep: int,
          history: Optional[KeptVersions] = None) -> Path:
-    """Write weights (mlx-lm format), optimizer and state in one atomic swap, repoint `latest`, prune old ones.
+    """Write weights (mlx-lm format), optimizer and state as a new directory, repoint `latest`, prune old ones.
 
-    Touches no shared state, so it runs without the lock; the training thread
+    The order keeps a complete checkpoint, with logs at least as long as it records, named by `latest.json` at
+    every instant, power cuts included: logs fsynced -> files written into a staging directory and fsynced ->
+    renamed into place, the directory fsynced -> `latest.json` replaced the same way -> only then older ones
+    removed. Touches no shared state, so it runs without the lock; the training thread
     calls it, and nothing else changes the weights or the optimizer meanwhile.
     `history`: the trainable weights of the versions the logprob check keeps (LoRA
     adapters: small), so that a resumed learner can still check what it accepts.
     """
     root = run_dir / "checkpoints"
-    path = root / f"step_{saved.step:06d}"
+    # The logs were flushed up to saved.logs when it was captured (under the lock); fsynced here, off it.
+    sync_logs(run_dir)
+    path = fresh_checkpoint_path(root, saved.step)
     meta = {"step": saved.step, "policy_version": saved.version, "run_id": saved.run_id}
 
     def write_extra(staging: Path) -> None:
@@ -82,17 +84,15 @@ def save(saved: SavedState, policy: Policy, trainer: Trainer, run_dir: Path, *, 
         write_state(staging, state_to_dict(saved))
 
     save_checkpoint(policy, path, extra=meta, write_extra=write_extra)
-    latest = root / "latest.json"
-    tmp = latest.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"path": path.name, **meta}))
-    tmp.replace(latest)
-    _prune(root, keep_name=path.name, keep=keep)
+    point_latest(root, path, meta)
+    prune(root, keep_name=path.name, keep=keep)
     return path
 
 
 def load(checkpoint: Path, policy: Policy, trainer: Trainer) -> SavedState:
     """Load a checkpoint's weights and optimizer into `policy` and `trainer`; returns the state it saved."""
     saved = state_from_dict(read_state(checkpoint))
+    check_log_lengths(checkpoint.parent.parent, saved.logs)  # before anything is loaded: a short log stops here
     load_checkpoint_weights(policy, checkpoint)
     trainer.load_optimizer(checkpoint / OPTIMIZER_FILE)
     return saved
@@ -135,15 +135,6 @@ def restore(state: LearnerState, saved: SavedState) -> None:
         state.version = saved.version + 1
     state.weights_published = True
     state.started = time.monotonic() - saved.wall_seconds
-
-
-def _prune(root: Path, keep_name: str, keep: int) -> None:
-    # Hidden staging directories are what a kill mid-checkpoint leaves behind.
-    for leftover in root.glob(".step_*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    older = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != keep_name)
-    for stale in older[: max(0, len(older) - keep + 1)]:
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the state file
@@ -245,12 +236,9 @@ def group_from_dict(data: dict[str, Any]) -> AcceptedGroup:
 
 
 def write_state(directory: Path, data: dict[str, Any]) -> Path:
-    """Write the state file durably (fsync) into a checkpoint staging directory."""
+    """Write the state file into a checkpoint staging directory (model.save_checkpoint fsyncs the whole directory)."""
     path = directory / STATE_FILE
-    with open(path, "wb") as handle:
-        handle.write(msgpack.packb(data, use_bin_type=True))
-        handle.flush()
-        os.fsync(handle.fileno())
+    path.write_bytes(msgpack.packb(data, use_bin_type=True))
     return path
 
 

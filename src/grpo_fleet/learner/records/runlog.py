@@ -5,7 +5,9 @@ and one per accepted group later dropped untrained) and samples.jsonl (a few dec
 The ledger is what proves exactly-once: every accepted group is trained unless a
 later "dropped" line names it (and the new group its prompt was retried as). A
 resume cuts every log back to its length at the checkpoint, because the work
-they record after it is re-done.
+they record after it is re-done. A checkpoint fsyncs the logs before it is
+written (sync_logs), so a log is never shorter than one records; a resume that
+finds one shorter refuses (ShortLog) rather than run on a ledger that lost lines.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Optional
 
+from grpo_fleet.durable import sync_path
 from grpo_fleet.learner.step.update_stats import UpdateStats
 
 METRICS_FILE = "metrics.jsonl"
@@ -168,13 +171,15 @@ class RunLog:
                         samples_bytes=_flushed_size(self._samples))
 
     def truncate(self, sizes: LogSizes) -> None:
-        """Forget what was logged after `sizes` was taken (the files are in append mode, so writing goes on at the end)."""
+        """Forget what was logged after `sizes` was taken (the files are in append mode, so writing goes on at the end).
+
+        A log shorter than `sizes` raises ShortLog, and then no log is cut."""
         self._ledger.flush()
         self._metrics.flush()
         self._samples.flush()
-        truncate_log(self.run_dir / LEDGER_FILE, sizes.ledger_bytes)
-        truncate_log(self.run_dir / METRICS_FILE, sizes.metrics_bytes)
-        truncate_log(self.run_dir / SAMPLES_FILE, sizes.samples_bytes)
+        check_log_lengths(self.run_dir, sizes)
+        for name, size in _by_file(sizes):
+            truncate_log(self.run_dir / name, size)
 
     def close(self) -> None:
         self._metrics.close()
@@ -185,6 +190,32 @@ class RunLog:
 def _flushed_size(handle: IO[str]) -> int:
     handle.flush()
     return Path(handle.name).stat().st_size
+
+
+class ShortLog(ValueError):
+    """A log is shorter than the checkpoint being resumed recorded: lines it counts on were lost."""
+
+
+def _by_file(sizes: LogSizes) -> list[tuple[str, int]]:
+    return [(LEDGER_FILE, sizes.ledger_bytes), (METRICS_FILE, sizes.metrics_bytes), (SAMPLES_FILE, sizes.samples_bytes)]
+
+
+def sync_logs(run_dir: Path) -> None:
+    """fsync the logs (flushed by `RunLog.sizes`), so that none is shorter than a checkpoint written after this says."""
+    for name, _ in _by_file(LogSizes()):
+        if (run_dir / name).exists():
+            sync_path(run_dir / name)
+
+
+def check_log_lengths(run_dir: Path, sizes: LogSizes) -> None:
+    """Raise ShortLog, in one line naming the file and both lengths, for a log shorter than `sizes` records."""
+    for name, size in _by_file(sizes):
+        path = run_dir / name
+        have = path.stat().st_size if path.exists() else 0
+        if have < size:
+            raise ShortLog(f"{path} is {have} bytes, shorter than the {size} bytes the checkpoint recorded: it lost "
+                           "lines the checkpoint counts on, so the run cannot resume exactly-once from it (restore "
+                           "the file, or start a new run directory)")
 
 
 def truncate_log(path: Path, size: int) -> None:

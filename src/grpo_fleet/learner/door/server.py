@@ -169,7 +169,8 @@ class LearnerServer:
             send_message(self.router, reply.message, identity=identity, raw=reply.raw)
 
     def _stop_verifier(self) -> None:
-        """Answer the Rollouts already handed over, send those answers, and take later ones on this thread."""
+        """Take no more Rollouts on the verifier thread (the one in hand is answered and sent; the queued ones are
+        dropped unanswered, and resent by their actors); later ones are taken on this thread."""
         if self.verifier is not None:
             self.verifier.close()
             self._send_verified()

@@ -9,10 +9,16 @@ scores it outside the lock, takes it (`Learner.handle_rollouts`), and leaves the
 answer in an outbox the loop sends from: the Ack goes out once the verdict is
 in. No socket is touched on this thread. One thread keeps submissions in the
 order they came, and the reward process to one caller.
+
+Stopping takes nothing more: `close` drops the submissions not started (unanswered:
+their actors resend them, to the resumed learner) and waits for the one in hand,
+whose scoring the reward's own timeout bounds; so the final checkpoint, written
+after it, holds every group that was taken.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Callable, Optional
@@ -21,8 +27,7 @@ from grpo_fleet.learner.door.replies import Reply
 
 Job = tuple[bytes, Callable[[], Reply]]  # who to answer, and how to work the answer out
 
-# How long close() waits for the submission in hand; the actor resends what was not answered.
-CLOSE_TIMEOUT_SECONDS = 30.0
+log = logging.getLogger("grpo_fleet.learner")
 
 
 class RolloutsVerifier:
@@ -31,6 +36,7 @@ class RolloutsVerifier:
     def __init__(self) -> None:
         self._inbox: queue.Queue[Optional[Job]] = queue.Queue()
         self._outbox: queue.Queue[tuple[bytes, Reply]] = queue.Queue()
+        self._closing = threading.Event()  # set: start no other job
         self._thread = threading.Thread(target=self._run, name="verify", daemon=True)
         self._thread.start()
 
@@ -47,11 +53,25 @@ class RolloutsVerifier:
                 return ready
 
     def _run(self) -> None:
-        while (job := self._inbox.get()) is not None:
+        while (job := self._inbox.get()) is not None and not self._closing.is_set():
             identity, answer = job
             self._outbox.put((identity, answer()))
 
-    def close(self) -> None:
-        """Answer what was submitted (the replies stay in `answers()`), then stop."""
-        self._inbox.put(None)
-        self._thread.join(timeout=CLOSE_TIMEOUT_SECONDS)
+    def close(self) -> int:
+        """Start no other submission, answer the one in hand (its reply stays in `answers()`), then stop.
+
+        Returns how many submissions were dropped unanswered (their actors resend them)."""
+        self._closing.set()
+        dropped = 0
+        while True:
+            try:
+                dropped += self._inbox.get_nowait() is not None
+            except queue.Empty:
+                break
+        self._inbox.put(None)  # wakes the thread if it waits for a job
+        if self._thread.is_alive():
+            log.info("stopping: waiting for the Rollouts being verified (its reward's timeout bounds the wait)")
+        self._thread.join()
+        if dropped:
+            log.info("stopping: %d Rollouts not verified yet were dropped unanswered; their actors resend them", dropped)
+        return dropped

@@ -135,6 +135,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("step", "step", True, 0.1, "learner step phases, eager vs mx.compile (50M and memory rows: full)"),
     Benchmark("real_decode", "real_decode", True, 3.4, "real model: actor lease vs mlx_lm.batch_generate, idle slots"),
     Benchmark("real_step", "real_step", False, 3.7, "real model: one Trainer.step tok/s, micro-batch padding"),
+    Benchmark("episodes", "episodes", False, 3.0,
+              "real model: CapitalQuiz episodes vs single-turn groups (tok/s of each kind, idle slots, learner step)"),
     Benchmark("step_flops", "step_flops", False, 4.0,
               "learner step's achieved FLOP/s vs doctor's matmul GF/s: SmolLM2-135M LoRA and the Qwen shape; padding"),
     Benchmark("gguf_import", "gguf_import", False, 0.5, "import-gguf on Gemma 3 270M Q4_K_M: time, peak memory vs model size"),

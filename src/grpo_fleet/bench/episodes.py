@@ -1,0 +1,134 @@
+"""Episodes against single-turn groups on the same real model (issue 28): the actor's decode and the learner's step.
+
+The same held-out capital questions (the real-model demo's), sampled on the same
+model two ways: single-turn groups (`generate_groups`, G replies per prompt) and
+CapitalQuiz episodes (`EpisodeRunner`, G episodes per prompt, up to 2 turns, the
+environment in this process). Reported for each: sampled tokens per second of
+the whole lease, environment tokens per second, the seconds spent in
+environment calls and the share of (decoding step x batch slot) cells left idle
+while the episodes' environments stepped (every slot waits: the runner steps
+the environments between decoding steps), and one learner step (LoRA r8) on
+the lease as the learner would train it (environment tokens masked).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from grpo_fleet.bench import Figure, Report, Scale
+from grpo_fleet.bench.real_decode import real_model_dir
+from grpo_fleet.envs.hosting import EnvAnswer, EnvCalls, InlineEnvs
+from grpo_fleet.generation import GeneratedCompletion
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+
+DEMO = Path(__file__).resolve().parents[1] / "demos" / "smollm2-135m-instruct"
+SYSTEM = "Answer in one short sentence."
+
+
+class TimedEnvs:
+    """The environments, with the wall time of their calls."""
+
+    def __init__(self, envs: InlineEnvs) -> None:
+        self.envs, self.seconds = envs, 0.0
+
+    def run_envs(self, calls: EnvCalls) -> list[EnvAnswer]:
+        started = time.perf_counter()
+        try:
+            return self.envs.run_envs(calls)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+def _examples(count: int) -> list[dict[str, Any]]:
+    lines = (DEMO / "capitals_eval.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines[:count]]
+
+
+def _group(index: int, prompt: list[int], completions: list[GeneratedCompletion]) -> AcceptedGroup:
+    """A lease's group as the learner keeps it (an episode's marks too); rewards spread 0..1 so that it trains."""
+    size = len(completions)
+    records = []
+    for i, c in enumerate(completions):
+        marks = c.episode
+        records.append(CompletionRecord(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32),
+                                        i / max(1, size - 1), c.finish_reason,
+                                        mask=None if marks is None else np.asarray(marks.mask, np.uint8),
+                                        turns=None if marks is None else list(marks.turns),
+                                        end="" if marks is None else marks.end))
+    return AcceptedGroup(group_id=f"g{index}", prompt_index=index, prompt_tokens=np.asarray(prompt, np.int32),
+                         completions=records, policy_version=0, actor_id="bench")
+
+
+def measure(report: Report, model_dir: Path, prompts: int, group_size: int, max_tokens: int) -> None:
+    from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
+    from grpo_fleet.envs.protocol import env_extras
+    from grpo_fleet.envs.runner import EpisodeLimits, EpisodeRunner, EpisodeStart
+    from grpo_fleet.generation import SamplingSettings, generate_groups
+    from grpo_fleet.learner.step.batch import build_train_batch
+    from grpo_fleet.learner.step.trainer import Trainer
+    from grpo_fleet.model import load_policy
+    from grpo_fleet.tasks.env_module import EnvSetup
+    from grpo_fleet.tasks.prompts import chat_messages, encode_prompt
+
+    policy = load_policy(str(model_dir), lora=LoraConfig(enabled=True, rank=8))
+    tokenizer = policy.tokenizer
+    examples = _examples(prompts)
+    ids = [encode_prompt(tokenizer, ex["prompt"], chat_template=True, system_prompt=SYSTEM) for ex in examples]
+    settings = SamplingSettings(group_size=group_size, max_tokens=max_tokens, temperature=1.0,
+                                stop_token_ids=sorted(int(t) for t in tokenizer.eos_token_ids))
+    mx.random.seed(0)
+    started = time.perf_counter()
+    single = generate_groups(policy.model, ids, settings)
+    single_seconds = time.perf_counter() - started
+    single_tokens = sum(len(c.tokens) for g in single for c in g)
+
+    setup = EnvSetup(module="grpo_fleet.envs.capital_quiz", class_name="CapitalQuiz", max_turns=2,
+                     max_episode_tokens=4 * max_tokens + 64)
+    envs = TimedEnvs(InlineEnvs(setup))
+    runner = EpisodeRunner(policy.model, tokenizer, settings, EpisodeLimits(2, setup.max_episode_tokens), envs)
+    starts = [EpisodeStart(p, chat_messages(ex["prompt"], SYSTEM), env_extras({}, ex["answer"], 2))
+              for p, ex in zip(ids, examples)]
+    mx.random.seed(0)
+    started = time.perf_counter()
+    episodes = runner.run(starts)
+    episode_seconds = time.perf_counter() - started
+    outcomes = [o for g in episodes for o in g]
+    sampled = sum(sum(o.completion.episode.mask) for o in outcomes if o.completion.episode)
+    environment = sum(len(o.completion.tokens) for o in outcomes) - sampled
+    turns = float(np.mean([o.turns for o in outcomes]))
+    label = f"{model_dir.name}, {prompts} prompts x G={group_size}, {max_tokens} tokens a turn"
+    report.add(Figure("episodes", f"single-turn sampled tok/s, {label}", single_tokens / single_seconds, "tok/s",
+                      notes=f"{single_tokens} tokens in {single_seconds:.1f}s"))
+    report.add(Figure("episodes", f"episodes sampled tok/s, {label}", sampled / episode_seconds, "tok/s",
+                      baseline=single_tokens / single_seconds, baseline_name="single-turn tok/s",
+                      notes=f"{sampled} sampled + {environment} environment tokens in {episode_seconds:.1f}s; "
+                            f"{turns:.2f} turns an episode; environment calls {envs.seconds:.2f}s"))
+    report.add(Figure("episodes", f"episodes environment tok/s, {label}", environment / episode_seconds, "tok/s"))
+    report.add(Figure("episodes", f"batch slots idle while environments step, {label}",
+                      100 * envs.seconds / episode_seconds, "%",
+                      notes="every slot waits while the turns that ended are stepped together"))
+
+    trainer = Trainer(policy, GRPOConfig(), OptimConfig(), temperature=1.0, max_tokens=max_tokens)
+    single_groups = [_group(i, p, list(g)) for i, (p, g) in enumerate(zip(ids, single))]
+    episode_groups = [_group(i, p, [o.completion for o in g]) for i, (p, g) in enumerate(zip(ids, episodes))]
+    trainer.step(build_train_batch(single_groups[:1]))  # warm-up
+    for name, groups in (("single-turn", single_groups), ("episodes", episode_groups)):
+        stats = trainer.step(build_train_batch(groups))
+        tokens = sum(int(c.sampled.sum()) for g in groups for c in g.completions)
+        report.add(Figure("episodes", f"learner step, {name}, {label}", stats.train_seconds, "s",
+                          notes=f"{tokens} sampled tokens trained ({tokens / stats.train_seconds:.0f} tok/s)"))
+
+
+def run(report: Report, scale: Scale, model_dir: Optional[Path] = None) -> None:
+    directory = real_model_dir(model_dir)
+    if not (directory / "config.json").exists():
+        print(f"skipping episodes: no model at {directory}", flush=True)
+        return
+    prompts, group_size = (2, 4) if scale is Scale.QUICK else (8, 8)
+    measure(report, directory, prompts, group_size, max_tokens=16)

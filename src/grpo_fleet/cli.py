@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
@@ -66,11 +67,28 @@ def _learner(args: argparse.Namespace) -> int:
 
 
 def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["RunCoordinator"], None]] = None) -> int:
+    """Hold the run directory (one learner each: run_lock.py) while the learner is built and serves; a run
+    directory or an address another process holds is refused in one line."""
+    from grpo_fleet.protocol.endpoints import pub_endpoint_for
+    from grpo_fleet.protocol.sockets import AddressInUse, check_bindable
+    from grpo_fleet.run_lock import RunDirLock, RunDirLocked
+
+    try:
+        with RunDirLock(cfg.run_dir):
+            check_bindable([cfg.server.bind, cfg.server.pub_bind or pub_endpoint_for(cfg.server.bind)])
+            return _build_and_serve(cfg, resume=resume, ready=ready)
+    except (RunDirLocked, AddressInUse) as exc:
+        print(f"grpo-fleet learner: {exc}", file=sys.stderr)
+        return 2
+
+
+def _build_and_serve(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["RunCoordinator"], None]]) -> int:
     """Build the learner (then `ready(learner)`: a data-parallel rank 0 starts its ranks) and serve the fleet."""
     from grpo_fleet.learner.door.server import LearnerServer
     from grpo_fleet.learner.records.trackers import TrackerUnavailable
     from grpo_fleet.learner.run.build import build_learner
     from grpo_fleet.learner.step.memory import MemoryBudgetError
+    from grpo_fleet.protocol.sockets import AddressInUse
     try:
         learner = build_learner(cfg, resume=resume)
     except (MemoryBudgetError, TrackerUnavailable) as exc:
@@ -81,7 +99,13 @@ def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[[
         ready(learner)
     server = LearnerServer(learner)
     server.install_signal_handlers()
-    server.start_metrics()
+    try:
+        server.start_metrics()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise AddressInUse(f"metrics port {cfg.metrics.host}:{cfg.metrics.port} is already in use; choose another "
+                           "with --metrics-port (0 disables it)") from None
     server.serve()
     return 0
 

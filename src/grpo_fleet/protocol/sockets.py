@@ -36,6 +36,34 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+class AddressInUse(OSError):
+    """A bind address another process holds (another learner, or another program)."""
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind, or close the socket and raise AddressInUse naming `endpoint` (one line, not a ZMQError traceback)."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EADDRINUSE:
+            raise
+        sock.close()
+        raise AddressInUse(f"{endpoint} is already in use (another learner, or another program, listens there)") from None
+
+
+def check_bindable(endpoints: Sequence[str]) -> None:
+    """Raise AddressInUse for the first TCP endpoint another process holds: before a model load of minutes."""
+    ctx = make_context()
+    try:
+        for endpoint in (e for e in endpoints if e.startswith("tcp://")):  # an ipc bind would take the path over
+            probe = ctx.socket(zmq.PUB)
+            probe.setsockopt(zmq.LINGER, 0)
+            _bind(probe, endpoint)
+            probe.close()
+    finally:
+        ctx.term()
+
+
 def router_socket(
     ctx: zmq.Context, bind: str, *, max_message_bytes: int, curve: Optional["Keypair"] = None
 ) -> zmq.Socket:
@@ -51,7 +79,7 @@ def router_socket(
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     # A restarted actor reuses its identity; it must take over the old connection.
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    sock.bind(bind)
+    _bind(sock, bind)
     return sock
 
 
@@ -98,7 +126,7 @@ def pub_socket(ctx: zmq.Context, bind: str, *, curve: Optional["Keypair"] = None
 
         make_server(sock, curve)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(bind)
+    _bind(sock, bind)
     return sock
 
 

@@ -85,13 +85,14 @@ def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[[
 def _build_and_serve(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["RunCoordinator"], None]]) -> int:
     """Build the learner (then `ready(learner)`: a data-parallel rank 0 starts its ranks) and serve the fleet."""
     from grpo_fleet.learner.door.server import LearnerServer
+    from grpo_fleet.learner.records.runlog import ShortLog
     from grpo_fleet.learner.records.trackers import TrackerUnavailable
     from grpo_fleet.learner.run.build import build_learner
     from grpo_fleet.learner.step.memory import MemoryBudgetError
     from grpo_fleet.protocol.sockets import AddressInUse
     try:
         learner = build_learner(cfg, resume=resume)
-    except (MemoryBudgetError, TrackerUnavailable) as exc:
+    except (MemoryBudgetError, TrackerUnavailable, ShortLog) as exc:
         logging.getLogger("grpo_fleet.learner").error("%s", exc)  # in learner.log too, not only the console
         print(f"grpo-fleet learner: {exc}", file=sys.stderr)
         return 2

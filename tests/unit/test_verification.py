@@ -3,6 +3,7 @@ learner; no sockets."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -342,10 +343,9 @@ def test_flagged_groups_keep_their_flags_and_bounds_through_a_checkpoint(make: C
     ask(first, ACTOR_A, generated_rollouts(first, lease(first)))
     buffered = [(g.group_id, g.check_logprobs, g.logprob_bound, g.token_bound) for g in first.state.buffer]
     assert buffered and all(flag for _, flag, _, _ in buffered)
-    checkpoint = first.checkpoint()
-    resumed = make(security={"verify_logprobs": True})
-    resumed.resume(checkpoint)
-    assert [(g.group_id, g.check_logprobs, g.logprob_bound, g.token_bound) for g in resumed.state.buffer] == buffered
+    first.checkpoint()
+    with resumed_from(first) as resumed:
+        assert [(g.group_id, g.check_logprobs, g.logprob_bound, g.token_bound) for g in resumed.state.buffer] == buffered
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -362,18 +362,29 @@ def test_a_resumed_learner_checks_older_versions_or_refuses_them(make: Callable[
     stale = shifted(generated_rollouts(first, stale_lease), -0.3)  # sampled at v1, lying
     ask(first, ACTOR_A, generated_rollouts(first, lease(first)))
     assert first.train_step() is not None and first.state.version == 2
-    checkpoint = first.checkpoint()
-    resumed = make(**sections)
-    resumed.resume(checkpoint)
-    hello(resumed)
-    ack = ask(resumed, ACTOR_A, stale.model_copy(update={"lease_id": lease(resumed).lease_id,
-                                                           "incarnation": first.state.incarnation}))
-    assert isinstance(ack, m.Ack)
-    if mode == "full":
-        assert ack.reason == RejectReason.VERSION_GONE and resumed.state.buffer == []
-        return
-    assert ack.status == "accepted" and sorted(resumed.weight_history.versions) == [0, 1, 2]  # type: ignore[union-attr]
-    assert resumed.train_step() is None and rejections(resumed, RejectReason.LOGPROB_MISMATCH) == GROUPS_PER_STEP
+    first.checkpoint()
+    with resumed_from(first) as resumed:
+        hello(resumed)
+        ack = ask(resumed, ACTOR_A, stale.model_copy(update={"lease_id": lease(resumed).lease_id,
+                                                               "incarnation": first.state.incarnation}))
+        assert isinstance(ack, m.Ack)
+        if mode == "full":
+            assert ack.reason == RejectReason.VERSION_GONE and resumed.state.buffer == []
+            return
+        assert ack.status == "accepted"
+        assert sorted(resumed.weight_history.versions) == [0, 1, 2]  # type: ignore[union-attr]
+        assert resumed.train_step() is None and rejections(resumed, RejectReason.LOGPROB_MISMATCH) == GROUPS_PER_STEP
+
+
+@contextmanager
+def resumed_from(first: RunCoordinator) -> Iterator[RunCoordinator]:
+    """A learner resumed, in `first`'s run directory, from the checkpoint `first` wrote last (`first` is closed)."""
+    first.close()
+    second = build_learner(first.cfg, resume=True)
+    try:
+        yield second
+    finally:
+        second.close()
 
 
 def test_the_learner_calibrates_the_half_precision_bound_on_its_own_model(make: Callable[..., RunCoordinator]) -> None:

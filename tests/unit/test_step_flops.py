@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from grpo_fleet.bench.flops import model_shape, step_flops
+from grpo_fleet.bench.flops import forward_flops, model_shape, step_flops
 from grpo_fleet.config import LoraConfig
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.batch import LENGTH_BUCKET, build_train_batch, split_batch
@@ -61,6 +61,7 @@ def test_a_lora_step_counts_the_frozen_base_forward_twice_and_its_activation_gra
     forward = BLOCKS * body + head
     backward = 2 * (body + attention) + head + 2 * adapters
     assert counted.useful == pytest.approx(2 * forward + adapters + backward)
+    assert forward_flops(shape, mask) == pytest.approx(forward)
     assert counted.real_positions == lengths.sum()
     assert counted.padded_positions == 2 * LENGTH_BUCKET  # one micro-batch, both rows at the longest's width
     assert counted.padding == pytest.approx(2 * BLOCKS * 2 * shape.block_params * (2 * LENGTH_BUCKET - lengths.sum()))

@@ -102,14 +102,25 @@ def _attention(shape: ModelShape, lengths: np.ndarray) -> float:
     return float(2 * shape.attention_width * np.sum(lengths.astype(np.float64) * (lengths + 1)))
 
 
+def _passes(shape: ModelShape, mask: np.ndarray) -> tuple[float, float, float, int]:
+    """(one block's forward, the head's forward, the adapters' forward, real positions) over the batch."""
+    lengths = row_lengths(mask)
+    positions, completions = int(lengths.sum()), int((mask != 0).sum())
+    body = 2.0 * shape.block_params * positions + _attention(shape, lengths)
+    return body, 2.0 * shape.head_params * completions, 2.0 * shape.adapter_params * positions, positions
+
+
+def forward_flops(shape: ModelShape, mask: np.ndarray) -> float:
+    """One plain forward of the base (pi_ref's: adapters off) at the batch's real positions."""
+    body, head, _, _ = _passes(shape, mask)
+    return shape.blocks * body + head
+
+
 def step_flops(shape: ModelShape, mask: np.ndarray, micro: Sequence[MicroBatch], *, reference: bool,
                grad_checkpoint: bool) -> StepFlops:
     """FLOPs of one `Trainer.step` (one epoch) on the batch whose completion `mask` is `[N, L]`, split as `micro`."""
     lengths = row_lengths(mask)
-    positions, completions = int(lengths.sum()), int((mask != 0).sum())
-    body = 2.0 * shape.block_params * positions + _attention(shape, lengths)  # one block's forward
-    head = 2.0 * shape.head_params * completions
-    adapters = 2.0 * shape.adapter_params * positions
+    body, head, adapters, positions = _passes(shape, mask)
     forward = shape.blocks * body + head
     backward = shape.adapted_blocks * (body + _attention(shape, lengths)) + head + 2 * adapters
     useful = forward * (2 if reference else 1) + adapters + backward

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.bench import Figure, Report, Scale
-from grpo_fleet.bench.flops import ModelShape, StepFlops, head_dims, linear_dims, model_shape, step_flops
+from grpo_fleet.bench.flops import StepFlops, forward_flops, head_dims, linear_dims, model_shape, step_flops
 from grpo_fleet.bench.real_decode import LeaseShape, real_model_dir
 from grpo_fleet.bench.real_step import real_groups
 from grpo_fleet.bench.step import synthetic_groups
@@ -83,9 +83,8 @@ def timed_step(trainer: Trainer, groups: list[AcceptedGroup], label: str, warm_u
     stats = trainer.step(batch)
     seconds = time.perf_counter() - started
     doctor = (before + matmul_gflops()) / 2
-    plain = step_flops(ModelShape(shape.blocks, shape.block_params, shape.attention_width, shape.head_params, 0, 0),
-                       np.array(batch.mask), micro, reference=False, grad_checkpoint=False)
-    return Measured(label, counted, seconds, stats.ref_seconds if reference else 0.0, plain.useful, len(micro),
+    return Measured(label, counted, seconds, stats.ref_seconds if reference else 0.0,
+                    forward_flops(shape, np.array(batch.mask)), len(micro),
                     doctor, os.getloadavg()[0])
 
 

@@ -53,6 +53,11 @@ class Timed:
     seconds: float  # wall
     cores: float  # CPU seconds over wall seconds: how many cores it kept busy
 
+    def unstarved(self) -> "Timed":
+        """What it takes with the host to itself. Under a core, a process of one BLAS thread (the fleet's
+        environment) was waiting for the CPU other work held: alone it runs its CPU seconds on one core."""
+        return self if self.cores >= 1.0 else Timed(self.seconds * self.cores, 1.0)
+
 
 @dataclass(frozen=True)
 class AloneSpeeds:

@@ -33,6 +33,7 @@ from typing import Optional
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.alone import AloneSpeeds, measure_alone_as_fleet
+from grpo_fleet.bench.host_share import HostShare
 from grpo_fleet.bench.real import real_config
 from grpo_fleet.bench.scraping import Scraped, scrape
 from grpo_fleet.config import RunConfig
@@ -64,6 +65,7 @@ class MeasuredRun:
     lease_groups: float  # mean groups per lease
     steps: int  # step lines in metrics.jsonl
     load_average: float  # the host's, over the run (other work on a shared host slows every process alike)
+    other_cores: float  # cores the rest of the host kept busy over the run (bench.host_share)
 
 
 def _actor_figures(pages: list[Scraped]) -> tuple[float, float, float]:
@@ -86,10 +88,12 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
         pages: list[Optional[Scraped]] = [None] * actors
         learner_page: Optional[Scraped] = None
         loads: list[float] = []  # the host's 1-minute load average, the run's own processes included
+        share = HostShare([fleet.learner.proc.pid] + [actor.proc.pid for actor in fleet.actors])
         while fleet.learner.proc.poll() is None:
             pages = [scrape(port) or page for port, page in zip(fleet.actor_ports, pages)]
             learner_page = scrape(cfg.metrics.port) or learner_page
             loads.append(os.getloadavg()[0])
+            share.sample()
             time.sleep(1.0)
     every = load_step_records(run_dir / "metrics.jsonl")
     steps = every[1:]  # the first step carries start-up and warm-up
@@ -105,7 +109,7 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
         answer_seconds_per_group=learner(f"{LEARNER}_rollouts_answer_seconds_sum") / max(groups, 1.0),
         logprob_check_seconds=sum(float(s.get("check_seconds") or 0.0) for s in steps) / len(steps),
         lease_groups=learner(f"{LEARNER}_lease_groups_sum") / max(learner(f"{LEARNER}_lease_groups_count"), 1.0),
-        steps=len(every), load_average=sum(loads) / max(1, len(loads)),
+        steps=len(every), load_average=sum(loads) / max(1, len(loads)), other_cores=share.other_cores(),
     )
 
 
@@ -125,17 +129,22 @@ def predicted_own_machines(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds)
 
 
 def predicted_shared_host(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds) -> float:
-    """Steps/s from each process's alone-speed, all sharing this host's cores."""
-    host = SharedHost(cores=float(os.cpu_count() or 1), learner_cores=alone.step.cores,
-                      actor_cores=alone.group.cores)
-    actor = ActorSpec(alone.group.seconds, run.fetch_seconds, max_groups=cfg.server.max_groups_per_lease)
-    spec = _run_spec(cfg, run, alone.step.seconds, alone.logprob_check.seconds)
+    """Steps/s from each process's alone-speed, all sharing the cores of this host that other work left them."""
+    group, step, forward = alone.group.unstarved(), alone.step.unstarved(), alone.logprob_check.unstarved()
+    host = SharedHost(cores=fleet_cores(run), learner_cores=step.cores, actor_cores=group.cores)
+    actor = ActorSpec(group.seconds, run.fetch_seconds, max_groups=cfg.server.max_groups_per_lease)
+    spec = _run_spec(cfg, run, step.seconds, forward.seconds)
     return simulate([actor] * run.actors, spec, host).steps_per_second
+
+
+def fleet_cores(run: MeasuredRun) -> float:
+    """This host's cores less those other work kept busy during the run (a quarter core at least)."""
+    return max(0.25, float(os.cpu_count() or 1) - run.other_cores)
 
 
 def check_share(cfg: RunConfig, alone: AloneSpeeds) -> float:
     """The check's forward of one group over that group's part of a step, as measured alone."""
-    return alone.logprob_check.seconds / (alone.step.seconds / cfg.grpo.groups_per_step)
+    return alone.logprob_check.unstarved().seconds / (alone.step.unstarved().seconds / cfg.grpo.groups_per_step)
 
 
 def check(report: Report, steps: int) -> list[float]:
@@ -153,6 +162,7 @@ def check(report: Report, steps: int) -> list[float]:
 
 def _report_check(report: Report, cfg: RunConfig, measured: MeasuredRun, alone: AloneSpeeds) -> None:
     shared, own = predicted_shared_host(measured, cfg, alone), predicted_own_machines(measured, cfg, alone)
+    group, step, forward = alone.group.unstarved(), alone.step.unstarved(), alone.logprob_check.unstarved()
     label = f"{measured.actors} actor{'s' if measured.actors > 1 else ''}"
     report.add(Figure(
         "fleet_sim", f"simulated vs measured steps/s, real model, {label}, shared host",
@@ -160,11 +170,12 @@ def _report_check(report: Report, cfg: RunConfig, measured: MeasuredRun, alone: 
         goal=f"within {GOAL:.0%}",
         notes=f"measured {measured.steps_per_second:.4f} steps/s over {measured.steps} steps, simulated {shared:.4f} "
         f"({shared / measured.steps_per_second - 1:+.1%}) from each process alone, one BLAS thread each as in the "
-        f"run: {alone.group.seconds:.2f} s a group ({alone.group.cores:.2f} cores, leases of {alone.lease_groups}), "
-        f"step {alone.step.seconds:.2f} s ({alone.step.cores:.2f} cores), the check's forward "
-        f"{alone.logprob_check.seconds:.2f} s a group ({check_share(cfg, alone):.2f} of a group's step), on "
-        f"{os.cpu_count()} shared cores; {measured.informative_fraction:.0%} informative, fetch "
-        f"{measured.fetch_seconds:.2f} s; load average {measured.load_average:.1f} during the run",
+        f"run: {group.seconds:.2f} s a group ({group.cores:.2f} cores, leases of {alone.lease_groups}), step "
+        f"{step.seconds:.2f} s ({step.cores:.2f} cores), the check's forward {forward.seconds:.2f} s a group "
+        f"({check_share(cfg, alone):.2f} of a group's step), on {fleet_cores(measured):.2f} of the host's "
+        f"{os.cpu_count()} cores (other work kept {measured.other_cores:.2f} busy; load average "
+        f"{measured.load_average:.1f}); {measured.informative_fraction:.0%} informative, fetch "
+        f"{measured.fetch_seconds:.2f} s",
     ))
     report.add(Figure(
         "fleet_sim", f"simulated vs measured steps/s, real model, {label}, as if on machines of their own",

@@ -1,0 +1,59 @@
+"""How many of a shared host's cores other work took while a fleet ran: what the fleet had left.
+
+A benchmark on a machine other people use (this project's 2-vCPU VM runs other
+sessions' tests and demos beside it) cannot choose its quiet. So the fleet
+simulator is told what the fleet had: the host's cores, less the cores the
+rest of the host kept busy over the run. That is the host's busy CPU time
+(Linux `/proc/stat`) less the fleet's own processes' (`/proc/PID/stat`), over
+the wall time between the first and the last sample. Elsewhere (no `/proc`) it
+reads 0: the host is taken as the fleet's alone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def host_busy_seconds() -> float:
+    """CPU seconds every core of the host has spent busy since boot (0 without /proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0.0
+    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / TICKS
+
+
+def process_seconds(pid: int) -> float:
+    """CPU seconds of process `pid` and its children it has waited for (0 once it is gone, or without /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ", field 3 is the state
+    return sum(int(x) for x in fields[11:15]) / TICKS  # utime stime cutime cstime
+
+
+@dataclass
+class HostShare:
+    """Samples of (wall, host busy, the fleet's busy) seconds; the fleet's processes are `pids`."""
+
+    pids: list[int]
+    samples: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def sample(self) -> None:
+        own = [process_seconds(pid) for pid in self.pids]
+        if all(seconds > 0 for seconds in own):  # every process still there: a sample that counts them all
+            self.samples.append((time.perf_counter(), host_busy_seconds(), sum(own)))
+
+    def other_cores(self) -> float:
+        """Cores the rest of the host kept busy, on average, between the first and the last sample."""
+        if len(self.samples) < 2:
+            return 0.0
+        (wall0, host0, own0), (wall1, host1, own1) = self.samples[0], self.samples[-1]
+        return max(0.0, ((host1 - host0) - (own1 - own0)) / (wall1 - wall0)) if wall1 > wall0 else 0.0

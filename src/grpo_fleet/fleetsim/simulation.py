@@ -11,7 +11,7 @@ The logprob check is the learner's own too (`learner.fleet.trust.Trust`, with a
 seeded draw): a group sampled at the version the step trains from is checked
 inside the step's forward, for nothing; an older one is recomputed at its own
 version when drawn (every group of an actor on probation, then a random share),
-inside the step, spread over the ranks (`specs.CheckSpec`).
+on rank 0 before the step (`specs.CheckSpec`).
 
 Processes run on machines of their own (a fleet of Macs), or on one shared
 host (`SharedHost`, how the check on this VM runs): there every busy process
@@ -246,7 +246,8 @@ class FleetSimulation:
 
     def _check_seconds(self, batch: list[_Buffered]) -> float:
         """The step's own check of `batch`: free at the version it trains from, a forward for a drawn older group,
-        spread over the ranks. Every checked group counts towards its actor's probation."""
+        on rank 0 before the step (the learner does not spread these over its ranks yet). Every checked group counts
+        towards its actor's probation."""
         check = self.run.check
         if not check.enabled:
             self.learner.checked.append((0, 0, 0.0))
@@ -255,7 +256,7 @@ class FleetSimulation:
         forwards = [g for g in batch if g.version != self.learner.version and g.drawn]
         for group in fused + forwards:
             self.trust.record_pass(str(group.actor))
-        seconds = len(forwards) * check.forward_seconds * check.completions / max(1, self.run.ranks)
+        seconds = len(forwards) * check.forward_seconds * check.completions
         self.learner.checked.append((len(fused), len(forwards), seconds))
         return seconds
 

@@ -41,8 +41,9 @@ class CheckSpec:
     version, and gets one only when drawn: every group of an actor on probation
     (its first `probation_groups` checked groups), then a random `share`. Such a
     forward recomputes `completions` of the group's completions (a share of its
-    G), spread over the ranks (each rank its own rows), so the drawn groups cost
-    `forward_seconds x completions x drawn / ranks`.
+    G), on rank 0 before the step (the learner does not spread them over its
+    data-parallel ranks yet), so the drawn groups cost
+    `forward_seconds x completions x drawn` whatever the ranks.
     """
 
     enabled: bool = True  # security.verify_logprobs

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from grpo_fleet.bench.alone import Timed
-from grpo_fleet.bench.host_share import HostShare, host_busy_seconds, process_seconds
+from grpo_fleet.bench.host_share import HostShare, descendants, host_busy_seconds, process_seconds
 
 
 def test_other_cores_are_the_hosts_busy_time_less_the_fleets_over_the_wall_time():
@@ -34,3 +34,4 @@ def test_this_process_and_the_host_count_their_busy_seconds():
     assert process_seconds(os.getpid()) >= own + 0.1
     assert host_busy_seconds() >= host + 0.1
     assert process_seconds(2**22 + 7) == 0.0  # no such process
+    assert os.getpid() in descendants([os.getppid()]) and os.getpid() not in descendants([os.getpid()])

@@ -105,7 +105,10 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
         steps_per_second=(len(walls) - 1) / (walls[-1] - walls[0]),
         seconds_per_group=per_group, fetch_seconds=fetch,
         step_seconds=sum(float(s["step_seconds"]) for s in steps) / len(steps),
-        informative_fraction=1.0 - sum(float(s["zero_variance_fraction"]) for s in steps) / len(steps),
+        # Over the whole run, from the counters: a mean of each step's share weighs a step of few groups as one
+        # of many (metrics.jsonl's zero_variance_fraction is the share since the step before).
+        informative_fraction=1.0 - learner(f"{LEARNER}_groups_zero_variance_total")
+        / max(learner(f"{LEARNER}_groups_accepted_total"), 1.0),
         answer_seconds_per_group=learner(f"{LEARNER}_rollouts_answer_seconds_sum") / max(groups, 1.0),
         logprob_check_seconds=sum(float(s.get("check_seconds") or 0.0) for s in steps) / len(steps),
         lease_groups=learner(f"{LEARNER}_lease_groups_sum") / max(learner(f"{LEARNER}_lease_groups_count"), 1.0),

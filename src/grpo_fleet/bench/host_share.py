@@ -4,8 +4,9 @@ A benchmark on a machine other people use (this project's 2-vCPU VM runs other
 sessions' tests and demos beside it) cannot choose its quiet. So the fleet
 simulator is told what the fleet had: the host's cores, less the cores the
 rest of the host kept busy over the run. That is the host's busy CPU time
-(Linux `/proc/stat`) less the fleet's own processes' (`/proc/PID/stat`), over
-the wall time between the first and the last sample. Elsewhere (no `/proc`) it
+(Linux `/proc/stat`) less the fleet's own processes' and their children's (the
+reward processes; `/proc/PID/stat`), over the wall time between the first and
+the last sample. Elsewhere (no `/proc`) it
 reads 0: the host is taken as the fleet's alone.
 """
 
@@ -29,14 +30,34 @@ def host_busy_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / TICKS
 
 
-def process_seconds(pid: int) -> float:
-    """CPU seconds of process `pid` and its children it has waited for (0 once it is gone, or without /proc)."""
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after "pid (comm) " (the state first); [] once it is gone or without /proc."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return 0.0
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ", field 3 is the state
-    return sum(int(x) for x in fields[11:15]) / TICKS  # utime stime cutime cstime
+        return []
+    return text[text.rindex(")") + 2:].split()
+
+
+def process_seconds(pid: int) -> float:
+    """CPU seconds of process `pid` and its children it has waited for (0 once it is gone, or without /proc)."""
+    fields = _stat(pid)
+    return sum(int(x) for x in fields[11:15]) / TICKS if fields else 0.0  # utime stime cutime cstime
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """The live processes under `roots` (children, grandchildren, ...), without the roots."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat(int(entry.name))
+        if fields:
+            parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = set(roots)
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return sorted(found)
 
 
 @dataclass
@@ -49,7 +70,8 @@ class HostShare:
     def sample(self) -> None:
         own = [process_seconds(pid) for pid in self.pids]
         if all(seconds > 0 for seconds in own):  # every process still there: a sample that counts them all
-            self.samples.append((time.perf_counter(), host_busy_seconds(), sum(own)))
+            children = sum(process_seconds(pid) for pid in descendants(self.pids))
+            self.samples.append((time.perf_counter(), host_busy_seconds(), sum(own) + children))
 
     def other_cores(self) -> float:
         """Cores the rest of the host kept busy, on average, between the first and the last sample."""

@@ -50,13 +50,12 @@ MODELS: dict[str, ModelFigures] = {
 # Other sizes scale by parameter count (a step's FLOPs grow with it): an extrapolation, said so in the output.
 MEASURED_LEARNER_TOK_S = {"smollm2-135m": 29.5, "qwen2.5-0.5b": 20.0}
 LORA_RANK = 16
-# The learner's logprob check of one group (security.verify_logprobs: a forward pass under the weights the
-# group claims, a step's flagged groups together) over one group's share of a step, measured here alone on
-# SmolLM2-135M, LoRA r8, 2 groups x 4 (`bench --only fleet_sim`, 2026-12-02: check 2.35 and 2.23 s a group,
-# step 7.68 and 7.21 s). It runs for up to 4 groups of each submission (security.logprob_checks_per_submission)
-# on rank 0's training thread, so more ranks do not shorten it. On this CPU a forward's fixed costs are large;
-# a Mac's share may be smaller: `--no-logprob-check` gives the other end.
-LOGPROB_CHECK_SHARE = 0.62
+# The check's forward of one group at an older version (security.verify_logprobs: recomputed under the weights it
+# claims) over that group's share of a one-rank step, measured alone on SmolLM2-135M, LoRA r8, 2 groups x 4, one
+# OpenBLAS thread with this VM's SkylakeX kernels (`bench --only fleet_sim`, 2026-12-02: 0.55 after both runs; 0.62
+# before, on the Prescott SSE3 kernels). A forward where the step runs pi_ref, a forward and a backward. The plan
+# charges it for the drawn older groups only, times the share of their completions recomputed, split over the ranks.
+LOGPROB_CHECK_SHARE = 0.55
 
 
 def learner_tokens_per_second(model: ModelFigures) -> tuple[float, bool]:

@@ -157,7 +157,7 @@ def test_the_simulate_command_prints_the_plan_and_refuses_unknown_sizes(capsys):
     assert main(["simulate", "--actors", "1,8", "--ranks", "1,2", "--learner-tok-s", "2000"]) == 0
     out = capsys.readouterr().out
     assert "steps/h, 2 ranks" in out and "one learner saturates at" in out and "not a measurement" in out
-    assert "logprob check: free at the step's version" in out and "split over the ranks" in out
+    assert "logprob check: free at the step's version" in out and "on rank 0 before the step" in out
     assert main(["simulate", "--actors", "1,8", "--ranks", "4", "--learner-tok-s", "2000", "--on-off"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0] == "| Macs of actors | 4 ranks: on / off |" and table[3].startswith("| 8 | ")

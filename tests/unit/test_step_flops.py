@@ -64,6 +64,7 @@ def test_a_lora_step_counts_the_frozen_base_forward_twice_and_its_activation_gra
     assert forward_flops(shape, mask) == pytest.approx(forward)
     assert counted.real_positions == lengths.sum()
     assert counted.padded_positions == 2 * LENGTH_BUCKET  # one micro-batch, both rows at the longest's width
+    assert counted.unrounded_positions == 2 * lengths.max()  # ... and at its real length, before the bucket
     assert counted.padding == pytest.approx(2 * BLOCKS * 2 * shape.block_params * (2 * LENGTH_BUCKET - lengths.sum()))
     assert counted.recomputed == pytest.approx(head)  # the chunked head's forward, again in the backward
     checkpointed = step_flops(shape, mask, micro, reference=False, grad_checkpoint=True)

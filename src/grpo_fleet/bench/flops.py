@@ -91,6 +91,7 @@ class StepFlops:
     padding: float  # the body's forward passes over padded positions
     real_positions: int
     padded_positions: int  # rows x width over the micro-batches, as the model runs them
+    unrounded_positions: int  # the same with each micro-batch as wide as its longest row (no length bucket)
 
     @property
     def executed(self) -> float:
@@ -126,6 +127,7 @@ def step_flops(shape: ModelShape, mask: np.ndarray, micro: Sequence[MicroBatch],
     useful = forward * (2 if reference else 1) + adapters + backward
     recomputed = head + (shape.adapted_blocks * body if grad_checkpoint else 0.0)
     padded = sum(int(m.inputs.shape[0] * m.inputs.shape[1]) for m in micro)
+    unrounded = sum(len(m.rows) * int(lengths[m.rows].max()) for m in micro if m.rows is not None)
     passes = (2 if reference else 1) * shape.blocks + (shape.adapted_blocks if grad_checkpoint else 0)
     padding = passes * 2.0 * shape.block_params * (padded - positions)
-    return StepFlops(useful, recomputed, padding, positions, padded)
+    return StepFlops(useful, recomputed, padding, positions, padded, unrounded)

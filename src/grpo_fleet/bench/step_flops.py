@@ -110,7 +110,9 @@ def report_step(report: Report, measured: Measured, shape_rates: dict[str, float
     report.add(Figure(BENCH, f"{label}: padded positions the model runs on, over real ones",
                       flops.padded_positions / flops.real_positions, "x",
                       notes=f"{flops.padded_positions} padded (rows x width over the micro-batches) for "
-                      f"{flops.real_positions} real positions; padding {flops.padding / 1e12:.3f} TFLOP"))
+                      f"{flops.real_positions} real positions; padding {flops.padding / 1e12:.3f} TFLOP; "
+                      f"{flops.unrounded_positions} if each micro-batch were as wide as its longest row "
+                      "(the rest is the 16-token length bucket)"))
 
 
 def step_shapes(model: Any, positions: int, chunk: int) -> dict[str, float]:

@@ -27,6 +27,15 @@ def test_plenty_of_fast_actors_leave_the_learner_the_bottleneck():
     assert result.learner_busy_fraction == pytest.approx(1.0, abs=0.02)
 
 
+def test_a_lease_decoded_as_one_batch_costs_less_a_group_the_more_groups_it_holds():
+    # 3 s a lease whatever its size, 1 s a group: a lease of 4 groups takes 7 s, four leases of 1 take 16 s.
+    run = RunSpec(FleetRules(groups_per_step=4, max_groups_per_lease=4, in_flight_steps=4), step_seconds=0.1)
+    batched = simulate([ActorSpec(seconds_per_group=1.0, lease_seconds=3.0, max_groups=4)], run)
+    single = simulate([ActorSpec(seconds_per_group=1.0, lease_seconds=3.0, max_groups=1)], run)
+    assert batched.steps_per_second == pytest.approx(1 / 7.0, rel=0.03)
+    assert single.steps_per_second == pytest.approx(1 / 16.0, rel=0.03)
+
+
 def test_groups_without_reward_variance_cost_actor_time():
     run = RunSpec(FleetRules(groups_per_step=8), step_seconds=1.0)
     full = simulate([ActorSpec(seconds_per_group=2.0)], run)

@@ -4,8 +4,10 @@ On this VM the learner and the actors share two cores, so the speeds a fleet
 run shows are each other's contention, not the processes' own. This measures
 them one at a time, in this process, on the run's own model, task and
 settings, once the run has ended (nothing else is busy):
-- the actor's path (`generate_groups`, LoRA policy) generating leases of the
-  run's mean size, in seconds per group;
+- the actor's path (`generate_groups`, LoRA policy) generating leases of one
+  group and of `server.max_groups_per_lease`: a lease's groups are decoded as
+  one batch, so a lease costs a part its size hardly changes (the decoding
+  steps) plus a little a group, and the two sizes give both;
 - the logprob check (`LogprobCheck.gaps`) of a step's groups together, as the
   learner runs it before a step, per group;
 - the learner's step (`trainer_from_config`) on `groups_per_step` groups, after a
@@ -63,16 +65,15 @@ class Timed:
 class AloneSpeeds:
     """A run's processes, each measured alone."""
 
-    group: Timed  # the actor generating one group (in leases of `lease_groups`)
-    lease_groups: int
+    group: Timed  # the actor: each group of a lease, past its fixed part
+    lease: Timed  # the actor: the part of a lease its size hardly changes
     step: Timed  # the learner's step on groups_per_step groups
     logprob_check: Timed  # the learner's check of one group
 
     @classmethod
     def from_json(cls, text: str) -> "AloneSpeeds":
         data = json.loads(text)
-        return cls(group=Timed(**data["group"]), lease_groups=int(data["lease_groups"]), step=Timed(**data["step"]),
-                   logprob_check=Timed(**data["logprob_check"]))
+        return cls(**{name: Timed(**data[name]) for name in ("group", "lease", "step", "logprob_check")})
 
 
 def timed(work: Callable[[], object]) -> Timed:
@@ -105,8 +106,9 @@ def _generated(model: Any, prompts: list[list[int]], settings: SamplingSettings)
     return timed(lambda: out.extend(generate_groups(model, prompts, settings))), out
 
 
-def _actor_alone(cfg: RunConfig, path: str, lease_groups: int) -> tuple[Timed, list[AcceptedGroup]]:
-    """LEASES leases of `lease_groups` of the run's first prompts, on the actor's path."""
+def _actor_alone(cfg: RunConfig, path: str) -> tuple[Timed, Timed, list[AcceptedGroup]]:
+    """(a group, a lease's fixed part, the groups generated): LEASES leases of 1 group and of
+    server.max_groups_per_lease, of the run's first prompts, on the actor's path."""
     lora = cfg.lora if cfg.lora.enabled else None
     policy = load_policy(path, lora=lora, dtype=cfg.model.dtype)
     prompts = [p.tolist() for p in tokenize_prompts(policy.tokenizer, build_task(cfg.task), cfg)]
@@ -114,15 +116,22 @@ def _actor_alone(cfg: RunConfig, path: str, lease_groups: int) -> tuple[Timed, l
     settings = SamplingSettings(group_size=gen.group_size, max_tokens=gen.max_tokens, temperature=gen.temperature,
                                 top_p=gen.top_p, stop_token_ids=sorted(policy.tokenizer.eos_token_ids))
     generate_groups(policy.model, prompts[:1], settings)  # warm-up
-    runs: list[Timed] = []
     accepted: list[AcceptedGroup] = []
-    for lease in range(LEASES):
-        first = (lease * lease_groups) % max(1, len(prompts) - lease_groups)
-        chosen = prompts[first: first + lease_groups]
-        run, out = _generated(policy.model, chosen, settings)
-        runs.append(run)
-        accepted += _accepted(chosen, out, len(accepted))
-    return mean(runs, per=lease_groups), accepted
+    sizes = (1, max(2, cfg.server.max_groups_per_lease))
+    leases = {}
+    for size in sizes:
+        runs: list[Timed] = []
+        for lease in range(LEASES):
+            first = (lease * size) % max(1, len(prompts) - size)
+            chosen = prompts[first: first + size]
+            run, out = _generated(policy.model, chosen, settings)
+            runs.append(run)
+            accepted += _accepted(chosen, out, len(accepted))
+        leases[size] = mean(runs)
+    small, large = leases[sizes[0]], leases[sizes[1]]
+    cores = (small.cores + large.cores) / 2
+    group = max(0.0, (large.seconds - small.seconds) / (sizes[1] - sizes[0]))
+    return Timed(group, cores), Timed(max(0.0, small.seconds - group), cores), accepted
 
 
 def _step(trainer: Trainer, groups: list[AcceptedGroup]) -> None:
@@ -146,20 +155,20 @@ def _learner_alone(cfg: RunConfig, path: str, groups: list[AcceptedGroup]) -> tu
     return mean(steps), mean(checks)
 
 
-def measure_alone(cfg: RunConfig, lease_groups: int) -> AloneSpeeds:
+def measure_alone(cfg: RunConfig) -> AloneSpeeds:
     """The run's actor, logprob check and learner step, each alone, on the run's model (cached by the run)."""
     path = resolve_model_path(cfg, build_task(cfg.task))
-    group, generated = _actor_alone(cfg, path, lease_groups)
+    group, lease, generated = _actor_alone(cfg, path)
     step, check = _learner_alone(cfg, path, generated)
-    return AloneSpeeds(group=group, lease_groups=lease_groups, step=step, logprob_check=check)
+    return AloneSpeeds(group=group, lease=lease, step=step, logprob_check=check)
 
 
-def measure_alone_as_fleet(cfg: RunConfig, lease_groups: int) -> AloneSpeeds:
+def measure_alone_as_fleet(cfg: RunConfig) -> AloneSpeeds:
     """`measure_alone` in a child process with the environment the run's learner and actors had."""
     with tempfile.TemporaryDirectory(prefix="grpo-fleet-alone-") as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(json.dumps(cfg.model_dump(mode="json")))
-        done = subprocess.run([sys.executable, "-m", "grpo_fleet.bench.alone", str(path), str(lease_groups)],
+        done = subprocess.run([sys.executable, "-m", "grpo_fleet.bench.alone", str(path)],
                               env=fleet_env(), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"measuring alone failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -167,9 +176,8 @@ def measure_alone_as_fleet(cfg: RunConfig, lease_groups: int) -> AloneSpeeds:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m grpo_fleet.bench.alone CONFIG.json LEASE_GROUPS`: the speeds as one JSON line on stdout."""
-    cfg = load_run_config(argv[0])
-    print(json.dumps(asdict(measure_alone(cfg, int(argv[1])))), flush=True)
+    """`python -m grpo_fleet.bench.alone CONFIG.json`: the speeds as one JSON line on stdout."""
+    print(json.dumps(asdict(measure_alone(load_run_config(argv[0])))), flush=True)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def predicted_shared_host(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds) 
     """Steps/s from each process's alone-speed, all sharing the cores of this host that other work left them."""
     group, step, forward = alone.group.unstarved(), alone.step.unstarved(), alone.logprob_check.unstarved()
     host = SharedHost(cores=fleet_cores(run), learner_cores=step.cores, actor_cores=group.cores)
-    actor = ActorSpec(group.seconds, run.fetch_seconds, max_groups=cfg.server.max_groups_per_lease)
+    actor = ActorSpec(group.seconds, run.fetch_seconds, max_groups=cfg.server.max_groups_per_lease,
+                      lease_seconds=alone.lease.unstarved().seconds)
     spec = _run_spec(cfg, run, step.seconds, forward.seconds)
     return simulate([actor] * run.actors, spec, host).steps_per_second
 
@@ -157,7 +158,7 @@ def check(report: Report, steps: int) -> list[float]:
         with tempfile.TemporaryDirectory(prefix="grpo-fleet-sim-") as tmp:
             cfg = real_config(Path(tmp) / "run", steps=steps, overrides=SHAPE)
             measured = measure_fleet(cfg, actors)
-            alone = measure_alone_as_fleet(cfg, max(1, round(measured.lease_groups)))
+            alone = measure_alone_as_fleet(cfg)
         shares.append(check_share(cfg, alone))
         _report_check(report, cfg, measured, alone)
     return shares
@@ -173,7 +174,8 @@ def _report_check(report: Report, cfg: RunConfig, measured: MeasuredRun, alone: 
         goal=f"within {GOAL:.0%}",
         notes=f"measured {measured.steps_per_second:.4f} steps/s over {measured.steps} steps, simulated {shared:.4f} "
         f"({shared / measured.steps_per_second - 1:+.1%}) from each process alone, one BLAS thread each as in the "
-        f"run: {group.seconds:.2f} s a group ({group.cores:.2f} cores, leases of {alone.lease_groups}), step "
+        f"run: a lease {alone.lease.unstarved().seconds:.2f} s + {group.seconds:.2f} s a group ({group.cores:.2f} "
+        f"cores; the run's leases {measured.lease_groups:.1f} groups on average), step "
         f"{step.seconds:.2f} s ({step.cores:.2f} cores), the check's forward {forward.seconds:.2f} s a group "
         f"({check_share(cfg, alone):.2f} of a group's step), on {fleet_cores(measured):.2f} of the host's "
         f"{os.cpu_count()} cores (other work kept {measured.other_cores:.2f} busy; load average "

@@ -91,6 +91,9 @@ class FleetSimulation:
         self.jobs: dict[int, _Job] = {}
         self.actor_versions = [0] * len(actors)
         self.actor_busy = [0.0] * len(actors)
+        # Each actor's groups/s as the learner measures it from returned leases (leasing.Leasing.measure): it
+        # sizes the next leases, and a lease's cost is not proportional to its groups (ActorSpec.lease_seconds).
+        self.rates = [MovingAverage() for _ in actors]
         self.pending: list[Optional[int]] = [None] * len(actors)  # the next lease, granted while generating
         # Refused actors. Real ones poll every retry_after (at most 0.2 s); here they are woken when room
         # frees instead, which costs the same time without an event per poll over an hour-long step.
@@ -161,6 +164,7 @@ class FleetSimulation:
             self._finish_step()
         else:
             self.actor_busy[key] += self.now - job.started
+            self.rates[key].add(job.groups / max(self.now - job.started, 1e-3))
             self._submit(key, job.groups, job.version)
 
     # ------------------------------------------------------------------ actors
@@ -170,8 +174,8 @@ class FleetSimulation:
         actor, learner, rules = self.actors[index], self.learner, self.rules
         capacity = max(0, self.limit - learner.leased_out - len(learner.buffer))
         target = lease_target_seconds(None, rules.max_staleness, learner.interval.value, rules.lease_seconds)
-        count = lease_size(actor.max_groups, min(rules.max_groups_per_lease, capacity),
-                           1.0 / actor.seconds_per_group, target)
+        count = lease_size(actor.max_groups, min(rules.max_groups_per_lease, capacity), self.rates[index].value,
+                           target)
         learner.leased_out += count
         return count
 
@@ -196,7 +200,8 @@ class FleetSimulation:
         fetch = actor.fetch_seconds if self.actor_versions[index] < learner.version else 0.0
         self.actor_versions[index] = learner.version
         cores = self.host.actor_cores if self.host is not None else 1.0
-        self._begin(index, fetch + count * actor.seconds_per_group, cores, count, learner.version)
+        self._begin(index, fetch + actor.lease_seconds + count * actor.seconds_per_group, cores, count,
+                    learner.version)
         self.pending[index] = self._grant(index)
 
     def _submit(self, index: int, groups: int, version: int) -> None:

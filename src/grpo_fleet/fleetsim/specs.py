@@ -71,11 +71,13 @@ TRUSTED = CheckSpec(enabled=False)
 
 @dataclass(frozen=True)
 class ActorSpec:
-    """One simulated actor: seconds to generate and score one group, and to fetch a new policy version."""
+    """One simulated actor: a lease of n groups takes `lease_seconds + n x seconds_per_group` (its groups are
+    decoded as one batch, so a lease has a part its size hardly changes), plus `fetch_seconds` for a new version."""
 
     seconds_per_group: float
     fetch_seconds: float = 0.0
     max_groups: int = 2  # ActorConfig.max_groups: what it asks for per lease
+    lease_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,14 @@ def test_actor_asks_for_its_next_lease_while_generating_the_current_one(run_conf
     _, cfg = run_config(train={"steps": 6, "checkpoint_every": 100})
     learner = build_learner(cfg)
     requests: list[str] = []
-    handle = learner.handle
+    handle = learner.requests.handle  # what the server's loop calls
 
     def recording(identity, msg, *args, **kwargs):
         if type(msg).__name__ != "Rollouts":  # a Rollouts is recorded when it arrives, below
             requests.append(type(msg).__name__)
         return handle(identity, msg, *args, **kwargs)
 
-    learner.handle = recording
+    learner.requests.handle = recording  # type: ignore[method-assign]
     server = LearnerServer(learner)
     # Rollouts are verified on their own thread and handled when the verdict is in, so their order among the
     # handled requests is not their order of arrival: record each as the I/O thread hands it to the verifier.

@@ -214,6 +214,7 @@ from grpo_fleet.tasks.scoring import ScoringJob
 def main():
     scorer = ScoringProcess(RewardSet(names=("fine",), weights=(1.0,), module=sys.argv[1], timeout_seconds=5.0))
     job = ScoringJob(prompt="p", columns={"answer": "42"}, completions=("42",))
+    scorer.score([job])  # the reward process is up and serving, as an actor's is when Ctrl-C comes
     try:  # entered before the line goes out: the test's Ctrl-C may land before print() returns
         print("child", scorer._process.pid, flush=True)
         # The Ctrl-C lands here, in C code that checks no signal (a scan: about 0.3 s). Python runs the
@@ -225,7 +226,7 @@ def main():
             time.sleep(0.05)
     except KeyboardInterrupt:
         # What an actor does on Ctrl-C: finish in order, which still needs its reward process.
-        print("scored", scorer.score([job])[0].rewards, flush=True)
+        print("scored", scorer.score([job])[0].rewards, "by", scorer._process.pid, flush=True)
         scorer.close()
 
 if __name__ == "__main__":  # spawn re-imports this file in the child
@@ -253,7 +254,7 @@ def test_ctrl_c_leaves_the_reward_process_to_its_parent(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert "scored [1.0]" in out, out + err
+    assert f"scored [1.0] by {first.split()[1]}" in out, "the same reward process scored it: " + out + err
     assert "BrokenPipeError" not in err and "EOFError" not in err, err
     assert proc.returncode == 0, err
 

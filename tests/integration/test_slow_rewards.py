@@ -40,7 +40,8 @@ def _hello(sock: zmq.Socket, learner, name: str) -> None:
 
 
 def _rollouts(lease: m.Lease) -> m.Rollouts:
-    """Every completion one token, rewarded 0.0: what the slow reward gives, so the check passes."""
+    """Every completion one token, rewarded 0.0: what the slow reward gives, so the check passes (cut off at
+    generation.max_tokens = 1, as its finish_reason says)."""
     def completion() -> m.Completion:
         return m.Completion(tokens=m.Tensor.from_numpy(np.asarray([5], np.int32)),
                             logprobs=m.Tensor.from_numpy(np.asarray([-1.0], np.float32)), reward=0.0,
@@ -53,7 +54,8 @@ def test_requests_are_answered_while_a_submission_is_verified(tmp_path: Path, ru
     rewards = tmp_path / "slow_rewards.py"
     rewards.write_text(SLOW_REWARD)
     config, cfg = run_config(task={"reward_module": str(rewards), "rewards": ["slow"], "reward_timeout_seconds": 10},
-                             security={"verify_rewards": True, "verify_logprobs": False}, train={"steps": 1000})
+                             security={"verify_rewards": True, "verify_logprobs": False}, train={"steps": 1000},
+                             generation={"max_tokens": 1})
     learner = spawn("learner", "--config", str(config), name="learner")
     submitter, other = peer_socket(cfg.server.bind, b"submitter"), peer_socket(cfg.server.bind, b"other")
     _hello(submitter, learner, "submitter")

@@ -20,12 +20,22 @@ GROUPS_PER_LEASE = 4
 REQUEST_TIMEOUT_S = 15.0
 
 
+# The learner checks finish_reason against its end tokens, and a simulated actor knows no tokenizer: its
+# "length" completions keep off the ids where tokenizers put their specials (a trained BPE's first ids, Qwen's
+# from 151,643 on).
+FIRST_PLAIN_ID, FIRST_QWEN_SPECIAL = 16, 151_643
+
+
+def _plain_ids(vocab: int) -> tuple[int, int]:
+    return min(FIRST_PLAIN_ID, vocab - 1), min(vocab, FIRST_QWEN_SPECIAL)
+
+
 def completion_arrays(vocab: int, group_size: int, length: int, rng: np.random.Generator) -> list[tuple]:
     """(tokens, logprobs, reward) for one group: valid ids, negative logprobs, rewards that differ."""
     rewards = rng.permutation(np.linspace(0.0, 1.0, group_size))  # never all equal: informative
     return [
         (
-            rng.integers(0, vocab, size=length, dtype=np.int32),
+            rng.integers(*_plain_ids(vocab), size=length, dtype=np.int32),
             -rng.uniform(0.01, 5.0, size=length).astype(np.float32),
             float(reward),
         )

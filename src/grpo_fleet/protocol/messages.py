@@ -486,12 +486,16 @@ def validate_rollouts(
     tokens = np.concatenate([c.tokens.to_numpy().astype(np.int64, copy=False) for c in completions])
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         return RejectReason.TOKEN_OUT_OF_RANGE
+    logprobs = np.concatenate([c.logprobs.to_numpy() for c in completions])
+    rewards = np.array([c.reward for c in completions], dtype=np.float64)
+    # Values that cannot be trained on are named first: they are what a poisoned message is about.
+    out_of_bounds = values_out_of_bounds(logprobs, rewards, reward_bound)
+    if out_of_bounds is not None:
+        return out_of_bounds
     if stop_token_ids is not None and any(_finish_mismatch(c, stop_token_ids, max_tokens, episode_tokens)
                                           for c in completions):
         return RejectReason.FINISH_REASON_MISMATCH
-    logprobs = np.concatenate([c.logprobs.to_numpy() for c in completions])
-    rewards = np.array([c.reward for c in completions], dtype=np.float64)
-    return values_out_of_bounds(logprobs, rewards, reward_bound)
+    return None
 
 
 def finish_reason_mismatch(tokens: np.ndarray, finish_reason: str, stop_token_ids: frozenset[int], max_tokens: int) -> bool:

@@ -208,23 +208,44 @@ class Routed:
     message: Union[BaseModel, ProtocolError]
 
 
-def recv_routed_from(sock: zmq.Socket, limits: Limits = DEFAULT_LIMITS) -> Routed:
-    """Receive one [identity, payload] message on the ROUTER, with the sender's principal and address.
+@dataclass(frozen=True)
+class RoutedFrames:
+    """One message received on the ROUTER, not decoded yet: who sent it is known before what it says."""
 
-    Blocks: call it after a poll says the socket is readable. Decode failures are
-    returned, not raised, so the caller can reply to that identity and count the reason.
-    The principal and address come from libzmq's metadata on the last frame.
+    identity: bytes
+    principal: Optional[str]
+    peer_address: str
+    frames: Sequence[zmq.Frame]  # the payload frames, after the routing id
+
+
+def recv_routed_frames(sock: zmq.Socket) -> RoutedFrames:
+    """Receive one message on the ROUTER without decoding it, with the sender's principal and address.
+
+    Blocks: call it after a poll says the socket is readable. The principal and
+    address come from libzmq's metadata on the last frame; the learner judges the
+    sender on them before it spends a decode on what a banned peer sent.
     """
     frames = sock.recv_multipart(copy=False)
-    identity = frames[0].bytes
     principal, address = _metadata(frames[-1])
-    if len(frames) != 2:
-        error = ProtocolError("bad_frames", f"expected [identity, payload], got {len(frames)} frames")
+    return RoutedFrames(frames[0].bytes, principal, address, frames[1:])
+
+
+def decode_routed(received: RoutedFrames, limits: Limits = DEFAULT_LIMITS) -> Routed:
+    """Decode what `recv_routed_frames` took. Decode failures are returned, not raised, so the caller can reply
+    to that identity and count the reason."""
+    identity, principal, address = received.identity, received.principal, received.peer_address
+    if len(received.frames) != 1:
+        error = ProtocolError("bad_frames", f"expected [identity, payload], got {len(received.frames) + 1} frames")
         return Routed(identity, principal, address, error)
     try:
-        return Routed(identity, principal, address, decode(frames[1].buffer, limits))
+        return Routed(identity, principal, address, decode(received.frames[0].buffer, limits))
     except ProtocolError as exc:
         return Routed(identity, principal, address, exc)
+
+
+def recv_routed_from(sock: zmq.Socket, limits: Limits = DEFAULT_LIMITS) -> Routed:
+    """Receive and decode one [identity, payload] message on the ROUTER (see `recv_routed_frames`)."""
+    return decode_routed(recv_routed_frames(sock), limits)
 
 
 def _metadata(frame: zmq.Frame) -> tuple[Optional[str], str]:

@@ -31,9 +31,10 @@ from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.sockets import (
     bound_endpoint,
+    decode_routed,
     make_context,
     pub_socket,
-    recv_routed_from,
+    recv_routed_frames,
     router_socket,
     send_message,
 )
@@ -150,9 +151,11 @@ class LearnerServer:
         for _ in range(256):
             if not self.router.poll(0, zmq.POLLIN):
                 break
-            routed = recv_routed_from(self.router, self.limits)
-            if not self.door.admits(routed.identity, routed.principal):
+            received = recv_routed_frames(self.router)
+            # The peer is judged before its message is decoded: a banned or revoked key costs no decode.
+            if not self.door.admits(received.identity, received.principal):
                 continue
+            routed = decode_routed(received, self.limits)
             observer = self.door.is_observer(routed.principal)
             if self.verifier is not None and isinstance(routed.message, m.Rollouts) and not self.closing and not observer:
                 self.verifier.submit(routed.identity, partial(self._answer_rollouts, routed.identity, routed.message,

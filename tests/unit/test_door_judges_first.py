@@ -1,0 +1,71 @@
+"""The learner's loop judges a peer before it decodes the peer's message (issue 29: "decoded before judged")."""
+
+from __future__ import annotations
+
+import types
+
+import msgpack
+
+import grpo_fleet.protocol.sockets as sockets
+from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.door.doorman import Doorman
+from grpo_fleet.learner.door.server import LearnerServer
+from grpo_fleet.learner.fleet.bans import peer_key
+from grpo_fleet.learner.fleet.registry import Registry
+from grpo_fleet.metrics import learner_metrics
+from grpo_fleet.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION
+
+
+class _Frame:
+    """What pyzmq's Frame offers the loop: bytes, a buffer and the connection's metadata."""
+
+    def __init__(self, data: bytes) -> None:
+        self.bytes, self.buffer = data, memoryview(data)
+
+    def get(self, key: str) -> str:
+        return {"Peer-Address": "10.0.0.9"}[key]
+
+
+class _Router:
+    """One waiting [identity, payload] message, then nothing."""
+
+    def __init__(self, identity: bytes, payload: bytes) -> None:
+        self.waiting = [[_Frame(identity), _Frame(payload)]]
+
+    def poll(self, timeout_ms: int, flags: int = 0) -> int:
+        return 1 if self.waiting else 0
+
+    def recv_multipart(self, copy: bool = True) -> list[_Frame]:
+        return self.waiting.pop(0)
+
+
+def _server_with(router: _Router, registry: Registry) -> LearnerServer:
+    """The loop's state without its sockets: a fake router, a Doorman without CURVE, no verifier."""
+    cfg = RunConfig()
+    desk = types.SimpleNamespace(cfg=cfg, metrics=registry.metrics, registry=registry)
+    server = object.__new__(LearnerServer)
+    server.router, server.limits, server.verifier, server.closing = router, DEFAULT_LIMITS, None, False
+    server.learner = desk
+    server.door = Doorman(None, cfg, desk)  # type: ignore[arg-type]  # no keys_dir: it opens nothing
+    return server
+
+
+def test_a_banned_peers_message_is_refused_before_it_is_decoded(monkeypatch):
+    registry = Registry(RunConfig().server, learner_metrics())
+    identity = b"pest"
+    registry.record_violation(peer_key(identity, None), "malformed", ban_now=True)
+    decoded: list[bytes] = []
+    real_decode = sockets.decode
+
+    def spy(buffer, limits):
+        decoded.append(bytes(buffer))
+        return real_decode(buffer, limits)
+
+    monkeypatch.setattr(sockets, "decode", spy)
+    payload = msgpack.packb({"v": PROTOCOL_VERSION, "type": "Heartbeat", "body": {}}, use_bin_type=True)
+    server = _server_with(_Router(identity, payload), registry)
+    server._pump(timeout_ms=0)
+    assert decoded == [], "a banned peer's bytes were decoded"
+    assert server.router.waiting == []  # the message was taken off the socket all the same
+    banned = registry.metrics.registry.get_sample_value("grpo_fleet_learner_protocol_errors_total", {"reason": "banned"})
+    assert banned == 1

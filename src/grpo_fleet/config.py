@@ -516,6 +516,10 @@ class MetricsConfig(_Section):
         "ids (the learner's /sd their hosts too): anything but loopback is warned about at start.",
     )
     port: int = Field(9400, ge=0, le=65535, description="Port of /metrics; 0 disables it.")
+    max_connections: int = Field(
+        8, ge=1, le=256, description="Connections to /metrics (and /sd) answered at once, each on its own thread; "
+        "one more is closed unanswered and counted in grpo_fleet_metrics_connections_refused_total.",
+    )
 
 
 class LoggingConfig(_Section):

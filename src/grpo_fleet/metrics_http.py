@@ -1,4 +1,9 @@
-"""The /metrics (and, on the learner, /sd) HTTP server: a daemon thread serving one process's registry."""
+"""The /metrics (and, on the learner, /sd) HTTP server: a daemon thread serving one process's registry.
+
+Each connection is answered on a thread of its own, at most `max_connections` at once: one more is closed
+unanswered and counted (`grpo_fleet_metrics_connections_refused_total`), so a flood of connections cannot grow
+the process's threads. A client that sends nothing is cut off after CLIENT_TIMEOUT_SECONDS, freeing its place.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +11,60 @@ import json
 import logging
 import threading
 from socketserver import ThreadingMixIn
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 
 from grpo_fleet.protocol.endpoints import is_loopback_host
 
 log = logging.getLogger("grpo_fleet.metrics")
 
+# Connections answered at once, by default: Prometheus scrapes with one, a person's curl is another.
+MAX_CONNECTIONS = 8
+# A connection silent this long is closed: a client that connects and sends nothing must not keep its place.
+CLIENT_TIMEOUT_SECONDS = 10.0
+
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = CLIENT_TIMEOUT_SECONDS
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
         """Scrapes every few seconds would flood the log."""
 
 
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+class BoundedThreading(ThreadingMixIn):
+    """ThreadingMixIn with at most `max_connections` threads: a connection beyond them is closed unanswered."""
+
     daemon_threads = True
+    block_on_close = False  # server_close must not wait on a slow client
+    max_connections = MAX_CONNECTIONS
+    on_refused: Callable[[], None] = staticmethod(lambda: None)
+    _slots: Optional[threading.BoundedSemaphore] = None
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self._slots is None:
+            self._slots = threading.BoundedSemaphore(self.max_connections)
+        if not self._slots.acquire(blocking=False):
+            self.on_refused()
+            self.shutdown_request(request)  # type: ignore[attr-defined]  # BaseServer's, in the class this mixes into
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()  # the thread never started
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            assert self._slots is not None
+            self._slots.release()
+
+
+class _ThreadingWSGIServer(BoundedThreading, WSGIServer):
+    pass
 
 
 SdSource = Callable[[], list[dict]]
@@ -73,7 +115,8 @@ def exposure_warning(host: str, port: int) -> Optional[str]:
 
 
 def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int, sd_targets: Optional[SdSource] = None, *, any_port: bool = False
+    registry: CollectorRegistry, host: str, port: int, sd_targets: Optional[SdSource] = None, *, any_port: bool = False,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> Optional[MetricsServer]:
     """Serve /metrics (and /sd) from a daemon thread until `close()`; warns when it listens beyond loopback.
 
@@ -82,8 +125,20 @@ def serve_metrics(
     if not port and not any_port:
         return None
     server = make_server(host, port, metrics_app(registry, sd_targets), _ThreadingWSGIServer, handler_class=_QuietHandler)
+    server.max_connections = max_connections
+    server.on_refused = refusal_counter(registry).inc
     served = MetricsServer(server)
     warning = exposure_warning(host, served.port)
     if warning is not None:
         log.warning("%s", warning)
     return served
+
+
+def refusal_counter(registry: CollectorRegistry) -> Counter:
+    """The count of connections refused because `max_connections` were being answered, in `registry`."""
+    name = "grpo_fleet_metrics_connections_refused"
+    existing = getattr(registry, "_names_to_collectors", {}).get(f"{name}_total")
+    if isinstance(existing, Counter):  # served again from the same registry (an actor retrying another port)
+        return existing
+    return Counter(name, "Connections to /metrics closed unanswered: metrics.max_connections were being answered",
+                   registry=registry)

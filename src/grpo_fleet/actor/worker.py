@@ -54,10 +54,10 @@ def serve_actor_metrics(metrics: ActorMetrics, cfg: MetricsConfig) -> Optional[M
     The learner learns the real port from Hello, so service discovery still finds it.
     """
     try:
-        return serve_metrics(metrics.registry, cfg.host, cfg.port)
+        return serve_metrics(metrics.registry, cfg.host, cfg.port, max_connections=cfg.max_connections)
     except OSError as exc:
         log.warning("metrics port %d unavailable (%s); using a free port instead", cfg.port, exc)
-        return serve_metrics(metrics.registry, cfg.host, 0, any_port=True)
+        return serve_metrics(metrics.registry, cfg.host, 0, any_port=True, max_connections=cfg.max_connections)
 
 
 class ActorWorker:

@@ -79,7 +79,8 @@ class LearnerServer:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
         cfg = self.learner.cfg
         self.metrics_server = serve_metrics(self.learner.metrics.registry, cfg.metrics.host, cfg.metrics.port,
-                                            sd_targets=lambda: self.learner.registry.sd_snapshot)
+                                            sd_targets=lambda: self.learner.registry.sd_snapshot,
+                                            max_connections=cfg.metrics.max_connections)
         if self.metrics_server is not None:
             host = cfg.metrics.host
             if is_wildcard_host(host):

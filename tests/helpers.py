@@ -111,6 +111,13 @@ class LedgerAudit:
         return set(self.accepted) - set(self.dropped)
 
 
+def finished_in_checkpoint(scheduler: dict) -> set[str]:
+    """The finished group ids a checkpoint's scheduler state implies: every id handed out that is not live
+    (leased or queued again); the learner derives them the same way (learner/records/lease_book.py)."""
+    live = {g for g, _ in scheduler["requeued"]} | {g for lease in scheduler["leases"] for g, _ in lease["tickets"]}
+    return {f"g{serial:08d}" for serial in range(1, scheduler["serial"] + 1)} - live
+
+
 def audit_ledger(path: Path) -> LedgerAudit:
     """Read a ledger and check it is exactly-once: each group accepted once, dropped at most once after that.
 

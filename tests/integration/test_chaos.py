@@ -13,7 +13,7 @@ import pytest
 
 from grpo_fleet.learner.records.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
-from helpers import assert_checkpoint_generates_like_the_learner, audit_ledger, scrape, wait_for
+from helpers import assert_checkpoint_generates_like_the_learner, audit_ledger, finished_in_checkpoint, scrape, wait_for
 
 STEPS = 400
 CHECKPOINT_EVERY = 10
@@ -157,7 +157,7 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
     handed_out = {f"g{serial:08d}" for serial in range(1, state["serial"] + 1)}
     lost = handed_out - set(ids) - queued
     assert lost == set(), f"{len(lost)} groups vanished"
-    assert set(ids) == set(state["finished"])
+    assert set(ids) == finished_in_checkpoint(state)
     retried = {drop["retried_as"] for drop in audit.dropped.values()}
     assert retried <= handed_out, "a dropped group's prompt was queued again as a new group"
 

@@ -18,7 +18,7 @@ from grpo_fleet.blas import child_env
 from grpo_fleet.exit_codes import RANKS_FAILED
 from grpo_fleet.learner.records.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
-from helpers import audit_ledger, free_port_pair, jsonl, scrape, wait_steps
+from helpers import audit_ledger, finished_in_checkpoint, free_port_pair, jsonl, scrape, wait_steps
 
 DRIVER = Path(__file__).parents[1] / "data_parallel_driver.py"
 MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -160,7 +160,7 @@ def test_a_killed_rank_ends_rank0_cleanly_and_the_run_resumes_on_one_rank(run_co
     assert [r["step"] for r in jsonl(run_dir / "metrics.jsonl")] == list(range(1, target + 1))
     audit = audit_ledger(run_dir / "ledger.jsonl")  # each group accepted once, dropped at most once after that
     state = read_state(latest_checkpoint(run_dir))["scheduler"]  # type: ignore[arg-type]
-    assert set(audit.accepted) == set(state["finished"])
+    assert set(audit.accepted) == finished_in_checkpoint(state)
 
 
 @pytest.mark.slow
@@ -206,4 +206,4 @@ def test_a_one_rank_run_resumes_on_two_ranks_and_both_stop_cleanly_at_the_end(ru
     assert all(actor.wait(timeout=30) == 0 for actor in second)
     assert [r["step"] for r in jsonl(run_dir / "metrics.jsonl")] == list(range(1, 9))
     audit = audit_ledger(run_dir / "ledger.jsonl")
-    assert set(audit.accepted) == set(read_state(latest_checkpoint(run_dir))["scheduler"]["finished"])  # type: ignore[arg-type]
+    assert set(audit.accepted) == finished_in_checkpoint(read_state(latest_checkpoint(run_dir))["scheduler"])  # type: ignore[arg-type]

@@ -303,3 +303,53 @@ def test_outstanding_groups_counts_through_the_lifecycle(make_scheduler, clock):
     assert scheduler.outstanding_groups == 4
     assert scheduler.queued_groups == []
     assert b.lease_id not in scheduler.leases
+
+
+def _finish_all(scheduler: PromptScheduler, groups: int) -> list[str]:
+    done = []
+    while len(done) < groups:
+        lease = scheduler.issue("actor-a", 4)
+        for group_id in list(lease.tickets):
+            scheduler.finish(lease.lease_id, group_id)
+            done.append(group_id)
+    return done
+
+
+def test_the_checkpointed_scheduler_does_not_grow_with_the_groups_accepted(make_scheduler):
+    """Issue 29: every accepted id was kept, and sorted and copied at every checkpoint."""
+    short, long = make_scheduler(num_prompts=50), make_scheduler(num_prompts=50)
+    _finish_all(short, 40)
+    _finish_all(long, 4000)
+    held = long.issue("actor-a", 2)  # a lease still out is kept, as before
+    sizes = [len(repr(scheduler.state_dict())) for scheduler in (short, long)]
+    assert sizes[1] - sizes[0] < 400, f"the state grew with the run: {sizes}"
+    assert len(long.finished) == 4000 and set(held.tickets).isdisjoint(long.finished)
+
+
+def test_duplicates_are_refused_across_a_resume_without_a_finished_list(make_scheduler):
+    scheduler = make_scheduler(num_prompts=5)
+    done = _finish_all(scheduler, 12)
+    open_lease = scheduler.issue("actor-a", 3)
+    leased = list(open_lease.tickets)
+    scheduler.finish(open_lease.lease_id, leased[0])
+    scheduler.release(open_lease.lease_id)  # the other two go back in the queue
+    resumed = make_scheduler(num_prompts=5)
+    resumed.load_state_dict(scheduler.state_dict())
+    for group_id in done + leased[:1]:
+        assert resumed.classify("actor-a", open_lease.lease_id, group_id) is RejectReason.DUPLICATE
+    assert not any(group_id in resumed.finished for group_id in leased[1:])  # queued again, not finished
+    again = resumed.issue("actor-b", 2)
+    assert sorted(again.tickets) == sorted(leased[1:])
+    assert resumed.classify("actor-b", again.lease_id, leased[1]) is None
+    # Ids never handed out, or not in the canonical form, are not finished either.
+    for made_up in ("g99999999", "g0000001", "g-made-up", "g00000001 ", "gx"):
+        assert made_up not in resumed.finished
+
+
+def test_a_checkpoint_that_still_lists_finished_ids_resumes(make_scheduler):
+    scheduler = make_scheduler(num_prompts=5)
+    done = _finish_all(scheduler, 8)
+    saved = scheduler.state_dict() | {"finished": sorted(done)}  # what older checkpoints hold
+    resumed = make_scheduler(num_prompts=5)
+    resumed.load_state_dict(saved)
+    assert resumed.finished == set(done)

@@ -3,6 +3,13 @@
 Pure bookkeeping on the learner's own monotonic clock; no sockets. A group keeps
 its `group_id` for its whole life (re-queued groups are re-leased under the same
 id), so dedup by `group_id` gives exactly-once accounting.
+
+Which groups are finished is not stored: ids are handed out in order (`g00000001`,
+`g00000002`, ...), and every id handed out is either still live (under a lease, or
+queued again) or finished. So a group is finished when its id was handed out and
+is not live, which costs nothing per accepted group: a run of any length keeps
+and checkpoints only its live groups and the last serial, and a resume refuses
+duplicates exactly as the run did.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import random
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -34,6 +42,39 @@ class LeaseRecord:
     deadline: float
     issued_at: float = 0.0
     tickets: dict[str, GroupTicket] = field(default_factory=dict)
+
+
+def group_id_of(serial: int) -> str:
+    return f"g{serial:08d}"
+
+
+def serial_of(group_id: str) -> Optional[int]:
+    """The serial a group id was made from, or None for a string `group_id_of` never makes."""
+    digits = group_id[1:]
+    if not (group_id[:1] == "g" and digits.isascii() and digits.isdigit()):
+        return None
+    serial = int(digits)
+    return serial if group_id_of(serial) == group_id else None
+
+
+class FinishedGroups(Set[str]):
+    """The finished group ids, derived (see the module's docstring): handed out, and not live."""
+
+    def __init__(self, scheduler: PromptScheduler) -> None:
+        self._scheduler = scheduler
+
+    def __contains__(self, group_id: object) -> bool:
+        serial = serial_of(group_id) if isinstance(group_id, str) else None
+        return serial is not None and 1 <= serial <= self._scheduler.last_serial \
+            and not self._scheduler.is_live(group_id)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[str]:
+        """Every finished id, oldest first: for audits and tests (it walks the whole run)."""
+        live = self._scheduler.live_ids()
+        return (gid for gid in map(group_id_of, range(1, self._scheduler.last_serial + 1)) if gid not in live)
+
+    def __len__(self) -> int:
+        return self._scheduler.last_serial - len(self._scheduler.live_ids())
 
 
 class PromptScheduler:
@@ -60,7 +101,7 @@ class PromptScheduler:
         self._requeued: deque[GroupTicket] = deque()
         self.leases: dict[str, LeaseRecord] = {}
         self._lease_of_group: dict[str, str] = {}
-        self.finished: set[str] = set()
+        self.finished = FinishedGroups(self)
 
     # ------------------------------------------------------------------ handing out
 
@@ -73,7 +114,19 @@ class PromptScheduler:
         index = self._order[self._cursor]
         self._cursor += 1
         self._serial += 1
-        return GroupTicket(group_id=f"g{self._serial:08d}", prompt_index=index)
+        return GroupTicket(group_id=group_id_of(self._serial), prompt_index=index)
+
+    @property
+    def last_serial(self) -> int:
+        """The serial of the last group id handed out (0 before the first)."""
+        return self._serial
+
+    def is_live(self, group_id: str) -> bool:
+        """Whether a group is out under a lease or queued to go out again (a handed-out id that is not, finished)."""
+        return group_id in self._lease_of_group or any(t.group_id == group_id for t in self._requeued)
+
+    def live_ids(self) -> set[str]:
+        return set(self._lease_of_group) | {t.group_id for t in self._requeued}
 
     @property
     def outstanding_groups(self) -> int:
@@ -117,9 +170,7 @@ class PromptScheduler:
 
     def finish(self, lease_id: str, group_id: str) -> GroupTicket:
         """Mark a group accepted; it will never be handed out again."""
-        ticket = self._take(lease_id, group_id)
-        self.finished.add(group_id)
-        return ticket
+        return self._take(lease_id, group_id)  # neither leased nor queued now: finished (see FinishedGroups)
 
     def requeue(self, lease_id: str, group_id: str) -> GroupTicket:
         """Put a leased group back at the front of the queue (stale result, lost actor)."""
@@ -130,7 +181,7 @@ class PromptScheduler:
     def retry_prompt(self, prompt_index: int) -> GroupTicket:
         """Queue an accepted group's prompt again as a new group (its old group id stays finished)."""
         self._serial += 1
-        ticket = GroupTicket(group_id=f"g{self._serial:08d}", prompt_index=prompt_index)
+        ticket = GroupTicket(group_id=group_id_of(self._serial), prompt_index=prompt_index)
         self._requeued.append(ticket)
         return ticket
 
@@ -168,7 +219,8 @@ class PromptScheduler:
     # ------------------------------------------------------------------ persistence
 
     def state_dict(self) -> dict:
-        """Everything needed to resume exactly: cursor, queue, leases, finished set, RNG."""
+        """Everything needed to resume exactly: cursor, queue, leases, the last serial (the finished groups follow
+        from it and the live ones), RNG."""
         version, internal, gauss = self._rng.getstate()
         return {
             "num_prompts": self.num_prompts,
@@ -182,7 +234,6 @@ class PromptScheduler:
                  "tickets": [[t.group_id, t.prompt_index] for t in lease.tickets.values()]}
                 for lease in self.leases.values()
             ],
-            "finished": sorted(self.finished),
             "rng": [version, list(internal), gauss],
         }
 
@@ -203,6 +254,7 @@ class PromptScheduler:
                 lease.tickets[group_id] = GroupTicket(group_id, index)
                 self._lease_of_group[group_id] = lease.lease_id
             self.leases[lease.lease_id] = lease
-        self.finished = set(state["finished"])
+        # A checkpoint from before the finished ids were derived lists them under "finished": they are every
+        # handed-out id that is not live, which is what FinishedGroups says already, so the list is not read.
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))

@@ -50,6 +50,7 @@ class LearnerMetrics:
     protocol_errors: Counter
     internal_errors: Counter
     leases_issued: Counter
+    fair_share_refusals: Counter
     leases_expired: Counter
     leases_outstanding: Gauge
     lease_groups: Histogram
@@ -130,6 +131,10 @@ def learner_metrics() -> LearnerMetrics:
         internal_errors=Counter(f"{p}_internal_errors", "Requests the learner failed on by its own bug (never charged "
                                 "to the peer), by where: decode or handle", ["where"], registry=r),
         leases_issued=Counter(f"{p}_leases_issued", "Leases handed out", registry=r),
+        fair_share_refusals=Counter(
+            f"{p}_fair_share_refusals", "Requests refused so that one actor cannot take more than its share, by reason: "
+            "actor_cap (a lease beyond what the actor can finish within server.lease_seconds), busy (Rollouts while "
+            "the verifier's queue is full; resent later)", ["reason"], registry=r),
         leases_expired=Counter(f"{p}_leases_expired", "Leases that expired and were re-queued", registry=r),
         leases_outstanding=Gauge(f"{p}_leases_outstanding", "Leases not yet returned", registry=r),
         lease_groups=Histogram(

@@ -10,6 +10,7 @@ from grpo_fleet.learner.fleet.leasing import (
     DEADLINE_SHARE,
     MAX_RETRY_SECONDS,
     MIN_RETRY_SECONDS,
+    NEW_ACTOR_LEASES,
     Leasing,
     lease_size,
     lease_target_seconds,
@@ -81,16 +82,54 @@ def test_target_stays_well_inside_the_lease_deadline():
 # ---------------------------------------------------------------- the Leasing room
 
 
-def _leasing(clock, **server) -> Leasing:
+def _leasing(clock, sessions=lambda key: [], **server) -> Leasing:
     cfg = RunConfig.model_validate({"grpo": {"groups_per_step": 2}, "server": server})
     state = LearnerState(run_id="run", incarnation="a" * 12, steps_target=10,
                          scheduler=PromptScheduler(20, seed=0, lease_seconds=cfg.server.lease_seconds, clock=clock))
     prompts = [np.array([i], dtype=np.int32) for i in range(20)]
-    return Leasing(cfg, state, learner_metrics(), prompts, [Example(prompt=f"p{i}", answer=str(i)) for i in range(len(prompts))])
+    return Leasing(cfg, state, learner_metrics(), prompts, [Example(prompt=f"p{i}", answer=str(i)) for i in range(len(prompts))],
+                   sessions)
 
 
-def _actor() -> ActorInfo:
-    return ActorInfo(actor_id="a", host="h", backend="cpu", principal="key", last_seen=0.0)
+def _actor(key: str = "key") -> ActorInfo:
+    return ActorInfo(actor_id="a", host="h", backend="cpu", principal=key, last_seen=0.0)
+
+
+def _held_after_asking(leasing: Leasing, actor: ActorInfo, times: int = 20) -> int:
+    for _ in range(times):
+        leasing.grant(actor, m.LeaseRequest(max_groups=4))
+    return leasing.state.scheduler.groups_held(actor.principal)
+
+
+def _capped(leasing: Leasing) -> float:
+    value = leasing.metrics.registry.get_sample_value("grpo_fleet_learner_fair_share_refusals_total",
+                                                      {"reason": "actor_cap"})
+    return value or 0.0
+
+
+def test_an_actor_that_never_returns_its_leases_cannot_take_the_whole_in_flight_budget(clock):
+    """Issue 29: lease hoarding. A new actor holds at most NEW_ACTOR_LEASES leases until it is measured."""
+    leasing = _leasing(clock, in_flight_steps=8, max_groups_per_lease=2)  # 16 groups in flight
+    hoarder, honest = _actor("hoarder"), _actor("honest")
+    assert _held_after_asking(leasing, hoarder) == NEW_ACTOR_LEASES * 2
+    assert _capped(leasing) > 0
+    assert _held_after_asking(leasing, honest, times=1) == 2  # the rest of the budget is still there for others
+
+
+def test_a_measured_actor_holds_what_it_finishes_within_a_lease_timeout(clock):
+    leasing = _leasing(clock, in_flight_steps=20, max_groups_per_lease=4, lease_seconds=10.0)
+    fast, slow = _actor("fast"), _actor("slow")
+    fast.groups_per_second.add(1.25)  # 12.5 groups in 10 s
+    slow.groups_per_second.add(0.01)  # not one: it still gets one at a time
+    assert _held_after_asking(leasing, fast) == 12
+    assert _held_after_asking(leasing, slow) == 1
+
+
+def test_the_cap_of_a_key_is_the_sum_of_its_sessions(clock):
+    sessions = [_actor("shared"), _actor("shared")]
+    leasing = _leasing(clock, sessions=lambda key: sessions if key == "shared" else [],
+                       in_flight_steps=20, max_groups_per_lease=2)
+    assert _held_after_asking(leasing, sessions[0]) == 2 * NEW_ACTOR_LEASES * 2
 
 
 def test_in_flight_work_is_capped_at_in_flight_steps_batches(clock):

@@ -59,7 +59,7 @@ def test_the_state_file_round_trips_with_the_keys_checkpoints_have_always_used(t
     data = read_state(tmp_path)
     assert set(data) == {"run_id", "step", "version", "buffer", "acks", "accepted_since_step",
                          "zero_variance_since_step", "scheduler", "ledger_bytes", "metrics_bytes", "samples_bytes",
-                         "wall_seconds", "weights_published"}
+                         "wall_seconds", "weights_published", "actor_ids"}
     back = state_from_dict(data)
     assert (back.step, back.version, back.logs, back.acks) == (saved.step, saved.version, saved.logs, saved.acks)
     np.testing.assert_array_equal(back.buffer[0].completions[1].logprobs, saved.buffer[0].completions[1].logprobs)

@@ -7,6 +7,8 @@ import pytest
 from grpo_fleet.config import ServerConfig
 from grpo_fleet.learner.fleet.registry import Registry, RunCard
 from grpo_fleet.learner.records.lease_book import PromptScheduler
+from grpo_fleet.learner.records.persistence import capture, restore, state_from_dict, state_to_dict
+from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
@@ -91,3 +93,39 @@ def test_the_run_card_welcomes_with_the_current_version_and_incarnation():
     welcome = card.welcome("worker-1", state, "tcp://h:5556")
     assert (welcome.actor_id, welcome.run_id, welcome.policy_version) == ("worker-1", "run", 5)
     assert (welcome.incarnation, welcome.pub_address, welcome.vocab_size) == ("b" * 12, "tcp://h:5556", 64)
+
+
+# ---------------------------------------------------------------- actor ids bound to the key that first used them
+
+
+def _state() -> LearnerState:
+    return LearnerState(run_id="run", incarnation="a" * 12, steps_target=1,
+                        scheduler=PromptScheduler(3, seed=0, lease_seconds=60.0))
+
+
+def test_another_key_cannot_take_over_an_actor_id():
+    """Issue 29: any allowed key could say Hello under another actor's id (or routing id) and take it over."""
+    state = _state()
+    registry = Registry(ServerConfig(), learner_metrics(), ids=state.actor_ids)
+    assert registry.hello(b"mac-1", "key-1", _hello("mac-1"), "") is None
+    for identity, actor_id in ((b"mac-1", "mac-1"), (b"mac-1", "other"), (b"other", "mac-1")):
+        refusal = registry.hello(identity, "key-2", _hello(actor_id), "")
+        assert isinstance(refusal, m.ErrorReply) and refusal.reason == "id_taken", (identity, actor_id)
+        assert "mac-1" in refusal.detail
+    assert registry.actors[b"mac-1"].principal == "key-1" and list(registry.actors) == [b"mac-1"]
+    assert _sample(registry, "grpo_fleet_learner_auth_failures_total", {"reason": "id_taken"}) == 3
+    assert registry.bans.violations("key-2") == 0  # a clash of ids is refused, not charged as hostile
+    # The same actor restarted with its own key gets its id back, even after it was dropped.
+    registry.drop(b"mac-1")
+    assert registry.hello(b"mac-1", "key-1", _hello("mac-1"), "") is None
+    assert registry.hello(b"mac-2", "key-2", _hello("mac-2"), "") is None  # the other key under an id of its own
+
+
+def test_the_bindings_survive_a_resume():
+    state = _state()
+    Registry(ServerConfig(), learner_metrics(), ids=state.actor_ids).hello(b"mac-1", "key-1", _hello("mac-1"), "")
+    resumed = _state()
+    restore(resumed, state_from_dict(state_to_dict(capture(state, LogSizes(0, 0)))))
+    registry = Registry(ServerConfig(), learner_metrics(), ids=resumed.actor_ids)
+    assert registry.hello(b"mac-1", "key-2", _hello("mac-1"), "").reason == "id_taken"
+    assert registry.hello(b"mac-1", "key-1", _hello("mac-1"), "") is None

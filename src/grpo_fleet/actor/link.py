@@ -194,8 +194,8 @@ class LearnerLink:
             return
         if isinstance(reply, m.Shutdown):
             raise StopActor(f"learner shut down ({reply.reason})")
-        if isinstance(reply, m.ErrorReply) and reply.reason == "bad_version":
-            raise ActorRefused(f"the learner refused our messages: {reply.detail}")
+        if isinstance(reply, m.ErrorReply) and reply.reason in ("bad_version", "id_taken"):  # the same on every retry
+            raise ActorRefused(f"the learner refused us: {reply.detail}")
         if isinstance(reply, m.ErrorReply):
             raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
         self.poll_notices()

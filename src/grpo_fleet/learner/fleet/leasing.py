@@ -6,6 +6,10 @@ target time. A fast Mac gets big leases, a slow one small leases, so a slow Mac
 never holds prompts the step is waiting for, and its groups come back before
 they are too stale to use. The sizing is pure functions; `Leasing` applies them
 to the scheduler's bookkeeping (scheduler.py). No sockets.
+
+Each actor key may hold at most what its sessions can finish within a lease's
+timeout at their measured speed (`actor_cap`), so one actor, honest but slow or
+hoarding on purpose, cannot take the whole in-flight budget from the others.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ if TYPE_CHECKING:
 DEADLINE_SHARE = 0.5
 # Bounds on how long an actor refused a lease waits before asking again.
 MIN_RETRY_SECONDS, MAX_RETRY_SECONDS = 0.005, 0.2
+# What an actor not measured yet may hold, in leases: it asks for the next one while it generates the current one.
+NEW_ACTOR_LEASES = 2
 
 
 def lease_target_seconds(
@@ -66,6 +72,15 @@ def lease_size(
     return max(1, min(upper, math.floor(groups_per_second * target_seconds)))
 
 
+def actor_cap(groups_per_second: Optional[float], lease_seconds: float, max_groups_per_lease: int) -> int:
+    """Most groups one actor session may hold at once: what it finishes within a lease's timeout at its measured
+    speed (at least one, so a slow actor still contributes); before its first measurement, NEW_ACTOR_LEASES
+    full leases."""
+    if groups_per_second is None:
+        return NEW_ACTOR_LEASES * max_groups_per_lease
+    return max(1, math.floor(groups_per_second * lease_seconds))
+
+
 def in_flight_limit(in_flight_steps: int, groups_per_step: int) -> int:
     """Most groups leased out plus accepted-but-untrained at once (`server.in_flight_steps` says what it bounds)."""
     return in_flight_steps * groups_per_step
@@ -82,8 +97,10 @@ class Leasing:
     """Grants leases from the scheduler, sized to each actor and to the room left in flight."""
 
     def __init__(self, cfg: RunConfig, state: LearnerState, metrics: LearnerMetrics,
-                 prompt_tokens: list[np.ndarray], examples: list[Example]) -> None:
+                 prompt_tokens: list[np.ndarray], examples: list[Example],
+                 sessions: Callable[[str], list[ActorInfo]] = lambda key: []) -> None:
         self.server, self.state, self.metrics = cfg.server, state, metrics
+        self.sessions = sessions  # the live sessions under a key (registry.sessions_of): the key's cap is theirs
         self.limit = in_flight_limit(cfg.server.in_flight_steps, cfg.grpo.groups_per_step)
         self.max_staleness = cfg.grpo.max_staleness
         self.prompt_tokens, self.examples = prompt_tokens, examples
@@ -95,10 +112,20 @@ class Leasing:
         """Groups that may still be leased: the in-flight limit less what is out or buffered."""
         return max(0, self.limit - self.state.scheduler.outstanding_groups - len(self.state.buffer))
 
+    def room_for(self, actor: ActorInfo) -> int:
+        """Groups `actor`'s key may still take: its sessions' caps (`actor_cap`) less what the key holds."""
+        sessions = self.sessions(actor.principal) or [actor]
+        cap = sum(actor_cap(s.groups_per_second.value, self.server.lease_seconds, self.server.max_groups_per_lease)
+                  for s in sessions)
+        return cap - self.state.scheduler.groups_held(actor.principal)
+
     def grant(self, actor: ActorInfo, request: m.LeaseRequest) -> m.Lease:
         """A lease for `actor`, or an empty one telling it when to ask again."""
         state = self.state
-        limit = min(self.server.max_groups_per_lease, self.capacity())
+        room = self.room_for(actor)
+        if room < 1 and not state.done:
+            self.metrics.fair_share_refusals.labels(reason="actor_cap").inc()
+        limit = min(self.server.max_groups_per_lease, self.capacity(), room)
         count = lease_size(request.max_groups, limit, actor.groups_per_second.value, self.target_seconds())
         lease = state.scheduler.issue(actor.principal, count) if count and not state.done else None
         if lease is None:

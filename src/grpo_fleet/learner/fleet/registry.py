@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional
 from grpo_fleet.config import ServerConfig
 from grpo_fleet.learner.fleet.bans import Bans
 from grpo_fleet.learner.fleet.trust import Trust
+from grpo_fleet.learner.records.actor_ids import ActorIds
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -111,6 +112,13 @@ def _url_host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
 
+def id_names(identity: bytes, actor_id: str) -> list[str]:
+    """What a Hello binds to its key: its actor id, and the routing id the ROUTER answers it on (through which
+    a takeover would otherwise go). An honest actor's routing id is its actor id: one name."""
+    routing = identity.decode("ascii") if identity.isascii() else "routing:" + identity.hex()
+    return list(dict.fromkeys([actor_id, routing]))
+
+
 def sd_groups(learner_target: Optional[str], actors: list[ActorInfo]) -> list[dict]:
     """The JSON Prometheus `http_sd_configs` reads: the learner and every live actor."""
     groups = []
@@ -145,9 +153,11 @@ class RunCard:
 class Registry:
     """Who is connected, under which key, how fast, and who is banned."""
 
-    def __init__(self, server: ServerConfig, metrics: LearnerMetrics, trust: Optional[Trust] = None) -> None:
+    def __init__(self, server: ServerConfig, metrics: LearnerMetrics, trust: Optional[Trust] = None,
+                 ids: Optional[ActorIds] = None) -> None:
         self.max_actors = server.max_actors
         self.metrics = metrics
+        self.ids = ids if ids is not None else ActorIds()  # the run's: LearnerState.actor_ids, saved with it
         self.trust = trust  # the logprob check's record of each key: a Hello or a violation restarts its probation
         self.actors: dict[bytes, ActorInfo] = {}
         self.bans = Bans(server.max_violations, server.ban_seconds)
@@ -157,12 +167,21 @@ class Registry:
         self.sd_snapshot: list[dict] = []
 
     def hello(self, identity: bytes, owner: str, msg: m.Hello, peer_address: str) -> Optional[m.ErrorReply]:
-        """Register (or re-register) an actor; the refusal when the registry is full, else None."""
+        """Register (or re-register) an actor; the refusal when the registry is full or its id is another key's,
+        else None."""
         if identity not in self.actors and len(self.actors) >= self.max_actors:
             # Throwaway identities must not grow the registry; a real actor retries with backoff.
             self.metrics.protocol_errors.labels(reason="too_many_actors").inc()
             return m.ErrorReply(reason="too_many_actors", detail=f"{len(self.actors)} actors registered "
                                 "(server.max_actors); retry when one leaves")
+        taken = self.ids.claim(id_names(identity, msg.actor_id), owner)
+        if taken is not None:
+            # Not a violation: two Macs given the same --actor-id is a mistake an honest user makes.
+            self.metrics.auth_failures.labels(reason="id_taken").inc()
+            log.warning("refused Hello from key %s as %s: that id belongs to another key in this run",
+                        shown(owner), shown(taken))
+            return m.ErrorReply(reason="id_taken", detail=f"the id {shown(taken)} belongs to another key in this run "
+                                "(the first to use it keeps it); give this actor its own --actor-id")
         self.actors[identity] = actor_from_hello(msg, owner, peer_address)
         if self.trust is not None:  # either side restarted, or the link did: trust is earned again
             self.trust.begin_probation(owner)
@@ -172,7 +191,10 @@ class Registry:
 
     def sessions(self, owner: str) -> int:
         """Live sessions under one key (one key may run on two Macs)."""
-        return sum(info.principal == owner for info in self.actors.values())
+        return len(self.sessions_of(owner))
+
+    def sessions_of(self, owner: str) -> list[ActorInfo]:
+        return [info for info in self.actors.values() if info.principal == owner]
 
     def known(self, identity: bytes, owner: str) -> Optional[ActorInfo]:
         """The registered actor sending from `identity` under `owner` (now seen alive), or None.

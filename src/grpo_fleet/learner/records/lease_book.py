@@ -132,6 +132,10 @@ class PromptScheduler:
     def outstanding_groups(self) -> int:
         return len(self._lease_of_group)
 
+    def groups_held(self, actor: str) -> int:
+        """Groups out under `actor`'s leases."""
+        return sum(len(lease.tickets) for lease in self.leases.values() if lease.actor == actor)
+
     @property
     def queued_groups(self) -> list[GroupTicket]:
         return list(self._requeued)

@@ -9,7 +9,7 @@ with arrays as raw bytes, never pickle.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, cast
 
@@ -47,6 +47,7 @@ class SavedState:
     logs: LogSizes
     wall_seconds: float
     weights_published: bool = True  # the saved weights are version `version`'s (not past it)
+    actor_ids: dict[str, str] = field(default_factory=dict)  # ActorIds.bindings(): actor id -> the key that owns it
 
 
 def capture(state: LearnerState, logs: LogSizes) -> SavedState:
@@ -56,6 +57,7 @@ def capture(state: LearnerState, logs: LogSizes) -> SavedState:
         acks=state.acks.answers(), accepted_since_step=state.accepted_since_step,
         zero_variance_since_step=state.zero_variance_since_step, scheduler=state.scheduler.state_dict(),
         logs=logs, wall_seconds=state.wall_seconds(), weights_published=state.weights_published,
+        actor_ids=state.actor_ids.bindings(),
     )
 
 
@@ -125,6 +127,7 @@ def restore(state: LearnerState, saved: SavedState) -> None:
     state.accepted_since_step = saved.accepted_since_step
     state.zero_variance_since_step = saved.zero_variance_since_step
     state.scheduler.load_state_dict(saved.scheduler)
+    state.actor_ids.load(saved.actor_ids)
     # Versions up to here were published, with these same weights, by the life
     # that wrote the checkpoint; work sampled from them is still good.
     state.history_version = saved.version
@@ -156,6 +159,7 @@ def state_to_dict(saved: SavedState) -> dict[str, Any]:
         "samples_bytes": saved.logs.samples_bytes,
         "wall_seconds": saved.wall_seconds,
         "weights_published": saved.weights_published,
+        "actor_ids": saved.actor_ids,
     }
 
 
@@ -172,6 +176,8 @@ def state_from_dict(data: dict[str, Any]) -> SavedState:
         wall_seconds=data["wall_seconds"],
         # Checkpoints from before this flag were read as published (what every resume assumed then).
         weights_published=data.get("weights_published", True),
+        # Checkpoints from before ids were bound to keys bound none: the first Hello after the resume binds each.
+        actor_ids=data.get("actor_ids", {}),
     )
 
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from grpo_fleet.learner.records.actor_ids import ActorIds
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import DropEntry, RunLog
@@ -63,6 +64,7 @@ class LearnerState:
     steps_target: int
     scheduler: PromptScheduler  # prompt order, open leases, finished groups
     acks: AckCache = field(default_factory=lambda: AckCache())  # answers replayed to resent Rollouts
+    actor_ids: ActorIds = field(default_factory=ActorIds)  # which key owns which actor id, for the whole run
     step: int = 0
     version: int = 0
     # Versions up to here were published, with these same weights, by earlier lives too.

@@ -455,6 +455,13 @@ class ServerConfig(_Section):
         "for ban_seconds. Stale, duplicate and unregistered-after-restart messages never count.",
     )
     ban_seconds: float = Field(600.0, gt=0, description="How long a ban lasts; then the peer's count starts again from 0.")
+    verify_queue: int = Field(
+        64, ge=1, le=65536,
+        description="Rollouts waiting for the learner's one verifier thread (security.verify_rewards), at most; and "
+        "at most 4 of one actor key. One more is answered 'busy' (counted in "
+        "grpo_fleet_learner_fair_share_refusals_total) and resent by its actor. Waiting ones are taken one actor "
+        "key at a time in turn, so a slow actor's submissions delay another's by at most one of its own.",
+    )
 
 
 class SecurityConfig(_Section):

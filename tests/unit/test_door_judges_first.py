@@ -5,6 +5,7 @@ from __future__ import annotations
 import types
 
 import msgpack
+import zmq
 
 import grpo_fleet.protocol.sockets as sockets
 from grpo_fleet.config import RunConfig
@@ -13,7 +14,8 @@ from grpo_fleet.learner.door.server import LearnerServer
 from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.metrics import learner_metrics
-from grpo_fleet.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION
+from grpo_fleet.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, decode, encode
+from grpo_fleet.protocol import messages as m
 
 
 class _Frame:
@@ -69,3 +71,41 @@ def test_a_banned_peers_message_is_refused_before_it_is_decoded(monkeypatch):
     assert server.router.waiting == []  # the message was taken off the socket all the same
     banned = registry.metrics.registry.get_sample_value("grpo_fleet_learner_protocol_errors_total", {"reason": "banned"})
     assert banned == 1
+
+
+class _FullVerifier:
+    """A verifier with no room: every submission is refused."""
+
+    def submit(self, identity: bytes, key: str, answer) -> bool:
+        return False
+
+    def answers(self) -> list:
+        return []
+
+
+class _SendingRouter(_Router):
+    type = zmq.ROUTER
+
+    def __init__(self, identity: bytes, payload: bytes) -> None:
+        super().__init__(identity, payload)
+        self.sent: list[list[bytes]] = []
+
+    def send_multipart(self, frames, flags: int = 0, copy: bool = True) -> None:
+        self.sent.append([bytes(frame) for frame in frames])
+
+
+def test_rollouts_the_verifier_has_no_room_for_are_answered_busy_and_counted():
+    """Issue 29: the verifier's queue was unbounded; now one more is refused with a retryable reason."""
+    registry = Registry(RunConfig().server, learner_metrics())
+    rollouts = m.Rollouts(lease_id="a" * 32, policy_version=0, groups=[],
+                          unscored=[m.UnscoredGroup(group_id="g00000001", reward="r", error="timeout")])
+    router = _SendingRouter(b"actor", encode(rollouts))
+    server = _server_with(router, registry)
+    server.verifier = _FullVerifier()  # type: ignore[assignment]
+    server._pump(timeout_ms=0)
+    [(identity, payload)] = router.sent
+    reply = decode(payload)
+    assert identity == b"actor" and isinstance(reply, m.ErrorReply) and reply.reason == m.BUSY
+    busy = registry.metrics.registry.get_sample_value("grpo_fleet_learner_fair_share_refusals_total",
+                                                      {"reason": "busy"})
+    assert busy == 1

@@ -418,3 +418,38 @@ def test_every_trained_group_is_checked_or_counted_unchecked_with_its_reason(
     assert list(audit.unchecked.values()) == [reason] * (GROUPS_PER_STEP if verify else 2 * GROUPS_PER_STEP)
     counted = learner.metrics.registry.get_sample_value("grpo_fleet_learner_groups_unchecked_total", {"reason": reason})
     assert counted == len(audit.unchecked)
+
+
+def test_a_reward_timeout_is_charged_to_the_submitter_and_its_prompts_go_to_another_actor(
+        make: Callable[..., RunCoordinator]) -> None:
+    """Issue 29: completions that run the learner's reward to its timeout cost ~10 s each, again and again,
+    because the prompt went back to the same actor; it was `reward_unverifiable`, nobody's fault."""
+    from test_learner_core import ACTOR_B
+
+    from grpo_fleet.tasks.scoring import GroupScore, RewardError, RewardFailure
+
+    learner = make(security={"verify_rewards": True})
+    assert learner.reward_check is not None
+
+    real = learner.reward_check.scorer
+
+    class TimesOut:
+        def score(self, jobs):  # type: ignore[no-untyped-def]
+            return [GroupScore(failure=RewardFailure("slow", RewardError.TIMEOUT, "ran past 10s")) for _ in jobs]
+
+        def close(self) -> None:
+            real.close()
+
+    learner.reward_check.scorer = TimesOut()  # type: ignore[assignment]
+    hello(learner)
+    hello(learner, ACTOR_B, "actor-b")
+    lease_msg = lease(learner)
+    ack = ask(learner, ACTOR_A, generated_rollouts(learner, lease_msg))
+    assert isinstance(ack, m.Ack) and set(ack.groups.values()) == {"invalid"}
+    assert rejections(learner, RejectReason.REWARD_TIMEOUT) == len(lease_msg.prompts)
+    assert learner.registry.bans.violations(ACTOR_A.hex()) == len(lease_msg.prompts)
+    timed_out = {p.group_id for p in lease_msg.prompts}
+    again = lease(learner)  # the same actor gets other prompts...
+    assert again.prompts and not timed_out & {p.group_id for p in again.prompts}
+    other = lease(learner, ACTOR_B)  # ...and another actor gets these
+    assert timed_out <= {p.group_id for p in other.prompts}

@@ -25,10 +25,10 @@ def test_close_starts_no_queued_submission_and_returns_after_the_one_in_hand():
             return Reply(m.Ack(lease_id=name, status="accepted"))
         return answer
 
-    verifier.submit(b"a", job("in-hand", slow=True))
+    verifier.submit(b"a", "key-a", job("in-hand", slow=True))
     assert started.wait(10)
     for name in ("queued-1", "queued-2"):
-        verifier.submit(b"b", job(name))
+        verifier.submit(b"b", "key-b", job(name))
     threading.Timer(0.3, release.set).start()  # the reward in hand answers a little after the stop began
     closed_at = time.monotonic()
     dropped = verifier.close()
@@ -44,3 +44,53 @@ def test_close_with_nothing_submitted_returns_at_once():
     closed_at = time.monotonic()
     assert verifier.close() == 0
     assert time.monotonic() - closed_at < 1.0 and verifier.answers() == []
+
+
+def _held_verifier(**bounds: int) -> tuple[RolloutsVerifier, threading.Event, threading.Event, list[str]]:
+    """A verifier whose first job holds the thread until `release` is set; `order` lists the jobs as answered."""
+    verifier = RolloutsVerifier(**bounds)
+    started, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def hold() -> Reply:
+        started.set()
+        release.wait(30)
+        order.append("slow-1")
+        return Reply(m.Ack(lease_id="slow-1", status="accepted"))
+
+    assert verifier.submit(b"slow", "slow-key", hold)
+    assert started.wait(30)
+    return verifier, started, release, order
+
+
+def _job(name: str, order: list[str]):
+    def answer() -> Reply:
+        order.append(name)
+        return Reply(m.Ack(lease_id=name, status="accepted"))
+    return answer
+
+
+def test_a_slow_actors_queue_does_not_hold_another_actors_answer_behind_all_of_it():
+    """Issue 29: one actor whose rewards time out held every honest Ack behind its whole queue."""
+    verifier, _, release, order = _held_verifier(max_queued=64, per_key=4)
+    for name in ("slow-2", "slow-3", "slow-4"):
+        assert verifier.submit(b"slow", "slow-key", _job(name, order))
+    assert verifier.submit(b"honest", "honest-key", _job("honest-1", order))
+    release.set()
+    deadline = time.monotonic() + 30
+    while len(order) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["slow-1", "slow-2", "honest-1", "slow-3", "slow-4"]
+    verifier.close()
+
+
+def test_the_queue_is_bounded_in_all_and_per_actor_key():
+    verifier, _, release, order = _held_verifier(max_queued=3, per_key=2)
+    assert verifier.submit(b"slow", "slow-key", _job("slow-2", order))
+    assert verifier.submit(b"slow", "slow-key", _job("slow-3", order))
+    assert verifier.submit(b"slow", "slow-key", _job("slow-4", order)) is False, "beyond the key's share"
+    assert verifier.submit(b"other", "other-key", _job("other-1", order))
+    assert verifier.submit(b"third", "third-key", _job("third-1", order)) is False, "beyond the whole queue"
+    assert verifier.queued() == 3
+    release.set()
+    assert verifier.close() <= 3

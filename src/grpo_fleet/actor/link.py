@@ -31,7 +31,7 @@ log = logging.getLogger("grpo_fleet.actor")
 Reply = TypeVar("Reply")
 # How long one receive blocks, so notices and the deadline are looked at between answers.
 POLL_SECONDS = 0.5
-Answer = Union[m.Lease, m.Ack]
+Answer = Union[m.Lease, m.Ack, m.ErrorReply]  # ErrorReply: BUSY only, a submission to resend
 Notice = Union[m.PolicyUpdated, m.Heartbeat]
 
 
@@ -194,6 +194,9 @@ class LearnerLink:
             return
         if isinstance(reply, m.Shutdown):
             raise StopActor(f"learner shut down ({reply.reason})")
+        if isinstance(reply, m.ErrorReply) and reply.reason == m.BUSY:  # no room to verify our submission yet
+            self._on_answer(reply)
+            return
         if isinstance(reply, m.ErrorReply) and reply.reason in ("bad_version", "id_taken"):  # the same on every retry
             raise ActorRefused(f"the learner refused us: {reply.detail}")
         if isinstance(reply, m.ErrorReply):

@@ -40,6 +40,8 @@ __all__ = ["ActorRefused", "ActorWorker", "default_actor_id", "serve_actor_metri
 
 log = logging.getLogger("grpo_fleet.actor")
 MAX_BACKOFF_SECONDS = 10.0
+# How long an actor waits before resending a submission the learner had no room to verify (BUSY).
+BUSY_RESEND_SECONDS = 0.5
 
 
 def default_actor_id() -> str:
@@ -184,6 +186,14 @@ class ActorWorker:
             raise LearnerUnavailable(f"the learner restarted (incarnation {notice.incarnation})")
         self.weights.follow(notice.version if isinstance(notice, m.PolicyUpdated) else notice.policy_version)
 
+    def _resend_when_busy(self) -> None:
+        """Send the unanswered submission again, a little later (the learner answers in order: BUSY is its)."""
+        if self.inflight.submitted is None:
+            return
+        self.metrics.submit_retries.inc()
+        self._sleep(BUSY_RESEND_SECONDS)
+        self.link.send(self.inflight.submitted)
+
     def _sync_weights(self) -> None:
         """Load the newest published snapshot the learner announced (if it is not loaded yet)."""
         assert self.policy is not None  # _adopt loaded it
@@ -193,6 +203,9 @@ class ActorWorker:
         """Book the answer to a pipelined request: a lease to generate next, or a submission's Ack."""
         if isinstance(reply, m.Lease):
             self.inflight.book_lease(reply)
+            return
+        if isinstance(reply, m.ErrorReply):  # BUSY: the learner's verifier had no room for our submission
+            self._resend_when_busy()
             return
         answered = self.inflight.pair_ack(reply)
         self.metrics.acks.labels(status=reply.status).inc()

@@ -401,6 +401,10 @@ class Heartbeat(_Strict):
     incarnation: Incarnation = ""  # set by the learner; actors leave it empty
 
 
+# ErrorReply.reason for a Rollouts the learner has no room to verify now: resend it shortly (not an error).
+BUSY = "busy"
+
+
 class ErrorReply(_Strict):
     reason: Label  # short machine label, e.g. "malformed"
     detail: Reason = ""

@@ -35,8 +35,12 @@ class RejectReason(str, Enum):
     # What the learner recomputed disagrees with what the actor reported (door/actor_checks.py): a violation.
     REWARD_MISMATCH = "reward_mismatch"
     LOGPROB_MISMATCH = "logprob_mismatch"
-    # The learner's own reward check failed (a reward timed out here): not the actor's fault, re-queued.
+    # The learner's own reward check failed (a reward raised, or its process died, here): not the actor's fault,
+    # re-queued.
     REWARD_UNVERIFIABLE = "reward_unverifiable"
+    # The learner's reward ran past task.reward_timeout_seconds on the actor's completions, which the actor says it
+    # scored in time with the same reward: charged to the submitter (a violation), and the prompt re-queued.
+    REWARD_TIMEOUT = "reward_timeout"
     # One group that cannot count (again): the network's or the learner's doing.
     DUPLICATE = "duplicate"
     STALE_LEASE = "stale_lease"
@@ -75,5 +79,5 @@ _VIOLATIONS = frozenset({
     RejectReason.TOO_LONG, RejectReason.TOKEN_OUT_OF_RANGE, RejectReason.BAD_LOGPROB, RejectReason.BAD_REWARD,
     RejectReason.FINISH_REASON_MISMATCH, RejectReason.EPISODE_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH,
     RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED,
-    RejectReason.REWARD_MISMATCH, RejectReason.LOGPROB_MISMATCH,
+    RejectReason.REWARD_MISMATCH, RejectReason.LOGPROB_MISMATCH, RejectReason.REWARD_TIMEOUT,
 })

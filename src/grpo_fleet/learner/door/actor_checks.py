@@ -45,6 +45,7 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example, Task
 from grpo_fleet.tasks.prompts import decode_completion
 from grpo_fleet.tasks.reward_runner import Scorer
+from grpo_fleet.tasks.scoring import GroupScore, RewardError
 
 log = logging.getLogger("grpo_fleet.learner")
 # Rewards are recomputed with the same code on the same text: only float formatting can differ.
@@ -77,18 +78,20 @@ class RewardCheck:
         self._ahead = {}
 
     def verdicts(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
-        """group_id -> None (the rewards agree), REWARD_MISMATCH, or REWARD_UNVERIFIABLE (our check failed)."""
+        """group_id -> None (the rewards agree), REWARD_MISMATCH, REWARD_TIMEOUT (the reward ran out of time on these
+        completions), or REWARD_UNVERIFIABLE (our check failed otherwise)."""
         ahead = {group.group_id: self._ahead[id(group)][1] for group, _ in groups
                  if self._ahead.get(id(group), (None,))[0] is group}
         return {**self._score([(g, i) for g, i in groups if g.group_id not in ahead]), **ahead}
 
     def _score(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
         verdicts: dict[str, Optional[RejectReason]] = {}
-        for (group, index), task_rewards in zip(groups, self._task_rewards(groups)):
-            if task_rewards is None:
-                verdicts[group.group_id] = RejectReason.REWARD_UNVERIFIABLE
+        for (group, index), score in zip(groups, self._task_scores(groups)):
+            if score.rewards is None:
+                timed_out = score.failure is not None and score.failure.error is RewardError.TIMEOUT
+                verdicts[group.group_id] = RejectReason.REWARD_TIMEOUT if timed_out else RejectReason.REWARD_UNVERIFIABLE
                 continue
-            expected: list[float] = task_rewards
+            expected: list[float] = score.rewards
             if self.replay is not None:
                 replayed = self.replay.replay_group(self.examples[index], group.completions)
                 if any(r.problem for r in replayed):
@@ -100,18 +103,18 @@ class RewardCheck:
                                 next(r.failed for r in replayed if r.failed))
                     verdicts[group.group_id] = RejectReason.REWARD_UNVERIFIABLE
                     continue
-                expected = [task + r.reward for task, r in zip(task_rewards, replayed)]
+                expected = [task + r.reward for task, r in zip(score.rewards, replayed)]
             gap = reward_gap([c.reward for c in group.completions], expected)
             verdicts[group.group_id] = RejectReason.REWARD_MISMATCH if gap > REWARD_TOLERANCE else None
         return verdicts
 
-    def _task_rewards(self, groups: Sequence[tuple[m.GroupResult, int]]) -> list[Optional[list[float]]]:
-        """The task's rewards of each group (0 each in an episode run that names none); None: they failed here."""
+    def _task_scores(self, groups: Sequence[tuple[m.GroupResult, int]]) -> list[GroupScore]:
+        """The task's rewards of each group (0 each in an episode run that names none), or why they failed here."""
         if not self.task.reward_names:
-            return [[0.0] * len(group.completions) for group, _ in groups]
+            return [GroupScore(rewards=[0.0] * len(group.completions)) for group, _ in groups]
         jobs = [self.task.job(self.examples[index], [self._text(c) for c in group.completions])
                 for group, index in groups]
-        return [score.rewards for score in (self.scorer.score(jobs) if jobs else [])]
+        return list(self.scorer.score(jobs)) if jobs else []
 
     def _text(self, completion: m.Completion) -> str:
         return decode_completion(self.tokenizer, completion.tokens.to_numpy().tolist(), completion.finish_reason, self.eos)

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from grpo_fleet.learner.step.step_result import StepStats
 
 log = logging.getLogger("grpo_fleet.learner")
+# Refusals of the learner's reward check: the prompt goes back in the queue for someone else to do again.
+REWARD_CHECK_REFUSALS = frozenset({RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH,
+                                   RejectReason.REWARD_UNVERIFIABLE, RejectReason.REWARD_TIMEOUT})
 # A prompt whose group comes back unscored this many times in a row is given up
 # on for this pass over the data: a reward that always fails on it would
 # otherwise have the fleet regenerate it forever.
@@ -199,12 +202,18 @@ class Intake:
     def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
         """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""
         self.metrics.rejections.labels(reason=reason).inc()
-        if reason in (RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH, RejectReason.REWARD_UNVERIFIABLE):
-            self.state.scheduler.requeue(lease_id, group_id)
+        if reason in REWARD_CHECK_REFUSALS:
+            # Its fault (a mismatch, a timeout): another actor does it again, not this one for ever.
+            self.state.scheduler.requeue(lease_id, group_id, not_to=actor.principal if reason.is_violation else None)
         if reason in (RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH):
             self.registry.record_violation(actor.principal, reason)
             log.warning("actor %s reported rewards the learner does not get for group %s", shown(actor.actor_id),
                         group_id)
+        elif reason is RejectReason.REWARD_TIMEOUT:
+            # Its completions held the one verifier thread for a reward timeout: after max_violations, banned.
+            self.registry.record_violation(actor.principal, reason)
+            log.warning("actor %s sent completions the learner's reward timed out on (group %s)",
+                        shown(actor.actor_id), group_id)
         return reason.group_status
 
     def blame_tampered(self, failures: list[tuple[AcceptedGroup, LogprobGap]],

@@ -23,11 +23,13 @@ from grpo_fleet.learner.door.doorman import Doorman, check_bind_security
 from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.verifier_thread import RolloutsVerifier
+from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.endpoints import advertised, is_wildcard_host, pub_endpoint_for
 from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.protocol.messages import BUSY
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.sockets import (
     bound_endpoint,
@@ -73,7 +75,7 @@ class LearnerServer:
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
         # Rollouts whose rewards are re-scored are answered off this thread (learner/door/verifier_thread.py).
-        self.verifier = RolloutsVerifier() if learner.reward_check is not None else None
+        self.verifier = RolloutsVerifier(cfg.verify_queue) if learner.reward_check is not None else None
 
     def start_metrics(self) -> None:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
@@ -159,11 +161,14 @@ class LearnerServer:
             routed = decode_routed(received, self.limits)
             observer = self.door.is_observer(routed.principal)
             if self.verifier is not None and isinstance(routed.message, m.Rollouts) and not self.closing and not observer:
-                self.verifier.submit(routed.identity, partial(self._answer_rollouts, routed.identity, routed.message,
-                                                              routed.principal, routed.peer_address))
-                continue
-            reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address,
-                                 observer=observer)
+                answer = partial(self._answer_rollouts, routed.identity, routed.message, routed.principal,
+                                 routed.peer_address)
+                if self.verifier.submit(routed.identity, peer_key(routed.identity, routed.principal), answer):
+                    continue
+                reply = self._busy()
+            else:
+                reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address,
+                                     observer=observer)
             send_message(self.router, reply.message, identity=routed.identity, raw=reply.raw)
         self._send_verified()
 
@@ -171,6 +176,12 @@ class LearnerServer:
         """Send the Acks the verifier thread has worked out since last time."""
         for identity, reply in self.verifier.answers() if self.verifier is not None else []:
             send_message(self.router, reply.message, identity=identity, raw=reply.raw)
+
+    def _busy(self) -> Reply:
+        """The answer to Rollouts the verifier has no room for: counted, and resent by the actor shortly."""
+        self.learner.metrics.fair_share_refusals.labels(reason="busy").inc()
+        return Reply(m.ErrorReply(reason=BUSY, detail="the learner's verifier queue is full (server.verify_queue); "
+                                  "resend this submission shortly"))
 
     def _stop_verifier(self) -> None:
         """Take no more Rollouts on the verifier thread (the one in hand is answered and sent; the queued ones are

@@ -99,6 +99,9 @@ class PromptScheduler:
         self.epoch = 0
         self._serial = 0
         self._requeued: deque[GroupTicket] = deque()
+        # Re-queued group -> the actor it must not go back to (its work on it was refused as its own fault); not
+        # checkpointed: a resume forgives.
+        self._not_to: dict[str, str] = {}
         self.leases: dict[str, LeaseRecord] = {}
         self._lease_of_group: dict[str, str] = {}
         self.finished = FinishedGroups(self)
@@ -147,11 +150,20 @@ class PromptScheduler:
         now = self.clock()
         lease = LeaseRecord(lease_id=uuid.uuid4().hex, actor=actor, deadline=now + self.lease_seconds, issued_at=now)
         for _ in range(max_groups):
-            ticket = self._requeued.popleft() if self._requeued else self._next_fresh()
+            ticket = self._next_requeued(actor) or self._next_fresh()
             lease.tickets[ticket.group_id] = ticket
             self._lease_of_group[ticket.group_id] = lease.lease_id
         self.leases[lease.lease_id] = lease
         return lease
+
+    def _next_requeued(self, actor: str) -> Optional[GroupTicket]:
+        """The oldest re-queued group `actor` may have (not one its own fault sent back), out of the queue."""
+        for position, ticket in enumerate(self._requeued):
+            if self._not_to.get(ticket.group_id) != actor:
+                del self._requeued[position]
+                self._not_to.pop(ticket.group_id, None)
+                return ticket
+        return None
 
     # ------------------------------------------------------------------ returning
 
@@ -176,10 +188,13 @@ class PromptScheduler:
         """Mark a group accepted; it will never be handed out again."""
         return self._take(lease_id, group_id)  # neither leased nor queued now: finished (see FinishedGroups)
 
-    def requeue(self, lease_id: str, group_id: str) -> GroupTicket:
-        """Put a leased group back at the front of the queue (stale result, lost actor)."""
+    def requeue(self, lease_id: str, group_id: str, *, not_to: Optional[str] = None) -> GroupTicket:
+        """Put a leased group back at the front of the queue (stale result, lost actor); `not_to`: an actor that
+        must not get it again (its work on it was refused as its fault), so another does it."""
         ticket = self._take(lease_id, group_id)
         self._requeued.append(ticket)
+        if not_to is not None:
+            self._not_to[group_id] = not_to
         return ticket
 
     def retry_prompt(self, prompt_index: int) -> GroupTicket:

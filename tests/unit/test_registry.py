@@ -114,7 +114,11 @@ def test_another_key_cannot_take_over_an_actor_id():
         assert "mac-1" in refusal.detail
     assert registry.actors[b"mac-1"].principal == "key-1" and list(registry.actors) == [b"mac-1"]
     assert _sample(registry, "grpo_fleet_learner_auth_failures_total", {"reason": "id_taken"}) == 3
-    assert registry.bans.violations("key-2") == 0  # a clash of ids is refused, not charged as hostile
+    assert registry.bans.violations("key-2") == 0  # a clash of ids at Hello is refused, not charged as hostile
+    # Requests on the actor's connection under the other key (a ROUTER_HANDOVER takeover) are, and counted.
+    assert registry.known(b"mac-1", "key-2") is None
+    assert registry.bans.violations("key-2") == 1
+    assert _sample(registry, "grpo_fleet_learner_auth_failures_total", {"reason": "id_taken"}) == 4
     # The same actor restarted with its own key gets its id back, even after it was dropped.
     registry.drop(b"mac-1")
     assert registry.hello(b"mac-1", "key-1", _hello("mac-1"), "") is None

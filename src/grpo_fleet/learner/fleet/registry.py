@@ -200,11 +200,16 @@ class Registry:
         """The registered actor sending from `identity` under `owner` (now seen alive), or None.
 
         None is not a violation: every honest actor sends a few requests to a
-        restarted learner before its next Hello, and answering is cheap.
+        restarted learner before its next Hello, and answering is cheap. A request
+        on an actor's routing id under another key is: that key took the
+        connection over (ROUTER_HANDOVER), which no honest actor does.
         """
         actor = self.actors.get(identity)
         if actor is None or actor.principal != owner:
             self.metrics.protocol_errors.labels(reason="not_registered").inc()
+            if actor is not None:
+                self.metrics.auth_failures.labels(reason="id_taken").inc()
+                self.record_violation(owner, "id_taken")
             return None
         actor.last_seen = time.monotonic()
         return actor

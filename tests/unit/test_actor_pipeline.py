@@ -94,3 +94,21 @@ def test_a_first_stop_signal_gives_up_on_a_learner_that_is_gone():
     worker._session = session  # type: ignore[method-assign]
     _run_keeping_pytests_signal_handlers(worker)
     assert sessions == ["session"] and worker.inflight.submitted is not None
+
+
+def test_a_busy_answer_resends_the_submission_without_reconnecting(monkeypatch):
+    """Issue 29: a learner whose verifier queue is full answers `busy`; the actor resends, it does not Hello again
+    (which would put it back on probation)."""
+    import grpo_fleet.actor.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "BUSY_RESEND_SECONDS", 0.0)
+    worker = ActorWorker(ActorConfig(metrics=MetricsConfig(port=0)))
+    sent: list[object] = []
+    monkeypatch.setattr(worker.link, "send", sent.append)
+    worker.inflight.submitted = submitted = _rollouts()
+    try:
+        worker.link._route(m.ErrorReply(reason=m.BUSY, detail="queue full"))  # the learner's answer, as read
+    finally:
+        worker.link.shut()
+    assert sent == [submitted] and worker.inflight.submitted is submitted  # still awaiting its Ack
+    assert worker.metrics.registry.get_sample_value("grpo_fleet_actor_submit_retries_total") == 1

@@ -133,3 +133,22 @@ def test_the_bindings_survive_a_resume():
     registry = Registry(ServerConfig(), learner_metrics(), ids=resumed.actor_ids)
     assert registry.hello(b"mac-1", "key-2", _hello("mac-1"), "").reason == "id_taken"
     assert registry.hello(b"mac-1", "key-1", _hello("mac-1"), "") is None
+
+
+def test_bound_ids_are_bounded_forgetting_the_oldest_not_in_use(monkeypatch):
+    import grpo_fleet.learner.records.actor_ids as actor_ids
+
+    monkeypatch.setattr(actor_ids, "MAX_BOUND_IDS", 3)
+    registry = Registry(ServerConfig(max_actors=8), learner_metrics())
+    for name in ("live", "gone-1", "gone-2"):
+        assert registry.hello(name.encode(), f"key-{name}", _hello(name), "") is None
+    for name in ("gone-1", "gone-2"):
+        registry.drop(name.encode())  # restarted under a new id (host-pid), never to come back
+    assert registry.hello(b"new-1", "key-new", _hello("new-1"), "") is None
+    assert registry.ids.owner("gone-1") is None and registry.ids.owner("live") == "key-live"
+    assert registry.hello(b"new-2", "key-new", _hello("new-2"), "") is None
+    assert registry.ids.owner("gone-2") is None
+    # Every bound id is in use now: a Hello under yet another id is refused, and nothing is forgotten.
+    refusal = registry.hello(b"new-3", "key-new", _hello("new-3"), "")
+    assert refusal is not None and refusal.reason == "too_many_ids"
+    assert sorted(registry.ids.bindings()) == ["live", "new-1", "new-2"]

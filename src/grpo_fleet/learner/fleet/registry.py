@@ -174,7 +174,11 @@ class Registry:
             self.metrics.protocol_errors.labels(reason="too_many_actors").inc()
             return m.ErrorReply(reason="too_many_actors", detail=f"{len(self.actors)} actors registered "
                                 "(server.max_actors); retry when one leaves")
-        taken = self.ids.claim(id_names(identity, msg.actor_id), owner)
+        taken = self.ids.claim(id_names(identity, msg.actor_id), owner, self._in_use().__contains__)
+        if taken is not None and self.ids.owner(taken) is None:  # no room: every bound id is in use
+            self.metrics.protocol_errors.labels(reason="too_many_ids").inc()
+            return m.ErrorReply(reason="too_many_ids", detail="every actor id this run has bound is in use; retry "
+                                "when an actor leaves")
         if taken is not None:
             # Not a violation: two Macs given the same --actor-id is a mistake an honest user makes.
             self.metrics.auth_failures.labels(reason="id_taken").inc()
@@ -188,6 +192,10 @@ class Registry:
         log.info("actor %s joined from %s (%s)", shown(msg.actor_id), shown(msg.host), shown(msg.backend))
         self.metrics.actors_connected.set(len(self.actors))
         return None
+
+    def _in_use(self) -> set[str]:
+        """The names (actor ids and routing ids) live actors go by."""
+        return {name for identity, info in self.actors.items() for name in id_names(identity, info.actor_id)}
 
     def sessions(self, owner: str) -> int:
         """Live sessions under one key (one key may run on two Macs)."""

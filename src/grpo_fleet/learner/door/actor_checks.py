@@ -57,6 +57,11 @@ def reward_gap(reported: Sequence[float], recomputed: Sequence[float]) -> float:
     return max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(reported, recomputed))
 
 
+def timed_out(score: GroupScore) -> bool:
+    """Whether a reward ran past its timeout on the group (the learner's hard deadline included)."""
+    return score.failure is not None and score.failure.error is RewardError.TIMEOUT
+
+
 class RewardCheck:
     """Re-scores submitted groups with the learner's own rewards and answers (and, in a run with a deterministic
     environment, the episodes' own rewards by replaying them: learner/door/env_replay.py)."""
@@ -88,8 +93,8 @@ class RewardCheck:
         verdicts: dict[str, Optional[RejectReason]] = {}
         for (group, index), score in zip(groups, self._task_scores(groups)):
             if score.rewards is None:
-                timed_out = score.failure is not None and score.failure.error is RewardError.TIMEOUT
-                verdicts[group.group_id] = RejectReason.REWARD_TIMEOUT if timed_out else RejectReason.REWARD_UNVERIFIABLE
+                verdicts[group.group_id] = (RejectReason.REWARD_TIMEOUT if timed_out(score)
+                                            else RejectReason.REWARD_UNVERIFIABLE)
                 continue
             expected: list[float] = score.rewards
             if self.replay is not None:
@@ -112,9 +117,16 @@ class RewardCheck:
         """The task's rewards of each group (0 each in an episode run that names none), or why they failed here."""
         if not self.task.reward_names:
             return [GroupScore(rewards=[0.0] * len(group.completions)) for group, _ in groups]
-        jobs = [self.task.job(self.examples[index], [self._text(c) for c in group.completions])
-                for group, index in groups]
-        return list(self.scorer.score(jobs)) if jobs else []
+        scores: list[GroupScore] = []
+        for group, index in groups:  # one submission's groups
+            if scores and timed_out(scores[-1]):
+                # The reward ran out of time on this submission: its other groups are not scored (each would
+                # hold the one verifier thread as long) and are charged alike.
+                scores.append(scores[-1])
+                continue
+            job = self.task.job(self.examples[index], [self._text(c) for c in group.completions])
+            scores.extend(self.scorer.score([job]))
+        return scores
 
     def _text(self, completion: m.Completion) -> str:
         return decode_completion(self.tokenizer, completion.tokens.to_numpy().tolist(), completion.finish_reason, self.eos)

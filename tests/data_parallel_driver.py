@@ -97,7 +97,7 @@ def main(model_dir: str, out_dir: str, steps: int) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rank = launched_rank()
-    ranks = None if rank is None else connect(run_config(model_dir, "lora", "grpo").distributed, rank)
+    ranks = None if rank is None else connect(run_config(model_dir, "lora", "grpo").distributed, rank, authenticated=False)
     for mode in MODES:
         for variant in VARIANTS:
             if ranks is not None and ranks.rank > 0:

@@ -26,13 +26,14 @@ def _setup_logging(verbose: bool) -> None:
 
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config, toml_string
+    from grpo_fleet.exit_codes import REFUSED
     from grpo_fleet.learner.door.doorman import InsecureBindError, check_bind_security
     from grpo_fleet.learner.ranks.collectives import launched_rank
     from grpo_fleet.learner.run.build import load_resume_config
     overrides = list(args.set or [])
     rank = launched_rank()  # under mlx.launch (a data-parallel learner); None for a plain process
     if rank is not None and rank > 0:
-        return _learner_follower(rank, [o for o in overrides if o.startswith("distributed.")])
+        return _learner_follower(rank, args, [o for o in overrides if o.startswith("distributed.")])
     if args.run_dir or args.resume:
         overrides.append(f"run_dir={toml_string(args.resume or args.run_dir)}")
     if args.bind:
@@ -57,13 +58,18 @@ def _learner(args: argparse.Namespace) -> int:
     if rank is None:
         return _serve_learner(cfg, resume=bool(args.resume))
     from grpo_fleet.learner.ranks.distributed import connect, rank0_session
+    from grpo_fleet.learner.ranks.ring_trust import RingRefused
 
-    ranks = connect(cfg.distributed, rank)
-    if ranks is None:  # `mlx.launch -n 1`: the plain learner
-        return _serve_learner(cfg, resume=bool(args.resume))
-    with rank0_session(ranks, cfg) as start:
-        return _serve_learner(cfg, resume=bool(args.resume), ready=lambda learner: start(
-            learner.trainer, learner.model_digest, learner.state.step, learner.metrics.registry))
+    try:
+        ranks = connect(cfg.distributed, rank, authenticated=bool(cfg.security.keys_dir))
+        if ranks is None:  # `mlx.launch -n 1`: the plain learner
+            return _serve_learner(cfg, resume=bool(args.resume))
+        with rank0_session(ranks, cfg) as start:
+            return _serve_learner(cfg, resume=bool(args.resume), ready=lambda learner: start(
+                learner.trainer, learner.model_digest, learner.state.step, learner.metrics.registry))
+    except RingRefused as exc:
+        logging.getLogger("grpo_fleet.learner").error("%s", exc)
+        return REFUSED
 
 
 def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["RunCoordinator"], None]] = None) -> int:
@@ -111,13 +117,24 @@ def _build_and_serve(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable
     return 0
 
 
-def _learner_follower(rank: int, overrides: list[str]) -> int:
-    """A data-parallel rank > 0: everything but `distributed.*` comes from rank 0."""
+def _learner_follower(rank: int, args: argparse.Namespace, overrides: list[str]) -> int:
+    """A data-parallel rank > 0: everything but `distributed.*` comes from rank 0. Those it reads from the same
+    config file as rank 0 when this machine has it (--config, or RUN_DIR/config.json on --resume), and --set."""
+    from pathlib import Path
+
     from grpo_fleet.config import load_run_config
+    from grpo_fleet.exit_codes import REFUSED
     from grpo_fleet.learner.ranks.distributed import connect
     from grpo_fleet.learner.ranks.follower import run_follower
+    from grpo_fleet.learner.ranks.ring_trust import RingRefused
 
-    ranks = connect(load_run_config(None, overrides).distributed, rank)
+    path = args.config or (args.resume and str(Path(args.resume) / "config.json"))
+    cfg = load_run_config(path if path and Path(path).is_file() else None, overrides).distributed
+    try:
+        ranks = connect(cfg, rank, authenticated=bool(cfg.key_file and cfg.learner_key_file))
+    except RingRefused as exc:
+        logging.getLogger("grpo_fleet.learner").error("%s", exc)
+        return REFUSED
     return 0 if ranks is None else run_follower(ranks)
 
 

@@ -19,6 +19,11 @@ def _keys(args: argparse.Namespace) -> int:
         print(f"actor {args.name} allowed. Copy {secret} and {args.dir}/learner.key to that Mac, then run:\n"
               f"  grpo-fleet actor --connect tcp://LEARNER:5555 --key {secret.name} --learner-key learner.key\n"
               f"and delete {secret} here.")
+    elif args.keys_command == "add-rank":
+        secret = auth.add_rank(args.dir, args.name)
+        print(f"learner rank {args.name} allowed at the ring door. Copy {secret} and {args.dir}/learner.key to that "
+              f"Mac, and set there\n  distributed.key_file = \"{secret.name}\"\n"
+              f"  distributed.learner_key_file = \"learner.key\"")
     elif args.keys_command == "add-observer":
         secret = auth.add_observer(args.dir, args.name)
         print(f"observer {args.name} allowed to ask Status only. Run:\n"
@@ -225,6 +230,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     add = keys_sub.add_parser("add-actor", help="create an actor keypair and allow it")
     add.add_argument("name")
     add.add_argument("--dir", default="keys")
+    rank = keys_sub.add_parser("add-rank", help="create a key for a data-parallel learner rank other than 0")
+    rank.add_argument("name")
+    rank.add_argument("--dir", default="keys")
     observer = keys_sub.add_parser("add-observer", help="create a key that may ask Status and nothing else")
     observer.add_argument("name")
     observer.add_argument("--dir", default="keys")

@@ -589,6 +589,25 @@ class DistributedConfig(_Section):
     digest_every: int = Field(
         10, ge=1, description="Every this many steps the ranks check their weights are bitwise identical."
     )
+    trusted_network: bool = Field(
+        False,
+        description="The network between the ranks is yours alone: allow ring hostfile addresses that are not "
+        "loopback, RFC 1918, ULA or link-local, and a ring beyond this machine without keys. MLX's ring carries "
+        "the config, weights and batches in clear and accepts whoever connects first (README, 'Who may join the ring').",
+    )
+    door_port: int = Field(
+        32322, ge=1, le=65535,
+        description="Port of rank 0's CURVE ring door, on rank 0's hostfile address: with security.keys_dir set, "
+        "every other rank proves there that it belongs to the run and gets the run's ring secret.",
+    )
+    key_file: Optional[str] = Field(
+        None, description="A rank other than 0: its CURVE secret key (KEYS/ranks/NAME.key_secret, made by "
+        "`grpo-fleet keys add-rank NAME`), shown at rank 0's ring door.",
+    )
+    learner_key_file: Optional[str] = Field(
+        None, description="A rank other than 0: the learner's public key (KEYS/learner.key); a rank 0 that cannot "
+        "prove it holds the secret half is refused.",
+    )
 
 
 class RunConfig(_Section):

@@ -9,6 +9,9 @@ Layout of a keys directory (`grpo-fleet keys init DIR`):
                                (mode 0600): copy to that actor's Mac, then delete here
     DIR/authorized/observers/NAME.key
                                observers: keys that may ask Status and nothing else
+    DIR/authorized/ranks/NAME.key
+                               learner ranks other than 0: keys allowed at rank 0's ring door only
+    DIR/ranks/NAME.key_secret  a rank's keypair made by `keys add-rank NAME` (mode 0600): copy to that Mac
     DIR/observers/NAME.key_secret
                                an observer's keypair made by `keys add-observer NAME`
                                (mode 0600), for `grpo-fleet status --key`
@@ -71,6 +74,12 @@ def init_keys(directory: str | Path) -> Path:
 def add_actor(directory: str | Path, name: str) -> Path:
     """Create an actor keypair and allow its public key; returns the actor's secret key file."""
     return _add_key(Path(directory), name, keypair_dir="actors", allow_dir="authorized")
+
+
+def add_rank(directory: str | Path, name: str) -> Path:
+    """Create a keypair for a data-parallel learner rank other than 0 and allow it at the ring door; returns the
+    secret key file (protocol/ring_door.py)."""
+    return _add_key(Path(directory), name, keypair_dir="ranks", allow_dir="authorized/ranks")
 
 
 def add_observer(directory: str | Path, name: str) -> Path:
@@ -189,10 +198,13 @@ class _LoggingAuthenticator(ThreadAuthenticator):
         super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
 
-def start_authenticator(ctx: zmq.Context, keyring: KeyRing) -> ThreadAuthenticator:
-    """ZAP on the same context as the learner's sockets, checking the allow-list."""
+def start_authenticator(ctx: zmq.Context, keyring: KeyRing,
+                        on_denied: Optional[Callable[[str, str], None]] = None) -> ThreadAuthenticator:
+    """ZAP on the same context as the learner's sockets, checking the allow-list; `on_denied(address, reason)`
+    for each refused handshake (default: a warning)."""
     auth = _LoggingAuthenticator(ctx)
-    auth.on_denied = lambda address, reason: log.warning("refused CURVE handshake from %s: %s", shown(address), shown(reason))
+    auth.on_denied = on_denied or (
+        lambda address, reason: log.warning("refused CURVE handshake from %s: %s", shown(address), shown(reason)))
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=keyring)
     return auth

@@ -17,7 +17,9 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional
 
 import mlx.core as mx
@@ -26,6 +28,7 @@ from mlx.utils import tree_unflatten
 
 from grpo_fleet.config import DistributedConfig
 from grpo_fleet.exit_codes import RANKS_FAILED
+from grpo_fleet.learner.ranks.ring_trust import hostfile_addresses
 from grpo_fleet.learner.ranks.sharding import DIGEST_WORDS, buckets, weights_digest
 from grpo_fleet.trees import flat_leaves
 
@@ -81,6 +84,14 @@ def launched_backend(configured: str, environ: Mapping[str, str]) -> str:
     return "ring"
 
 
+def ring_hostfile(cfg: DistributedConfig, environ: Mapping[str, str]) -> Optional[list[list[str]]]:
+    """The ring's `ip:port` addresses, one list per rank, when this process is a rank of a ring; else None."""
+    path = environ.get("MLX_HOSTFILE")
+    if launched_backend(cfg.backend, environ) != "ring" or not path:
+        return None
+    return hostfile_addresses(Path(path).read_text())
+
+
 def init_group(cfg: DistributedConfig, rank: int) -> mx.distributed.Group:
     """Connect to the other ranks, or exit non-zero after `idle_timeout_seconds`.
 
@@ -109,6 +120,10 @@ class RankGroup:
         self.watchdog = watchdog or Watchdog(self.rank)
         # Per collective name: [seconds waited, bytes sent in], since the start; the benchmark reads them.
         self.totals: dict[str, list[float]] = {}
+        # The run's ring secret (ring_trust.py): b"" on a ring that runs without keys (loopback, trusted network).
+        self.ring_key = b""
+        self.sequence = 0  # commands rank 0 has sent (or this rank has taken): each header's tag covers it
+        self.refusals: Counter[str] = Counter()  # by reason: knocks at the ring door, and the ring's proofs
 
     def peers(self) -> str:
         others = [r for r in range(self.size) if r != self.rank]
@@ -157,6 +172,11 @@ class RankGroup:
         """
         mine = arrays if self.rank == 0 else [mx.zeros_like(a) for a in arrays]
         return self.run(what, mine, mx.distributed.all_sum, idle=idle)
+
+    def gather_slots(self, slots: np.ndarray, what: str) -> np.ndarray:
+        """An all-gather: each rank's `[size, ...]` grid holds its own row (zeros elsewhere); the sum is every row."""
+        (out,) = self.run(what, [mx.array(slots)], mx.distributed.all_sum, idle=True)
+        return np.array(out)
 
     def broadcast_bytes(self, data: bytes, what: str, *, idle: bool = False) -> bytes:
         """Rank 0's bytes on every rank (the others pass b""): the length first, then the bytes."""

@@ -13,6 +13,7 @@ keeps `SingleProcess` sharding and runs no collective at all.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -27,6 +28,8 @@ from prometheus_client import CollectorRegistry
 from grpo_fleet.config import ConfigError, DistributedConfig, RunConfig
 from grpo_fleet.learner.ranks.collectives import RankGroup, init_group
 from grpo_fleet.learner.ranks.rank_metrics import CollectiveTotals
+from grpo_fleet.learner.ranks.ring_guard import admit_ranks, check_network, check_state, send_signed
+from grpo_fleet.learner.ranks.ring_trust import RingRefused, header_tag
 from grpo_fleet.learner.ranks.sharding import (
     HEADER_SIZE,
     Command,
@@ -64,10 +67,10 @@ class DataParallel:
         """Rank 0 hands the batch to the others, who are waiting for it (follower.py)."""
         if self.ranks.rank == 0:
             rows, width = batch.mask.shape
-            self.send(Header(Command.STEP, rows=rows, width=width, num_groups=batch.num_groups))
-            arrays = [getattr(batch, name).astype(dtype) for name, dtype in BATCH_FIELDS]
             # The step's own logprob check runs on every rank, on the gathered grid: each must judge the same groups.
-            self.ranks.broadcast([*arrays, mx.array(check_rows(batch))], "step batch")
+            arrays = [*(getattr(batch, name).astype(dtype) for name, dtype in BATCH_FIELDS), mx.array(check_rows(batch))]
+            self.send(Header(Command.STEP, rows=rows, width=width, num_groups=batch.num_groups), arrays)
+            self.ranks.broadcast(arrays, "step batch")
 
     def own_rows(self, batch: TrainBatch) -> TrainBatch:
         self.rows = shard_rows(batch.mask.shape[0], self.ranks.rank, self.ranks.size)
@@ -98,23 +101,47 @@ class DataParallel:
         if self.ranks.rank == 0 and time.monotonic() - self.last_command >= self.ranks.cfg.keepalive_seconds:
             self.send(Header(Command.KEEPALIVE))
 
-    def send(self, header: Header) -> None:
-        self.ranks.broadcast([mx.array(header.encode())], f"{header.command.name.lower()} command")
+    def send(self, header: Header, arrays: tuple[mx.array, ...] | list[mx.array] = ()) -> None:
+        """Rank 0: the header, signed over its number in the run and the batch `arrays` it announces."""
+        signed = Header(header.command, header.rows, header.width, header.num_groups,
+                        tag=self._tag(header, [np.array(a) for a in arrays]))
+        self.ranks.broadcast([mx.array(signed.encode())], f"{header.command.name.lower()} command")
         self.last_command = time.monotonic()
 
+    def _tag(self, header: Header, arrays: list[np.ndarray]) -> bytes:
+        unsigned = Header(header.command, header.rows, header.width, header.num_groups).encode()
+        words = header_tag(self.ranks.ring_key, self.ranks.sequence, unsigned, arrays)
+        self.ranks.sequence += 1
+        return words.tobytes()
+
+    def verify(self, header: Header, arrays: list[np.ndarray]) -> None:
+        """The others: refuse (RingRefused) a header whose HMAC does not hold over what it announced."""
+        if not hmac.compare_digest(self._tag(header, arrays), header.tag):
+            self.ranks.refusals["bad tag"] += 1
+            raise RingRefused(f"rank {self.ranks.rank}: rank 0's {header.command.name.lower()} command "
+                              f"{self.ranks.sequence - 1} failed its HMAC: altered on the way, or not from rank 0")
+
     def receive(self) -> Header:
-        """The others: rank 0's next command (waited for up to `idle_timeout_seconds`)."""
+        """The others: rank 0's next command (waited for up to `idle_timeout_seconds`), a step's checked with its batch."""
         (words,) = self.ranks.broadcast([mx.zeros(HEADER_SIZE, dtype=mx.int32)], "waiting for rank 0's next command",
                                         idle=True)
-        return Header.decode(np.array(words))
+        try:
+            header = Header.decode(np.array(words))
+        except ValueError as exc:
+            raise RingRefused(f"rank {self.ranks.rank}: rank 0's command is not one ({exc})") from None
+        if header.command != Command.STEP:
+            self.verify(header, [])
+        return header
 
     def receive_batch(self, header: Header) -> TrainBatch:
         rows, width = header.rows, header.width
         shapes = {"inputs": (rows, width), "targets": (rows, width), "mask": (rows, width),
                   "old_logprobs": (rows, width), "advantages": (rows,), "rewards": (rows,)}
-        *arrays, check = self.ranks.broadcast(
+        received = self.ranks.broadcast(
             [*(mx.zeros(shapes[name], dtype=dtype) for name, dtype in BATCH_FIELDS),
              mx.zeros((header.num_groups, 2), dtype=mx.float32)], "step batch")
+        self.verify(header, [np.array(a) for a in received])
+        *arrays, check = received
         checked = np.array(check)
         return TrainBatch(**{name: value for (name, _), value in zip(BATCH_FIELDS, arrays)},
                           num_groups=header.num_groups, check=checked if np.isfinite(checked).any() else None)
@@ -171,8 +198,9 @@ def setup_message(cfg: RunConfig, trainer: Trainer, model_digest: str) -> dict[s
 def start_rank0(ranks: RankGroup, cfg: RunConfig, trainer: Trainer, model_digest: str, step: int) -> None:
     """Rank 0, its learner built (and resumed): hand the others the run and the state, then shard every step."""
     setup = setup_message(cfg, trainer, model_digest)
-    ranks.broadcast_bytes(json.dumps(setup).encode(), "run config", idle=True)
+    send_signed(ranks, json.dumps(setup).encode(), "run config")
     share_state(ranks, trainer, setup["layout"])
+    check_state(ranks, trainer.policy.model.trainable_parameters(), trainer.optimizer.state)
     ranks.check_identical(trainer.policy.model.trainable_parameters(), step)
     trainer.sharding = DataParallel(ranks, cfg.distributed.digest_every)
     log.info("data-parallel learner: %d ranks, %s per step each", ranks.size, "about 1/%d of the rows" % ranks.size)
@@ -180,7 +208,7 @@ def start_rank0(ranks: RankGroup, cfg: RunConfig, trainer: Trainer, model_digest
 
 def refuse_others(ranks: RankGroup, reason: str) -> None:
     """Rank 0 could not start (bad config, no memory): tell the others, who are waiting for the run config."""
-    ranks.broadcast_bytes(json.dumps({"refused": reason}).encode(), "run config", idle=True)
+    send_signed(ranks, json.dumps({"refused": reason}).encode(), "run config")
 
 
 def stop_others(ranks: RankGroup) -> None:
@@ -197,8 +225,13 @@ def check_batch_fits(cfg: RunConfig, size: int) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def connect(cfg: DistributedConfig, rank: int) -> Optional[RankGroup]:
-    """This launched process's ranks, connected; None in a group of one (the plain learner, no collectives)."""
+def connect(cfg: DistributedConfig, rank: int, *, authenticated: bool) -> Optional[RankGroup]:
+    """This launched process's ranks, connected; None in a group of one (the plain learner, no collectives).
+
+    A ring on a network it cannot trust is refused first (RingRefused): `authenticated` says whether this rank
+    has its keys (rank 0's security.keys_dir, or another rank's distributed.key_file and learner_key_file).
+    """
+    check_network(cfg, authenticated=authenticated)
     group = init_group(cfg, rank)
     return None if group.size() == 1 else RankGroup(group, cfg)
 
@@ -208,11 +241,13 @@ def rank0_session(ranks: RankGroup, cfg: RunConfig) -> Iterator[Callable[[Traine
     """Around rank 0's learner: yields `start(trainer, model_digest, step, metrics_registry)`, which shares the
     run (rank 0's trainer, its model's digest, the step it continues from) and turns sharding on.
 
-    Whatever happens, the other ranks hear how it ended: refused before the
+    First every rank proves it belongs to the run (ring_guard.py). Then, whatever happens, the other ranks hear how
+    it ended: refused before the
     start (a bad config, no memory), or stop after it (the run is over, or
     rank 0 was stopped and has written its checkpoint).
     """
     started = False
+    admit_ranks(ranks, cfg)  # before anything of the run is shared; a refusal (RingRefused) tells the others nothing
 
     def start(trainer: Trainer, model_digest: str, step: int, metrics_registry: CollectorRegistry) -> None:
         nonlocal started

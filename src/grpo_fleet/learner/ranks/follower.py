@@ -19,6 +19,8 @@ from grpo_fleet.exit_codes import DONE, REFUSED
 from grpo_fleet.learner.ranks.collectives import RankGroup
 from grpo_fleet.learner.ranks.distributed import DataParallel, share_state, state_layout
 from grpo_fleet.learner.ranks.rank_metrics import FollowerMetrics, follower_metrics, serve_follower_metrics
+from grpo_fleet.learner.ranks.ring_guard import check_state, enter_ring, receive_signed
+from grpo_fleet.learner.ranks.ring_trust import RingRefused
 from grpo_fleet.learner.ranks.sharding import Command
 from grpo_fleet.learner.step.trainer import Trainer, load_trainer
 from grpo_fleet.model import model_digest
@@ -33,7 +35,7 @@ class SetupRefused(RuntimeError):
 
 def join_run(ranks: RankGroup) -> tuple[RunConfig, Trainer]:
     """Rank 0's run config, the model loaded and checked, and rank 0's weights and optimizer state."""
-    setup: dict[str, Any] = json.loads(ranks.broadcast_bytes(b"", "waiting for rank 0's run config", idle=True))
+    setup: dict[str, Any] = json.loads(receive_signed(ranks, "run config"))
     if "refused" in setup:
         raise SetupRefused(f"rank 0 did not start: {setup['refused']}")
     cfg = RunConfig.model_validate(setup["config"])
@@ -46,6 +48,7 @@ def join_run(ranks: RankGroup) -> tuple[RunConfig, Trainer]:
         raise SetupRefused(f"the model at {path} differs from rank 0's (digest or trainable weights): "
                            "every rank needs the same model files")
     share_state(ranks, trainer, setup["layout"])
+    check_state(ranks, trainer.policy.model.trainable_parameters(), trainer.optimizer.state)
     ranks.check_identical(trainer.policy.model.trainable_parameters(), 0)
     return cfg, trainer
 
@@ -60,9 +63,13 @@ def run_follower(ranks: RankGroup) -> int:
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, lambda *_: log.info("rank %d: stop signal ignored; rank 0 says when", ranks.rank))
     try:
+        enter_ring(ranks)  # rank 0 authenticated (with keys) and every rank's proof checked, before anything is shared
         cfg, trainer = join_run(ranks)
     except SetupRefused as exc:
         log.error("rank %d: %s", ranks.rank, exc)
+        return REFUSED
+    except RingRefused as exc:
+        log.error("%s", exc)
         return REFUSED
     sharding = DataParallel(ranks, cfg.distributed.digest_every)
     trainer.sharding = sharding
@@ -71,6 +78,9 @@ def run_follower(ranks: RankGroup) -> int:
     log.info("rank %d of %d ready: %s, waiting for rank 0's batches", ranks.rank, ranks.size, trainer.policy.path)
     try:
         return _follow(sharding, trainer, metrics, cfg.distributed.keepalive_seconds)
+    except RingRefused as exc:  # a step header or batch failed its HMAC: train nothing of it
+        log.error("%s; exiting without training on it", exc)
+        return REFUSED
     finally:
         if server is not None:
             server.close()

@@ -41,8 +41,14 @@ class CollectiveTotals(Collector):
         for what, (waited, nbytes) in sorted(self.ranks.totals.items()):
             seconds.add_metric([what, str(self.ranks.rank)], waited)
             sent.add_metric([what, str(self.ranks.rank)], nbytes)
+        refused = CounterMetricFamily(f"{LEARNER}_ring_refusals", "What a rank refused before or over the ring: "
+                                      "knocks at rank 0's ring door (a key not allowed, a malformed or repeated knock), "
+                                      "failed ring proofs, messages whose HMAC failed", labels=["reason", "rank"])
+        for reason, count in sorted(self.ranks.refusals.items()):
+            refused.add_metric([reason, str(self.ranks.rank)], count)
         yield seconds
         yield sent
+        yield refused
 
 
 @dataclass

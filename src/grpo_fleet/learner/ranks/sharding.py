@@ -36,10 +36,13 @@ class Header:
     rows: int = 0
     width: int = 0
     num_groups: int = 0
+    tag: bytes = b""  # 16 bytes of HMAC (ring_trust.header_tag) in the last 4 words; b"" before it is signed
 
     def encode(self) -> np.ndarray:
         out = np.zeros(HEADER_SIZE, dtype=np.int32)
         out[:4] = [int(self.command), self.rows, self.width, self.num_groups]
+        if self.tag:
+            out[4:] = np.frombuffer(self.tag, dtype=np.int32)
         return out
 
     @classmethod
@@ -47,7 +50,7 @@ class Header:
         if words.shape != (HEADER_SIZE,):
             raise ValueError(f"a step header has {HEADER_SIZE} int32 words, got shape {words.shape}")
         command, rows, width, groups = (int(w) for w in words[:4])
-        return cls(Command(command), rows, width, groups)
+        return cls(Command(command), rows, width, groups, tag=np.ascontiguousarray(words[4:], np.int32).tobytes())
 
 
 def shard_rows(total: int, rank: int, size: int) -> np.ndarray:

@@ -1,0 +1,100 @@
+"""The pure side of trusting the ring: address classes, the ring proof over slots, and the step headers' HMAC."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from grpo_fleet.learner.ranks.ring_trust import (
+    RingRefused,
+    check_ring_network,
+    failed_proofs,
+    header_tag,
+    host_of,
+    hostfile_addresses,
+    network_kind,
+    nonce_slots,
+    proof_slots,
+)
+from grpo_fleet.learner.ranks.sharding import Command, Header
+
+SECRET = bytes(range(32))
+
+
+@pytest.mark.parametrize("address, kind", [
+    ("127.0.0.1:32323", "loopback"), ("[::1]:32323", "loopback"), ("10.1.2.3:1", "private"),
+    ("172.16.0.9:1", "private"), ("172.32.0.9:1", "public"), ("192.168.1.20:32324", "private"),
+    ("169.254.3.4:1", "private"), ("[fe80::1%en0]:1", "private"), ("[fd12:3456::1]:1", "private"),
+    ("8.8.8.8:32323", "public"), ("100.64.0.1:1", "public"), ("[2001:db8::1]:1", "public"), ("mac-mini.local:1", "public"),
+])
+def test_addresses_are_loopback_private_or_public(address: str, kind: str):
+    assert network_kind(host_of(address)) == kind
+
+
+def test_a_public_ring_is_refused_unless_the_network_is_trusted():
+    with pytest.raises(RingRefused, match="non-private addresses .*8.8.8.8:1.*trusted_network"):
+        check_ring_network(["10.0.0.1:1", "8.8.8.8:1"], authenticated=True, trusted=False)
+    check_ring_network(["10.0.0.1:1", "8.8.8.8:1"], authenticated=True, trusted=True)
+
+
+def test_a_ring_beyond_loopback_needs_keys_or_a_trusted_network():
+    with pytest.raises(RingRefused, match="needs keys"):
+        check_ring_network(["127.0.0.1:1", "192.168.1.2:1"], authenticated=False, trusted=False)
+    check_ring_network(["127.0.0.1:1", "192.168.1.2:1"], authenticated=True, trusted=False)
+    check_ring_network(["127.0.0.1:1", "192.168.1.2:1"], authenticated=False, trusted=True)
+    check_ring_network(["127.0.0.1:1", "127.0.0.1:2"], authenticated=False, trusted=False)
+
+
+def test_the_hostfile_is_mlx_launchs_list_of_lists():
+    assert hostfile_addresses('[["10.0.0.1:5"], ["10.0.0.2:6", "10.0.0.2:7"]]') == [["10.0.0.1:5"], ["10.0.0.2:6", "10.0.0.2:7"]]
+    with pytest.raises(ValueError, match="list of lists"):
+        hostfile_addresses('{"hosts": 1}')
+
+
+def _gathered(slots: list[np.ndarray]) -> np.ndarray:
+    """What an all-sum of every rank's slots gives (each rank writes its own row only)."""
+    return np.sum(slots, axis=0, dtype=np.int32)
+
+
+def _proof(keys: list[bytes]) -> list[int]:
+    size = len(keys)
+    nonces = _gathered([nonce_slots(rank, size, np.random.default_rng(rank).bytes(32)) for rank in range(size)])
+    tags = _gathered([proof_slots(key, rank, nonces) for rank, key in enumerate(keys)])
+    return failed_proofs(SECRET, nonces, tags)
+
+
+def test_every_rank_holding_the_secret_passes_the_proof():
+    assert _proof([SECRET, SECRET, SECRET]) == []
+
+
+def test_a_rank_without_the_secret_is_named():
+    assert _proof([SECRET, b"", SECRET]) == [1]
+    assert _proof([b"guess" * 7, SECRET, SECRET]) == [0]
+
+
+def test_a_proof_from_other_nonces_does_not_replay():
+    nonces = _gathered([nonce_slots(rank, 2, bytes([rank + 1]) * 32) for rank in range(2)])
+    old = _gathered([proof_slots(SECRET, rank, nonces) for rank in range(2)])
+    fresh = nonces.copy()
+    fresh[0, 0] += 1  # rank 0's new nonce in the next run
+    assert failed_proofs(SECRET, fresh, old) == [0, 1]
+
+
+def test_a_header_tag_covers_its_number_its_fields_and_its_batch():
+    words = Header(Command.STEP, rows=4, width=3, num_groups=2).encode()
+    batch = [np.arange(12, dtype=np.int32).reshape(4, 3), np.ones((2, 2), np.float32)]
+    base = header_tag(SECRET, 7, words, batch)
+    assert base.shape == (4,)
+    assert not np.array_equal(base, header_tag(SECRET, 8, words, batch))  # replayed later
+    altered = [batch[0].copy(), batch[1]]
+    altered[0][1, 1] += 1
+    assert not np.array_equal(base, header_tag(SECRET, 7, words, altered))
+    assert not np.array_equal(base, header_tag(SECRET, 7, Header(Command.STOP).encode(), batch))
+    assert not np.array_equal(base, header_tag(b"", 7, words, batch))
+    assert np.array_equal(base, header_tag(SECRET, 7, words, [a.copy() for a in batch]))
+
+
+def test_a_signed_header_carries_its_tag_through_encode_and_decode():
+    tag = np.array([1, -2, 3, 2**31 - 1], np.int32).tobytes()
+    decoded = Header.decode(Header(Command.STEP, 4, 3, 2, tag=tag).encode())
+    assert decoded == Header(Command.STEP, 4, 3, 2, tag=tag)

@@ -202,6 +202,7 @@ class Registry:
         return len(self.sessions_of(owner))
 
     def sessions_of(self, owner: str) -> list[ActorInfo]:
+        """The live sessions under one key."""
         return [info for info in self.actors.values() if info.principal == owner]
 
     def known(self, identity: bytes, owner: str) -> Optional[ActorInfo]:

@@ -265,6 +265,7 @@ class PromptScheduler:
         self.epoch = state["epoch"]
         self._serial = state["serial"]
         self._requeued = deque(GroupTicket(g, i) for g, i in state["requeued"])
+        self._not_to = {}
         self.leases, self._lease_of_group = {}, {}
         deadline = self.clock() + self.lease_seconds
         for entry in state["leases"]:

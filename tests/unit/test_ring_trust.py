@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any, cast
+
+import mlx.core as mx
 import numpy as np
 import pytest
 
+from grpo_fleet.learner.ranks.distributed import DataParallel
 from grpo_fleet.learner.ranks.ring_trust import (
     RingRefused,
     check_ring_network,
@@ -17,6 +22,7 @@ from grpo_fleet.learner.ranks.ring_trust import (
     proof_slots,
 )
 from grpo_fleet.learner.ranks.sharding import Command, Header
+from grpo_fleet.learner.step.batch import TrainBatch
 
 SECRET = bytes(range(32))
 
@@ -98,3 +104,63 @@ def test_a_signed_header_carries_its_tag_through_encode_and_decode():
     tag = np.array([1, -2, 3, 2**31 - 1], np.int32).tobytes()
     decoded = Header.decode(Header(Command.STEP, 4, 3, 2, tag=tag).encode())
     assert decoded == Header(Command.STEP, 4, 3, 2, tag=tag)
+
+
+class _Wire:
+    """RankGroup.broadcast without a ring: rank 0's arrays are recorded as sent, a follower reads them back (after
+    whatever a man in the middle did to them)."""
+
+    def __init__(self, rank: int, sent: list, key: bytes) -> None:
+        self.rank, self.size, self.ring_key, self.sequence = rank, 2, key, 0
+        self.refusals: Counter[str] = Counter()
+        self.sent = sent
+
+    def broadcast(self, arrays: list, what: str, *, idle: bool = False) -> list:
+        if self.rank == 0:
+            self.sent.append([np.array(a) for a in arrays])
+            return arrays
+        return [mx.array(a) for a in self.sent.pop(0)]
+
+
+def _batch() -> TrainBatch:
+    ids = mx.array(np.arange(12, dtype=np.int32).reshape(4, 3))
+    return TrainBatch(inputs=ids, targets=ids + 1, mask=mx.ones((4, 3)), old_logprobs=mx.zeros((4, 3)),
+                      advantages=mx.array([1.0, -1.0, 0.5, -0.5]), rewards=mx.array([1.0, 0.0, 1.0, 0.0]), num_groups=2)
+
+
+def _sent(steps: int) -> list:
+    sent: list = []
+    leader = DataParallel(cast(Any, _Wire(0, sent, SECRET)), digest_every=1)
+    for _ in range(steps):
+        leader.begin(_batch())
+    return sent
+
+
+def _receive(sent: list, key: bytes = SECRET) -> tuple[_Wire, list[TrainBatch]]:
+    wire = _Wire(1, sent, key)
+    follower = DataParallel(cast(Any, wire), digest_every=1)
+    batches = []
+    while sent:
+        batches.append(follower.receive_batch(follower.receive()))
+    return wire, batches
+
+
+def test_a_follower_takes_rank_0s_signed_batches():
+    wire, batches = _receive(_sent(2))
+    assert len(batches) == 2 and np.array_equal(np.array(batches[1].advantages), [1.0, -1.0, 0.5, -0.5])
+    assert wire.refusals == Counter()
+
+
+def test_a_follower_refuses_a_batch_altered_on_the_way():
+    sent = _sent(1)
+    sent[1][4][0] = 9.0  # the advantages of the first sequence, as a man in the middle would raise them
+    with pytest.raises(RingRefused, match="rank 1: rank 0's step command 0 failed its HMAC"):
+        _receive(sent)
+
+
+def test_a_follower_refuses_a_replayed_batch_and_one_signed_without_the_secret():
+    first, second = _sent(2)[0:2], _sent(1)
+    with pytest.raises(RingRefused, match="step command 1 failed its HMAC"):
+        _receive(first + second)  # the first step again, where rank 0's second belongs
+    with pytest.raises(RingRefused, match="failed its HMAC"):
+        _receive(_sent(1), key=b"another run's secret")

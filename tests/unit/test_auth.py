@@ -95,3 +95,19 @@ def test_package_never_unpickles_or_evaluates_received_data():
     assert len(list(PACKAGE.rglob("*.py"))) > 20, "the scan must actually see the package"
 
 
+
+
+def test_with_curve_an_actors_routing_id_carries_a_tag_only_its_secret_key_makes(tmp_path):
+    """Issue 29: the ROUTER hands a routing id to whoever connects with it last; actor ids are public, so any
+    allowed key could take an actor's connection over. With CURVE the routing id is tagged with the actor's key."""
+    from grpo_fleet.actor.link import routing_id
+    from grpo_fleet.protocol.auth import add_actor, init_keys, load_keypair
+
+    learner_public = init_keys(tmp_path)
+    curve = (load_keypair(add_actor(tmp_path, "mac1")), load_keypair(learner_public).public)
+    other = (load_keypair(add_actor(tmp_path, "mac2")), curve[1])
+    mine = routing_id("studio-1", curve)
+    assert mine.startswith(b"studio-1.") and mine != b"studio-1"
+    assert routing_id("studio-1", curve) == mine, "the same after a restart with the same key"
+    assert routing_id("studio-1", other) != mine, "another key cannot make it"
+    assert routing_id("studio-1", None) == b"studio-1"  # without CURVE there is no secret to tag it with

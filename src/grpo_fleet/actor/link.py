@@ -10,6 +10,7 @@ backoff) or `StopActor`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -51,6 +52,22 @@ def load_curve(cfg: ActorConfig) -> Optional[tuple[Keypair, bytes]]:
         raise ActorRefused(str(exc)) from None
 
 
+def routing_id(actor_id: str, curve: Optional[tuple[Keypair, bytes]]) -> bytes:
+    """The routing id the learner's ROUTER knows this actor by: its actor id, and with CURVE a tag only its secret
+    key can make.
+
+    The ROUTER hands a routing id over to whoever connects with it last (so a
+    restarted actor gets its own back). Actor ids are public (`status`, /sd, metric
+    labels); with CURVE the routing id travels encrypted in the handshake, so with
+    the tag no other key can take this actor's connection over. It stays the same
+    across restarts with the same key.
+    """
+    if curve is None or curve[0].secret is None:
+        return actor_id.encode()
+    tag = hashlib.blake2b(actor_id.encode(), key=curve[0].secret, digest_size=8).hexdigest()
+    return f"{actor_id}.{tag}".encode()
+
+
 def notice_address(pub_address: Optional[str], connect: str) -> str:
     """Where to subscribe: a learner bound to a wildcard advertises it; dial the host we reached it on."""
     parsed = urlparse(pub_address or "")
@@ -81,7 +98,7 @@ class LearnerLink:
         """A fresh request socket, registered with the learner (unless `give_up()` first, see `request`)."""
         self.close()
         self._dealer = dealer_socket(
-            self.ctx, self.connect, identity=self.actor_id.encode(),
+            self.ctx, self.connect, identity=routing_id(self.actor_id, self.curve),
             max_message_bytes=self.limits.max_message_bytes, curve=self.curve,
         )
         return self.request(hello, m.Welcome, give_up)

@@ -161,7 +161,10 @@ def test_a_hung_rank_of_three_stops_the_others_cleanly_and_three_ranks_resume(ru
     config, cfg = run_config(generation={"max_tokens": 5}, task={"num_train": 100}, grpo={"groups_per_step": 2},
                              train={"steps": target, "checkpoint_every": 2},
                              server={"lease_seconds": 5.0, "heartbeat_seconds": 0.5},
-                             distributed={"timeout_seconds": 8, "keepalive_seconds": 0.5})
+                             distributed={"timeout_seconds": 8, "keepalive_seconds": 0.5,
+                                          # A rank waiting for rank 0's next command, behind the hung one, learns
+                                          # that rank 0 is gone only when this runs out.
+                                          "idle_timeout_seconds": 30})
     run_dir = Path(cfg.run_dir)
     ranks = _three_ranks(spawn, _hostfile(tmp_path, free_port, 3), "--config", str(config), tag="first")
     actors = [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"dp3-{i}", "--metrics-port", "0",
@@ -170,8 +173,10 @@ def test_a_hung_rank_of_three_stops_the_others_cleanly_and_three_ranks_resume(ru
     os.killpg(ranks[2].pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
-        codes = [ranks[0].wait(timeout=120), ranks[1].wait(timeout=120)]
-        ended = time.monotonic() - stopped
+        codes, ended = [], []
+        for rank in ranks[:2]:
+            codes.append(rank.wait(timeout=120))
+            ended.append(time.monotonic() - stopped)
     finally:
         os.killpg(ranks[2].pid, signal.SIGKILL)
         ranks[2].wait()
@@ -184,8 +189,8 @@ def test_a_hung_rank_of_three_stops_the_others_cleanly_and_three_ranks_resume(ru
     checkpoint = latest_checkpoint(run_dir)
     assert checkpoint is not None
     saved = read_state(checkpoint)["step"]
-    print(f"3 ranks: SIGSTOP of rank 2 after step {done}; ranks 0 and 1 exited {RANKS_FAILED} {ended:.1f} s later; "
-          f"last checkpoint step {saved}")
+    print(f"3 ranks: SIGSTOP of rank 2 after step {done}; ranks 0 and 1 exited {RANKS_FAILED} "
+          f"{ended[0]:.1f} s and {ended[1]:.1f} s later; last checkpoint step {saved}")
 
     resumed_at = time.monotonic()
     again = _three_ranks(spawn, _hostfile(tmp_path, free_port, 3, "hosts2.json"), "--resume", str(run_dir), tag="again")

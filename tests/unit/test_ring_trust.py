@@ -8,8 +8,10 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from grpo_fleet.learner.ranks.distributed import DataParallel
+from grpo_fleet.learner.ranks.rank_metrics import CollectiveTotals
 from grpo_fleet.learner.ranks.ring_trust import (
     RingRefused,
     check_ring_network,
@@ -164,3 +166,14 @@ def test_a_follower_refuses_a_replayed_batch_and_one_signed_without_the_secret()
         _receive(first + second)  # the first step again, where rank 0's second belongs
     with pytest.raises(RingRefused, match="failed its HMAC"):
         _receive(_sent(1), key=b"another run's secret")
+
+
+def test_the_ring_refusals_are_exported_by_reason_and_rank():
+    wire = _Wire(0, [], SECRET)
+    wire.refusals.update({"key not allowed": 2, "malformed knock": 1})
+    wire.totals = {}  # type: ignore[attr-defined]
+    registry = CollectorRegistry()
+    registry.register(CollectiveTotals(cast(Any, wire)))
+    name = "grpo_fleet_learner_ring_refusals_total"
+    assert registry.get_sample_value(name, {"reason": "key not allowed", "rank": "0"}) == 2
+    assert registry.get_sample_value(name, {"reason": "malformed knock", "rank": "0"}) == 1

@@ -12,6 +12,7 @@ import threading
 import time
 
 from grpo_fleet.bench.simulated_actor import session
+from helpers import wait_for
 
 ASKED = 4
 SLOW_SECONDS_PER_GROUP = 0.4  # 2.5 groups/s: 2 groups fit the 1 s target
@@ -29,12 +30,14 @@ def test_fast_actor_gets_full_leases_and_slow_actor_small_ones(run_config, spawn
         security={"verify_rewards": False, "verify_logprobs": False},
     )
     learner = spawn("learner", "--config", str(config), name="learner")
+    # The window opens once the learner answers: on a loaded machine its start-up (imports, the tiny
+    # model) took longer than the whole window, and the actors' first Hello came back after it closed.
+    probe = {"endpoint": cfg.server.bind, "identity": "probe", "curve": None, "start": 0.0, "end": 0.0}
+    wait_for(lambda: not session(probe, timeout=5.0)["errors"], "the learner answering a Hello", procs=[learner])
     start = time.time()
     results: dict[str, dict] = {}
 
     def run(label: str, seconds_per_group: float) -> None:
-        # Rounds count from the start; the learner's own start-up (building the
-        # tiny model) takes a few of these seconds.
         job = {"endpoint": cfg.server.bind, "identity": label, "curve": None, "max_groups": ASKED,
                "seconds_per_group": seconds_per_group, "start": start, "end": start + RUN_SECONDS}
         results[label] = session(job, timeout=60.0)

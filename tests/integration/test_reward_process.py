@@ -207,11 +207,17 @@ def test_a_module_that_cannot_load_is_refused_with_its_error(tmp_path: Path) -> 
 
 
 CTRL_C_SCRIPT = '''
-import itertools, sys, time
+import faulthandler, itertools, signal, sys, time
 from grpo_fleet.tasks.reward_runner import RewardSet, ScoringProcess
 from grpo_fleet.tasks.scoring import ScoringJob
 
 def main():
+    # What the test prints if this process ever waits past its Ctrl-C: its stacks (on SIGUSR1), how SIGINT
+    # stood at its start (inherited ignored or blocked, it would never raise), and what it printed.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    status = open("/proc/self/status").read() if sys.platform == "linux" else ""
+    print("sigint", signal.getsignal(signal.SIGINT), *[l for l in status.splitlines() if l.startswith("Sig")],
+          file=sys.stderr, flush=True)
     scorer = ScoringProcess(RewardSet(names=("fine",), weights=(1.0,), module=sys.argv[1], timeout_seconds=5.0))
     job = ScoringJob(prompt="p", columns={"answer": "42"}, completions=("42",))
     scorer.score([job])  # the reward process is up and serving, as an actor's is when Ctrl-C comes
@@ -250,7 +256,14 @@ def test_ctrl_c_leaves_the_reward_process_to_its_parent(tmp_path: Path) -> None:
         first = proc.stdout.readline()
         assert first.startswith("child "), first + proc.stderr.read() if proc.stderr else first
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # its stacks, to say where it waited
+            time.sleep(2)
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"no exit within 30 s of Ctrl-C; stdout: {out!r}; stderr: {err[-6000:]}") from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -98,10 +98,15 @@ def test_wandb_offline_records_every_step_and_a_resume_continues_the_run(tmp_pat
         resumed.log_record(dataclasses.replace(step_record(step), reward_mean=10.0 * step))
     resumed.log(4, {"eval/reward": 0.5})
     resumed.close()
+    # finish() returns once W&B's service has the run's exit; the service process writes the .wandb file
+    # itself and may still be flushing it (seen under load: the resumed file read back empty). Ending the
+    # service, as the learner's exit does, leaves both files complete.
+    wandb.teardown()
 
     logs = sorted(run_dir.glob("wandb/offline-run-*/run-a1b2c3d4e5f6.wandb"))
     assert len(logs) == 2, "one offline run directory per process, both under the run's W&B id"
-    assert all(run_ids(path) == {"a1b2c3d4e5f6"} for path in logs)
+    ids = {path.parent.name: run_ids(path) for path in logs}
+    assert all(found == {"a1b2c3d4e5f6"} for found in ids.values()), ids
     assert started_config(logs[0])["grpo"] == cfg.grpo.model_dump(mode="json")
     before, after = history(logs[0]), history(logs[1])
     assert [row["_step"] for row in before] == [1, 2, 3] and [row["_step"] for row in after] == [3, 4]

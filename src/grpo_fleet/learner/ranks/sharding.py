@@ -50,7 +50,8 @@ class Header:
         if words.shape != (HEADER_SIZE,):
             raise ValueError(f"a step header has {HEADER_SIZE} int32 words, got shape {words.shape}")
         command, rows, width, groups = (int(w) for w in words[:4])
-        return cls(Command(command), rows, width, groups, tag=np.ascontiguousarray(words[4:], np.int32).tobytes())
+        tag = np.ascontiguousarray(words[4:], np.int32).tobytes() if words[4:].any() else b""  # zeros: unsigned
+        return cls(Command(command), rows, width, groups, tag=tag)
 
 
 def shard_rows(total: int, rank: int, size: int) -> np.ndarray:

@@ -49,8 +49,13 @@ def open_door(keys_dir: str, endpoint: str, size: int, secret: bytes, timeout_s:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_KNOCK_BYTES)
     try:
-        _bind(sock, endpoint)
-        log.info("ring door open on %s for ranks 1..%d (keys in %s)", endpoint, size - 1, keys / RANKS_DIR)
+        try:
+            _bind(sock, endpoint)
+        except zmq.ZMQError as exc:  # e.g. the hostfile's rank 0 address is not this machine's
+            raise DoorClosed(f"cannot open the ring door on {endpoint}: {exc}") from None
+        log.info("ring door open on %s: waiting up to %g s for ranks 1..%d to knock, each with a key in %s "
+                 "(their distributed.key_file and distributed.learner_key_file)", endpoint, timeout_s, size - 1,
+                 keys / RANKS_DIR)
         missing = set(range(1, size))
         deadline = time.monotonic() + timeout_s
         while missing and time.monotonic() < deadline:
@@ -112,11 +117,13 @@ def knock(endpoint: str, key_file: str, learner_key_file: str, rank: int, timeou
         sock.send(json.dumps({"rank": rank}).encode())
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise DoorClosed(f"no rank 0 holding the secret half of {learner_key_file} answered at {endpoint} within "
-                             f"{timeout_s:g} s (rank 0 is not this run's learner, or it does not allow this rank's key)")
+                             f"{timeout_s:g} s (rank 0 is not this run's learner, it runs without security.keys_dir, or it "
+                             "does not allow this rank's key)")
         answer = json.loads(sock.recv())
     finally:
         sock.close(linger=0)
         ctx.term()
     if not isinstance(answer, dict) or not isinstance(answer.get("secret"), str):
-        raise DoorClosed(f"rank 0's ring door refused rank {rank}: {shown(str(answer.get('refused', answer)))}")
+        reason = answer.get("refused", answer) if isinstance(answer, dict) else answer
+        raise DoorClosed(f"rank 0's ring door refused rank {rank}: {shown(str(reason))}")
     return bytes.fromhex(answer["secret"])

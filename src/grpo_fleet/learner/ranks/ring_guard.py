@@ -80,6 +80,8 @@ def admit_ranks(ranks: RankGroup, cfg: RunConfig) -> None:
             raise RingRefused(f"rank 0: refused the ring: {exc}") from None
         except AddressInUse as exc:
             raise RingRefused(f"rank 0: cannot open the ring door: {exc}; choose distributed.door_port") from None
+        except (OSError, ValueError) as exc:  # no learner key in keys_dir, or not a key
+            raise RingRefused(f"rank 0: cannot open the ring door: {exc}") from None
     else:
         log.warning("rank 0: the ranks are not authenticated (%s); see the README's 'Who may join the ring'",
                     "no security.keys_dir" if endpoint else "the ring door covers the ring backend only")
@@ -102,6 +104,8 @@ def enter_ring(ranks: RankGroup) -> None:
             ranks.ring_key = knock(endpoint, cfg.key_file, cfg.learner_key_file, ranks.rank, cfg.idle_timeout_seconds)
         except DoorClosed as exc:
             raise RingRefused(f"rank {ranks.rank}: refused rank 0: {exc}") from None
+        except (OSError, ValueError) as exc:  # a key file missing or not a key
+            raise RingRefused(f"rank {ranks.rank}: cannot read its ring keys: {exc}") from None
         log.info("rank %d: authenticated at rank 0's ring door %s", ranks.rank, endpoint)
     failed = prove_ring(ranks)
     if failed:

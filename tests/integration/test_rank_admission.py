@@ -204,3 +204,20 @@ def test_a_hung_rank_of_three_stops_the_others_cleanly_and_three_ranks_resume(ru
     assert steps == list(range(1, target + 1)), steps
     audit = audit_ledger(run_dir / "ledger.jsonl")
     assert set(audit.accepted) == finished_in_checkpoint(read_state(latest_checkpoint(run_dir))["scheduler"])  # type: ignore[arg-type]
+
+
+def test_a_ring_on_a_public_address_is_refused_before_connecting_unless_trusted(run_config, spawn, tmp_path):
+    config, _ = run_config(distributed={"idle_timeout_seconds": 5})
+    hostfile = tmp_path / "public.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:40001"], ["203.0.113.7:40002"]]))
+    ranks = [spawn("learner", "--config", str(config), name=f"rank{rank}", env=_rank_env(hostfile, rank))
+             for rank in (0, 1)]
+    for proc in ranks:
+        assert proc.wait(timeout=60) == REFUSED, _log(proc)[-2000:]
+        log = _log(proc)
+        assert "non-private addresses (203.0.113.7:40002)" in log and "trusted_network" in log, log[-2000:]
+        assert "connecting to the other ranks" not in log and "Traceback" not in log
+    trusted = spawn("learner", "--config", str(config), "--set", "distributed.trusted_network=true", name="trusted",
+                    env=_rank_env(hostfile, 0))
+    assert trusted.wait(timeout=60) != 0  # nobody at 203.0.113.7: it gives up connecting, after trying
+    assert "rank 0: connecting to the other ranks" in _log(trusted)

@@ -508,6 +508,14 @@ class SecurityConfig(_Section):
         "alters c of G is caught by a checked group with probability 1 - C(G-c, k) / C(G, k). Groups checked inside "
         "the step are checked whole.",
     )
+    screen_token_nats: float = Field(
+        8.0, ge=0,
+        description="Every older group (sampled a few versions before the step) is screened inside the step, checked "
+        "or not: a token whose reported logprob is further than this from the step's own forward drops the step and "
+        "sends the group to be recomputed whole at its version (a lie bans its actor; an honest group trains on the "
+        "retry). Honest drift over a few versions stays far under it; a logprob moved by many nats to buy a huge "
+        "ratio does not, in whichever completion it hides. 0 turns the screen off.",
+    )
     calibration_prompts: int = Field(
         2, ge=0,
         description="Train prompts the learner samples G completions of at start, in a half-precision actor's dtype, to "

@@ -192,7 +192,9 @@ def learner_metrics() -> LearnerMetrics:
         ),
         logprob_checks=Counter(
             f"{p}_logprob_checks", "Groups whose logprobs were checked before training, by how (fused: against the "
-            "step's own forward; forward: recomputed at their version) and result (passed, failed)", ["how", "result"],
+            "step's own forward; forward: recomputed at their version; screen: an older group's tokens against the step's "
+            "forward, under security.screen_token_nats) and result (passed, failed; for screen, failed groups are "
+            "recomputed whole and the honest counted again as cleared)", ["how", "result"],
             registry=r,
         ),
         groups_unchecked=Counter(

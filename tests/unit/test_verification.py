@@ -397,6 +397,48 @@ def test_the_learner_calibrates_the_half_precision_bound_on_its_own_model(make: 
     assert make(security={"verify_logprobs": True, "calibration_prompts": 0}).intake.rules.calibrated == ()
 
 
+def _one_behind(learner: RunCoordinator) -> m.Rollouts:
+    """An honest submission sampled at version 0, returned once the learner has stepped to version 1."""
+    hello(learner)
+    early = generated_rollouts(learner, lease(learner))  # sampled now, under version 0's weights
+    assert ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner))).status == "accepted"
+    assert learner.train_step() is not None and learner.state.version == 1
+    return early
+
+
+def checks(learner: RunCoordinator, how: str, result: str) -> float:
+    labels = {"how": how, "result": result}
+    return learner.metrics.registry.get_sample_value("grpo_fleet_learner_logprob_checks_total", labels) or 0.0
+
+
+def test_a_spike_in_an_unchecked_older_group_is_caught_by_the_steps_screen(make: Callable[..., RunCoordinator]) -> None:
+    """Past probation at a share of ~0 nothing recomputes an older group: only the step's screen sees the spike."""
+    learner = make(security={"verify_logprobs": True, "probation_groups": 0, "check_share": 1e-9},
+                   grpo={"max_staleness": 2})
+    liar = spiked(_one_behind(learner), -20.0)
+    assert ask(learner, ACTOR_A, liar).status == "accepted"
+    assert not any(g.check_logprobs for g in learner.state.buffer), "sampled out: no forward check"
+    assert learner.train_step() is None and learner.state.step == 1, "nothing of it trained"
+    assert learner.registry.is_banned(next(iter(learner.registry.actors.values())).principal)
+    assert rejections(learner, RejectReason.LOGPROB_MISMATCH) == GROUPS_PER_STEP
+    assert checks(learner, "screen", "failed") == 1 and checks(learner, "screen", "cleared") == 0
+
+
+def test_an_honest_older_group_beyond_the_screen_is_recomputed_cleared_and_trained(
+        make: Callable[..., RunCoordinator]) -> None:
+    # A screen of 1e-4 nats: an honest group's drift over one step at lr 1e-3 breaks it (the tiny model's logprobs
+    # move ~1e-6 at the default lr), so it is recomputed whole at its version.
+    learner = make(security={"verify_logprobs": True, "probation_groups": 0, "check_share": 1e-9,
+                             "screen_token_nats": 1e-4}, grpo={"max_staleness": 2}, optim={"lr": 1e-3})
+    assert ask(learner, ACTOR_A, _one_behind(learner)).status == "accepted"
+    assert learner.train_step() is None and learner.state.step == 1, "the screen drops the first try"
+    assert len(learner.state.buffer) == GROUPS_PER_STEP, "the batch is back, untrained"
+    assert checks(learner, "screen", "cleared") == GROUPS_PER_STEP
+    assert learner.train_step() is not None and learner.state.step == 2, "the retry trains them, unscreened"
+    assert rejections(learner, RejectReason.LOGPROB_MISMATCH) == 0
+    assert not learner.registry.is_banned(next(iter(learner.registry.actors.values())).principal)
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_every_trained_group_is_checked_or_counted_unchecked_with_its_reason(
         make: Callable[..., RunCoordinator], verify: bool) -> None:

@@ -81,6 +81,17 @@ def test_one_spiked_token_fails_the_fused_check_by_the_token_bound() -> None:
     assert checked.broke == "token" and checked.worst == pytest.approx(2.0)
 
 
+def test_the_screen_judges_an_older_group_by_its_worst_token_only_and_says_screen() -> None:
+    recomputed, mask = _grid(3, 8, 200, seed=2)
+    reported = recomputed + np.float32(0.3) * mask  # every group drifted 0.3 nats a token: a few versions on
+    row, col = 9, int(np.flatnonzero(mask[9])[7])
+    reported[row, col] -= 20.0  # group 1 hides one spike in one completion
+    bounds = check_bounds_array([GapBound(0.01, 0.1), None, None], screens={1: 8.0, 2: 8.0})
+    checked = fused_check(recomputed, reported, mask, bounds)
+    assert [(c.index, c.broke) for c in checked] == [(0, "mean"), (1, "screen"), (2, None)]
+    assert checked[1].worst == pytest.approx(19.7, rel=1e-5), "drift the mean alone never judges"
+
+
 def test_probation_checks_every_group_then_a_share_and_a_new_hello_starts_it_again() -> None:
     trust = Trust(probation_groups=3, share=0.25, draw=random.Random(1))
     assert all(trust.wants_check("a") for _ in range(50))  # nothing passed yet

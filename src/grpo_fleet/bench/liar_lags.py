@@ -62,6 +62,7 @@ DTYPES = ("float32", "bfloat16")
 SPIKE_SHARE, SPIKE_NATS = 0.01, 20.0
 SLEEPER_TRIALS = 100_000
 WHOLE, PART = "whole groups (the step's version)", "part of each group (an older version)"
+SCREENED = "under the step's screen (security.screen_token_nats)"
 
 
 @dataclass(frozen=True)
@@ -171,13 +172,23 @@ class Probe:
         for how, seen in ((WHOLE, groups), (PART, [part_of(g, count, self.picker) for g in groups])):
             self.judged.setdefault((dtype, kind, how), []).append(judged(self.check, seen, stops, settings.max_tokens))
 
+    def screen(self, dtype: str, kind: str, groups: list[AcceptedGroup]) -> None:
+        """Older groups against the weights of the step that trains them: every token, every completion."""
+        stops = frozenset(self.loop.settings.stop_token_ids)
+        self.judged.setdefault((dtype, kind, SCREENED), []).append(
+            judged(self.check, groups, stops, self.loop.settings.max_tokens))
+
     def submission(self, sampler: Any, dtype: str, lag: int, version: int) -> None:
         """One submission sampled by `sampler`, claimed as `version`; from an honest one, the two made-up liars."""
         groups = self.loop.batch(sampler, batched_rollout)[: self.size]
         for group in groups:
             group.policy_version = version
         self.judge(dtype, "honest" if lag == 0 else f"weights {lag} version{'s' if lag > 1 else ''} stale", groups)
-        if lag:
+        if lag:  # the same groups, claimed as what they are: sampled `lag` versions before the step that screens them
+            old = f"{lag} version{'s' if lag > 1 else ''} old"
+            self.screen(dtype, f"honest, {old}", groups)
+            self.screen(dtype, f"spikes of {SPIKE_NATS:g} nats on {SPIKE_SHARE:.0%} of tokens, {old}",
+                        [spiked(g, self.rng) for g in groups])
             return
         self.judge(dtype, f"spikes of {SPIKE_NATS:g} nats on {SPIKE_SHARE:.0%} of tokens",
                    [spiked(g, self.rng) for g in groups])
@@ -210,13 +221,16 @@ def run(report: Report, scale: Scale) -> None:
                     for _ in range(per_probe):
                         probe.submission(sampler, dtype, lag, version)
             print(f"liar_lags v{version}: submissions judged", {k: len(v) for k, v in probe.judged.items()}, flush=True)
-    _report(report, probe.judged, bounds, probe.size)
+    _report(report, probe.judged, bounds, probe.size, cfg.security.screen_token_nats)
 
 
 def _report(report: Report, judged_by: dict[tuple[str, str, str], list[Judged]], bounds: dict[str, GapBound],
-            size: int) -> None:
+            size: int, screen: float) -> None:
     picker = random.Random(0)
     for (dtype, kind, how), submissions in judged_by.items():
+        if how == SCREENED:
+            _report_screen(report, dtype, kind, submissions, screen)
+            continue
         bound, honest = bounds[dtype], kind == "honest"
         caught = sum(s.caught(bound) for s in submissions)
         before = sum(s.caught_before(logprob_gap_bound(dtype, "float32"), picker) for s in submissions)
@@ -232,3 +246,21 @@ def _report(report: Report, judged_by: dict[tuple[str, str, str], list[Judged]],
             f"{max(means):.4f}, worst tokens {min(worst):.3f}-{max(worst):.3f} nats; before: the mean of up to "
             f"{OLD_CHECKS} groups against {logprob_gap_bound(dtype, 'float32')}",
         ))
+
+
+def _report_screen(report: Report, dtype: str, kind: str, submissions: list[Judged], screen: float) -> None:
+    """Older groups under the step's screen: honest ones it sends to be recomputed (a wasted step each, no ban),
+    and spiked ones it catches."""
+    worst = [w for s in submissions for _, w in s.gaps]
+    if kind.startswith("honest"):
+        alarms = sum(w > screen for w in worst)
+        report.add(Figure(BENCH, f"{dtype} actor, {kind}, {SCREENED}: groups over the screen", float(alarms), "groups",
+                          goal="0 (each costs one step, never a ban)",
+                          notes=f"{alarms} of {len(worst)} groups; worst token drift {min(worst):.3f}-{max(worst):.3f} "
+                          f"nats against the screen's {screen:g}"))
+        return
+    caught = sum(any(w > screen for _, w in s.gaps) for s in submissions)
+    report.add(Figure(BENCH, f"{dtype} actor, {kind}, {SCREENED}: submissions caught", float(caught), "submissions",
+                      goal=f"{len(submissions)} of {len(submissions)}",
+                      notes=f"{caught} of {len(submissions)}; worst tokens {min(worst):.2f}-{max(worst):.2f} nats, "
+                      f"the screen {screen:g}; every group is screened, checked or not"))

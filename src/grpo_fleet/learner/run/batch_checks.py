@@ -12,6 +12,16 @@ Every group of a batch goes one of three ways (`plan`):
   `version_gone` (its weights are not kept; intake refuses such groups, so this
   stays 0 unless something is wrong).
 
+Every older group whose version is kept is also **screened** inside the step,
+checked or not: its tokens against the step's own forward, a few versions on,
+under `security.screen_token_nats`. Honest drift over a few versions stays far
+under it; a token whose reported logprob was moved by many nats (the lie that
+buys a huge ratio) does not, in whichever completion it hides. A group beyond
+the screen drops the step's gradients and is recomputed whole at its version:
+a lie is dealt with as any failed check, an honest group is cleared (counted
+`logprob_checks_total{how="screen",result="cleared"}`) and the batch trains
+again with it unscreened.
+
 A failed check bans the actor and drops everything of it, the batch's groups
 included; the rest of the batch goes back to the head of the buffer untrained,
 and the next step takes it again. Nothing is applied before the check is done,
@@ -44,13 +54,16 @@ class CheckPlan:
     """How each group of one batch is checked; `fused` follows the batch's group order."""
 
     fused: list[Optional[GapBound]]
+    screens: dict[int, float] = field(default_factory=dict)  # group index -> token bound of the step's screen
     forward: list[AcceptedGroup] = field(default_factory=list)
     unchecked: list[tuple[AcceptedGroup, str]] = field(default_factory=list)
     seconds: float = 0.0  # spent on this batch's checks, the forwards and the step's comparison
 
     def fused_bounds(self) -> Optional[np.ndarray]:
         """`TrainBatch.check`: None when the step checks nothing itself."""
-        return check_bounds_array(self.fused) if any(b is not None for b in self.fused) else None
+        if not self.screens and all(b is None for b in self.fused):
+            return None
+        return check_bounds_array(self.fused, self.screens)
 
     @property
     def checked(self) -> int:
@@ -62,6 +75,7 @@ class BatchChecks:
 
     def __init__(self, rooms: RunRooms) -> None:
         self.rooms = rooms
+        self.cleared: set[str] = set()  # groups recomputed whole after the screen: their retry is not screened
 
     def plan(self, groups: list[AcceptedGroup], trained_on: int, weights_published: bool) -> CheckPlan:
         """Sort a batch's groups into fused, forward and unchecked (under the lock: flags and history are shared)."""
@@ -71,10 +85,16 @@ class BatchChecks:
             plan.unchecked = [(g, VERIFICATION_OFF) for g in groups]
             return plan
         fuse = weights_published and self.rooms.trainer.fuses_check
+        screen = self.rooms.cfg.security.screen_token_nats
         for index, group in enumerate(groups):
             if fuse and group.policy_version == trained_on:
                 plan.fused[index] = check.bound_of(group)
-            elif not group.check_logprobs:
+                continue
+            cleared = group.group_id in self.cleared
+            self.cleared.discard(group.group_id)
+            if fuse and screen > 0 and not cleared and group.policy_version in history.versions:
+                plan.screens[index] = screen
+            if not group.check_logprobs:
                 plan.unchecked.append((group, SAMPLED_OUT))
             elif group.policy_version not in history.versions:
                 plan.unchecked.append((group, VERSION_GONE))
@@ -99,17 +119,42 @@ class BatchChecks:
             return self._settle(plan.forward, failures, groups)
 
     def fused(self, plan: CheckPlan, groups: list[AcceptedGroup], stats: StepStats) -> bool:
-        """Apply the step's own check (`stats.checked`); False when it found a lie and nothing was applied."""
+        """Apply the step's own check and screen (`stats.checked`); False when nothing was applied: a lie was
+        found, or an older group broke the screen (then recomputed whole at its version here)."""
         plan.seconds += stats.check_seconds
-        checked = [groups[c.index] for c in stats.checked]
+        own = [c for c in stats.checked if c.index not in plan.screens]
+        screened = [c for c in stats.checked if c.index in plan.screens]
+        checked = [groups[c.index] for c in own]
         failures = [(groups[c.index], _gap(groups[c.index], c, plan.fused[c.index]))
-                    for c in stats.checked if c.broke is not None]
+                    for c in own if c.broke is not None]
+        suspects = [groups[c.index] for c in screened if c.broke is not None]
         self._count("fused", len(checked), len(failures))
+        self._count("screen", len(screened), len(suspects))
         observe = self.rooms.metrics.logprob_gap.observe
-        for c in stats.checked:
+        for c in own:
             observe(c.mean)
+        if suspects and not failures:
+            return self._recompute_suspects(plan, suspects, groups)
         with self.rooms.lock:
             return self._settle(checked, failures, groups)
+
+    def _recompute_suspects(self, plan: CheckPlan, suspects: list[AcceptedGroup], groups: list[AcceptedGroup]) -> bool:
+        """Older groups beyond the step's screen, recomputed whole at their versions: the liars are dealt with as
+        any failed check, the honest cleared for the batch's retry; the batch goes back untrained either way."""
+        check = self.rooms.logprob_check
+        assert check is not None, "the plan screens only when verifying"
+        started = time.perf_counter()
+        failures = check.failures(suspects)
+        plan.seconds += time.perf_counter() - started
+        self._count("forward", len(suspects), len(failures))
+        liars = {group.actor_key for group, _ in failures}
+        cleared = [g for g in suspects if g.actor_key not in liars]
+        self.rooms.metrics.logprob_checks.labels(how="screen", result="cleared").inc(len(cleared))
+        self.cleared.update(g.group_id for g in cleared)
+        with self.rooms.lock:
+            if self._settle(suspects, failures, groups):
+                self.rooms.handoff.put_back(groups)
+        return False
 
     def record_unchecked(self, plan: CheckPlan, step: int) -> None:
         """Count and ledger each group that trained unchecked (under the lock, like every ledger line)."""

@@ -28,7 +28,7 @@ from grpo_fleet.learner.run.batch_checks import BatchChecks
 from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
-from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, StepStats
+from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, LOGPROB_SCREEN, StepStats
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol.reasons import RejectReason
@@ -242,7 +242,7 @@ class BatchCycle:
         phases = StepPhases(data_prep=data_prep, ref_forward=stats.ref_seconds, update=stats.update_seconds,
                             proximal_forward=stats.proximal_seconds or None)
         snapshot = None
-        if step % self.train.sync_every == 0 and stats.skipped != LOGPROB_MISMATCH:  # a lie's step is taken again
+        if step % self.train.sync_every == 0 and stats.skipped not in (LOGPROB_MISMATCH, LOGPROB_SCREEN):  # taken again
             publish_started = time.perf_counter()
             snapshot = self.snapshots.serialize(trained_on + 1)
             phases.publish = time.perf_counter() - publish_started

@@ -8,6 +8,14 @@ after the first epoch's gradients and before they are applied. A group beyond
 its bound fails the whole step: nothing is applied, and the caller drops the
 liar's groups and trains the rest again.
 
+The same comparison screens the batch's older groups too: the step's weights
+are a few versions past theirs, so an honest group's tokens drift a little
+from what its actor reported, but a token moved by many nats (a concentrated
+lie: an old logprob reported far below what was sampled, so its ratio
+dominates the step) stands out. A screen row has no mean bound (+inf) and a
+loose token bound; a group beyond it breaks as "screen": nothing is applied,
+and the caller recomputes it at its own version before it decides.
+
 Plain NumPy over arrays the step already holds; the same on every
 data-parallel rank, since each sees the same gathered grid and the same bounds.
 """
@@ -29,12 +37,15 @@ class CheckedGroup:
     index: int  # the group's place in its batch (rows are group-major)
     mean: float
     worst: float
-    broke: Optional[str]
+    broke: Optional[str]  # "mean" or "token" (a lie), "screen" (an older group to recompute at its version)
 
 
-def check_bounds_array(bounds: list[Optional[GapBound]]) -> np.ndarray:
-    """`[groups, 2]` float32 (mean, token) bounds for `TrainBatch.check`; +inf rows are not checked."""
+def check_bounds_array(bounds: list[Optional[GapBound]], screens: Optional[dict[int, float]] = None) -> np.ndarray:
+    """`[groups, 2]` float32 (mean, token) bounds for `TrainBatch.check`: +inf rows are not checked, and a
+    screen row (`screens`: group index -> token bound) is (+inf, its token bound)."""
     out = np.full((len(bounds), 2), np.inf, np.float32)
+    for index, token in (screens or {}).items():
+        out[index, 1] = token
     for index, bound in enumerate(bounds):
         if bound is not None:
             out[index] = (bound.mean, bound.token)
@@ -54,10 +65,14 @@ def fused_check(recomputed: np.ndarray, reported: np.ndarray, mask: np.ndarray, 
         return []
     per_group = recomputed.shape[0] // groups
     checked = []
-    for index in np.flatnonzero(np.isfinite(bounds).all(axis=1)):
+    for index in np.flatnonzero(np.isfinite(bounds[:, 1])):
         rows = slice(int(index) * per_group, (int(index) + 1) * per_group)
         on = mask[rows] != 0
         mean, worst = group_gap(reported[rows][on], recomputed[rows][on])
         bound = GapBound(float(bounds[index, 0]), float(bounds[index, 1]))
-        checked.append(CheckedGroup(int(index), mean, worst, bound.judge(mean, worst)))
+        broke = bound.judge(mean, worst)
+        if broke is not None and not np.isfinite(bounds[index, 0]):
+            broke = "screen"
+        checked.append(CheckedGroup(int(index), mean, worst, broke))
     return checked
+

@@ -13,6 +13,8 @@ from grpo_fleet.learner.step.update_stats import UpdateStats
 
 # StepStats.skipped when the step's own check found a lie: the gradients were dropped, not applied.
 LOGPROB_MISMATCH = "logprob_mismatch"
+# An older group broke the step's screen: nothing applied; it is recomputed at its version, and the batch taken again.
+LOGPROB_SCREEN = "logprob_screen"
 
 
 @dataclass
@@ -40,8 +42,8 @@ class StepStats(UpdateStats):
     # pi_prox at the batch's completion positions, [N, L] like TrainBatch.old_logprobs (0 elsewhere), for
     # comparing what the learner computes with what each actor reported; None if the loss_fn returned none.
     proximal_logprobs: Optional[np.ndarray] = field(default=None, repr=False)
-    # The groups the step checked against its own first forward (TrainBatch.check), with their gaps; when one broke
-    # its bound, `skipped` is LOGPROB_MISMATCH and nothing was applied.
+    # The groups the step checked or screened against its own first forward (TrainBatch.check), with their gaps;
+    # when one broke its bound, `skipped` is LOGPROB_MISMATCH (or LOGPROB_SCREEN) and nothing was applied.
     checked: tuple[CheckedGroup, ...] = ()
     check_seconds: float = 0.0
 

@@ -36,7 +36,7 @@ from grpo_fleet.learner.step.fused_check import CheckedGroup, fused_check
 from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, LossFn, behaviour_correction, default_loss, offpolicy_summary
 from grpo_fleet.learner.step.rows import Sharding, SingleProcess
 from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
-from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, Gradients, StepStats
+from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, LOGPROB_SCREEN, Gradients, StepStats
 from grpo_fleet.model import Policy, adapters_disabled, load_policy
 from grpo_fleet.trees import flat_leaves, scalar
 
@@ -218,8 +218,9 @@ class Trainer:
                 check_started = time.perf_counter()
                 checked = self._fused_check(batch, grid)
                 check_seconds = time.perf_counter() - check_started
-            if any(c.broke for c in checked):
-                grad_norm, skipped = float("nan"), LOGPROB_MISMATCH  # a lie never trains: drop these gradients
+            if any(c.broke for c in checked):  # a lie, or a group to recompute, never trains: drop these gradients
+                lie = any(c.broke not in (None, "screen") for c in checked)
+                grad_norm, skipped = float("nan"), LOGPROB_MISMATCH if lie else LOGPROB_SCREEN
             else:
                 grad_norm, skipped = self.apply(gradients)
             epochs += 1

@@ -27,9 +27,9 @@ def test_actor_asks_for_its_next_lease_while_generating_the_current_one(run_conf
     assert server.verifier is not None
     submit = server.verifier.submit
 
-    def arriving(identity, answer):
+    def arriving(*args, **kwargs):
         requests.append("Rollouts")
-        return submit(identity, answer)
+        return submit(*args, **kwargs)
 
     server.verifier.submit = arriving
     serving = threading.Thread(target=server.serve, daemon=True)

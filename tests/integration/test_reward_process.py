@@ -218,6 +218,10 @@ def main():
     status = open("/proc/self/status").read() if sys.platform == "linux" else ""
     print("sigint", signal.getsignal(signal.SIGINT), *[l for l in status.splitlines() if l.startswith("Sig")],
           file=sys.stderr, flush=True)
+    # As a terminal's foreground job has it. A suite started in the background (`make test &`, nohup, some CI
+    # runners) hands every process SIGINT ignored, and a Python that starts so never raises KeyboardInterrupt:
+    # that was this test's "hang" (it waited out its sleeps), once in a while, depending on how pytest was started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     scorer = ScoringProcess(RewardSet(names=("fine",), weights=(1.0,), module=sys.argv[1], timeout_seconds=5.0))
     job = ScoringJob(prompt="p", columns={"answer": "42"}, completions=("42",))
     scorer.score([job])  # the reward process is up and serving, as an actor's is when Ctrl-C comes

@@ -276,6 +276,41 @@ def test_ctrl_c_leaves_the_reward_process_to_its_parent(tmp_path: Path) -> None:
     assert proc.returncode == 0, err
 
 
+SLOW_LOADING = '''
+import os, time
+MARKER = os.environ["GRPO_FLEET_TEST_MARKER"]
+if not os.path.exists(MARKER):  # the first child only: the test kills it here, while it loads
+    with open(MARKER, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+def fine(completion, prompt, **columns):
+    return 1.0
+'''
+
+
+def test_a_reward_process_killed_while_loading_is_replaced_not_refused(tmp_path: Path, monkeypatch) -> None:
+    """A reward process SIGKILLed before it was ready (the OOM killer, a stop to its group) said nothing of the
+    rewards: the actor refused the run for good over it (exit 2, seen under load in a fresh-clone make test)."""
+    module, marker = tmp_path / "slow_rewards.py", tmp_path / "loading"
+    module.write_text(SLOW_LOADING)
+    monkeypatch.setenv("GRPO_FLEET_TEST_MARKER", str(marker))  # the spawned child inherits it
+
+    def kill_while_loading() -> None:
+        pid = wait_for(lambda: marker.exists() and marker.read_text(), "the first reward process loading")
+        os.kill(int(pid), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_while_loading)
+    killer.start()
+    scorer = ScoringProcess(RewardSet(names=("fine",), weights=(1.0,), module=str(module), timeout_seconds=5.0))
+    killer.join()
+    try:
+        assert scorer.score([ScoringJob(prompt="p", columns={}, completions=("x",))])[0].rewards == [1.0]
+        assert scorer._process is not None and scorer._process.pid != int(marker.read_text())
+    finally:
+        scorer.close()
+
+
 def _steps(run_dir: Path) -> int:
     return len(jsonl(run_dir / "metrics.jsonl"))
 

@@ -38,6 +38,8 @@ DETAIL_CHARS = 300
 # not by the job it held: that job is not charged, it goes to a fresh child.
 STOPPED_FROM_OUTSIDE = (-signal.SIGTERM, -signal.SIGHUP)
 STOP_REAP_SECONDS = 1.0
+# Starts tried when a reward process is killed while it loads the rewards, before the rewards are refused.
+START_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class RewardSet:
 
 class RewardsRefused(RuntimeError):
     """The rewards cannot be loaded here: a missing module, an import error, an unknown name."""
+
+
+class _KilledWhileLoading(Exception):
+    """The reward process died of a signal before it was ready: not the rewards' fault."""
 
 
 class _RewardTimeout(BaseException):
@@ -188,6 +194,21 @@ class ScoringProcess:
         self._start()
 
     def _start(self) -> None:
+        """A child serving the rewards; RewardsRefused when the rewards themselves cannot be loaded.
+
+        A child killed by a signal while it loads (the OOM killer, a stop to its process group) says
+        nothing of the rewards: a fresh one is tried, up to START_ATTEMPTS in all.
+        """
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start_once()
+                return
+            except _KilledWhileLoading as exc:
+                log.warning("the reward process was killed while loading the rewards (%s); attempt %d of %d",
+                            exc, attempt, START_ATTEMPTS)
+        raise RewardsRefused(f"the reward process was killed while loading the rewards, {START_ATTEMPTS} times")
+
+    def _start_once(self) -> None:
         parent, child = self._context.Pipe()
         process = self._context.Process(target=_serve, args=(child, self.rewards), daemon=True,
                                         name="grpo-fleet-rewards")
@@ -201,8 +222,12 @@ class ScoringProcess:
         try:
             status, detail = parent.recv()
         except EOFError:
+            process.join(timeout=STOP_REAP_SECONDS)  # the pipe closes as it dies: reap it for its exit code
+            code = process.exitcode
             self._kill()
-            raise RewardsRefused("the reward process died while loading the rewards") from None
+            if code is not None and code < 0:
+                raise _KilledWhileLoading(f"signal {-code}") from None
+            raise RewardsRefused(f"the reward process died while loading the rewards (exit code {code})") from None
         if status != "ready":
             self._kill()
             raise RewardsRefused(detail)

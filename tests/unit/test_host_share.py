@@ -20,6 +20,15 @@ def test_other_cores_are_the_hosts_busy_time_less_the_fleets_over_the_wall_time(
     assert share.other_cores() == 0.0  # one sample says nothing yet
 
 
+def test_over_the_measured_steps_the_cores_count_from_that_sample_on():
+    share = HostShare(pids=[])
+    share.samples = [(100.0, 50.0, 20.0), (105.0, 55.0, 22.0), (110.0, 65.0, 25.0)]
+    assert share.other_cores(since=1) == pytest.approx(((65 - 55) - (25 - 22)) / 5)  # 1.4: the start-up left out
+    assert share.fleet_cores(since=1) == pytest.approx((25 - 22) / 5)
+    assert share.fleet_cores() == pytest.approx((25 - 20) / 10)
+    assert share.other_cores(since=2) == 0.0 and share.fleet_cores(since=2) == 0.0  # one sample says nothing
+
+
 def test_a_process_kept_under_one_core_runs_its_cpu_seconds_alone():
     assert Timed(10.0, 0.4).unstarved() == Timed(4.0, 1.0)
     assert Timed(10.0, 1.6).unstarved() == Timed(10.0, 1.6)  # it had its cores: as measured

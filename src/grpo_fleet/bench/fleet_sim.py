@@ -13,7 +13,9 @@ simulates as many steps as the run had, the probation of each new actor
 included, and its steps/s is compared with the run's (steps after the first,
 by wall clock). For contrast it is also given the run's own contended speeds
 as if each process had a machine to itself, which is what it would be told on
-a fleet of Macs.
+a fleet of Macs. The cores other work took are averaged over the whole run,
+start-up and the final eval included; the notes also give them, and the fleet's
+own, over the measured steps alone, and what the simulator says given those.
 
 Plan: 1-64 simulated actors at published Apple-silicon decode speeds
 (fleetsim.published) feeding 1, 2 and 4 learner ranks, with the check's share
@@ -29,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.alone import AloneSpeeds, measure_alone_as_fleet
@@ -66,6 +68,10 @@ class MeasuredRun:
     steps: int  # step lines in metrics.jsonl
     load_average: float  # the host's, over the run (other work on a shared host slows every process alike)
     other_cores: float  # cores the rest of the host kept busy over the run (bench.host_share)
+    # The same, and the fleet's own cores, over the measured steps only (from step 1's line to the run's end; None
+    # for a run too short to sample): a diagnostic beside the figure, which other_cores feeds.
+    steps_other_cores: Optional[float] = None
+    steps_fleet_cores: Optional[float] = None
 
 
 def _actor_figures(pages: list[Scraped]) -> tuple[float, float, float]:
@@ -89,11 +95,14 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
         learner_page: Optional[Scraped] = None
         loads: list[float] = []  # the host's 1-minute load average, the run's own processes included
         share = HostShare([fleet.learner.proc.pid] + [actor.proc.pid for actor in fleet.actors])
+        steps_from: Optional[int] = None  # the first sample once step 1 ended, where steps/s is measured from
         while fleet.learner.proc.poll() is None:
             pages = [scrape(port) or page for port, page in zip(fleet.actor_ports, pages)]
             learner_page = scrape(cfg.metrics.port) or learner_page
             loads.append(os.getloadavg()[0])
             share.sample()
+            if steps_from is None and share.samples and len(load_step_records(run_dir / "metrics.jsonl")) >= 2:
+                steps_from = len(share.samples) - 1
             time.sleep(1.0)
     every = load_step_records(run_dir / "metrics.jsonl")
     steps = every[1:]  # the first step carries start-up and warm-up
@@ -113,7 +122,14 @@ def measure_fleet(cfg: RunConfig, actors: int) -> MeasuredRun:
         logprob_check_seconds=sum(float(s.get("check_seconds") or 0.0) for s in steps) / len(steps),
         lease_groups=learner(f"{LEARNER}_lease_groups_sum") / max(learner(f"{LEARNER}_lease_groups_count"), 1.0),
         steps=len(every), load_average=sum(loads) / max(1, len(loads)), other_cores=share.other_cores(),
+        steps_other_cores=_over_steps(share, steps_from, share.other_cores),
+        steps_fleet_cores=_over_steps(share, steps_from, share.fleet_cores),
     )
+
+
+def _over_steps(share: HostShare, since: Optional[int], cores: Callable[[int], float]) -> Optional[float]:
+    """`cores` from sample `since` on, or None when fewer than two samples lie there."""
+    return cores(since) if since is not None and len(share.samples) - since >= 2 else None
 
 
 def _run_spec(cfg: RunConfig, run: MeasuredRun, step_seconds: float, forward_seconds: float) -> RunSpec:
@@ -131,10 +147,12 @@ def predicted_own_machines(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds)
     return simulate([actor] * run.actors, _run_spec(cfg, run, run.step_seconds, forward)).steps_per_second
 
 
-def predicted_shared_host(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds) -> float:
-    """Steps/s from each process's alone-speed, all sharing the cores of this host that other work left them."""
+def predicted_shared_host(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds, cores: Optional[float] = None) -> float:
+    """Steps/s from each process's alone-speed, all sharing the cores of this host that other work left them
+    (`cores`; by default fleet_cores over the run)."""
     group, step, forward = alone.group.unstarved(), alone.step.unstarved(), alone.logprob_check.unstarved()
-    host = SharedHost(cores=fleet_cores(run), learner_cores=step.cores, actor_cores=group.cores)
+    host = SharedHost(cores=fleet_cores(run) if cores is None else cores, learner_cores=step.cores,
+                      actor_cores=group.cores)
     actor = ActorSpec(group.seconds, run.fetch_seconds, max_groups=cfg.server.max_groups_per_lease,
                       lease_seconds=alone.lease.unstarved().seconds)
     spec = _run_spec(cfg, run, step.seconds, forward.seconds)
@@ -143,7 +161,23 @@ def predicted_shared_host(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds) 
 
 def fleet_cores(run: MeasuredRun) -> float:
     """This host's cores less those other work kept busy during the run (a quarter core at least)."""
-    return max(0.25, float(os.cpu_count() or 1) - run.other_cores)
+    return _left(run.other_cores)
+
+
+def _left(other_cores: float) -> float:
+    return max(0.25, float(os.cpu_count() or 1) - other_cores)
+
+
+def _over_steps_note(run: MeasuredRun, cfg: RunConfig, alone: AloneSpeeds) -> str:
+    """Other work's and the fleet's own cores over the measured steps only, and what the simulator says given those
+    (a diagnostic: the figure's cores are over the whole run, start-up included)."""
+    if run.steps_other_cores is None or run.steps_fleet_cores is None:
+        return ""
+    cores = _left(run.steps_other_cores)
+    simulated = predicted_shared_host(run, cfg, alone, cores)
+    return (f"; over the measured steps alone other work kept {run.steps_other_cores:.2f} cores busy and the fleet "
+            f"{run.steps_fleet_cores:.2f}: given {cores:.2f} cores, simulated {simulated:.4f} "
+            f"({simulated / run.steps_per_second:.3f}x)")
 
 
 def check_share(cfg: RunConfig, alone: AloneSpeeds) -> float:
@@ -180,7 +214,7 @@ def _report_check(report: Report, cfg: RunConfig, measured: MeasuredRun, alone: 
         f"({check_share(cfg, alone):.2f} of a group's step), on {fleet_cores(measured):.2f} of the host's "
         f"{os.cpu_count()} cores (other work kept {measured.other_cores:.2f} busy; load average "
         f"{measured.load_average:.1f}); {measured.informative_fraction:.0%} informative, fetch "
-        f"{measured.fetch_seconds:.2f} s",
+        f"{measured.fetch_seconds:.2f} s" + _over_steps_note(measured, cfg, alone),
     ))
     report.add(Figure(
         "fleet_sim", f"simulated vs measured steps/s, real model, {label}, as if on machines of their own",

@@ -73,9 +73,16 @@ class HostShare:
             children = sum(process_seconds(pid) for pid in descendants(self.pids))
             self.samples.append((time.perf_counter(), host_busy_seconds(), sum(own) + children))
 
-    def other_cores(self) -> float:
-        """Cores the rest of the host kept busy, on average, between the first and the last sample."""
-        if len(self.samples) < 2:
+    def other_cores(self, since: int = 0) -> float:
+        """Cores the rest of the host kept busy, on average, between sample `since` (the first) and the last."""
+        if len(self.samples) - since < 2:
             return 0.0
-        (wall0, host0, own0), (wall1, host1, own1) = self.samples[0], self.samples[-1]
+        (wall0, host0, own0), (wall1, host1, own1) = self.samples[since], self.samples[-1]
         return max(0.0, ((host1 - host0) - (own1 - own0)) / (wall1 - wall0)) if wall1 > wall0 else 0.0
+
+    def fleet_cores(self, since: int = 0) -> float:
+        """Cores the fleet's own processes kept busy, on average, between sample `since` and the last."""
+        if len(self.samples) - since < 2:
+            return 0.0
+        (wall0, _, own0), (wall1, _, own1) = self.samples[since], self.samples[-1]
+        return max(0.0, (own1 - own0) / (wall1 - wall0)) if wall1 > wall0 else 0.0

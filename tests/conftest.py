@@ -16,10 +16,10 @@ import pytest
 from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig, TaskConfig, TinyModelConfig
 from grpo_fleet.learner.run.build import tokenizer_corpus
-from grpo_fleet.protocol.endpoints import free_port as _free_port
 from grpo_fleet.realshape import build_realshape
 from grpo_fleet.tasks import build_task
 from grpo_fleet.tiny_model import build_tiny_model
+from helpers import free_port as free_port_in_slice
 from scheduling import UNKNOWN_SECONDS, UNKNOWN_SLOW_SECONDS, balanced_order, known_durations
 
 
@@ -56,8 +56,9 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def free_port() -> Callable[[], int]:
-    """Returns a function giving a TCP port on 127.0.0.1 that is free right now."""
-    return _free_port
+    """Returns a function giving a TCP port on 127.0.0.1 that is free right now (helpers.free_port: outside the
+    kernel's ephemeral range, never the same twice in a session)."""
+    return free_port_in_slice
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import random
 import socket
 import subprocess
 import time
@@ -45,18 +47,46 @@ class Scraped:
         return {(s.name, s.labels.get(label, "")): s.value for s in self.samples}
 
 
+# Ports the tests hand out lie below the kernel's ephemeral range (32768-60999 on Linux, 49152 and up on macOS),
+# where no outgoing connection's local end can take one between the pick and the bind (a port picked by bind(0)
+# could be: a ring rank then connected to a stranger, and the ring proof failed). Each pytest-xdist worker walks a
+# slice of its own, from a start of its own, so no two tests of a session are handed the same port.
+PORTS_FIRST, PORTS_PER_WORKER, PORT_SLICES = 10_000, 2_500, 8
+_next_port: list[int] = []
+
+
+def _worker_slice() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return (int(worker[2:]) + 1) % PORT_SLICES if worker.startswith("gw") and worker[2:].isdigit() else 0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A port P on 127.0.0.1 with P .. P + count - 1 free right now, not handed out before in this test process."""
+    low = PORTS_FIRST + _worker_slice() * PORTS_PER_WORKER
+    if not _next_port:  # another session on this machine (a second make test) starts elsewhere in the slice
+        _next_port.append(random.Random(os.getpid()).randrange(PORTS_PER_WORKER))
+    for _ in range(PORTS_PER_WORKER):
+        offset = _next_port[0]
+        _next_port[0] = (offset + count) % PORTS_PER_WORKER
+        if offset + count > PORTS_PER_WORKER:
+            continue
+        if all(_bindable(low + offset + i) for i in range(count)):
+            return low + offset
+    raise RuntimeError(f"no {count} consecutive free ports in {low}-{low + PORTS_PER_WORKER - 1}")
+
+
 def free_port_pair() -> int:
     """A port P with P and P + 1 both free on 127.0.0.1 (mlx.launch's ring, and rank metrics, take P + rank)."""
-    for _ in range(50):
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
+    return free_port(2)
 
 
 def scrape(port: int, timeout: float = 5.0) -> Scraped:

@@ -26,6 +26,7 @@ from typing import Iterator, Optional
 import pytest
 
 from grpo_fleet.blas import child_env
+from helpers import free_port
 
 LAUNCHER = ("import sys; from grpo_fleet.fleet_file import load_fleet; from grpo_fleet.launch import run_fleet; "
             "sys.exit(run_fleet(load_fleet(sys.argv[1])))")
@@ -45,12 +46,6 @@ def _sshd_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _keygen(path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
 
@@ -66,7 +61,7 @@ def sshd(tmp_path: Path) -> Iterator[str]:
     authorized = home / "authorized_keys"
     authorized.write_text((home / "client_key.pub").read_text())
     authorized.chmod(0o600)
-    port = _free_port()
+    port = free_port()
     (home / "sshd_config").write_text("\n".join([
         f"ListenAddress 127.0.0.1:{port}", f"HostKey {home / 'host_key'}", f"AuthorizedKeysFile {authorized}",
         f"PidFile {home / 'sshd.pid'}", "StrictModes no", "UsePAM no", "PasswordAuthentication no",

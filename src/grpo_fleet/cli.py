@@ -214,7 +214,7 @@ def _demo(args: argparse.Namespace) -> int:
     from grpo_fleet.zoo import ZooError
 
     options = DemoOptions(
-        actors=args.actors, steps=args.steps, run_dir=args.run_dir or ("runs/demo-real" if args.model else "runs/demo"),
+        actors=args.actors, steps=args.steps, run_dir=args.run_dir,
         progress=not args.no_progress,
         config=args.config, overrides=list(args.set or []), model=args.model,
     )
@@ -295,7 +295,7 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="learner + actors on this machine, tiny or --model, before/after eval")
     demo.add_argument("--actors", type=int, default=2)
     demo.add_argument("--steps", type=int, default=None, help="training steps (default from the demo config)")
-    demo.add_argument("--run-dir", help="default runs/demo, or runs/demo-real with --model")
+    demo.add_argument("--run-dir", help="default: the config's run_dir, else runs/demo (runs/demo-real with --model)")
     demo.add_argument("--config", help="run config TOML (default configs/demo.toml settings)")
     demo.add_argument("--model", help="a pretrained zoo model (smollm2-135m-instruct, gemma3-270m): fetched, imported "
                                       "from GGUF and trained on its packaged task; --config replaces that task with yours")

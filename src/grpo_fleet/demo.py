@@ -37,7 +37,7 @@ DEMO_SETTINGS: dict = {
 class DemoOptions:
     actors: int = 2
     steps: Optional[int] = None
-    run_dir: str = "runs/demo"
+    run_dir: Optional[str] = None  # default: the config's own run_dir, else runs/demo (runs/demo-real with a model)
     progress: bool = True
     config: Optional[str] = None
     overrides: list[str] = field(default_factory=list)
@@ -69,7 +69,7 @@ def _anchored(data: dict, base: Path) -> dict:
 def demo_config(options: DemoOptions) -> RunConfig:
     """Demo defaults, then the user's config file, then --set overrides and flags."""
     data = demo_settings(options)
-    flags = [f"run_dir={toml_string(str(Path(options.run_dir).resolve()))}",
+    flags = [f"run_dir={toml_string(str(Path(demo_run_dir(options, data)).resolve()))}",
              f"server.bind={toml_string(loopback_endpoint())}", f"server.pub_bind={toml_string(loopback_endpoint())}",
              f"metrics.port={free_port()}"]
     if options.steps is not None:
@@ -80,14 +80,30 @@ def demo_config(options: DemoOptions) -> RunConfig:
     return cfg
 
 
+def demo_run_dir(options: DemoOptions, settings: dict) -> str:
+    """--run-dir, else the run_dir the config file names (so the capital-quiz demo does not write over the
+    demo-real run), else the demo's default."""
+    default = "runs/demo-real" if options.model is not None else "runs/demo"
+    return options.run_dir or settings.get("run_dir") or default
+
+
+def _file_settings(path: str | Path) -> dict:
+    """A config file's settings, run_dir only when the file names one (the model's default is not a choice)."""
+    cfg = load_run_config(path, [])
+    data = cfg.model_dump(mode="json")
+    if "run_dir" not in cfg.model_fields_set:
+        del data["run_dir"]
+    return data
+
+
 def demo_settings(options: DemoOptions) -> dict:
     """The settings the overrides apply to: the user's config, a zoo model's packaged demo, or the tiny demo."""
     variant = _packaged_variant(options)
     if options.config is not None and variant is None:
-        data = load_run_config(options.config, []).model_dump(mode="json")
+        data = _file_settings(options.config)
     elif options.model is not None:
         demo = packaged_demo(options.model, variant or "demo")
-        data = _anchored(load_run_config(demo, []).model_dump(mode="json"), demo.parent)
+        data = _anchored(_file_settings(demo), demo.parent)
     else:
         return DEMO_SETTINGS
     if options.model is not None:

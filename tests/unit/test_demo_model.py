@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DemoOptions, demo_settings, packaged_demo
+from grpo_fleet.demo import DemoOptions, demo_run_dir, demo_settings, packaged_demo
 from grpo_fleet.zoo import ZooError
 
 
@@ -33,3 +33,20 @@ def test_a_config_of_yours_replaces_the_packaged_task_but_keeps_the_model(tmp_pa
 def test_an_unknown_model_is_refused_by_name() -> None:
     with pytest.raises(ZooError, match="unknown model 'llama-9000'"):
         demo_settings(DemoOptions(model="llama-9000"))
+
+
+def test_each_demo_writes_to_its_own_run_dir_unless_told(tmp_path: Path) -> None:
+    # The capital-quiz demo once ran in runs/demo-real and deleted the demo-real run's metrics on start.
+    def run_dir(**options: str) -> str:
+        chosen = DemoOptions(**options)  # type: ignore[arg-type]
+        return demo_run_dir(chosen, demo_settings(chosen))
+
+    assert run_dir(model="smollm2-135m-instruct") == "runs/demo-real"
+    assert run_dir(model="smollm2-135m-instruct", config="capital-quiz") == "runs/demo-quiz"
+    assert run_dir(model="smollm2-135m-instruct", config="capital-quiz", run_dir="elsewhere") == "elsewhere"
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[train]\nsteps = 5\n')  # names no run_dir: the demo's default, not the config model's
+    assert run_dir(model="smollm2-135m-instruct", config=str(mine)) == "runs/demo-real"
+    assert run_dir(config=str(mine)) == "runs/demo"
+    mine.write_text('run_dir = "runs/mine"\n')
+    assert run_dir(config=str(mine)) == "runs/mine"

@@ -62,7 +62,7 @@ lint: $(VENV)/.installed
 # threads spin while they wait. TEST_WORKERS=0 runs the suite in this process, in order.
 TEST_WORKERS ?= 3
 test: test-deps $(VENV)/.installed lint
-	env $(BLAS_ENV) OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
+	env $(BLAS_ENV) OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=0 --durations-min=1 $(PYTEST_ARGS)
 
 test-fast: test-deps $(VENV)/.installed
 	env $(BLAS_ENV) $(PY) -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)

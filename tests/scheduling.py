@@ -8,14 +8,17 @@ into slices of the sizes worksteal cuts (longest first, each to the slice with
 the least time so far), and each slice runs longest first: what is stolen,
 and what runs last, are the short tests.
 
-Durations come from tests/durations.json (wall seconds per test id, from a
-`make test` run here; `python tests/scheduling.py LOG.jsonl` rewrites it).
+Durations come from tests/durations.json (wall seconds per test id, setup and teardown
+included, from a `make test` run here). `make test` prints every phase of a second or
+more; to rewrite the file, pass a run's output: `python tests/scheduling.py test.log`
+(JSON lines of {"test": id, "wall": seconds} are read too).
 A test not in it is taken to be short, unless it is marked slow.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
@@ -55,10 +58,26 @@ def balanced_order(items: Sequence[T], seconds: Callable[[T], float], workers: i
     return [items[i] for chunk in slices for i in chunk]
 
 
+# A line of pytest's --durations report: "12.34s call     tests/x.py::test_y[param]".
+REPORT_LINE = re.compile(r"^(\d+(?:\.\d+)?)s (setup|call|teardown) +(\S.*)$")
+
+
+def walls(log_lines: Sequence[str]) -> dict[str, float]:
+    """Seconds per test id: JSON lines of {"test", "wall"}, or pytest's --durations lines (phases summed)."""
+    seconds: dict[str, float] = {}
+    for line in log_lines:
+        line = line.strip()
+        if line.startswith("{"):
+            row = json.loads(line)
+            seconds[row["test"]] = seconds.get(row["test"], 0.0) + float(row["wall"])
+        elif (match := REPORT_LINE.match(line)) is not None:
+            seconds[match.group(3)] = seconds.get(match.group(3), 0.0) + float(match.group(1))
+    return seconds
+
+
 def record(log_lines: Sequence[str], path: Path = DURATIONS) -> None:
-    """Rewrite the durations file from JSON lines of {"test": id, "wall": seconds}."""
-    rows = [json.loads(line) for line in log_lines if line.strip()]
-    kept = {row["test"]: round(row["wall"], 1) for row in rows if row["wall"] >= RECORDED_FROM_SECONDS}
+    """Rewrite the durations file from a run's report (see `walls`)."""
+    kept = {test: round(wall, 1) for test, wall in walls(log_lines).items() if wall >= RECORDED_FROM_SECONDS}
     path.write_text(json.dumps(dict(sorted(kept.items())), indent=0) + "\n")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduling import balanced_order, worksteal_slices
+from scheduling import balanced_order, walls, worksteal_slices
 
 
 def test_slices_are_cut_as_worksteal_cuts_them():
@@ -24,3 +24,20 @@ def test_the_long_tests_are_shared_out_and_each_slice_runs_longest_first():
     loads = [sum(times[t] for t in chunk) for chunk in slices]
     assert max(loads) - min(loads) <= 70.0 + 1.0
     assert sorted(order) == sorted(times), "every test once"
+
+
+def test_a_durations_report_sums_each_tests_phases() -> None:
+    report = [
+        "============================= slowest durations =============================",
+        "53.87s setup    tests/integration/test_g.py::test_greedy",
+        "47.26s call     tests/integration/test_g.py::test_greedy",
+        "0.01s teardown tests/integration/test_g.py::test_greedy",
+        "26.90s call     tests/integration/test_demo.py::test_stops[provenance.json-actor--differs (digest mismatch)]",
+        '{"test": "tests/unit/test_a.py::test_b", "wall": 2.5}',
+        "1712 passed in 728.01s (0:12:08)",
+    ]
+    assert walls(report) == {
+        "tests/integration/test_g.py::test_greedy": 53.87 + 47.26 + 0.01,
+        "tests/integration/test_demo.py::test_stops[provenance.json-actor--differs (digest mismatch)]": 26.90,
+        "tests/unit/test_a.py::test_b": 2.5,
+    }

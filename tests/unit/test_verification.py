@@ -439,6 +439,19 @@ def test_an_honest_older_group_beyond_the_screen_is_recomputed_cleared_and_train
     assert not learner.registry.is_banned(next(iter(learner.registry.actors.values())).principal)
 
 
+def test_a_cleared_group_dropped_before_its_retry_is_forgotten(make: Callable[..., RunCoordinator]) -> None:
+    learner = make(security={"verify_logprobs": True, "probation_groups": 0, "check_share": 1e-9,
+                             "screen_token_nats": 1e-4}, grpo={"max_staleness": 2}, optim={"lr": 1e-3})
+    assert ask(learner, ACTOR_A, _one_behind(learner)).status == "accepted"
+    assert learner.train_step() is None
+    checks_ = learner.training.checks
+    assert len(checks_.cleared) == GROUPS_PER_STEP
+    with learner.lock:
+        learner.handoff.drop(list(learner.state.buffer), RejectReason.STALE_AT_TRAIN)  # as a stale drop does
+        checks_.plan([], learner.state.version, learner.state.weights_published)
+    assert checks_.cleared == set()
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_every_trained_group_is_checked_or_counted_unchecked_with_its_reason(
         make: Callable[..., RunCoordinator], verify: bool) -> None:

@@ -86,6 +86,8 @@ class BatchChecks:
             return plan
         fuse = weights_published and self.rooms.trainer.fuses_check
         screen = self.rooms.cfg.security.screen_token_nats
+        # A cleared group dropped before its retry (too stale, or its actor banned) never comes back: forget it.
+        self.cleared &= {g.group_id for g in groups} | {g.group_id for g in self.rooms.state.buffer}
         for index, group in enumerate(groups):
             if fuse and group.policy_version == trained_on:
                 plan.fused[index] = check.bound_of(group)

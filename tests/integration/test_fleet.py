@@ -29,15 +29,20 @@ def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
     config, cfg = run_config(**FLEET, train={"steps": 12, "sync_every": 2, "checkpoint_every": 5, "log_samples_every": 1},
                              metrics={"port": ports["learner"]})
     run_dir = Path(cfg.run_dir)
-    learner = spawn("learner", "--config", str(config), name="learner")
+    # Actors first, up and knocking before the learner binds (ZeroMQ queues their Hello): an actor that started
+    # after a 12-step run had ended would wait for a learner that is gone, as it must (it cannot tell "done" from
+    # "not up yet"), and this test once lost that race on a loaded host.
     actors = [
         spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"it-{i}", "--metrics-port", str(ports[f"actor{i}"]),
               "--model-dir", str(run_dir), name=f"actor{i}")
         for i in range(2)
     ]
+    pages = {f"actor{i}": wait_for(lambda port=ports[f"actor{i}"]: scrape(port, 2).text, f"actor{i}'s /metrics", 90,
+                                   actors) for i in range(2)}
+    learner = spawn("learner", "--config", str(config), name="learner")
     # Scraped while the run is live.
-    pages = {name: wait_for(lambda port=port: scrape(port, 2).text, f"{name}'s /metrics", 90, [learner, *actors])
-             for name, port in ports.items()}
+    pages.update({name: wait_for(lambda port=port: scrape(port, 2).text, f"{name}'s /metrics", 90, [learner, *actors])
+                  for name, port in ports.items()})
     assert set(pages) == set(ports), f"no /metrics from {set(ports) - set(pages)}"
     assert "grpo_fleet_learner_steps_total" in pages["learner"]
     assert all("grpo_fleet_actor_groups_generated_total" in pages[f"actor{i}"] for i in range(2))

@@ -50,6 +50,8 @@ def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
     assert learner.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
     for actor in actors:
         assert actor.wait(timeout=30) == 0, "actors stop cleanly on the learner's Shutdown"
+    # Each actor that heard the end on PUB answered it, so the learner did not linger its grace out waiting.
+    assert "not heard from within" not in learner.log_path.read_text(), learner.log_path.read_text()[-2000:]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))

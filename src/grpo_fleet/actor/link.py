@@ -32,6 +32,8 @@ log = logging.getLogger("grpo_fleet.actor")
 Reply = TypeVar("Reply")
 # How long one receive blocks, so notices and the deadline are looked at between answers.
 POLL_SECONDS = 0.5
+# After a Shutdown heard on PUB only: how long to wait for the learner's direct answer to our last word.
+GOODBYE_SECONDS = 1.0
 Answer = Union[m.Lease, m.Ack, m.ErrorReply]  # ErrorReply: BUSY only, a submission to resend
 Notice = Union[m.PolicyUpdated, m.Heartbeat]
 
@@ -41,7 +43,11 @@ class LearnerUnavailable(Exception):
 
 
 class StopActor(Exception):
-    """The learner said Shutdown, or we were asked to stop."""
+    """The learner said Shutdown, or we were asked to stop; `notice`: said on PUB only, not yet to us directly."""
+
+    def __init__(self, reason: str, *, notice: bool = False) -> None:
+        super().__init__(reason)
+        self.notice = notice
 
 
 def load_curve(cfg: ActorConfig) -> Optional[tuple[Keypair, bytes]]:
@@ -172,6 +178,21 @@ class LearnerLink:
             self._last_heartbeat = now
             self.send(m.Heartbeat(actor_id=self.actor_id, policy_version=max(policy_version, 0), sent_at=time.time()))
 
+    def answer_shutdown(self, policy_version: int) -> None:
+        """Heard Shutdown on PUB only: say one last word, so the learner, which lingers until every actor has been
+        told directly (PUB can miss a reconnecting subscriber), need not wait out its grace for us. Its answer is
+        Shutdown; waiting for it (bounded) keeps our word from being dropped when the socket closes."""
+        if self._dealer is None:
+            return
+        self.send(m.Heartbeat(actor_id=self.actor_id, policy_version=max(policy_version, 0), sent_at=time.time()))
+        deadline = time.monotonic() + GOODBYE_SECONDS
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                if isinstance(recv_message(self._dealer, timeout_s=remaining, limits=self.limits), m.Shutdown):
+                    return
+            except ProtocolError:
+                continue
+
     def poll_notices(self) -> None:
         """Drain the PUB channel into `on_notice`; Shutdown stops us.
 
@@ -186,7 +207,7 @@ class LearnerLink:
             if notice is None:
                 break
             if isinstance(notice, m.Shutdown):
-                raise StopActor(f"learner shut down ({notice.reason})")
+                raise StopActor(f"learner shut down ({notice.reason})", notice=True)
             if isinstance(notice, (m.PolicyUpdated, m.Heartbeat)):
                 self._on_notice(notice)
 

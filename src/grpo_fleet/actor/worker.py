@@ -106,6 +106,8 @@ class ActorWorker:
                     backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
                 except StopActor as exc:
                     log.info("actor %s stopping: %s", self.actor_id, shown(exc))
+                    if exc.notice:
+                        self.link.answer_shutdown(self.weights.loaded)
                     return
                 else:
                     backoff = 0.2

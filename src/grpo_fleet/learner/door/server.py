@@ -249,6 +249,10 @@ class LearnerServer:
         while time.monotonic() < deadline and set(self.learner.registry.actors) - self.told_to_stop:
             self._publish(m.Shutdown(reason="done"))
             self._pump(timeout_ms=100)
+        unheard = set(self.learner.registry.actors) - self.told_to_stop
+        if unheard:  # an actor that heard PUB answers it (actor/link.py answer_shutdown): these said nothing
+            log.info("stopping: %d actors not heard from within %.0f s of the end; leaving without their answer",
+                     len(unheard), SHUTDOWN_GRACE_SECONDS)
 
     def close(self) -> None:
         if self.metrics_server is not None:

@@ -6,6 +6,8 @@ data-parallel ranks (started by `mlx.launch`): tests/integration/test_data_paral
 Rank 0 (or the single process) writes OUT_DIR/{mode}-{variant}.safetensors (the trainable weights after the
 steps, and `init.*` before them) and OUT_DIR/{mode}-{variant}.json (each step's stats). The other ranks go
 through the follower's own setup (`join_run`): rank 0's config, weights and optimizer state, then its batches.
+Last, under LoRA, two steps whose older groups are recomputed in the step (an honest batch, then one with a lie
+in rank 1's rows): rank 0 writes OUT_DIR/recheck.json, rank 1 prints the completions it recomputed.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.ranks.collectives import RankGroup, launched_rank
 from grpo_fleet.learner.ranks.distributed import DataParallel, connect, start_rank0, stop_others
 from grpo_fleet.learner.ranks.follower import join_run
-from grpo_fleet.learner.ranks.sharding import Command
+from grpo_fleet.learner.ranks.rank_metrics import FollowerMetrics, follower_metrics
+from grpo_fleet.learner.ranks.sharding import Command, weights_digest
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch
-from grpo_fleet.learner.step.trainer import load_trainer
+from grpo_fleet.learner.step.fused_check import Recheck
+from grpo_fleet.learner.step.objective import policy_logprobs
+from grpo_fleet.learner.step.trainer import Trainer, load_trainer
 from grpo_fleet.model import model_digest
 from grpo_fleet.trees import flat_leaves
 
@@ -65,6 +70,44 @@ def fixed_batch(vocab: int, seed: int) -> TrainBatch:
     return build_train_batch(groups)
 
 
+def older_batch(trainer: Trainer, lie: bool) -> TrainBatch:
+    """A batch sampled at the weights before `trainer`'s next step (which this takes), to recompute at them: group 0
+    two completions, group 1 whole, group 2 not; `lie`: one token of row 5 (rank 1's of 2) moved by 3 nats."""
+    model = trainer.policy.model
+    batch = fixed_batch(trainer.policy.vocab_size, seed=5)
+    older = tuple(flat_leaves(model.trainable_parameters()))
+    reported = np.array(policy_logprobs(model, batch.inputs, batch.targets, trainer.temperature)) * np.array(batch.mask)
+    if lie:
+        reported[5, np.flatnonzero(np.array(batch.mask)[5])[-1]] += 3.0
+    batch.old_logprobs = mx.array(reported)
+    assert trainer.step(fixed_batch(trainer.policy.vocab_size, seed=0)).skipped is None  # the version moves on
+    rows = np.full(12, -1, np.int32)
+    rows[[0, 3, 4, 5, 6, 7]] = 0
+    bound = (1.0, 1e-2)  # a loose mean, so the one moved token must decide
+    batch.recheck = Recheck(np.array([bound, bound, (np.inf, np.inf)], np.float32), rows, (older,))
+    return batch
+
+
+def lead_checks(ranks: RankGroup | None, cfg: RunConfig, out: Path) -> None:
+    """Rank 0 or the single process: an honest batch of older groups, then a lying one; their verdicts."""
+    mx.random.seed(0)
+    trainer = load_trainer(cfg, cfg.model.path)
+    if ranks is not None:
+        start_rank0(ranks, cfg, trainer, model_digest(cfg.model.path), step=0)
+    verdicts = []
+    for lie in (False, True):
+        batch = older_batch(trainer, lie)
+        before = weights_digest(trainer.policy.model.trainable_parameters())
+        stats = trainer.step(batch)
+        unchanged = bool(np.array_equal(before, weights_digest(trainer.policy.model.trainable_parameters())))
+        verdicts.append({"skipped": stats.skipped, "rechecked": [[c.index, c.broke] for c in stats.rechecked],
+                         "recomputed_rows": stats.recomputed_rows, "unchanged": unchanged,
+                         "check_seconds": stats.check_seconds})
+    if ranks is not None:
+        stop_others(ranks)
+    (out / "recheck.json").write_text(json.dumps(verdicts))
+
+
 def lead(ranks: RankGroup | None, cfg: RunConfig, steps: int, out: Path, name: str) -> None:
     """Rank 0 or the single process: train `steps` fixed batches and write the weights and stats."""
     mx.random.seed(0)  # the same LoRA initialisation in every run
@@ -82,14 +125,17 @@ def lead(ranks: RankGroup | None, cfg: RunConfig, steps: int, out: Path, name: s
     (out / f"{name}.json").write_text(json.dumps([{k: s[k] for k in keep} for s in stats]))
 
 
-def follow(ranks: RankGroup) -> int:
+def follow(ranks: RankGroup, metrics: FollowerMetrics | None = None) -> int:
     """A rank > 0: rank 0's setup, then its batches until it says stop; returns the steps trained."""
     cfg, trainer = join_run(ranks)
     sharding = DataParallel(ranks, cfg.distributed.digest_every)
     trainer.sharding = sharding
     while (header := sharding.receive()).command != Command.STOP:
         if header.command == Command.STEP:
-            trainer.step(sharding.receive_batch(header))
+            started = time.perf_counter()
+            stats = trainer.step(sharding.receive_batch(header, flat_leaves(trainer.policy.model.trainable_parameters())))
+            if metrics is not None:
+                metrics.observe_step(started, stats.recomputed_rows)
     return sharding.steps
 
 
@@ -107,6 +153,15 @@ def main(model_dir: str, out_dir: str, steps: int) -> None:
                 started = time.perf_counter()
                 lead(ranks, run_config(model_dir, mode, variant), steps, out, f"{mode}-{variant}")
                 print(f"rank 0: {mode}-{variant}: {time.perf_counter() - started:.1f} s", flush=True)
+    if ranks is not None and ranks.rank > 0:
+        metrics = follower_metrics(ranks)
+        follow(ranks, metrics)
+        name, labels = "grpo_fleet_learner_rank_check_completions_total", {"rank": str(ranks.rank)}
+        print(f"rank {ranks.rank}: recomputed {metrics.registry.get_sample_value(name, labels):g} completions", flush=True)
+    else:
+        started = time.perf_counter()
+        lead_checks(ranks, run_config(model_dir, "lora", "grpo"), out)
+        print(f"rank 0: lora-recheck: {time.perf_counter() - started:.1f} s", flush=True)
     print(f"rank {0 if ranks is None else ranks.rank}: done", flush=True)
 
 

@@ -203,8 +203,8 @@ def learner_metrics() -> LearnerMetrics:
             ["reason"], registry=r,
         ),
         step_check_seconds=Histogram(
-            f"{p}_step_check_seconds", "Seconds each step spent checking its groups' logprobs (the metrics.jsonl "
-            "line's check_seconds)", buckets=PHASE_BUCKETS, registry=r,
+            f"{p}_step_check_seconds", "Seconds each step spent checking its groups' logprobs, on its slowest "
+            "rank (the metrics.jsonl line's check_seconds)", buckets=PHASE_BUCKETS, registry=r,
         ),
         train_staleness=Histogram(f"{p}_train_staleness_versions", "Policy versions behind when trained",
                                   buckets=STALENESS_BUCKETS, registry=r),

@@ -77,6 +77,19 @@ def test_two_ranks_train_the_same_weights_as_one_for_every_loss_lora_and_full(ti
             for key, value in a.items():
                 want = value if value is None or isinstance(value, (int, str)) else pytest.approx(value, rel=1e-4, abs=1e-5)
                 assert b[key] == want, (name, key)
+    _older_groups_are_checked_by_the_ranks_that_train_them(single, ranks, output)
+
+
+def _older_groups_are_checked_by_the_ranks_that_train_them(single: Path, ranks: Path, output: str) -> None:
+    """The driver's last steps recompute older groups inside the step: 2 ranks judge as 1 process does, rank 1
+    recomputes its own rows of them (its /metrics counter), and the lie in its rows drops the step on both."""
+    one, two = (json.loads((run / "recheck.json").read_text()) for run in (single, ranks))
+    want = [[[0, None], [1, None]], [[0, None], [1, "token"]]]
+    assert [s["rechecked"] for s in one] == [s["rechecked"] for s in two] == want
+    assert [s["skipped"] for s in two] == [None, "logprob_mismatch"] and [s["unchanged"] for s in two] == [False, True]
+    assert [s["recomputed_rows"] for s in one] == [6, 6] and [s["recomputed_rows"] for s in two] == [3, 3]
+    assert "rank 1: recomputed 6 completions" in output, output[-2000:]
+    assert all(s["check_seconds"] > 0 for s in two)
 
 
 def _hostfile(tmp_path: Path, free_port) -> Path:

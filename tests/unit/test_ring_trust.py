@@ -25,6 +25,7 @@ from grpo_fleet.learner.ranks.ring_trust import (
 )
 from grpo_fleet.learner.ranks.sharding import Command, Header
 from grpo_fleet.learner.step.batch import TrainBatch
+from grpo_fleet.learner.step.fused_check import Recheck
 
 SECRET = bytes(range(32))
 
@@ -121,7 +122,14 @@ class _Wire:
         if self.rank == 0:
             self.sent.append([np.array(a) for a in arrays])
             return arrays
-        return [mx.array(a) for a in self.sent.pop(0)]
+        return [mx.array(a) + 0 for a in self.sent.pop(0)]  # the ring's sum: rank 0's values plus the others' zeros
+
+    def all_sum(self, tree: list, what: str) -> list:
+        """As DataParallel sends the weights of the versions to check: only rank 0's are not zeros."""
+        if self.rank == 0:
+            self.sent.append([np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in tree])
+            return tree
+        return [mx.array(a).view(t.dtype) + 0 for a, t in zip(self.sent.pop(0), tree)]
 
 
 def _batch() -> TrainBatch:
@@ -177,3 +185,31 @@ def test_the_ring_refusals_are_exported_by_reason_and_rank():
     name = "grpo_fleet_learner_ring_refusals_total"
     assert registry.get_sample_value(name, {"reason": "key not allowed", "rank": "0"}) == 2
     assert registry.get_sample_value(name, {"reason": "malformed knock", "rank": "0"}) == 1
+
+
+def _weights(scale: float) -> tuple[tuple[str, mx.array], ...]:
+    """Two adapters, one in bfloat16, each with a -0.0 (which arrives as 0.0: the tag must not mind)."""
+    return (("layers.0.lora_a", mx.array([[-0.0, 1, 2], [3, 4, 5]]) * scale),
+            ("layers.0.lora_b", (mx.array([-0.0, 1, 1]) * scale).astype(mx.bfloat16)))
+
+
+def test_a_follower_takes_the_weights_of_the_versions_to_check_signed_with_their_batch():
+    batch = _batch()
+    batch.old_logprobs = -batch.old_logprobs  # -0.0 where nothing is reported, as a masked product leaves it
+    batch.recheck = Recheck(np.array([[0.01, 0.5], [np.inf, np.inf]], np.float32), np.array([0, -1, 1, 0], np.int32),
+                            (_weights(1.0), _weights(2.0)))
+    sent: list = []
+    DataParallel(cast(Any, _Wire(0, sent, SECRET)), digest_every=1).begin(batch)
+    altered = [[a.copy() for a in part] for part in sent]
+    follower = DataParallel(cast(Any, _Wire(1, sent, SECRET)), digest_every=1)
+    got = follower.receive_batch(follower.receive(), [(name, mx.zeros_like(v)) for name, v in _weights(0.0)])
+    assert got.recheck is not None
+    assert got.recheck.rows.tolist() == [0, -1, 1, 0] and got.recheck.bounds[0].tolist() == pytest.approx([0.01, 0.5])
+    for mine, theirs in zip(got.recheck.versions, batch.recheck.versions):
+        assert [n for n, _ in mine] == [n for n, _ in theirs]
+        for (_, a), (_, b) in zip(mine, theirs):
+            assert a.dtype == b.dtype and mx.array_equal(a, b)  # equal: -0.0 == 0.0
+    altered[2][1][0] += 1  # one bfloat16 word of the first version's lora_b, changed on the way
+    follower = DataParallel(cast(Any, _Wire(1, altered, SECRET)), digest_every=1)
+    with pytest.raises(RingRefused, match="failed its HMAC"):
+        follower.receive_batch(follower.receive(), [(name, mx.zeros_like(v)) for name, v in _weights(0.0)])

@@ -16,8 +16,17 @@ from data_parallel_driver import fixed_batch
 from grpo_fleet.config import ConfigError, GRPOConfig, LoraConfig, OptimConfig, RunConfig
 from grpo_fleet.learner.ranks.collectives import Watchdog, launched_backend
 from grpo_fleet.learner.ranks.distributed import check_batch_fits
-from grpo_fleet.learner.ranks.sharding import Command, Header, buckets, scatter_rows, shard_rows, take_rows, weights_digest
-from grpo_fleet.learner.step.batch import batch_totals, split_batch
+from grpo_fleet.learner.ranks.sharding import (
+    MAX_CHECK_VERSIONS,
+    Command,
+    Header,
+    buckets,
+    scatter_rows,
+    shard_rows,
+    weights_digest,
+)
+from grpo_fleet.learner.step.batch import batch_totals, split_batch, take_rows
+from grpo_fleet.learner.step.fused_check import Recheck
 from grpo_fleet.learner.step.objective import proximal_grid
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import load_policy
@@ -46,11 +55,25 @@ def test_a_config_whose_batch_cannot_cover_the_ranks_is_a_config_error():
 
 
 def test_header_round_trips_and_refuses_a_wrong_shape():
-    header = Header(Command.STEP, rows=16, width=48, num_groups=4)
+    header = Header(Command.STEP, rows=16, width=48, num_groups=4, versions=2)
     assert Header.decode(header.encode()) == header
     assert Header.decode(Header(Command.STOP).encode()).command == Command.STOP
     with pytest.raises(ValueError, match="int32 words"):
         Header.decode(np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="versions' weights"):
+        Header.decode(Header(Command.STEP, 4, 3, 2, versions=MAX_CHECK_VERSIONS + 1).encode())
+
+
+def test_each_rank_recomputes_exactly_the_picked_rows_it_trains():
+    """Which rank checks which completion of an older group: the one whose rows hold it, each row once."""
+    batch = fixed_batch(64, seed=0)  # 3 groups of 4: rows 0-11, group-major
+    slots = np.full(12, -1, np.int32)
+    slots[[1, 2, 8, 9, 10, 11]] = [0, 0, 1, 1, 1, 1]  # two completions of group 0 at one version, group 2 whole at another
+    batch.recheck = Recheck(np.full((3, 2), np.inf, np.float32), slots, ((), ()))  # two versions (weights unused)
+    mine = {rank: take_rows(batch, shard_rows(12, rank, 2)).recheck for rank in range(2)}
+    picked = {rank: shard_rows(12, rank, 2)[r.rows >= 0].tolist() for rank, r in mine.items() if r is not None}
+    assert picked == {0: [2, 8, 10], 1: [1, 9, 11]}, "the work is spread: each rank its own rows of the groups"
+    assert mine[0] is not None and mine[0].rows.tolist() == [-1, 0, -1, -1, 1, 1]
 
 
 def test_scattered_shards_sum_back_to_the_whole_grid():

@@ -33,13 +33,14 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from grpo_fleet.learner.door.env_replay import EnvReplay
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.step.batch import build_train_batch, split_batch, unpack_completions
 from grpo_fleet.learner.step.forward import frozen_logprobs
 from grpo_fleet.learner.step.gap_bounds import GapBound, group_gap
+from grpo_fleet.learner.step.recheck import weights_of
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example, Task
@@ -201,17 +202,12 @@ class LogprobCheck:
 
     def _recomputed(self, groups: list[AcceptedGroup], weights: list[tuple[str, mx.array]]) -> list[LogprobGap]:
         """The groups' gaps under `weights`, in one batch."""
-        # The live weights may be past the last published version (train.sync_every > 1): always swap, then restore.
-        live: Any = tree_flatten(self.model.trainable_parameters())
-        self.model.update(tree_unflatten(weights))
-        try:
-            batch = build_train_batch(groups)
-            micro = split_batch(batch, self.micro_batch_tokens)
+        batch = build_train_batch(groups)
+        micro = split_batch(batch, self.micro_batch_tokens)
+        with weights_of(self.model, weights):
             values = frozen_logprobs(self.model, micro, temperature=self.temperature, chunk_tokens=self.chunk_tokens)
-            rows, width = batch.mask.shape
-            ours = unpack_completions(micro, values, (rows, width))
-        finally:
-            self.model.update(tree_unflatten(live))
+        rows, width = batch.mask.shape
+        ours = unpack_completions(micro, values, (rows, width))
         mask, reported = np.array(batch.mask) != 0, np.array(batch.old_logprobs)
         gaps, first = [], 0
         for group in groups:

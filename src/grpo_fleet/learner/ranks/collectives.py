@@ -173,6 +173,11 @@ class RankGroup:
         mine = arrays if self.rank == 0 else [mx.zeros_like(a) for a in arrays]
         return self.run(what, mine, mx.distributed.all_sum, idle=idle)
 
+    def most(self, value: float, what: str) -> float:
+        """The largest of the ranks' `value`s."""
+        (out,) = self.run(what, [mx.array([value], dtype=mx.float32)], mx.distributed.all_max)
+        return float(np.array(out)[0])
+
     def gather_slots(self, slots: np.ndarray, what: str) -> np.ndarray:
         """An all-gather: each rank's `[size, ...]` grid holds its own row (zeros elsewhere); the sum is every row."""
         (out,) = self.run(what, [mx.array(slots)], mx.distributed.all_sum, idle=True)

@@ -18,7 +18,8 @@ import json
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,9 +38,9 @@ from grpo_fleet.learner.ranks.sharding import (
     check_rows_cover_ranks,
     scatter_rows,
     shard_rows,
-    take_rows,
 )
-from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch
+from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, take_rows
+from grpo_fleet.learner.step.fused_check import Recheck
 from grpo_fleet.learner.step.objective import proximal_grid
 from grpo_fleet.learner.step.step_result import Gradients
 from grpo_fleet.learner.step.trainer import Trainer
@@ -59,18 +60,27 @@ class DataParallel:
 
     def __init__(self, ranks: RankGroup, digest_every: int) -> None:
         self.ranks, self.digest_every = ranks, digest_every
+        self.size = ranks.size
         self.steps = 0
         self.rows = np.arange(0)
         self.last_command = time.monotonic()
 
     def begin(self, batch: TrainBatch) -> None:
-        """Rank 0 hands the batch to the others, who are waiting for it (follower.py)."""
+        """Rank 0 hands the batch to the others, who are waiting for it (follower.py), with the weights of the
+        versions its older groups are recomputed at (each rank its own rows: learner/step/recheck.py)."""
         if self.ranks.rank == 0:
             rows, width = batch.mask.shape
             # The step's own logprob check runs on every rank, on the gathered grid: each must judge the same groups.
             arrays = [*(getattr(batch, name).astype(dtype) for name, dtype in BATCH_FIELDS), mx.array(check_rows(batch))]
-            self.send(Header(Command.STEP, rows=rows, width=width, num_groups=batch.num_groups), arrays)
+            recheck, weights, versions = batch.recheck, [], 0
+            if recheck is not None:
+                arrays += [mx.array(recheck.bounds.astype(np.float32)), mx.array(recheck.rows.astype(np.int32))]
+                weights, versions = [value for version in recheck.versions for _, value in version], len(recheck.versions)
+            self.send(Header(Command.STEP, rows=rows, width=width, num_groups=batch.num_groups, versions=versions),
+                      arrays + weights)
             self.ranks.broadcast(arrays, "step batch")
+            if weights:  # packed into few collectives: one per array would pay the ring's latency hundreds of times
+                self.ranks.all_sum(weights, "check versions")
 
     def own_rows(self, batch: TrainBatch) -> TrainBatch:
         self.rows = shard_rows(batch.mask.shape[0], self.ranks.rank, self.ranks.size)
@@ -86,10 +96,16 @@ class DataParallel:
                          proximal: list[mx.array]) -> Optional[np.ndarray]:
         """Each rank's pi_prox rows scattered onto a zero `[N, L]` grid and summed: the whole grid, exactly."""
         local = proximal_grid(own, micro, proximal)
-        if local is None:  # the same on every rank: it depends on the loss function only
-            return None
-        mine = scatter_rows(local, self.rows, batch.mask.shape[0])
-        return np.array(self.ranks.all_sum({"grid": mx.array(mine)}, "pi_prox all-sum")["grid"])
+        # None is the same on every rank: it depends on the loss function only.
+        return None if local is None else self.gather_rows(local, batch.mask.shape[0], "pi_prox all-sum")
+
+    def gather_rows(self, values: np.ndarray, total: int, what: str = "check all-sum") -> np.ndarray:
+        """This rank's rows of values (`own_rows`' order), every rank's summed onto the batch's `[N, L]` grid."""
+        mine = scatter_rows(values, self.rows, total)
+        return np.array(self.ranks.all_sum({"grid": mx.array(mine)}, what)["grid"])
+
+    def slowest(self, seconds: float) -> float:
+        return self.ranks.most(seconds, "check seconds (max)")
 
     def end(self, model: nn.Module) -> None:
         self.steps += 1
@@ -103,13 +119,12 @@ class DataParallel:
 
     def send(self, header: Header, arrays: tuple[mx.array, ...] | list[mx.array] = ()) -> None:
         """Rank 0: the header, signed over its number in the run and the batch `arrays` it announces."""
-        signed = Header(header.command, header.rows, header.width, header.num_groups,
-                        tag=self._tag(header, [np.array(a) for a in arrays]))
+        signed = replace(header, tag=self._tag(header, [signable(a) for a in arrays]))
         self.ranks.broadcast([mx.array(signed.encode())], f"{header.command.name.lower()} command")
         self.last_command = time.monotonic()
 
     def _tag(self, header: Header, arrays: list[np.ndarray]) -> bytes:
-        unsigned = Header(header.command, header.rows, header.width, header.num_groups).encode()
+        unsigned = replace(header, tag=b"").encode()
         words = header_tag(self.ranks.ring_key, self.ranks.sequence, unsigned, arrays)
         self.ranks.sequence += 1
         return words.tobytes()
@@ -133,18 +148,33 @@ class DataParallel:
             self.verify(header, [])
         return header
 
-    def receive_batch(self, header: Header) -> TrainBatch:
-        rows, width = header.rows, header.width
-        shapes = {"inputs": (rows, width), "targets": (rows, width), "mask": (rows, width),
-                  "old_logprobs": (rows, width), "advantages": (rows,), "rewards": (rows,)}
-        received = self.ranks.broadcast(
-            [*(mx.zeros(shapes[name], dtype=dtype) for name, dtype in BATCH_FIELDS),
-             mx.zeros((header.num_groups, 2), dtype=mx.float32)], "step batch")
-        self.verify(header, [np.array(a) for a in received])
-        *arrays, check = received
-        checked = np.array(check)
-        return TrainBatch(**{name: value for (name, _), value in zip(BATCH_FIELDS, arrays)},
-                          num_groups=header.num_groups, check=checked if np.isfinite(checked).any() else None)
+    def receive_batch(self, header: Header, trainable: Sequence[tuple[str, mx.array]] = ()) -> TrainBatch:
+        """The others: rank 0's batch, checked; `trainable` (tree_flatten's) shapes the weights of its versions."""
+        rows, width, groups = header.rows, header.width, header.num_groups
+        grid, row = (rows, width), (rows,)
+        shapes = {"inputs": grid, "targets": grid, "mask": grid, "old_logprobs": grid, "advantages": row, "rewards": row}
+        templates = [*(mx.zeros(shapes[name], dtype=dtype) for name, dtype in BATCH_FIELDS),
+                     mx.zeros((groups, 2), dtype=mx.float32)]
+        if header.versions:
+            templates += [mx.zeros((groups, 2), dtype=mx.float32), mx.zeros((rows,), dtype=mx.int32)]
+        received = self.ranks.broadcast(templates, "step batch")
+        templates = [mx.zeros_like(v) for _ in range(header.versions) for _, v in trainable]
+        weights = self.ranks.all_sum(templates, "check versions") if templates else []
+        self.verify(header, [signable(a) for a in [*received, *weights]])
+        arrays, checked = received[:len(BATCH_FIELDS)], np.array(received[len(BATCH_FIELDS)])
+        names, count = [name for name, _ in trainable], len(trainable)
+        versions = tuple(tuple(zip(names, weights[i * count:(i + 1) * count])) for i in range(header.versions))
+        recheck = Recheck(np.array(received[-2]), np.array(received[-1]), versions) if versions else None
+        return TrainBatch(**{name: value for (name, _), value in zip(BATCH_FIELDS, arrays)}, num_groups=groups,
+                          check=checked if np.isfinite(checked).any() else None, recheck=recheck)
+
+
+def signable(array: mx.array) -> np.ndarray:
+    """An array's bytes as the others receive them, for a tag: -0.0 as 0.0 (a broadcast adds their zeros), and
+    bfloat16 (which NumPy has not) as its 16-bit words."""
+    if mx.issubdtype(array.dtype, mx.floating):
+        array = array + 0.0
+    return np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
 
 
 def check_rows(batch: TrainBatch) -> np.ndarray:

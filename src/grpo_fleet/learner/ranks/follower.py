@@ -24,6 +24,7 @@ from grpo_fleet.learner.ranks.ring_trust import RingRefused
 from grpo_fleet.learner.ranks.sharding import Command
 from grpo_fleet.learner.step.trainer import Trainer, load_trainer
 from grpo_fleet.model import model_digest
+from grpo_fleet.trees import flat_leaves
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 IDLE_SLEEP_SHARE = 0.8  # of distributed.keepalive_seconds, slept after each keepalive
@@ -95,8 +96,9 @@ def _follow(sharding: DataParallel, trainer: Trainer, metrics: FollowerMetrics, 
             return DONE
         if header.command == Command.STEP:
             started = time.perf_counter()
-            trainer.step(sharding.receive_batch(header))
-            metrics.observe_step(started)
+            # This rank's trainable weights shape those of the versions its rows of older groups are checked at.
+            batch = sharding.receive_batch(header, flat_leaves(trainer.policy.model.trainable_parameters()))
+            metrics.observe_step(started, trainer.step(batch).recomputed_rows)
         elif header.command == Command.KEEPALIVE:
             # Rank 0 is idle and will not be back for about keepalive_seconds. MLX's ring spins a core while
             # it waits in a collective, so sleep most of that away (the first step after idling waits for it).

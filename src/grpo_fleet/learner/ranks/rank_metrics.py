@@ -58,10 +58,12 @@ class FollowerMetrics:
     registry: CollectorRegistry
     steps: Counter
     step_seconds: Histogram
+    recomputed: Counter
 
-    def observe_step(self, started: float) -> None:
+    def observe_step(self, started: float, recomputed_rows: int = 0) -> None:
         self.steps.inc()
         self.step_seconds.observe(time.perf_counter() - started)
+        self.recomputed.inc(recomputed_rows)
 
 
 def follower_metrics(ranks: RankGroup) -> FollowerMetrics:
@@ -74,6 +76,9 @@ def follower_metrics(ranks: RankGroup) -> FollowerMetrics:
                       registry=registry).labels(**labels),
         step_seconds=Histogram(f"{LEARNER}_rank_step_seconds", "Wall time of this rank's share of a step, "
                                "all-reduce included", labelnames=list(labels), registry=registry).labels(**labels),
+        recomputed=Counter(f"{LEARNER}_rank_check_completions", "Completions of older groups this rank recomputed "
+                           "at their versions for the logprob check, its rows of them", labelnames=list(labels),
+                           registry=registry).labels(**labels),
     )
 
 

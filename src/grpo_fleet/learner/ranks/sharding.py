@@ -13,11 +13,11 @@ from enum import IntEnum
 import mlx.core as mx
 import numpy as np
 
-from grpo_fleet.learner.step.batch import TrainBatch
 from grpo_fleet.trees import flat_leaves
 
-HEADER_SIZE = 8  # int32 slots of the command rank 0 broadcasts before each step
+HEADER_SIZE = 9  # int32 slots of the command rank 0 broadcasts before each step
 DIGEST_WORDS = 4  # int32 words of the weights' digest the ranks compare
+MAX_CHECK_VERSIONS = 64  # versions whose weights one step's header may announce (far above any staleness kept)
 
 
 class Command(IntEnum):
@@ -37,21 +37,24 @@ class Header:
     width: int = 0
     num_groups: int = 0
     tag: bytes = b""  # 16 bytes of HMAC (ring_trust.header_tag) in the last 4 words; b"" before it is signed
+    versions: int = 0  # a step's older versions whose weights follow the batch, to recompute groups at (step/recheck.py)
 
     def encode(self) -> np.ndarray:
         out = np.zeros(HEADER_SIZE, dtype=np.int32)
-        out[:4] = [int(self.command), self.rows, self.width, self.num_groups]
+        out[:5] = [int(self.command), self.rows, self.width, self.num_groups, self.versions]
         if self.tag:
-            out[4:] = np.frombuffer(self.tag, dtype=np.int32)
+            out[5:] = np.frombuffer(self.tag, dtype=np.int32)
         return out
 
     @classmethod
     def decode(cls, words: np.ndarray) -> "Header":
         if words.shape != (HEADER_SIZE,):
             raise ValueError(f"a step header has {HEADER_SIZE} int32 words, got shape {words.shape}")
-        command, rows, width, groups = (int(w) for w in words[:4])
-        tag = np.ascontiguousarray(words[4:], np.int32).tobytes() if words[4:].any() else b""  # zeros: unsigned
-        return cls(Command(command), rows, width, groups, tag=tag)
+        command, rows, width, groups, versions = (int(w) for w in words[:5])
+        if not 0 <= versions <= MAX_CHECK_VERSIONS:
+            raise ValueError(f"a step header announces {versions} versions' weights (at most {MAX_CHECK_VERSIONS})")
+        tag = np.ascontiguousarray(words[5:], np.int32).tobytes() if words[5:].any() else b""  # zeros: unsigned
+        return cls(Command(command), rows, width, groups, tag=tag, versions=versions)
 
 
 def shard_rows(total: int, rank: int, size: int) -> np.ndarray:
@@ -73,16 +76,6 @@ def check_rows_cover_ranks(total: int, size: int) -> None:
             f"a batch of {total} sequences cannot be split over {size} learner ranks (each needs at least one); "
             "raise grpo.groups_per_step or generation.group_size, or run fewer ranks"
         )
-
-
-def take_rows(batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
-    """The sub-batch of `rows` (same width); `num_groups` stays the whole batch's."""
-    index = mx.array(rows.astype(np.int32))
-    return TrainBatch(
-        inputs=batch.inputs[index], targets=batch.targets[index], mask=batch.mask[index],
-        old_logprobs=batch.old_logprobs[index], advantages=batch.advantages[index], rewards=batch.rewards[index],
-        num_groups=batch.num_groups,
-    )
 
 
 def scatter_rows(values: np.ndarray, rows: np.ndarray, total: int) -> np.ndarray:

@@ -6,7 +6,12 @@ Every group of a batch goes one of three ways (`plan`):
   are that version's: checked inside the step against its own first forward
   (learner/step/fused_check.py), for the price of a comparison. Always.
 - **forward**: an older version, flagged at intake (probation, or drawn:
-  learner/fleet/trust.py): recomputed at its version before the step.
+  learner/fleet/trust.py): recomputed at its version before anything is
+  applied. With one rank, here before the step; with several ranks under LoRA,
+  inside the step by the ranks that train its rows, each recomputing its own
+  (the version's adapters travel with the batch: learner/step/recheck.py), so
+  the forwards are spread over the ranks. Under full fine-tuning a version's
+  weights are too heavy to send each step: those checks stay on rank 0.
 - **unchecked**, with a reason counted in `grpo_fleet_learner_groups_unchecked_total`
   and written to the ledger: `sampled_out` (not drawn), `verification_off`,
   `version_gone` (its weights are not kept; intake refuses such groups, so this
@@ -41,7 +46,7 @@ from grpo_fleet.learner.door.actor_checks import LogprobGap
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import UncheckedEntry
 from grpo_fleet.learner.run.rooms import RunRooms
-from grpo_fleet.learner.step.fused_check import CheckedGroup, check_bounds_array
+from grpo_fleet.learner.step.fused_check import CheckedGroup, Recheck, check_bounds_array
 from grpo_fleet.learner.step.gap_bounds import GapBound
 from grpo_fleet.learner.step.step_result import StepStats
 
@@ -57,7 +62,8 @@ class CheckPlan:
     screens: dict[int, float] = field(default_factory=dict)  # group index -> token bound of the step's screen
     forward: list[AcceptedGroup] = field(default_factory=list)
     unchecked: list[tuple[AcceptedGroup, str]] = field(default_factory=list)
-    seconds: float = 0.0  # spent on this batch's checks, the forwards and the step's comparison
+    recheck: Optional[Recheck] = None  # `forward`, recomputed inside a data-parallel step (TrainBatch.recheck)
+    seconds: float = 0.0  # spent on this batch's checks, the forwards and the step's comparison (its slowest rank's)
 
     def fused_bounds(self) -> Optional[np.ndarray]:
         """`TrainBatch.check`: None when the step checks nothing itself."""
@@ -102,12 +108,34 @@ class BatchChecks:
                 plan.unchecked.append((group, VERSION_GONE))
             else:
                 plan.forward.append(group)
+        if plan.forward and self._spread():
+            plan.recheck = self._recheck(plan.forward, groups)
         return plan
+
+    def _spread(self) -> bool:
+        """Whether older groups are recomputed inside the step, each rank its own rows: with several ranks, under
+        LoRA (its adapters are small enough to send with a batch; full weights would not be)."""
+        return self.rooms.trainer.sharding.size > 1 and self.rooms.policy.lora is not None
+
+    def _recheck(self, forward: list[AcceptedGroup], groups: list[AcceptedGroup]) -> Recheck:
+        """`TrainBatch.recheck` of `forward`: each group's bound, and its picked rows (group-major) with the index of
+        its version's weights."""
+        check, history = self.rooms.logprob_check, self.rooms.weight_history
+        assert check is not None and history is not None, "the plan recomputes only when verifying"
+        size, versions = len(groups[0].completions), sorted({g.policy_version for g in forward})
+        bounds = np.full((len(groups), 2), np.inf, np.float32)
+        rows = np.full(len(groups) * size, -1, np.int32)
+        place = {id(group): index for index, group in enumerate(groups)}
+        for group in forward:
+            index, bound = place[id(group)], check.bound_of(group)
+            bounds[index] = (bound.mean, bound.token)
+            rows[index * size + np.array(self._picked(size))] = versions.index(group.policy_version)
+        return Recheck(bounds, rows, tuple(tuple(history.versions[v]) for v in versions))
 
     def forward(self, plan: CheckPlan, groups: list[AcceptedGroup]) -> bool:
         """Recompute the plan's older groups at their versions (no lock held while it runs); False on a lie."""
         check = self.rooms.logprob_check
-        if check is None or not plan.forward:
+        if check is None or not plan.forward or plan.recheck is not None:  # none, or the step recomputes them
             return True
         started = time.perf_counter()
         parts = [self._part(group) for group in plan.forward]
@@ -132,13 +160,31 @@ class BatchChecks:
         suspects = [groups[c.index] for c in screened if c.broke is not None]
         self._count("fused", len(checked), len(failures))
         self._count("screen", len(screened), len(suspects))
+        rechecked, lies = self._rechecked(plan, groups, stats)
+        failures += lies
         observe = self.rooms.metrics.logprob_gap.observe
-        for c in own:
+        for c in (*own, *stats.rechecked):
             observe(c.mean)
         if suspects and not failures:
+            with self.rooms.lock:
+                self._settle(rechecked, [], groups)  # credited, as a forward check before the step is
             return self._recompute_suspects(plan, suspects, groups)
         with self.rooms.lock:
-            return self._settle(checked, failures, groups)
+            return self._settle(checked + rechecked, failures, groups)
+
+    def _rechecked(self, plan: CheckPlan, groups: list[AcceptedGroup],
+                   stats: StepStats) -> tuple[list[AcceptedGroup], list[tuple[AcceptedGroup, LogprobGap]]]:
+        """The groups the step recomputed at their versions (`plan.recheck`), and those that broke their bounds."""
+        if plan.recheck is None:
+            return [], []
+        bounds = plan.recheck.bounds
+        failures = [(groups[c.index], _gap(groups[c.index], c, GapBound(*map(float, bounds[c.index]))))
+                    for c in stats.rechecked if c.broke is not None]
+        self._count("forward", len(stats.rechecked), len(failures))
+        with self.rooms.lock:
+            for group in plan.forward:
+                group.check_logprobs = False  # passed, or about to be dropped: never recomputed twice
+        return plan.forward, failures
 
     def _recompute_suspects(self, plan: CheckPlan, suspects: list[AcceptedGroup], groups: list[AcceptedGroup]) -> bool:
         """Older groups beyond the step's screen, recomputed whole at their versions: the liars are dealt with as
@@ -182,12 +228,16 @@ class BatchChecks:
         return False
 
     def _part(self, group: AcceptedGroup) -> AcceptedGroup:
-        """The completions of `group` a forward check recomputes: security.check_completions of them, unpredictably
-        (a forward's cost is per completion; a liar cannot know which it must get right)."""
+        """The completions of `group` a forward check recomputes (`_picked`)."""
+        picked = self._picked(len(group.completions))
+        return group if len(picked) == len(group.completions) else replace(
+            group, completions=[group.completions[i] for i in picked])
+
+    def _picked(self, size: int) -> list[int]:
+        """Which of a group's `size` completions a forward check recomputes: security.check_completions of them,
+        unpredictably (a forward's cost is per completion; a liar cannot know which it must get right)."""
         count = self.rooms.cfg.security.check_completions
-        if count == 0 or count >= len(group.completions):
-            return group
-        return replace(group, completions=_PICKER.sample(group.completions, count))
+        return list(range(size)) if count == 0 or count >= size else _PICKER.sample(range(size), count)
 
     def _count(self, how: str, checked: int, failed: int) -> None:
         counter = self.rooms.metrics.logprob_checks

@@ -28,6 +28,7 @@ from grpo_fleet.learner.run.batch_checks import BatchChecks
 from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
+from grpo_fleet.learner.step.fused_check import Recheck
 from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, LOGPROB_SCREEN, StepStats
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
@@ -90,7 +91,7 @@ class TrainingThread:
             step = state.step + 1  # only this thread moves the step
         if not self.checks.forward(plan, groups):
             return None
-        trained = self.cycle.run(groups, trained_on, step, plan.fused_bounds())
+        trained = self.cycle.run(groups, trained_on, step, plan.fused_bounds(), plan.recheck)
         if not self.checks.fused(plan, groups, trained.stats):
             return None
         # Decoding and writing samples.jsonl take no lock: `groups` left the shared buffer
@@ -228,14 +229,15 @@ class BatchCycle:
         return groups, state.version
 
     def run(self, groups: list[AcceptedGroup], trained_on: int, step: int,
-            check: Optional[np.ndarray] = None) -> TrainedBatch:
+            check: Optional[np.ndarray] = None, recheck: Optional[Recheck] = None) -> TrainedBatch:
         """Train on `groups` and serialise the new version if `step` publishes; touches no shared state.
 
-        `check`: the bounds of the groups the step checks against its own forward (`TrainBatch.check`).
+        `check`: the bounds of the groups the step checks against its own forward (`TrainBatch.check`);
+        `recheck`: the older groups it recomputes at their versions, each rank its rows (`TrainBatch.recheck`).
         """
         started = time.perf_counter()
         batch = build_train_batch(groups, scale_by_std=self.grpo.scales_by_std, lengths=self.lengths)
-        batch.check = check
+        batch.check, batch.recheck = check, recheck
         data_prep = time.perf_counter() - started
         stats = self.trainer.step(batch)
         self.metrics.peak_memory.set(stats.peak_memory_bytes)

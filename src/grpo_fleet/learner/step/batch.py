@@ -14,6 +14,7 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.step.advantages import group_advantages, overlong_penalty
+from grpo_fleet.learner.step.fused_check import Recheck
 
 # Sequence lengths are rounded up to a multiple of this, so shapes repeat and
 # compiled or cached kernels are reused instead of rebuilt for every length.
@@ -65,6 +66,9 @@ class TrainBatch:
     # float32 [groups, 2]: (mean, token) logprob-gap bounds of the groups the step itself checks against its own
     # first forward (learner/step/fused_check.py); +inf rows are not checked there. None: no group is.
     check: Optional[np.ndarray] = None
+    # Older groups recomputed at their own versions inside the step, each rank its own rows (data parallelism
+    # under LoRA; learner/step/recheck.py). None: none is.
+    recheck: Optional[Recheck] = None
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,16 @@ def split_batch(batch: TrainBatch, token_budget: int) -> list[MicroBatch]:
             rows=np.asarray(rows), columns=packed["columns"],
         ))
     return micro
+
+
+def take_rows(batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
+    """The sub-batch of `rows` (same width), with their part of the recheck; `num_groups` stays the whole batch's."""
+    index = mx.array(rows.astype(np.int32))
+    return TrainBatch(
+        inputs=batch.inputs[index], targets=batch.targets[index], mask=batch.mask[index],
+        old_logprobs=batch.old_logprobs[index], advantages=batch.advantages[index], rewards=batch.rewards[index],
+        num_groups=batch.num_groups, recheck=None if batch.recheck is None else batch.recheck.of_rows(rows),
+    )
 
 
 def batch_totals(batch: TrainBatch) -> mx.array:

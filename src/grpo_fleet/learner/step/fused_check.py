@@ -22,9 +22,10 @@ data-parallel rank, since each sees the same gathered grid and the same bounds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
+import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.learner.step.gap_bounds import GapBound, group_gap
@@ -38,6 +39,24 @@ class CheckedGroup:
     mean: float
     worst: float
     broke: Optional[str]  # "mean" or "token" (a lie), "screen" (an older group to recompute at its version)
+
+
+@dataclass(frozen=True)
+class Recheck:
+    """Older groups a data-parallel step recomputes at their own versions (learner/step/recheck.py), each rank
+    its own rows of them, before anything is applied (`TrainBatch.recheck`)."""
+
+    bounds: np.ndarray  # float32 [groups, 2]: (mean, token) bound of each group recomputed; +inf rows are not
+    rows: np.ndarray  # int32 [N] (a rank's own: [n]): the index in `versions` each row is recomputed under; -1: not
+    versions: tuple[tuple[tuple[str, mx.array], ...], ...]  # the trainable weights of each version, as tree_flatten
+
+    def __post_init__(self) -> None:
+        if not self.versions:
+            raise ValueError("a Recheck needs the weights of at least one version")
+
+    def of_rows(self, rows: np.ndarray) -> "Recheck":
+        """The same check, for the sub-batch of `rows`: which of them to recompute, under which version."""
+        return replace(self, rows=self.rows[rows])
 
 
 def check_bounds_array(bounds: list[Optional[GapBound]], screens: Optional[dict[int, float]] = None) -> np.ndarray:

@@ -125,3 +125,14 @@ def check_step_fits(estimate: StepMemory, available: int) -> None:
         "set train.grad_checkpoint = true, lower train.logprob_chunk_tokens, or train LoRA adapters instead of "
         "every weight (lora.enabled = true)."
     )
+
+
+def trim_cache(peak: int) -> None:
+    """Free MLX's buffer cache when it outgrows this step's peak.
+
+    Micro-batch shapes vary from step to step, so cached buffers of sizes never
+    reused would otherwise pile up; bounding the cache by one step's peak keeps
+    reuse within a step and stops the creep across steps.
+    """
+    if mx.get_cache_memory() > peak:
+        mx.clear_cache()

@@ -16,11 +16,15 @@ from grpo_fleet.learner.step.step_result import Gradients
 class Sharding(Protocol):
     """Which rows of a batch this process trains, and how its sums become the whole batch's."""
 
+    size: int  # processes training each batch
+
     def begin(self, batch: TrainBatch) -> None: ...
     def own_rows(self, batch: TrainBatch) -> TrainBatch: ...
     def combine(self, gradients: Gradients) -> Gradients: ...
     def combine_proximal(self, batch: TrainBatch, own: TrainBatch, micro: list[MicroBatch],
                          proximal: list[mx.array]) -> Optional[np.ndarray]: ...
+    def gather_rows(self, values: np.ndarray, total: int) -> np.ndarray: ...
+    def slowest(self, seconds: float) -> float: ...
     def end(self, model: nn.Module) -> None: ...
     def idle(self) -> None: ...
 
@@ -28,6 +32,8 @@ class Sharding(Protocol):
 class SingleProcess:
     """One process trains every row, and its sums are the batch's already; `DataParallel` (learner/ranks/distributed.py)
     spreads the rows over mx.distributed ranks instead."""
+
+    size = 1
 
     def begin(self, batch: TrainBatch) -> None:
         """Before a step: nothing to tell anyone."""
@@ -42,6 +48,14 @@ class SingleProcess:
                          proximal: list[mx.array]) -> Optional[np.ndarray]:
         """pi_prox on the batch's `[N, L]` grid."""
         return proximal_grid(own, micro, proximal)
+
+    def gather_rows(self, values: np.ndarray, total: int) -> np.ndarray:
+        """Values of this process's rows (`own_rows`' order) on the batch's `[N, L]` grid: they are all of it."""
+        return values
+
+    def slowest(self, seconds: float) -> float:
+        """The most `seconds` any process spent: these."""
+        return seconds
 
     def end(self, model: nn.Module) -> None:
         """After a step: nothing to check."""

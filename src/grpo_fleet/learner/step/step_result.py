@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from grpo_fleet.learner.step.fused_check import CheckedGroup
 from grpo_fleet.learner.step.update_stats import UpdateStats
+from grpo_fleet.trees import flat_leaves
 
 # StepStats.skipped when the step's own check found a lie: the gradients were dropped, not applied.
 LOGPROB_MISMATCH = "logprob_mismatch"
@@ -45,8 +47,26 @@ class StepStats(UpdateStats):
     # The groups the step checked or screened against its own first forward (TrainBatch.check), with their gaps;
     # when one broke its bound, `skipped` is LOGPROB_MISMATCH (or LOGPROB_SCREEN) and nothing was applied.
     checked: tuple[CheckedGroup, ...] = ()
-    check_seconds: float = 0.0
+    # The older groups recomputed at their versions inside the step (TrainBatch.recheck), judged on every rank's rows.
+    rechecked: tuple[CheckedGroup, ...] = ()
+    recomputed_rows: int = 0  # of them, by this rank
+    check_seconds: float = 0.0  # the checks' seconds on the slowest rank: the recomputing and the comparisons
 
     @property
     def failed_checks(self) -> list[CheckedGroup]:
-        return [c for c in self.checked if c.broke is not None]
+        return [c for c in (*self.checked, *self.rechecked) if c.broke is not None]
+
+
+def global_norm(grads: dict) -> mx.array:
+    """L2 norm over every gradient, in fp32 so half-precision squares cannot overflow."""
+    leaves = [g.astype(mx.float32) for _, g in flat_leaves(grads)]
+    return mx.sqrt(sum((mx.sum(g * g) for g in leaves), mx.array(0.0)))
+
+
+def skip_reason(loss: float, norm: float) -> Optional[str]:
+    """Why an update must be skipped (a non-finite loss or gradient norm), or None."""
+    if not math.isfinite(loss):
+        return "nonfinite_loss"
+    if not math.isfinite(norm):
+        return "nonfinite_grad"
+    return None

@@ -15,7 +15,6 @@ the trainer; the default (objective.py) wraps `grpo.grpo_loss`.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import replace
 from functools import partial
@@ -33,37 +32,23 @@ from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, 
 from grpo_fleet.learner.step.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
 from grpo_fleet.learner.step.forward import enable_grad_checkpoint, frozen_logprobs
 from grpo_fleet.learner.step.fused_check import CheckedGroup, fused_check
+from grpo_fleet.learner.step.memory import trim_cache
 from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, LossFn, behaviour_correction, default_loss, offpolicy_summary
+from grpo_fleet.learner.step.recheck import check_older, slowest_check
 from grpo_fleet.learner.step.rows import Sharding, SingleProcess
 from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
-from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, LOGPROB_SCREEN, Gradients, StepStats
+from grpo_fleet.learner.step.step_result import (
+    LOGPROB_MISMATCH,
+    LOGPROB_SCREEN,
+    Gradients,
+    StepStats,
+    global_norm,
+    skip_reason,
+)
 from grpo_fleet.model import Policy, adapters_disabled, load_policy
-from grpo_fleet.trees import flat_leaves, scalar
+from grpo_fleet.trees import scalar
 
 _TRAIN_DEFAULTS = TrainConfig()
-def global_norm(grads: dict) -> mx.array:
-    """L2 norm over every gradient, in fp32 so half-precision squares cannot overflow."""
-    leaves = [g.astype(mx.float32) for _, g in flat_leaves(grads)]
-    return mx.sqrt(sum((mx.sum(g * g) for g in leaves), mx.array(0.0)))
-
-
-def _skip_reason(loss: float, norm: float) -> Optional[str]:
-    if not math.isfinite(loss):
-        return "nonfinite_loss"
-    if not math.isfinite(norm):
-        return "nonfinite_grad"
-    return None
-
-
-def trim_cache(peak: int) -> None:
-    """Free MLX's buffer cache when it outgrows this step's peak.
-
-    Micro-batch shapes vary from step to step, so cached buffers of sizes never
-    reused would otherwise pile up; bounding the cache by one step's peak keeps
-    reuse within a step and stops the creep across steps.
-    """
-    if mx.get_cache_memory() > peak:
-        mx.clear_cache()
 
 
 class Trainer:
@@ -143,7 +128,7 @@ class Trainer:
         """
         norm = global_norm(gradients.grads)
         norm_value = scalar(norm)
-        reason = _skip_reason(scalar(gradients.loss), norm_value)
+        reason = skip_reason(scalar(gradients.loss), norm_value)
         if reason is not None:
             return norm_value, reason
         limit = self.optim_cfg.grad_clip
@@ -207,8 +192,11 @@ class Trainer:
         proximal_seconds = 0.0 if with_proximal is micro else time.perf_counter() - start - ref_seconds
         micro = with_proximal
         proximal = [m.proximal_logprobs for m in micro if m.proximal_logprobs is not None]
+        check_started = time.perf_counter()  # older groups, recomputed at their versions before anything is applied
+        rechecked, recomputed = check_older(self.policy.model, batch, own, self.sharding, temperature=self.temperature,
+                                            micro_batch_tokens=self.micro_batch_tokens, chunk_tokens=self.chunk_tokens)
         sums: dict[str, float] = {}
-        epochs, skipped, grid, checked, check_seconds = 0, None, None, [], 0.0
+        epochs, skipped, grid, checked, check_seconds = 0, None, None, [], time.perf_counter() - check_started
         while epochs < self.grpo.ppo_epochs and skipped is None:
             gradients = self.sharding.combine(self.accumulate(micro, refs, totals))
             if epochs == 0:
@@ -217,9 +205,10 @@ class Trainer:
                 grid = self.sharding.combine_proximal(batch, own, micro, proximal or gradients.policy_logprobs)
                 check_started = time.perf_counter()
                 checked = self._fused_check(batch, grid)
-                check_seconds = time.perf_counter() - check_started
-            if any(c.broke for c in checked):  # a lie, or a group to recompute, never trains: drop these gradients
-                lie = any(c.broke not in (None, "screen") for c in checked)
+                check_seconds += time.perf_counter() - check_started
+            broke = [c.broke for c in (*checked, *rechecked) if c.broke is not None]
+            if broke:  # a lie, or a group to recompute, never trains: drop these gradients
+                lie = any(b != "screen" for b in broke)
                 grad_norm, skipped = float("nan"), LOGPROB_MISMATCH if lie else LOGPROB_SCREEN
             else:
                 grad_norm, skipped = self.apply(gradients)
@@ -239,7 +228,8 @@ class Trainer:
                          update_seconds=train_seconds - ref_seconds - proximal_seconds, train_seconds=train_seconds,
                          peak_memory_bytes=peak, micro_batches=len(micro), epochs=epochs,
                          learning_rate=float(self.optimizer.learning_rate.item()), skipped=skipped, extra=means,
-                         proximal_logprobs=grid, checked=tuple(checked), check_seconds=check_seconds)
+                         proximal_logprobs=grid, checked=tuple(checked), rechecked=tuple(rechecked),
+                         recomputed_rows=recomputed, check_seconds=slowest_check(self.sharding, batch, check_seconds))
 
     @property
     def fuses_check(self) -> bool:

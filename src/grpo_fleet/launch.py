@@ -66,9 +66,10 @@ from grpo_fleet.launch_policy import (
 from grpo_fleet.launch_processes import Child, Printer, kill_late, wait_all
 from grpo_fleet.learner.records.runlog import METRICS_FILE
 
-# After the learner's own exit it has already waited (up to 10 s) for every actor to hear
-# Shutdown, so actors still running by then are exiting or never will: wait only briefly.
-ACTOR_GRACE_SECONDS = 5.0
+# When the learner exits after its last step, every actor has heard Shutdown (each answers it,
+# and the learner waits up to 10 s for that), so the actors are on their way out: give them the
+# time a loaded Mac takes to wind a Python process down (reward child, sockets, MLX), then stop them.
+ACTOR_GRACE_SECONDS = 15.0
 # On a stop, actors are stopped first (stdin closed), and get this long to deliver what they hold while the
 # learner still listens; then SIGTERM.
 ACTOR_DRAIN_SECONDS = 5.0

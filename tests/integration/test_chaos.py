@@ -15,7 +15,7 @@ from grpo_fleet.learner.records.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
 from helpers import assert_checkpoint_generates_like_the_learner, audit_ledger, finished_in_checkpoint, scrape, wait_for
 
-STEPS = 220  # the chaos ended at step 112 of a measured run; the rest is the run finishing
+STEPS = 400
 CHECKPOINT_EVERY = 10
 LEARNER_KILLS = 3
 ACTOR_KILLS = 6

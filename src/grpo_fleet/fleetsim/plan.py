@@ -116,7 +116,7 @@ def render(result: Plan, inputs: PlanInputs, shape: PlanShape) -> str:
         + (" (extrapolated by parameter count)" if result.learner_extrapolated else "")
         + (f"; logprob check: free at the step's version, {result.check_seconds:.1f} s a whole group at an older one "
            f"on one rank when drawn (probation, then {inputs.check_share:.0%}; {inputs.check_completions or 'all'} of "
-           f"{shape.group_size} completions), on rank 0 before the step"
+           f"{shape.group_size} completions), each rank its own rows, in the step"
            if inputs.logprob_check else "; no logprob check (trusted actors)"),
         "actors | " + " | ".join(f"steps/h, {r} rank{'s' if r > 1 else ''}" for r in ranks),
     ]

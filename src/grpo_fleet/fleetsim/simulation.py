@@ -11,7 +11,7 @@ The logprob check is the learner's own too (`learner.fleet.trust.Trust`, with a
 seeded draw): a group sampled at the version the step trains from is checked
 inside the step's forward, for nothing; an older one is recomputed at its own
 version when drawn (every group of an actor on probation, then a random share),
-on rank 0 before the step (`specs.CheckSpec`).
+by the rank that trains it, or all on rank 0 (`specs.CheckSpec.spread`).
 
 Processes run on machines of their own (a fleet of Macs), or on one shared
 host (`SharedHost`, how the check on this VM runs): there every busy process
@@ -251,8 +251,8 @@ class FleetSimulation:
 
     def _check_seconds(self, batch: list[_Buffered]) -> float:
         """The step's own check of `batch`: free at the version it trains from, a forward for a drawn older group,
-        on rank 0 before the step (the learner does not spread these over its ranks yet). Every checked group counts
-        towards its actor's probation."""
+        shared by the ranks whose rows hold it or, unspread, all on rank 0. Every checked group counts towards its
+        actor's probation."""
         check = self.run.check
         if not check.enabled:
             self.learner.checked.append((0, 0, 0.0))
@@ -261,7 +261,10 @@ class FleetSimulation:
         forwards = [g for g in batch if g.version != self.learner.version and g.drawn]
         for group in fused + forwards:
             self.trust.record_pass(str(group.actor))
-        seconds = len(forwards) * check.forward_seconds * check.completions
+        # Spread, the rows are dealt to the ranks in turn (learner/ranks/sharding.py), so a drawn group's picked
+        # completions land on any rank: the ranks share the forwards about evenly, and the step waits for them.
+        sharing = self.run.ranks if check.spread else 1
+        seconds = len(forwards) * check.forward_seconds * check.completions / sharing
         self.learner.checked.append((len(fused), len(forwards), seconds))
         return seconds
 
@@ -303,3 +306,4 @@ def simulate(actors: list[ActorSpec], run: RunSpec, host: Optional[SharedHost] =
     """Steady-state steps/s and utilisation of `actors` feeding a learner shaped by `run`, on machines of
     their own or on one `host`."""
     return FleetSimulation(actors, run, host).run_to_end()
+

@@ -41,9 +41,10 @@ class CheckSpec:
     version, and gets one only when drawn: every group of an actor on probation
     (its first `probation_groups` checked groups), then a random `share`. Such a
     forward recomputes `completions` of the group's completions (a share of its
-    G), on rank 0 before the step (the learner does not spread them over its
-    data-parallel ranks yet), so the drawn groups cost
-    `forward_seconds x completions x drawn` whatever the ranks.
+    G): `forward_seconds x completions x drawn` on one rank. With `spread`
+    (LoRA, learner/step/recheck.py) each rank recomputes its own rows of them
+    inside the step, so N ranks share that about evenly; without it (full
+    fine-tuning) rank 0 recomputes them all before the step.
     """
 
     enabled: bool = True  # security.verify_logprobs
@@ -51,6 +52,7 @@ class CheckSpec:
     completions: float = 1.0  # the share of a group's completions such a forward recomputes (check_completions / G)
     probation_groups: int = _SECURITY.probation_groups
     share: float = _SECURITY.check_share
+    spread: bool = True  # each data-parallel rank recomputes its own rows (LoRA); False: all on rank 0
     seed: int = 0  # the draw is the learner's own Trust, seeded here so a simulation repeats
 
     @classmethod
@@ -58,7 +60,8 @@ class CheckSpec:
         security = cfg.security
         return cls(enabled=security.verify_logprobs, forward_seconds=forward_seconds,
                    completions=completions_share(security.check_completions, cfg.generation.group_size),
-                   probation_groups=security.probation_groups, share=security.check_share)
+                   probation_groups=security.probation_groups, share=security.check_share,
+                   spread=cfg.lora.enabled)
 
 
 def completions_share(check_completions: int, group_size: int) -> float:

@@ -112,7 +112,10 @@ def test_real_prometheus_discovers_and_scrapes_the_fleet(run_config, spawn, free
         wait_for(lambda: len(up()) == 3, "up == 1 for the learner and both actors", procs=(learner, *fleet, prometheus))
         wait_for(lambda: _query(prom_port, "grpo_fleet_learner_steps_total > 0"), "steps series > 0")
         wait_for(lambda: _query(prom_port, "sum(grpo_fleet_actor_tokens_generated_total) > 0"), "tokens series > 0")
-        assert _active_actor_targets(prom_port) == {"mon-0", "mon-1"}
+        # Prometheus rebuilds its target pools on each service-discovery refresh: read the set as it settles
+        # (fc10 read it empty once, between "up" for all three and this line).
+        wait_for(lambda: _active_actor_targets(prom_port) == {"mon-0", "mon-1"}, "both actors as active targets",
+                 procs=(learner, *fleet, prometheus))
 
         fleet[1].send_signal(signal.SIGTERM)
         assert fleet[1].wait(timeout=30) == 0

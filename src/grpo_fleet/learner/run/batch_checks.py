@@ -144,8 +144,7 @@ class BatchChecks:
         plan.seconds += time.perf_counter() - started
         self._count("forward", len(plan.forward), len(failures))
         with self.rooms.lock:
-            for group in plan.forward:
-                group.check_logprobs = False  # passed, or about to be dropped: never recomputed twice
+            _forward_done(plan)
             return self._settle(plan.forward, failures, groups)
 
     def fused(self, plan: CheckPlan, groups: list[AcceptedGroup], stats: StepStats) -> bool:
@@ -182,8 +181,7 @@ class BatchChecks:
                     for c in stats.rechecked if c.broke is not None]
         self._count("forward", len(stats.rechecked), len(failures))
         with self.rooms.lock:
-            for group in plan.forward:
-                group.check_logprobs = False  # passed, or about to be dropped: never recomputed twice
+            _forward_done(plan)
         return plan.forward, failures
 
     def _recompute_suspects(self, plan: CheckPlan, suspects: list[AcceptedGroup], groups: list[AcceptedGroup]) -> bool:
@@ -243,6 +241,13 @@ class BatchChecks:
         counter = self.rooms.metrics.logprob_checks
         counter.labels(how=how, result="passed").inc(checked - failed)
         counter.labels(how=how, result="failed").inc(failed)
+
+
+def _forward_done(plan: CheckPlan) -> None:
+    """The plan's older groups were recomputed (before the step or inside it): each passed, or is about to be
+    dropped, and is never recomputed twice. Under the lock: the flags are shared."""
+    for group in plan.forward:
+        group.check_logprobs = False
 
 
 def _gap(group: AcceptedGroup, checked: CheckedGroup, bound: Optional[GapBound]) -> LogprobGap:

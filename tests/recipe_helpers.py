@@ -16,6 +16,17 @@ from grpo_fleet.config import load_run_config
 from grpo_fleet.tasks import data_path
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "qwen2.5-0.5b-gsm8k-mac.toml"
+# A user reward for the tiny model, appended to a reward file. On GSM8K's questions it earns no R1 credit, and a
+# reverse_positions point against their answers in about one group of thirty, so nearly all its groups would score
+# alike and be skipped for zero variance (97% measured): its actors generated some 60 groups for each one trained.
+# Its completions' lengths differ within a group, so with this reward its groups differ, and train.
+BREVITY_REWARD = '''
+
+@register_reward
+def brevity(completion, prompt, **columns):
+    """Fewer characters score higher: 1 / (1 + length)."""
+    return 1.0 / (1.0 + len(completion))
+'''
 
 
 def gsm8k_like(path: Path, first_level: int) -> Dataset:

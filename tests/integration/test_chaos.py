@@ -13,10 +13,20 @@ import pytest
 
 from grpo_fleet.learner.records.persistence import read_state
 from grpo_fleet.model import latest_checkpoint
-from helpers import assert_checkpoint_generates_like_the_learner, audit_ledger, finished_in_checkpoint, scrape, wait_for
+from helpers import (
+    assert_checkpoint_generates_like_the_learner,
+    audit_ledger,
+    finished_in_checkpoint,
+    scrape,
+    wait_for,
+    wait_steps,
+)
 
+# The first learner's target is out of reach: the last resumed one is given the run's real end, a few
+# checkpoints past the last kill, so the run ends soon after the chaos does, however fast it went.
 STEPS = 400
 CHECKPOINT_EVERY = 10
+STEPS_AFTER_LAST_KILL = 2 * CHECKPOINT_EVERY
 LEARNER_KILLS = 3
 ACTOR_KILLS = 6
 # After a resume the run must pass the step it died at within this long. A
@@ -117,24 +127,29 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
 
     learners = [spawn("learner", "--config", str(config), name="learner")]
     actors = [start_actor(i) for i in range(3)]
-    # Every resume point past a checkpoint is equally likely; 0 (right after one) included.
-    offsets = rng.sample(range(CHECKPOINT_EVERY), LEARNER_KILLS)
-    recoveries = []
-    for offset in offsets:
-        # The same actors throughout: they hold versions newer than the checkpoint.
-        died_at = _wait_for_offset(run_dir, learners[-1], offset, at_least=_steps_done(run_dir) + CHECKPOINT_EVERY)
-        learners[-1].send_signal(signal.SIGKILL)
-        learners[-1].wait()
-        learners.append(spawn("learner", "--resume", str(run_dir), name="learner-resumed"))
-        recoveries.append(_wait_for_progress(run_dir, learners[-1], beyond=died_at))
+    wait_steps(run_dir, 2, learners[-1])  # the fleet is at work: its actors hold leases to overrun
     freezes = _freeze_past_lease(actors, learners[-1], metrics_port, cfg.server.lease_seconds)
     for _ in range(ACTOR_KILLS):
         time.sleep(rng.uniform(0.3, 1.2))
-        assert learners[-1].poll() is None, "the run ended before the chaos did; raise STEPS"
+        assert learners[-1].poll() is None, learners[-1].log_path.read_text()[-3000:]
         victim = rng.randrange(len(actors))
         actors[victim].send_signal(signal.SIGKILL)
         actors[victim].wait()
         actors[victim] = start_actor(victim)
+    # Every resume point past a checkpoint is equally likely; 0 (right after one) included.
+    offsets = rng.sample(range(CHECKPOINT_EVERY), LEARNER_KILLS)
+    recoveries, target = [], STEPS
+    for kill, offset in enumerate(offsets, start=1):
+        # The same actors throughout: they hold versions newer than the checkpoint.
+        died_at = _wait_for_offset(run_dir, learners[-1], offset, at_least=_steps_done(run_dir) + CHECKPOINT_EVERY)
+        learners[-1].send_signal(signal.SIGKILL)
+        learners[-1].wait()
+        resume = ["learner", "--resume", str(run_dir)]
+        if kill == LEARNER_KILLS:
+            target = died_at + STEPS_AFTER_LAST_KILL
+            resume += ["--set", f"train.steps={target}"]
+        learners.append(spawn(*resume, name="learner-resumed"))
+        recoveries.append(_wait_for_progress(run_dir, learners[-1], beyond=died_at))
     learner = learners[-1]
     learner.wait(timeout=420)
     assert learner.returncode == 0, learner.log_path.read_text()[-3000:]
@@ -146,7 +161,7 @@ def test_fleet_survives_sigkills_without_losing_or_duplicating_groups(run_config
         assert "learner rejected lease" not in proc.log_path.read_text(), "an honest actor's work was refused as invalid"
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "the run reaches its step target once"
+    assert [r["step"] for r in records] == list(range(1, target + 1)), "the run reaches its step target once"
 
     audit = audit_ledger(run_dir / "ledger.jsonl")  # each group accepted once, dropped at most once after that
     ids, duplicates = audit.accepted, 0

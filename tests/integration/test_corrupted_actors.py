@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 from helpers import audit_ledger, jsonl, scrape, wait_for
 
 KINDS = ("rewards", "logprobs", "weights", "version")
+# The run's target is out of reach: it ends on SIGTERM once the honest fleet has trained this many steps past the
+# last ban, whenever the bans came (a fixed target would have to guess that, with a wide margin).
+STEPS_AFTER_LAST_BAN = 20
 LIAR = Path(__file__).resolve().parents[1] / "liars" / "corrupt_actor.py"
 
 
@@ -17,7 +21,7 @@ LIAR = Path(__file__).resolve().parents[1] / "liars" / "corrupt_actor.py"
 def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, spawn, free_port):
     port = free_port()
     config, cfg = run_config(
-        train={"steps": 250, "checkpoint_every": 250, "log_samples_every": 1, "log_samples_count": 256},
+        train={"steps": 100000, "checkpoint_every": 100000, "log_samples_every": 1, "log_samples_count": 256},
         optim={"lr": 1e-3},  # the policy moves fast, so an actor stuck at version 0 is far from what it claims
         metrics={"port": port},
         server={"max_groups_per_lease": 2},
@@ -49,12 +53,16 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
     # Every check is either an honest group within the float32 actors' bound (1e-3 nats) or a liar's beyond it.
     assert buckets["0.001"] > 20 and buckets["0.01"] == buckets["0.001"], buckets
     over_threshold = buckets["+Inf"] - buckets["0.001"]
-    assert learner.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
+    bans = _bans(learner.log_path.read_text())
+    assert set(bans) == {"liar-logprobs", "liar-weights", "liar-version"}, learner.log_path.read_text()[-3000:]
+    honest_end = max(step for _, step in bans.values()) + STEPS_AFTER_LAST_BAN
+    wait_for(lambda: len([r for r in jsonl(run_dir / "metrics.jsonl") if "event" not in r]) >= honest_end,
+             f"the honest fleet to train {STEPS_AFTER_LAST_BAN} steps past the last ban", procs=[learner])
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(timeout=60) == 0, learner.log_path.read_text()[-3000:]
 
     log = learner.log_path.read_text()
-    bans = {actor: (group, int(step)) for actor, group, step in re.findall(
-        r"actor (liar-\w+): group (\S+) \(claimed v\d+\) has logprobs .* banned after step (\d+)", log)}
-    assert set(bans) == {"liar-logprobs", "liar-weights", "liar-version"}, log[-3000:]
+    assert _bans(log) == bans, "each liar is banned once"
     assert over_threshold >= len(bans), "each ban is a check over the bound (honest ones stay under 1e-3, above)"
     audit = audit_ledger(run_dir / "ledger.jsonl")  # each group accepted once, dropped at most once after that
     ledger = [e for e in jsonl(run_dir / "ledger.jsonl") if "event" not in e]
@@ -71,6 +79,12 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
         "liar-logprobs", "liar-weights", "liar-version"}, "only liars' groups are dropped for their logprobs"
     trained_by = {row["actor_id"] for row in jsonl(run_dir / "samples.jsonl")}
     assert trained_by <= {"honest-0", "honest-1"}, f"a liar's group was trained: {trained_by}"
-    steps = [r for r in jsonl(run_dir / "metrics.jsonl") if "event" not in r]
-    assert steps[-1]["step"] == 250, "the honest fleet finished the run"
+    steps = [r["step"] for r in jsonl(run_dir / "metrics.jsonl") if "event" not in r]
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= honest_end, "the honest fleet trained on"
     assert "honest" not in " ".join(re.findall(r"actor (\S+) reported rewards", log)), "no honest false rejection"
+
+
+def _bans(log: str) -> dict[str, tuple[str, int]]:
+    """Each banned liar's failed group and the step it was banned after, from the learner's log."""
+    return {actor: (group, int(step)) for actor, group, step in re.findall(
+        r"actor (liar-\w+): group (\S+) \(claimed v\d+\) has logprobs .* banned after step (\d+)", log)}

@@ -27,7 +27,7 @@ from grpo_fleet.blas import child_env
 from grpo_fleet.fleet_file import ActorSpec, FleetConfig, LearnerSpec, actor_command, learner_connect, load_fleet, ssh_argv
 from grpo_fleet.launch import run_fleet
 from grpo_fleet.protocol.auth import add_actor, init_keys
-from recipe_helpers import recipe_config, save_gsm8k_like
+from recipe_helpers import BREVITY_REWARD, recipe_config, save_gsm8k_like
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_FLEET = REPO / "deploy" / "fleet.toml"
@@ -335,17 +335,17 @@ def _wait_lines(run_dir: Path, count: int, stop: threading.Event, timeout: float
         time.sleep(0.2)
 
 
-def _shipped_fleet_here(tmp_path: Path, learner_config: Path) -> Path:
+def _shipped_fleet_here(tmp_path: Path, learner_config: Path, rewards_file: Path) -> Path:
     """deploy/fleet.toml as shipped, with only what differs on this machine replaced.
 
     The actor Macs' checkout (SHIPPED_HOME) becomes a folder here holding what the
     file says each Mac has: its key, the learner's public key and its copy of the
-    recipe's reward file. The ssh template becomes the local stand-in, and the
+    recipe's reward file (`rewards_file`, as the learner has it). The ssh template becomes the local stand-in, and the
     learner runs the recipe on the tiny model. Actor flags stay as shipped.
     """
     home = tmp_path / "mac-home"
     (home / "configs").mkdir(parents=True)
-    (home / "configs" / "gsm8k_rewards.py").write_bytes((REPO / "configs" / "gsm8k_rewards.py").read_bytes())
+    (home / "configs" / "gsm8k_rewards.py").write_bytes(rewards_file.read_bytes())
     keys = tmp_path / "keys"  # the shipped file's learner.keys is "../keys", next to its own folder
     init_keys(keys)
     (home / "learner.key").write_bytes((keys / "learner.key").read_bytes())
@@ -366,10 +366,11 @@ def _shipped_fleet_here(tmp_path: Path, learner_config: Path) -> Path:
 
 
 def test_the_shipped_fleet_file_launches_and_every_actor_joins(tmp_path: Path, free_port, capsys) -> None:
-    rewards = {"r1_format": 0.2, "r1_accuracy": 1.0, "concise_reasoning": 0.1, "reverse_positions": 0.1}
-    config, cfg = recipe_config(tmp_path, free_port, save_gsm8k_like(tmp_path / "gsm8k"),
-                                REPO / "configs" / "gsm8k_rewards.py", rewards)
-    fleet = load_fleet(_shipped_fleet_here(tmp_path, config))
+    rewards = {"r1_format": 0.2, "r1_accuracy": 1.0, "concise_reasoning": 0.1, "reverse_positions": 0.1, "brevity": 0.1}
+    rewards_file = tmp_path / "gsm8k_rewards.py"  # the recipe's, and a reward the tiny model's groups differ by
+    rewards_file.write_text((REPO / "configs" / "gsm8k_rewards.py").read_text() + BREVITY_REWARD)
+    config, cfg = recipe_config(tmp_path, free_port, save_gsm8k_like(tmp_path / "gsm8k"), rewards_file, rewards)
+    fleet = load_fleet(_shipped_fleet_here(tmp_path, config, rewards_file))
     shipped = load_fleet(SHIPPED_FLEET)
     assert [a.name for a in fleet.actors] == [a.name for a in shipped.actors] and fleet.learner.keys
     # Two actors share this machine: free metrics ports, and the tiny model from the learner's run dir.

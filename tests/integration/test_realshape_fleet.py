@@ -29,6 +29,9 @@ def test_actor_joins_a_realshape_4bit_run_and_delivers(run_config, spawn, monkey
         generation={"group_size": 4, "max_tokens": 4},
         grpo={"groups_per_step": 1},
         train={"steps": 2, "checkpoint_every": 1000},
+        # Calibrating the half-precision bound samples in bf16, some 20 s of CPU at this vocabulary, for actors
+        # that never come here (the fp32 one is not calibrated); test_demo_real calibrates on a real model.
+        security={"calibration_prompts": 0},
     )
     learner = spawn("learner", "--config", str(config), name="learner")
     # No --model-dir: the learner's path is inside a cache the actor was never told about.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from helpers import audit_ledger, jsonl
-from recipe_helpers import recipe_config, save_gsm8k_like
+from recipe_helpers import BREVITY_REWARD, recipe_config, save_gsm8k_like
 
 USER_REWARDS = '''
 from grpo_fleet.tasks import register_reward
@@ -18,9 +18,9 @@ from grpo_fleet.tasks import register_reward
 def by_level(completion, prompt, *, answer, level, **columns):
     """A reward that reads a dataset column: every completion of a level-n question scores 0.001 * (n + 1)."""
     return 0.001 * (level + 1)
-'''
-# reverse_positions: partial credit, so a random model's groups differ and train.
-REWARDS = {"r1_format": 0.2, "r1_accuracy": 1.0, "by_level": 1.0, "reverse_positions": 0.1}
+''' + BREVITY_REWARD
+# brevity: the tiny model's groups differ, so they train (recipe_helpers.BREVITY_REWARD).
+REWARDS = {"r1_format": 0.2, "r1_accuracy": 1.0, "by_level": 1.0, "reverse_positions": 0.1, "brevity": 0.1}
 
 
 def test_the_gsm8k_recipe_trains_with_user_rewards_eval_leases_and_samples(spawn, free_port, tmp_path):

@@ -69,6 +69,8 @@ class _Cursor:
 
     def __init__(self, data: np.ndarray, path: Path) -> None:
         self.data, self.path, self.pos, self.size = data, path, 0, int(data.shape[0])
+        # Slicing the memmap itself builds an array object per read: a 262k-token vocabulary took seconds.
+        self.view = memoryview(data)  # type: ignore[arg-type]
         self.what = "the header"
 
     def fail(self, reason: str) -> GGUFError:
@@ -81,7 +83,7 @@ class _Cursor:
     def unpack(self, fmt: str) -> Any:
         width = struct.calcsize(fmt)
         self.need(width)
-        value = struct.unpack_from(fmt, memoryview(self.data), self.pos)  # type: ignore[arg-type]
+        value = struct.unpack_from(fmt, self.view, self.pos)
         self.pos += width
         return value[0] if len(value) == 1 else value
 
@@ -90,7 +92,7 @@ class _Cursor:
         if length > limit:
             raise self.fail(f"a string of {length} bytes (at most {limit} here)")
         self.need(length)
-        raw = bytes(self.data[self.pos:self.pos + length])
+        raw = bytes(self.view[self.pos:self.pos + length])
         self.pos += length
         try:
             return raw.decode("utf-8")

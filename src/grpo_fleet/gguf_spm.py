@@ -21,6 +21,7 @@ _NORMAL = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL: the only pieces BPE joins in
 def spm_merges(tokens: list[str], types: list[int], scores: np.ndarray) -> list[tuple[str, str]]:
     """Every (left, right) split of every normal piece into two pieces, best-scoring joined piece first."""
     index = {token: i for i, token in enumerate(tokens)}
+    negated = (-scores.astype(np.float64)).tolist()  # Python floats: indexing numpy per piece cost seconds
     ranked: list[tuple[float, int, int, str, str]] = []
     for i, token in enumerate(tokens):
         if types[i] != _NORMAL or len(token) < 2:
@@ -28,7 +29,7 @@ def spm_merges(tokens: list[str], types: list[int], scores: np.ndarray) -> list[
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]
             if left in index and right in index:
-                ranked.append((-float(scores[i]), i, cut, left, right))
+                ranked.append((negated[i], i, cut, left, right))
     ranked.sort()
     return [(left, right) for *_, left, right in ranked]
 

@@ -29,7 +29,7 @@ def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
     config, cfg = run_config(**FLEET, train={"steps": 12, "sync_every": 2, "checkpoint_every": 5, "log_samples_every": 1},
                              metrics={"port": ports["learner"]})
     run_dir = Path(cfg.run_dir)
-    # Actors first, up and knocking before the learner binds (ZeroMQ queues their Hello): an actor that started
+    # Actors first, up and knocking before the learner binds (protocol/sockets.py): an actor that started
     # after a 12-step run had ended would wait for a learner that is gone, as it must (it cannot tell "done" from
     # "not up yet"), and this test once lost that race on a loaded host.
     actors = [
@@ -39,6 +39,9 @@ def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
     ]
     pages = {f"actor{i}": wait_for(lambda port=ports[f"actor{i}"]: scrape(port, 2).text, f"actor{i}'s /metrics", 90,
                                    actors) for i in range(2)}
+    # Long enough for their reconnect backoff to reach its ceiling: each must still knock again, and join, within
+    # RECONNECT_MAX_MS of the learner binding. With a 5 s ceiling the 12-step run (~4 s) once ended first.
+    time.sleep(6.5)
     learner = spawn("learner", "--config", str(config), name="learner")
     # Scraped while the run is live.
     pages.update({name: wait_for(lambda port=port: scrape(port, 2).text, f"{name}'s /metrics", 90, [learner, *actors])
@@ -48,6 +51,7 @@ def test_learner_and_two_actors_train_over_tcp(run_config, free_port, spawn):
     assert all("grpo_fleet_actor_groups_generated_total" in pages[f"actor{i}"] for i in range(2))
 
     assert learner.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
+    assert all(f"actor it-{i} joined" in learner.log_path.read_text() for i in range(2)), learner.log_path.read_text()
     for actor in actors:
         assert actor.wait(timeout=30) == 0, "actors stop cleanly on the learner's Shutdown"
     # Each actor that heard the end on PUB answered it, so the learner did not linger its grace out waiting.

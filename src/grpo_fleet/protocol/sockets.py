@@ -24,6 +24,8 @@ from grpo_fleet.protocol.messages import WeightsChunk
 
 # Below this size copying is cheaper than zmq's zero-copy bookkeeping.
 _ZERO_COPY_THRESHOLD = 64 * 1024
+# An actor's longest wait between attempts to reach a learner that is not up (yet, or again).
+RECONNECT_MAX_MS = 1000
 
 
 def make_context() -> zmq.Context:
@@ -91,7 +93,10 @@ def dealer_socket(
     max_message_bytes: int,
     curve: Optional[tuple["Keypair", bytes]] = None,
 ) -> zmq.Socket:
-    """An actor's DEALER; reconnects quickly at first, backing off to 5 s.
+    """An actor's DEALER; reconnects quickly at first, backing off to 1 s.
+
+    An actor started before its learner (or waiting out a learner's restart) must join within a second of
+    the learner binding: with a 5 s ceiling a short run could end before an actor knocked again.
 
     `curve` is (the actor's keypair, the learner's public key).
     """
@@ -100,7 +105,7 @@ def dealer_socket(
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
     if identity is not None:
         # libzmq reserves identities starting with a zero byte for generated ones.
         if not 1 <= len(identity) <= 255 or identity[:1] == b"\x00":

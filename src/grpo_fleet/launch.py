@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from grpo_fleet.blas import child_env
-from grpo_fleet.exit_codes import NOT_FOUND
+from grpo_fleet.exit_codes import DONE, NOT_FOUND
 from grpo_fleet.fleet_file import (
     ActorSpec,
     FleetConfig,
@@ -151,6 +151,20 @@ class _ActorSlot:
         self.next_start = time.monotonic() + decision.delay
         printer.say(f"{name} exited with code {code} after {ran:.1f}s; restarting {name} in {decision.delay:g}s")
 
+    def report_exit(self, printer: Printer) -> None:
+        """Say how the actor ended when it outlived the learner, so no tick noticed it: the fleet is winding
+        down, and nothing is restarted."""
+        if self.child is None or self.child.running():
+            return
+        self.child.reap()
+        code = _exit_code(self.child.proc.returncode)
+        if code == DONE:
+            printer.say(f"{self.spec.name} finished (exit code {code}: the learner ended its run, or it was stopped "
+                        "on its host)")
+        else:
+            printer.say(f"{self.spec.name} exited with code {code} as the fleet stopped: {self.child.last_line or '(no output)'}")
+        self.child = None
+
     def _start(self, printer: Printer, backoff_max: float) -> None:
         self.starts += 1
         try:
@@ -231,4 +245,6 @@ def _wind_down(learner: Child, slots: list[_ActorSlot], cfg: FleetConfig, learne
         while any(a.running() for a in actors) and time.monotonic() < deadline and not stop.is_set():
             time.sleep(0.05)
     _terminate(learner, actors, cfg.stop_timeout, learner_wait, printer)
+    for slot in slots:
+        slot.report_exit(printer)
     printer.say(f"done; learner exit code {learner.proc.returncode}")

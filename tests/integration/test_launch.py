@@ -1,7 +1,8 @@
 """`grpo-fleet launch`: a real learner and real actors, started through a local stand-in for ssh.
 
 The stand-in ignores the host (except hostC, which it refuses like an unreachable
-Mac, and `stubborn`, which ignores SIGTERM) and runs the command with `sh -c`,
+Mac, `stubborn`, which ignores SIGTERM, and `lingering`, whose session ends 2 s
+after its command) and runs the command with `sh -c`,
 as sshd runs it with the login shell.
 """
 
@@ -38,6 +39,7 @@ FAKE_SSH = """#!/bin/sh
 case "$1" in
   hostC) echo "ssh: connect to host $1 port 22: Connection refused" >&2; exit 255 ;;
   stubborn) trap '' TERM; echo "ignoring SIGTERM"; sleep 600; exit 0 ;;
+  lingering) sh -c "$2"; code=$?; sleep 2; exit $code ;;  # a session that closes after the learner has exited
 esac
 exec sh -c "$2"
 """
@@ -152,7 +154,7 @@ def test_fleet_file_errors(tmp_path: Path, body: str, message: str) -> None:
 def test_launch_trains_to_the_end_with_a_failing_actor(tmp_path: Path, run_config, capsys) -> None:
     config, cfg = run_config(task={"num_train": 100, "num_eval": 8}, train={"steps": 20})
     run_dir = Path(cfg.run_dir)
-    fleet = _write_fleet(tmp_path, config, ["hostA", "hostB", "hostC"],
+    fleet = _write_fleet(tmp_path, config, ["hostA", "lingering", "hostC"],
                          ["--model-dir", str(run_dir), "--metrics-port", "0"], restart_backoff_max=4)
     stop = threading.Event()
     watchdog = threading.Timer(120, stop.set)  # a hung run fails the test instead of the session
@@ -167,8 +169,10 @@ def test_launch_trains_to_the_end_with_a_failing_actor(tmp_path: Path, run_confi
     assert _metrics_lines(run_dir) == 20
 
     assert any("learner listening on" in line for line in _prefixed(out, "[learner] "))
-    for host in ("hostA", "hostB"):
+    for host in ("hostA", "lingering"):
         assert any(f"actor {host} joined run" in line for line in _prefixed(out, f"[{host}] ")), host
+        # Reported however its exit falls: `lingering`'s comes after the learner's, when no restart tick runs.
+        assert f"[launch] {host} finished (exit code 0" in out, out[-4000:]
     assert "[hostC] ssh: connect to host hostC port 22: Connection refused" in out
 
     # The unreachable host is retried while the learner runs (the delays are checked in the

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import socket
+import threading
 from typing import Callable, Iterator
 
 import numpy as np
@@ -24,8 +26,11 @@ from grpo_fleet.protocol import (
     Tensor,
     encode,
 )
+from grpo_fleet.protocol.endpoints import free_port
 from grpo_fleet.protocol.sockets import (
+    AddressInUse,
     bound_endpoint,
+    check_bindable,
     dealer_socket,
     make_context,
     pub_socket,
@@ -203,3 +208,38 @@ def test_pub_sub_notice(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
     assert got == notice
 
 
+
+
+def test_the_learners_port_check_accepts_no_connection_an_actor_could_be_making() -> None:
+    # An actor dialling while the learner checked its ports once reached a ZeroMQ probe: the handshake failed
+    # on the socket type and libzmq dropped the actor's queued Hello for good. The check must never listen.
+    port = free_port()
+    accepted, stop = [], threading.Event()
+
+    def dial() -> None:
+        while not stop.is_set():
+            with socket.socket() as client:
+                if client.connect_ex(("127.0.0.1", port)) == 0:
+                    accepted.append(port)
+
+    dialler = threading.Thread(target=dial, daemon=True)
+    dialler.start()
+    try:
+        for _ in range(300):
+            check_bindable([f"tcp://127.0.0.1:{port}"])
+    finally:
+        stop.set()
+        dialler.join()
+    assert not accepted, f"{len(accepted)} connections reached the port check"
+
+
+def test_the_port_check_names_a_port_another_program_listens_on() -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(AddressInUse, match=f"tcp://127.0.0.1:{port} is already in use"):
+            check_bindable([f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{port}"])
+        with pytest.raises(AddressInUse):
+            check_bindable([f"tcp://*:{port}"])  # the wildcard overlaps every address
+    check_bindable([f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:0", "tcp://127.0.0.1:*"])  # free again; random ports

@@ -9,6 +9,8 @@ before it is ever buffered in Python.
 
 from __future__ import annotations
 
+import errno
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
@@ -54,16 +56,44 @@ def _bind(sock: zmq.Socket, endpoint: str) -> None:
 
 
 def check_bindable(endpoints: Sequence[str]) -> None:
-    """Raise AddressInUse for the first TCP endpoint another process holds: before a model load of minutes."""
-    ctx = make_context()
-    try:
-        for endpoint in (e for e in endpoints if e.startswith("tcp://")):  # an ipc bind would take the path over
-            probe = ctx.socket(zmq.PUB)
-            probe.setsockopt(zmq.LINGER, 0)
-            _bind(probe, endpoint)
-            probe.close()
-    finally:
-        ctx.term()
+    """Raise AddressInUse for the first TCP endpoint another process listens on: before a model load of minutes.
+
+    The probe is a plain socket, bound and never listening, so a connection attempt meanwhile is refused and
+    retried. A ZeroMQ probe accepted it instead: an actor already dialling reached the probe, whose handshake
+    failed on the socket type, and libzmq then dropped that actor's queued Hello for good (it waited out its
+    request timeout, 30 s, before trying again). An endpoint this cannot read (an interface name) is left
+    to the real bind, which raises AddressInUse too.
+    """
+    for endpoint in endpoints:
+        address = _tcp_bind_address(endpoint)
+        if address is None:
+            continue
+        try:
+            infos = socket.getaddrinfo(*address, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (socket.gaierror, UnicodeError):
+            continue
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds: TIME_WAIT is no owner
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise AddressInUse(f"{endpoint} is already in use (another learner, or another program, "
+                                       "listens there)") from None
+                # Any other error (an address not on this machine) is the real bind's to report.
+
+
+def _tcp_bind_address(endpoint: str) -> Optional[tuple[str, int]]:
+    """(host, port) of a tcp:// bind endpoint with a fixed port; None for a random port or another transport."""
+    if not endpoint.startswith("tcp://"):
+        return None  # an ipc probe would take the path over
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not port.isdigit() or int(port) == 0 or int(port) > 65535:
+        return None  # '*' or 0: any free port will do
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return ("0.0.0.0" if host in ("*", "") else host), int(port)
 
 
 def router_socket(

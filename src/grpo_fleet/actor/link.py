@@ -111,6 +111,8 @@ class LearnerLink:
 
     def listen(self, pub_address: Optional[str]) -> None:
         """Subscribe to the learner's notices (PolicyUpdated, Heartbeat, Shutdown)."""
+        if self._sub is not None:  # a session begun on a late Welcome kept the last one's sockets
+            self._sub.close(linger=0)
         self._sub = sub_socket(self.ctx, notice_address(pub_address, self.connect), curve=self.curve)
 
     def close(self) -> None:
@@ -141,6 +143,24 @@ class LearnerLink:
                 raise StopActor(f"asked to stop while waiting for the learner's answer to {type(msg).__name__}")
             self._route(reply)
         return reply
+
+    def await_late_welcome(self, seconds: float, give_up: Callable[[], bool]) -> Optional[m.Welcome]:
+        """Backing off after a request went unanswered: the Welcome to our last Hello, if it comes within `seconds`.
+
+        The socket stays open meanwhile, and libzmq delivers a queued Hello as soon as a learner binds. The
+        learner registers us then; had we slept blind, its Welcome would be dropped with the socket, we
+        would miss a short run's whole life, Shutdown included, and then dial a learner that is gone. Any
+        other answer belongs to the session that ended and is dropped.
+        """
+        deadline = time.monotonic() + seconds
+        while self._dealer is not None and not give_up() and (remaining := deadline - time.monotonic()) > 0:
+            try:
+                reply = recv_message(self._dealer, timeout_s=min(remaining, POLL_SECONDS), limits=self.limits)
+            except ProtocolError:
+                continue
+            if isinstance(reply, m.Welcome):
+                return reply
+        return None
 
     def await_answers(self, settled: Callable[[], bool]) -> None:
         """Read answers until `settled()`; no answer within the request timeout means the learner is gone."""

@@ -95,14 +95,15 @@ class ActorWorker:
         metrics_server = serve_actor_metrics(self.metrics, self.cfg.metrics)
         self.metrics_port = metrics_server.port if metrics_server is not None else 0
         backoff = 0.2
+        late: Optional[m.Welcome] = None  # the answer to a Hello that came while we backed off
         try:
             while not self.stopping:
                 try:
-                    self._session()
+                    self._session(late)
                 except LearnerUnavailable as exc:
                     log.warning("learner unavailable (%s); retrying in %.1fs", shown(exc), backoff)
                     self.metrics.reconnects.inc()
-                    self._sleep(backoff)
+                    late = self.link.await_late_welcome(backoff, give_up=lambda: self.stopping)
                     backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
                 except StopActor as exc:
                     log.info("actor %s stopping: %s", self.actor_id, shown(exc))
@@ -134,8 +135,9 @@ class ActorWorker:
         # Asked to stop with nothing to deliver: no reason to wait for a learner that may never answer.
         return self.link.open(hello, give_up=lambda: self.stopping and self.inflight.drained)
 
-    def _session(self) -> None:
-        welcome = self.connect()
+    def _session(self, welcome: Optional[m.Welcome] = None) -> None:
+        """One registration's life: `welcome` is a late answer to the last Hello, else we say Hello now."""
+        welcome = welcome or self.connect()
         self._adopt(welcome)
         self.link.listen(welcome.pub_address)
         self.inflight.new_connection()

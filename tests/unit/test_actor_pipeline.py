@@ -84,7 +84,7 @@ def test_a_first_stop_signal_gives_up_on_a_learner_that_is_gone():
     worker = ActorWorker(ActorConfig(metrics=MetricsConfig(port=0)))
     sessions: list[str] = []
 
-    def session() -> None:
+    def session(welcome: object = None) -> None:
         assert not sessions, "reconnected after a stop signal, to a learner that may never come back"
         sessions.append("session")
         worker.inflight.submitted = _rollouts()  # generated, sent, never acknowledged

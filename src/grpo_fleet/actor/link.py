@@ -153,7 +153,10 @@ class LearnerLink:
         other answer belongs to the session that ended and is dropped.
         """
         deadline = time.monotonic() + seconds
-        while self._dealer is not None and not give_up() and (remaining := deadline - time.monotonic()) > 0:
+        while not give_up() and (remaining := deadline - time.monotonic()) > 0:
+            if self._dealer is None:  # no socket to read (it could not be made): the backoff is a plain wait
+                time.sleep(min(remaining, 0.05))
+                continue
             try:
                 reply = recv_message(self._dealer, timeout_s=min(remaining, POLL_SECONDS), limits=self.limits)
             except ProtocolError:

@@ -200,7 +200,9 @@ def test_a_one_rank_run_resumes_on_two_ranks_and_both_stop_cleanly_at_the_end(ru
     run_dir = Path(cfg.run_dir)
 
     def actors(tag: str) -> list:
-        return [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"{tag}-{i}", "--metrics-port", "0",
+        # The same two actors (ids) both times, as the same Macs would be: the leases the first learner had out
+        # at its last checkpoint are handed out again when they say Hello, not after a 60 s lease deadline.
+        return [spawn("actor", "--connect", cfg.server.bind, "--actor-id", f"dp-{i}", "--metrics-port", "0",
                       "--request-timeout", "3", "--model-dir", str(run_dir), name=f"{tag}{i}") for i in range(2)]
 
     single = spawn("learner", "--config", str(config), name="single")

@@ -15,13 +15,16 @@ from grpo_fleet.learner.step.schedule import learning_rate_schedule
 from grpo_fleet.model import latest_checkpoint
 from grpo_fleet.tasks import data_path
 from helpers import assert_checkpoint_generates_like_the_learner
+from recipe_helpers import BREVITY_REWARD
 
 
 def train_with_one_actor(spawn, config: Path, cfg: RunConfig) -> list[dict]:
     """Run the learner and one actor to the end of training; the learner's metrics.jsonl records."""
     run_dir = Path(cfg.run_dir)
     learner = spawn("learner", "--config", str(config), name="learner")
-    actor = spawn("actor", "--connect", cfg.server.bind, "--metrics-port", "0", "--model-dir", str(run_dir), name="actor")
+    rewards = ["--reward-module", cfg.task.reward_module] if cfg.task.reward_module else []
+    actor = spawn("actor", "--connect", cfg.server.bind, "--metrics-port", "0", "--model-dir", str(run_dir), *rewards,
+                  name="actor")
     assert learner.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
     assert actor.wait(timeout=30) == 0
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -76,17 +79,21 @@ def test_saved_dataset_with_chat_prompts_trains_on_the_schedule(run_config, spaw
         "test": gsm8k_as_chat(data_path("gsm8k_mini_eval.jsonl")),
     }).save_to_disk(str(dataset_dir))
     optim = {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 2, "min_lr": 1e-4}
+    # Against the whole worked solution a random model's groups rarely differ in R1 reward, so most were
+    # dropped as uninformative and the actor generated for up to a minute; with `brevity` its groups differ.
+    rewards_file = tmp_path / "rewards.py"
+    rewards_file.write_text("from grpo_fleet.tasks import register_reward\n" + BREVITY_REWARD)
     config, cfg = run_config(
         lora={"enabled": True, "rank": 4},
         generation={"max_tokens": 16},
         task={
             "name": "dataset", "dataset": str(dataset_dir), "eval_split": "test",
-            "prompt_column": "messages", "answer_column": "solution",
-            "rewards": ["r1_format", "r1_accuracy", "reverse_positions"], "reward_weights": [0.5, 1.0, 0.1],
+            "prompt_column": "messages", "answer_column": "solution", "reward_module": str(rewards_file),
+            "rewards": ["r1_format", "r1_accuracy", "reverse_positions", "brevity"],
+            "reward_weights": [0.5, 1.0, 0.1, 0.1],
         },
         optim=optim,
-        # One group a step: against the whole worked solution a random model's groups rarely differ in reward,
-        # so most are dropped as uninformative, and the schedule is what this test is about.
+        # One group a step: the schedule is what this test is about.
         grpo={"groups_per_step": 1},
         train={"steps": 4, "checkpoint_every": 2},
     )

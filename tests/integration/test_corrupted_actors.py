@@ -50,8 +50,9 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
              "the liars to be caught", procs=[learner], timeout=180)
     buckets = {le: value for (name, le), value in scrape(port).by_label("le").items()
                if name == "grpo_fleet_learner_logprob_gap_nats_bucket"}
-    # Every check is either an honest group within the float32 actors' bound (1e-3 nats) or a liar's beyond it.
-    assert buckets["0.001"] > 20 and buckets["0.01"] == buckets["0.001"], buckets
+    # The honest groups' checks fall within the float32 actors' bound (1e-3 nats); those beyond it are counted
+    # against the liars' groups below. (A liar's gap may be small: perturbed weights once gave 0.0043 nats.)
+    assert buckets["0.001"] > 20, buckets
     over_threshold = buckets["+Inf"] - buckets["0.001"]
     bans = _bans(learner.log_path.read_text())
     assert set(bans) == {"liar-logprobs", "liar-weights", "liar-version"}, learner.log_path.read_text()[-3000:]
@@ -67,6 +68,7 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
     audit = audit_ledger(run_dir / "ledger.jsonl")  # each group accepted once, dropped at most once after that
     ledger = [e for e in jsonl(run_dir / "ledger.jsonl") if "event" not in e]
     accepted = {kind: [e for e in ledger if e["actor_id"] == f"liar-{kind}"] for kind in KINDS}
+    assert over_threshold <= sum(map(len, accepted.values())), "every check over the honest bound was a liar's group"
     assert accepted["rewards"] == [], "every group is re-scored: none with altered rewards is accepted"
     for kind in ("logprobs", "weights", "version"):
         group, step = bans[f"liar-{kind}"]

@@ -114,6 +114,7 @@ def test_accepted_groups_are_ledgered_buffered_and_announce_a_batch(rooms):
     ack = _submit(rooms)
     assert ack.status == "accepted" and set(ack.groups.values()) == {"accepted"}
     assert [g.group_id for g in rooms.state.buffer] == [e["group_id"] for e in rooms.ledger()]
+    assert not any(e["zero_variance"] for e in rooms.ledger())
     assert rooms.state.buffer[0].completions[0].tokens.dtype == np.int32
     assert rooms.handoff.wakeups == 1 and len(rooms.state.buffer) == 2, "a full batch wakes the training thread"
     assert rooms.registry.groups_accepted == 2
@@ -144,7 +145,8 @@ def test_work_from_a_version_too_old_is_stale_and_requeued_never_a_violation(roo
 
 def test_zero_variance_groups_are_ledgered_but_not_buffered(rooms):
     assert _submit(rooms, (0.5, 0.5)).status == "accepted"
-    assert len(rooms.ledger()) == 2 and rooms.state.buffer == []
+    # Their lines say they will never train, so the ledger still accounts for every accepted group.
+    assert [e["zero_variance"] for e in rooms.ledger()] == [True, True] and rooms.state.buffer == []
     assert rooms.state.zero_variance_since_step == 2 and rooms.handoff.wakeups == 0
 
 

@@ -399,7 +399,7 @@ def test_accepted_rollouts_are_acked_and_ledgered(learner):
     for line, item in zip(lines, lease_msg.prompts):
         assert line == {
             "group_id": item.group_id, "prompt_index": item.prompt_index, "actor_id": "actor-a",
-            "actor_key": ACTOR_A.hex(), "policy_version": 0, "step": 0,
+            "actor_key": ACTOR_A.hex(), "policy_version": 0, "step": 0, "zero_variance": False,
         }
     assert len(learner.state.buffer) == len(lease_msg.prompts)
     assert learner.state.scheduler.outstanding_groups == 0

@@ -37,6 +37,7 @@ def test_each_step_and_each_group_is_one_json_line(tmp_path):
     assert line == {f.name: getattr(_record(1), f.name) for f in fields(StepRecord)}
     assert json.loads((tmp_path / "ledger.jsonl").read_text()) == {
         "group_id": "g1", "prompt_index": 3, "actor_id": "a", "actor_key": "k", "policy_version": 0, "step": 0,
+        "zero_variance": False,
     }
 
 

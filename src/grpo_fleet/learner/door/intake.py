@@ -246,7 +246,8 @@ class Intake:
         state, mt = self.state, self.metrics
         self.runlog.ledger(LedgerEntry(group_id=record.group_id, prompt_index=record.prompt_index,
                                        actor_id=record.actor_id, actor_key=record.actor_key,
-                                       policy_version=record.policy_version, step=state.step))
+                                       policy_version=record.policy_version, step=state.step,
+                                       zero_variance=not record.is_informative))
         mt.groups_accepted.inc()
         mt.tokens_accepted.inc(record.num_tokens)
         mt.accepted_group_tokens.observe(record.num_tokens / max(1, len(record.completions)))

@@ -2,8 +2,9 @@
 and one per accepted group later dropped untrained) and samples.jsonl (a few decoded completions every
 `train.log_samples_every` steps).
 
-The ledger is what proves exactly-once: every accepted group is trained unless a
-later "dropped" line names it (and the new group its prompt was retried as). A
+The ledger is what proves exactly-once: every accepted group is trained unless its
+line says `zero_variance` (nothing to learn from it) or a later "dropped" line names
+it (and the new group its prompt was retried as). A
 resume cuts every log back to its length at the checkpoint, because the work
 they record after it is re-done. A checkpoint fsyncs the logs before it is
 written (sync_logs), so a log is never shorter than one records; a resume that
@@ -82,6 +83,8 @@ class LedgerEntry:
     actor_key: str  # the peer key it was accepted from: CURVE public key, else routing id
     policy_version: int
     step: int  # the step it was accepted during (trained in a later one)
+    # Every completion scored the same, so every advantage is zero: counted, never buffered or trained.
+    zero_variance: bool = False
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,11 @@ def test_a_hung_rank_of_three_stops_the_others_cleanly_and_three_ranks_resume(ru
         ranks[2].wait()
     logs = [_log(rank) for rank in ranks[:2]]
     assert codes == [RANKS_FAILED, RANKS_FAILED], [log[-2000:] for log in logs]
-    assert "did not finish within 15 s" in logs[0] and "exiting without a checkpoint" in logs[0], logs[0][-3000:]
+    # A watchdog caught the hang: rank 0's own, or rank 1's first (both wait in the same collective), whose exit rank 0
+    # then meets as a lost peer. Either way rank 0 stops without a checkpoint.
+    assert any("did not finish within 15 s" in log for log in logs), [log[-2000:] for log in logs]
+    assert "did not finish within 15 s" in logs[0] or "is gone; exiting" in logs[0], logs[0][-3000:]
+    assert "exiting without a checkpoint" in logs[0], logs[0][-3000:]
     done = len(jsonl(run_dir / "metrics.jsonl"))
     staging = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     assert staging == [] and done < target

@@ -68,7 +68,9 @@ def test_each_kind_of_corrupted_actor_is_caught_and_never_trained(run_config, sp
     audit = audit_ledger(run_dir / "ledger.jsonl")  # each group accepted once, dropped at most once after that
     ledger = [e for e in jsonl(run_dir / "ledger.jsonl") if "event" not in e]
     accepted = {kind: [e for e in ledger if e["actor_id"] == f"liar-{kind}"] for kind in KINDS}
-    assert over_threshold <= sum(map(len, accepted.values())), "every check over the honest bound was a liar's group"
+    # Zero-variance groups are never trained, so never checked: only the liars' other groups could be.
+    checkable = sum(not e["zero_variance"] for entries in accepted.values() for e in entries)
+    assert over_threshold <= checkable, "every check over the honest bound was a liar's group"
     assert accepted["rewards"] == [], "every group is re-scored: none with altered rewards is accepted"
     for kind in ("logprobs", "weights", "version"):
         group, step = bans[f"liar-{kind}"]

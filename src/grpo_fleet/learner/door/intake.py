@@ -244,10 +244,11 @@ class Intake:
     def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
         """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""
         state, mt = self.state, self.metrics
+        informative = record.is_informative
         self.runlog.ledger(LedgerEntry(group_id=record.group_id, prompt_index=record.prompt_index,
                                        actor_id=record.actor_id, actor_key=record.actor_key,
                                        policy_version=record.policy_version, step=state.step,
-                                       zero_variance=not record.is_informative))
+                                       zero_variance=not informative))
         mt.groups_accepted.inc()
         mt.tokens_accepted.inc(record.num_tokens)
         mt.accepted_group_tokens.observe(record.num_tokens / max(1, len(record.completions)))
@@ -256,7 +257,7 @@ class Intake:
         mt.staleness.observe(state.version - record.policy_version)
         mt.group_reward.observe(float(record.rewards.mean()))
         state.accepted_since_step += 1
-        if record.is_informative:
+        if informative:
             self.handoff.put(record)
         else:
             state.zero_variance_since_step += 1

@@ -52,6 +52,7 @@ class LearnerMetrics:
     leases_issued: Counter
     fair_share_refusals: Counter
     leases_expired: Counter
+    late_groups: Counter
     leases_outstanding: Gauge
     lease_groups: Histogram
     staleness: Histogram
@@ -136,6 +137,8 @@ def learner_metrics() -> LearnerMetrics:
             "actor_cap (a lease beyond what the actor can finish within server.lease_seconds), busy (Rollouts while "
             "the verifier's queue is full; resent later)", ["reason"], registry=r),
         leases_expired=Counter(f"{p}_leases_expired", "Leases that expired and were re-queued", registry=r),
+        late_groups=Counter(f"{p}_late_groups", "Groups taken from a lease past its deadline (its work was not thrown "
+                            "away), by kind: train or eval", ["kind"], registry=r),
         leases_outstanding=Gauge(f"{p}_leases_outstanding", "Leases not yet returned", registry=r),
         lease_groups=Histogram(
             f"{p}_lease_groups", "Groups per lease, sized to each actor's measured speed", buckets=LEASE_BUCKETS, registry=r

@@ -268,15 +268,66 @@ class AgreeingRewardCheck:
         return {group.group_id: None for group, _ in groups}
 
 
-def test_a_late_submission_with_rewards_verified_is_stale_not_an_error(rooms, clock):
+def late_count(rooms: Rooms) -> float:
+    return rooms.metrics.registry.get_sample_value("grpo_fleet_learner_late_groups_total", {"kind": "train"}) or 0.0
+
+
+def test_a_late_submission_is_verified_and_accepted_once(rooms, clock):
+    """Issue 38: whole leases of long answers outlived their deadline and were refused as stale_lease."""
     check = rooms.intake.reward_check = AgreeingRewardCheck()
     late = _rollouts(rooms)
     clock.advance(61.0)  # past the lease's 60 s: the learner re-queues its groups
     assert rooms.state.scheduler.expire()
     ack = rooms.intake.take(rooms.registry.actors[b"id"], late)
-    assert ack.status == "stale" and set(ack.groups.values()) == {"stale"}
-    assert rooms.rejections(RejectReason.STALE_LEASE) == 2 and rooms.registry.bans.violations(KEY) == 0
-    assert check.asked == [] and rooms.ledger() == [] and len(rooms.state.scheduler.queued_groups) == 2
+    assert ack.status == "accepted" and set(ack.groups.values()) == {"accepted"}
+    assert sorted(e["group_id"] for e in rooms.ledger()) == sorted(g.group_id for g in late.groups)
+    assert sorted(gid for gid, _ in check.asked) == sorted(ack.groups), "verified like any other result"
+    assert late_count(rooms) == 2 and rooms.rejections(RejectReason.STALE_LEASE) == 0
+    assert rooms.state.scheduler.queued_groups == [], "taken out of the queue: nobody does them again"
+    assert rooms.intake.take(rooms.registry.actors[b"id"], late) == ack and len(rooms.ledger()) == 2
+
+
+def test_a_re_leased_group_counts_for_whoever_returns_it_first(rooms, clock):
+    late = _rollouts(rooms)
+    clock.advance(61.0)
+    rooms.state.scheduler.expire()
+    rooms.registry.hello(b"id2", "other-key", m.Hello(actor_id="b", host="h", backend="cpu", versions={}), "")
+    again = rooms.state.scheduler.issue("other-key", 2)
+    assert set(again.tickets) == {g.group_id for g in late.groups}
+    assert rooms.intake.take(rooms.registry.actors[b"id"], late).status == "accepted"
+    second = m.Rollouts(lease_id=again.lease_id, policy_version=0, incarnation=rooms.state.incarnation,
+                        groups=[_wire(g.group_id, [0.0, 1.0]) for g in late.groups])
+    ack = rooms.intake.take(rooms.registry.actors[b"id2"], second)
+    assert ack.status == "duplicate" and set(ack.groups.values()) == {"duplicate"}
+    assert rooms.registry.bans.violations("other-key") == 0, "an honest actor that lost the race did nothing wrong"
+    assert len(rooms.ledger()) == 2 and rooms.state.scheduler.outstanding_groups == 0
+
+
+def test_a_late_submission_too_stale_to_train_leaves_its_groups_queued_once(rooms, clock):
+    late = _rollouts(rooms)
+    clock.advance(61.0)
+    rooms.state.scheduler.expire()
+    rooms.state.version = 5  # the policy moved on past max_staleness
+    ack = rooms.intake.take(rooms.registry.actors[b"id"], late)
+    assert (ack.status, ack.reason) == ("stale", RejectReason.STALE_VERSION)
+    assert sorted(t.group_id for t in rooms.state.scheduler.queued_groups) == sorted(ack.groups)
+    assert rooms.ledger() == [] and late_count(rooms) == 0
+
+
+def test_a_late_lease_lets_no_one_submit_what_it_never_held(rooms, clock):
+    late = _rollouts(rooms)
+    clock.advance(61.0)
+    rooms.state.scheduler.expire()
+    rooms.registry.hello(b"id2", "other-key", m.Hello(actor_id="b", host="h", backend="cpu", versions={}), "")
+    stolen = rooms.intake.take(rooms.registry.actors[b"id2"], late)
+    assert (stolen.status, stolen.reason) == ("invalid", RejectReason.NOT_YOUR_LEASE)
+    fresh = rooms.state.scheduler.issue("other-key", 3)  # the two re-queued groups and a fresh one
+    padded = late.model_copy(update={"groups": [*late.groups, _wire(list(fresh.tickets)[-1], [0.0, 1.0])]})
+    ack = rooms.intake.take(rooms.registry.actors[b"id"], padded)
+    assert (ack.status, ack.reason) == ("invalid", RejectReason.NOT_LEASED) and rooms.ledger() == []
+    forgotten = late.model_copy(update={"lease_id": "f" * 32})
+    ack = rooms.intake.take(rooms.registry.actors[b"id"], forgotten)
+    assert ack.status == "stale" and rooms.rejections(RejectReason.STALE_LEASE) == 2
 
 
 def test_rewards_are_verified_for_the_groups_of_an_open_lease(rooms):

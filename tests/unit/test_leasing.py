@@ -176,3 +176,14 @@ def test_expired_leases_are_counted(clock):
     leasing.grant(_actor(), m.LeaseRequest(max_groups=2))
     clock.advance(leasing.server.lease_seconds + 1)
     assert leasing.expire() == 1 and leasing.state.scheduler.outstanding_groups == 0
+
+
+def test_a_late_lease_measures_its_actor_so_the_next_lease_fits_the_deadline(clock):
+    """Issue 38: an unmeasured actor's leases of long answers expired one after another; the late one measures."""
+    leasing = _leasing(clock)
+    actor = _actor()
+    lease = leasing.grant(actor, m.LeaseRequest(max_groups=4))
+    clock.advance(leasing.server.lease_seconds * 2)
+    assert leasing.expire() == 1
+    leasing.measure(actor, lease.lease_id, 4)
+    assert actor.groups_per_second.value == pytest.approx(4 / (leasing.server.lease_seconds * 2))

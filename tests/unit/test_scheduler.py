@@ -145,14 +145,91 @@ def test_classify_duplicate_after_finish(make_scheduler):
     assert scheduler.classify("actor-b", "no-such-lease", gid) is RejectReason.DUPLICATE
 
 
-def test_classify_stale_lease_for_unknown_or_expired_lease(make_scheduler, clock):
+def test_classify_stale_lease_for_unknown_or_forgotten_lease(make_scheduler, clock):
     scheduler = make_scheduler()
+    scheduler.late.capacity = 1
     lease = scheduler.issue("actor-a", 1)
     gid = ids_of(lease)[0]
     assert scheduler.classify("actor-a", "no-such-lease", gid) is RejectReason.STALE_LEASE
     clock.advance(LEASE_SECONDS + 1)
     scheduler.expire()
+    assert scheduler.classify("actor-a", lease.lease_id, gid) is None, "expired lately: still remembered"
+    scheduler.issue("actor-b", 1)
+    clock.advance(LEASE_SECONDS + 1)
+    scheduler.expire()  # a newer expired lease pushes the first out of a memory of one
+    assert len(scheduler.late) == 1
     assert scheduler.classify("actor-a", lease.lease_id, gid) is RejectReason.STALE_LEASE
+
+
+# ---------------------------------------------------------------- late results (issue 38: long answers)
+
+
+def _expired(scheduler: PromptScheduler, clock, actor: str = "actor-a", groups: int = 2):
+    lease = scheduler.issue(actor, groups)
+    ids = ids_of(lease)
+    clock.advance(LEASE_SECONDS + 1)
+    assert scheduler.expire() and scheduler.is_late(lease.lease_id)
+    return scheduler.late.get(lease.lease_id), ids
+
+
+def test_a_late_result_for_a_queued_group_takes_it_out_of_the_queue_once(make_scheduler, clock):
+    scheduler = make_scheduler()
+    lease, (first, second) = _expired(scheduler, clock)
+    assert [t.group_id for t in scheduler.queued_groups] == [first, second]
+    assert scheduler.leased_prompt(lease.lease_id, first) == lease.tickets[first].prompt_index
+    scheduler.finish(lease.lease_id, first)
+    assert [t.group_id for t in scheduler.queued_groups] == [second], "never handed out again"
+    assert first in scheduler.finished and second not in scheduler.finished
+    assert scheduler.classify("actor-a", lease.lease_id, first) is RejectReason.DUPLICATE
+    assert scheduler.classify("actor-a", lease.lease_id, second) is None
+    again = scheduler.issue("actor-b", 2)
+    assert first not in again.tickets and second in again.tickets
+
+
+def test_a_late_result_names_only_its_senders_groups(make_scheduler, clock):
+    scheduler = make_scheduler()
+    lease, (first, _) = _expired(scheduler, clock)
+    fresh = ids_of(scheduler.issue("actor-a", 3))[-1]  # the two re-queued groups, then a fresh one
+    assert scheduler.classify("actor-b", lease.lease_id, first) is RejectReason.NOT_YOUR_LEASE
+    assert scheduler.classify("actor-a", lease.lease_id, fresh) is RejectReason.NOT_LEASED
+
+
+def test_the_first_result_for_a_re_leased_group_wins_the_other_is_a_duplicate(make_scheduler, clock):
+    scheduler = make_scheduler()
+    late, (first, second) = _expired(scheduler, clock)
+    again = scheduler.issue("actor-b", 2)  # both groups out again, to someone else
+    assert set(again.tickets) == {first, second}
+    scheduler.finish(late.lease_id, first)  # the late result arrives first: it wins
+    assert list(again.tickets) == [second] and scheduler.outstanding_groups == 1
+    assert scheduler.classify("actor-b", again.lease_id, first) is RejectReason.DUPLICATE
+    scheduler.finish(again.lease_id, second)  # here the new holder is first
+    assert scheduler.classify("actor-a", late.lease_id, second) is RejectReason.DUPLICATE
+    assert again.lease_id not in scheduler.leases and len(scheduler.late) == 1
+    assert scheduler.outstanding_groups == 0 and scheduler.queued_groups == []
+
+
+def test_a_late_group_refused_stays_where_it_is_and_its_ticket_is_spent(make_scheduler, clock):
+    scheduler = make_scheduler()
+    late, (first, second) = _expired(scheduler, clock)
+    scheduler.requeue(late.lease_id, first, not_to="actor-a")  # e.g. its version was too old
+    assert [t.group_id for t in scheduler.queued_groups] == [first, second], "queued once, not twice"
+    assert scheduler.classify("actor-a", late.lease_id, first) is RejectReason.NOT_LEASED
+    assert ids_of(scheduler.issue("actor-a", 1)) == [second], "not back to the actor whose fault it was"
+    scheduler.requeue(late.lease_id, second)  # out again under actor-a's new lease: it stays there
+    assert scheduler.outstanding_groups == 1 and len(scheduler.late) == 0
+
+
+def test_late_leases_survive_a_resume(make_scheduler, clock):
+    scheduler = make_scheduler()
+    late, (first, second) = _expired(scheduler, clock)
+    resumed = make_scheduler()
+    resumed.load_state_dict(scheduler.state_dict())
+    assert resumed.classify("actor-a", late.lease_id, first) is None
+    resumed.finish(late.lease_id, first)
+    assert [t.group_id for t in resumed.queued_groups] == [second] and first in resumed.finished
+    older = {k: v for k, v in scheduler.state_dict().items() if k != "late"}  # a checkpoint from before
+    resumed.load_state_dict(older)
+    assert resumed.classify("actor-a", late.lease_id, first) is RejectReason.STALE_LEASE
 
 
 def test_classify_not_your_lease_for_another_actor(make_scheduler):

@@ -79,7 +79,8 @@ class Intake:
         invalid = rules.invalid(msg)
         if invalid is not None:
             return self._invalid(actor, msg.lease_id, invalid)
-        known_lease = msg.lease_id in scheduler.leases
+        # An open lease, or one that expired lately (its unfinished groups still count: lease_book.py).
+        known_lease = msg.lease_id in scheduler.leases or scheduler.is_late(msg.lease_id)
         refused = {g.group_id: scheduler.classify(actor.principal, msg.lease_id, g.group_id) for g in msg.groups}
         unscored = {u.group_id: scheduler.classify(actor.principal, msg.lease_id, u.group_id) for u in msg.unscored}
         violations = sorted({r for r in (*refused.values(), *unscored.values()) if r is not None and r.is_violation})
@@ -157,6 +158,7 @@ class Intake:
                 requeued: dict[str, str]) -> m.Ack:
         answer: dict[str, str] = {}
         refused = {**refused, **self._reward_verdicts(msg, refused)}
+        late = self.state.scheduler.is_late(msg.lease_id)
         records = []
         for group in msg.groups:
             refusal = refused[group.group_id]
@@ -168,6 +170,8 @@ class Intake:
             self.state.unscored_attempts.pop(index, None)
             records.append(accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
         self._pick_for_logprob_checks(actor, records)
+        if late and records:
+            self.metrics.late_groups.labels(kind="train").inc(len(records))
         for record in records:
             self._keep(actor, record)
             answer[record.group_id] = "accepted"
@@ -192,11 +196,11 @@ class Intake:
         """The learner's own rewards for every group it would accept (security.verify_rewards)."""
         pending = [g for g in msg.groups if refused[g.group_id] is None]
         if self.reward_check is None or not pending:
-            # A late submission (its lease expired, was released, or predates a resume) has every group
-            # refused as stale_lease and already re-queued: there is nothing to verify, and no lease to read.
+            # A submission for a lease nobody remembers (released, forgotten, or from before a resume) has every
+            # group refused as stale_lease and already re-queued: there is nothing to verify, and no lease to read.
             return {}
         scheduler = self.state.scheduler
-        # A group nothing refused is still out under this lease (classify said so): its ticket names the prompt.
+        # A group nothing refused is under this lease, open or late (classify said so): its ticket names the prompt.
         return self.reward_check.verdicts([(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in pending])
 
     def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:

@@ -81,6 +81,15 @@ def actor_cap(groups_per_second: Optional[float], lease_seconds: float, max_grou
     return max(1, math.floor(groups_per_second * lease_seconds))
 
 
+def record_speed(actor: ActorInfo, issued_at: float, groups: float, now: float) -> None:
+    """Add one returned lease's groups per second to `actor`'s measure (`Leasing.measure` says when it starts)."""
+    if not groups:
+        return
+    started = max(issued_at, actor.last_return if actor.last_return is not None else issued_at)
+    actor.groups_per_second.add(groups / max(now - started, 1e-3))
+    actor.last_return = now
+
+
 def in_flight_limit(in_flight_steps: int, groups_per_step: int) -> int:
     """Most groups leased out plus accepted-but-untrained at once (`server.in_flight_steps` says what it bounds)."""
     return in_flight_steps * groups_per_step
@@ -150,13 +159,10 @@ class Leasing:
         before generating the current one, and it waits in hand meanwhile.
         """
         scheduler = self.state.scheduler
-        lease = scheduler.leases.get(lease_id)
-        if lease is None or not groups:
-            return
-        now = scheduler.clock()
-        started = max(lease.issued_at, actor.last_return if actor.last_return is not None else lease.issued_at)
-        actor.groups_per_second.add(groups / max(now - started, 1e-3))
-        actor.last_return = now
+        # A late lease is measured too: it is the one that says the actor is slower than its leases assumed.
+        lease = scheduler.leases.get(lease_id) or scheduler.late.get(lease_id)
+        if lease is not None:
+            record_speed(actor, lease.issued_at, groups, scheduler.clock())
 
     def step_finished(self) -> None:
         """Time the learner's steps: leases are sized in steps, and refused actors retry in about half of one."""

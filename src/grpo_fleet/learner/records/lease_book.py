@@ -10,6 +10,10 @@ queued again) or finished. So a group is finished when its id was handed out and
 is not live, which costs nothing per accepted group: a run of any length keeps
 and checkpoints only its live groups and the last serial, and a resume refuses
 duplicates exactly as the run did.
+
+An expired lease is re-queued and remembered (late_leases.py): a late result for
+a group still unfinished is taken, the first result for a group wins, and the
+other holder's copy is then a duplicate.
 """
 
 from __future__ import annotations
@@ -19,29 +23,11 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator, Set
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from grpo_fleet.learner.records.late_leases import LateLeases
+from grpo_fleet.learner.records.tickets import GroupTicket, LeaseRecord
 from grpo_fleet.protocol.reasons import RejectReason
-
-
-@dataclass(frozen=True)
-class GroupTicket:
-    """One prompt handed out as a group of G completions."""
-
-    group_id: str
-    prompt_index: int
-
-
-@dataclass
-class LeaseRecord:
-    """Groups leased to one actor with a deadline."""
-
-    lease_id: str
-    actor: str
-    deadline: float
-    issued_at: float = 0.0
-    tickets: dict[str, GroupTicket] = field(default_factory=dict)
 
 
 def group_id_of(serial: int) -> str:
@@ -104,6 +90,7 @@ class PromptScheduler:
         self._not_to: dict[str, str] = {}
         self.leases: dict[str, LeaseRecord] = {}
         self._lease_of_group: dict[str, str] = {}
+        self.late = LateLeases()  # leases past their deadline whose groups a late result may still finish
         self.finished = FinishedGroups(self)
 
     # ------------------------------------------------------------------ handing out
@@ -168,10 +155,14 @@ class PromptScheduler:
     # ------------------------------------------------------------------ returning
 
     def classify(self, actor: str, lease_id: str, group_id: str) -> Optional[RejectReason]:
-        """Why a submitted group cannot be accepted (DUPLICATE, STALE_LEASE, NOT_YOUR_LEASE, NOT_LEASED), or None."""
+        """Why a submitted group cannot be accepted (DUPLICATE, STALE_LEASE, NOT_YOUR_LEASE, NOT_LEASED), or None.
+
+        A lease that expired lately is judged as an open one: its unfinished groups may still be accepted from the
+        actor it was leased to, wherever they are now (queued, or out again: the first result wins).
+        """
         if group_id in self.finished:
             return RejectReason.DUPLICATE
-        lease = self.leases.get(lease_id)
+        lease = self._lease(lease_id)
         if lease is None:
             return RejectReason.STALE_LEASE
         if lease.actor != actor:
@@ -181,8 +172,18 @@ class PromptScheduler:
         return None
 
     def leased_prompt(self, lease_id: str, group_id: str) -> int:
-        """The prompt index of a group out under an open lease (one `classify` found nothing wrong with)."""
-        return self.leases[lease_id].tickets[group_id].prompt_index
+        """The prompt index of a group under an open or late lease (one `classify` found nothing wrong with)."""
+        lease = self._lease(lease_id)
+        assert lease is not None, "classify found nothing wrong with it"
+        return lease.tickets[group_id].prompt_index
+
+    def is_late(self, lease_id: str) -> bool:
+        """Whether `lease_id` names a lease that expired and is remembered (late_leases.py), not an open one."""
+        return lease_id not in self.leases and self.late.get(lease_id) is not None
+
+    def _lease(self, lease_id: str) -> Optional[LeaseRecord]:
+        """An open lease, or one that expired lately."""
+        return self.leases.get(lease_id) or self.late.get(lease_id)
 
     def finish(self, lease_id: str, group_id: str) -> GroupTicket:
         """Mark a group accepted; it will never be handed out again."""
@@ -190,10 +191,16 @@ class PromptScheduler:
 
     def requeue(self, lease_id: str, group_id: str, *, not_to: Optional[str] = None) -> GroupTicket:
         """Put a leased group back at the front of the queue (stale result, lost actor); `not_to`: an actor that
-        must not get it again (its work on it was refused as its fault), so another does it."""
-        ticket = self._take(lease_id, group_id)
-        self._requeued.append(ticket)
-        if not_to is not None:
+        must not get it again (its work on it was refused as its fault), so another does it.
+
+        A late lease's group is queued or out again already (it went back when the lease expired): it stays
+        where it is, and only its late ticket is spent."""
+        if lease_id in self.leases:
+            ticket = self._take(lease_id, group_id)
+            self._requeued.append(ticket)
+        else:
+            ticket = self.late.forget(lease_id, group_id)
+        if not_to is not None and group_id not in self._lease_of_group:
             self._not_to[group_id] = not_to
         return ticket
 
@@ -205,6 +212,14 @@ class PromptScheduler:
         return ticket
 
     def _take(self, lease_id: str, group_id: str) -> GroupTicket:
+        """A group out of its lease; under a late lease, out of wherever it went since (the queue or a new lease)."""
+        if lease_id not in self.leases:
+            ticket = self.late.forget(lease_id, group_id)
+            lease_id = self._lease_of_group.get(group_id, "")
+            if lease_id not in self.leases:  # not out again: still queued
+                self._requeued = deque(t for t in self._requeued if t.group_id != group_id)
+                self._not_to.pop(group_id, None)
+                return ticket
         lease = self.leases[lease_id]
         ticket = lease.tickets.pop(group_id)
         self._lease_of_group.pop(group_id, None)
@@ -217,6 +232,8 @@ class PromptScheduler:
         now = self.clock()
         expired = [lease for lease in self.leases.values() if lease.deadline <= now]
         for lease in expired:
+            self.late.remember(LeaseRecord(lease.lease_id, lease.actor, lease.deadline, lease.issued_at,
+                                           dict(lease.tickets)))
             self.release(lease.lease_id)
         return expired
 
@@ -248,11 +265,8 @@ class PromptScheduler:
             "epoch": self.epoch,
             "serial": self._serial,
             "requeued": [[t.group_id, t.prompt_index] for t in self._requeued],
-            "leases": [
-                {"lease_id": lease.lease_id, "actor": lease.actor,
-                 "tickets": [[t.group_id, t.prompt_index] for t in lease.tickets.values()]}
-                for lease in self.leases.values()
-            ],
+            "leases": [_lease_entry(lease) for lease in self.leases.values()],
+            "late": [_lease_entry(lease) for lease in self.late.records()],
             "rng": [version, list(internal), gauss],
         }
 
@@ -269,12 +283,26 @@ class PromptScheduler:
         self.leases, self._lease_of_group = {}, {}
         deadline = self.clock() + self.lease_seconds
         for entry in state["leases"]:
-            lease = LeaseRecord(lease_id=entry["lease_id"], actor=entry["actor"], deadline=deadline, issued_at=self.clock())
-            for group_id, index in entry["tickets"]:
-                lease.tickets[group_id] = GroupTicket(group_id, index)
-                self._lease_of_group[group_id] = lease.lease_id
+            lease = _lease_of(entry, deadline, self.clock())
+            self._lease_of_group.update(dict.fromkeys(lease.tickets, lease.lease_id))
             self.leases[lease.lease_id] = lease
+        self.late = LateLeases()  # a checkpoint from before late leases were kept has none
+        for entry in state.get("late", []):
+            self.late.remember(_lease_of(entry, self.clock(), self.clock()))
         # A checkpoint from before the finished ids were derived lists them under "finished": they are every
         # handed-out id that is not live, which is what FinishedGroups says already, so the list is not read.
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
+
+
+def _lease_entry(lease: LeaseRecord) -> dict:
+    """A lease as its checkpoint holds it (the deadline restarts on resume, so it is not kept)."""
+    return {"lease_id": lease.lease_id, "actor": lease.actor,
+            "tickets": [[t.group_id, t.prompt_index] for t in lease.tickets.values()]}
+
+
+def _lease_of(entry: dict, deadline: float, issued_at: float) -> LeaseRecord:
+    """`_lease_entry`'s record back, with its deadline on this process's clock."""
+    tickets = {group_id: GroupTicket(group_id, index) for group_id, index in entry["tickets"]}
+    return LeaseRecord(lease_id=entry["lease_id"], actor=entry["actor"], deadline=deadline, issued_at=issued_at,
+                       tickets=tickets)

@@ -150,7 +150,8 @@ def _status(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, render, render_on_off
+    from grpo_fleet.fleetsim.lengths import parse_lengths
+    from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, plan_lengths, render, render_lengths, render_on_off
     from grpo_fleet.fleetsim.published import MODELS
     from grpo_fleet.fleetsim.specs import FleetRules
 
@@ -161,9 +162,18 @@ def _simulate(args: argparse.Namespace) -> int:
     given = {"check_share": args.check_share, "check_completions": args.check_completions}
     inputs = PlanInputs(model=args.model, mac=args.mac, batch_speedup=args.batch_speedup,
                         learner_tok_s=args.learner_tok_s, link_gbps=args.link_gbps,
-                        logprob_check=not args.no_logprob_check, **{k: v for k, v in given.items() if v is not None})
+                        logprob_check=not args.no_logprob_check, padding=args.padding,
+                        **{k: v for k, v in given.items() if v is not None})
     shape = PlanShape(group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                       completion_tokens=args.completion_tokens, rules=FleetRules(groups_per_step=args.groups_per_step))
+    if args.lengths:  # drawn lengths: refilled rows or not, at the first --ranks (Markdown, the README's)
+        try:
+            shape = replace(shape, lengths=parse_lengths(args.lengths, args.completion_tokens))
+        except ValueError as exc:
+            print(f"grpo-fleet simulate: {exc}", file=sys.stderr)
+            return 2
+        print(render_lengths(plan_lengths(inputs, shape, args.actors, args.ranks[0]), inputs, shape, args.ranks[0]))
+        return 0
     result = plan(inputs, shape, args.actors, args.ranks)
     if args.on_off:  # the same fleet with verification on and off, as a Markdown table (the README's)
         print(render_on_off(result, plan(replace(inputs, logprob_check=False), shape, args.actors, args.ranks)))
@@ -209,6 +219,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     simulate.add_argument("--prompt-tokens", type=_at_least_one, default=150)
     simulate.add_argument("--completion-tokens", type=_at_least_one, default=384)
     simulate.add_argument("--groups-per-step", type=_at_least_one, default=16)
+    simulate.add_argument("--lengths", default=None,
+                          help="draw each completion's length, clipped at --completion-tokens: fixed, uniform:LOW or "
+                          "lognormal:MEDIAN:SIGMA[:LOW]; prints a table with refilled decode rows and without, at the "
+                          "first --ranks")
+    simulate.add_argument("--padding", type=_share, default=0.0,
+                          help="with --lengths: the share of the padding to a batch's longest completion the learner "
+                          "pays (0: packed rows; 1: every row padded)")
     simulate.set_defaults(func=_simulate)
 
 

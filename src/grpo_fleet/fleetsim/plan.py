@@ -6,9 +6,10 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from grpo_fleet.config import SecurityConfig
+from grpo_fleet.fleetsim.lengths import LengthSpec
 from grpo_fleet.fleetsim.published import LOGPROB_CHECK_SHARE, MODELS, learner_tokens_per_second, lora_gradient_bytes
 from grpo_fleet.fleetsim.simulation import simulate
-from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, completions_share
+from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, SimResult, completions_share
 
 SECURITY = SecurityConfig()
 SATURATED = 0.95  # "one learner saturates" where more actors add less than 5% more steps/s
@@ -20,8 +21,9 @@ class PlanShape:
 
     group_size: int = 8
     prompt_tokens: int = 150
-    completion_tokens: int = 384
+    completion_tokens: int = 384  # every completion's length, or, with `lengths`, the most (max_tokens)
     rules: FleetRules = field(default_factory=lambda: FleetRules(groups_per_step=16))
+    lengths: Optional[LengthSpec] = None  # drawn per completion (plan_lengths); None: all completion_tokens long
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class PlanInputs:
     check_completions: int = SECURITY.check_completions  # security.check_completions: of a group's G, what a forward recomputes
     # The check's forward of one group over that group's part of a one-rank step (measured: bench fleet_sim)
     check_forward_share: float = LOGPROB_CHECK_SHARE
+    # At drawn lengths, the share of the padding to a batch's longest completion the learner's step pays
+    # (0: rows packed, as issue 38 has the learner do; 1: every row padded to the longest)
+    padding: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -142,4 +147,61 @@ def render_on_off(checked: Plan, trusted: Plan) -> str:
         lines.append(f"| {count} | " + " | ".join(cells) + " |")
     lines.append("| one learner saturates at | " + " | ".join(
         f"{checked.saturating_actors[r]} / {trusted.saturating_actors[r]} Macs" for r in ranks) + " |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LengthsRow:
+    """One fleet at drawn lengths: its actor count, whether rows are refilled, and what the simulation says."""
+
+    actors: int
+    refill: bool
+    result: SimResult
+
+
+def plan_lengths(inputs: PlanInputs, shape: PlanShape, actor_counts: list[int], ranks: int = 1,
+                 steps: int = 120) -> list[LengthsRow]:
+    """Each actor count at `shape.lengths`, with and without refilled rows. The step costs its real tokens (and
+    `inputs.padding` of its padding) at one rank's tokens/s over `ranks`, plus the ring all-reduce; the check's
+    forward is that of a group of mean length."""
+    lengths = shape.lengths or LengthSpec("fixed", shape.completion_tokens)
+    model = MODELS[inputs.model]
+    mean_shape = replace(shape, completion_tokens=max(1, round(lengths.mean())))
+    ring, _ = step_seconds(inputs, replace(mean_shape, prompt_tokens=0, completion_tokens=0), ranks)
+    tok_s = inputs.learner_tok_s or learner_tokens_per_second(model)[0]
+    verify = CheckSpec(enabled=inputs.logprob_check, forward_seconds=check_seconds(inputs, mean_shape),
+                       share=inputs.check_share, completions=completions_share(inputs.check_completions, shape.group_size))
+    run = RunSpec(rules=shape.rules, step_seconds=ring, ranks=ranks, check=verify, steps=steps,
+                  seconds_per_token=1.0 / (tok_s * ranks), prompt_tokens=shape.prompt_tokens, padding=inputs.padding)
+    fetch = lora_gradient_bytes(model) / 2 / (inputs.link_gbps * 1e9 / 8)
+    rows = []
+    for count in actor_counts:
+        for refill in (True, False):
+            actor = ActorSpec(0.0, fetch, lengths=lengths, token_seconds=1.0 / (model.decode_tok_s[inputs.mac]
+                              * inputs.batch_speedup), group_size=shape.group_size, refill=refill)
+            rows.append(LengthsRow(count, refill, simulate([actor] * count, run)))
+    return rows
+
+
+def render_lengths(rows: list[LengthsRow], inputs: PlanInputs, shape: PlanShape, ranks: int = 1) -> str:
+    """The plan at drawn lengths as a Markdown table, each cell refilled rows / not."""
+    lengths = shape.lengths or LengthSpec("fixed", shape.completion_tokens)
+    tok_s = inputs.learner_tok_s or learner_tokens_per_second(MODELS[inputs.model])[0]
+    head = (f"{inputs.model}, actors on {inputs.mac} (batch speedup {inputs.batch_speedup:g}), {lengths.describe()} "
+            f"(mean {lengths.mean():.0f}), {shape.prompt_tokens}-token prompts, {shape.rules.groups_per_step} groups x "
+            f"{shape.group_size} a step; learner {tok_s:g} tok/s a rank, {ranks} rank{'s' if ranks > 1 else ''}, "
+            f"paying {inputs.padding:.0%} of its padding. Each cell: refilled rows / not.")
+    lines = [head, "", "| Macs of actors | s a step | rollout tok/s | learner busy | versions behind, mean | p90 "
+             "| idle decode rows | stale, refused |", "|---|---|---|---|---|---|---|---|"]
+    for count in sorted({row.actors for row in rows}):
+        on, off = (next(r.result for r in rows if r.actors == count and r.refill is refill) for refill in (True, False))
+        cells = [f"{1 / on.steps_per_second:.0f} / {1 / off.steps_per_second:.0f}" if on.steps_per_second
+                 and off.steps_per_second else "- / -"]
+        cells += [f"{on.rollout_tokens_per_second:.0f} / {off.rollout_tokens_per_second:.0f}",
+                  f"{on.learner_busy_fraction:.0%} / {off.learner_busy_fraction:.0%}",
+                  f"{on.mean_staleness:.2f} / {off.mean_staleness:.2f}",
+                  f"{on.staleness_p90:.0f} / {off.staleness_p90:.0f}",
+                  f"{on.idle_slot_fraction:.0%} / {off.idle_slot_fraction:.0%}",
+                  f"{on.stale_fraction:.0%} / {off.stale_fraction:.0%}"]
+        lines.append(f"| {count} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from grpo_fleet.fleetsim.decoding import Decoding, SampledGroup
 from grpo_fleet.fleetsim.specs import ActorSpec, RunSpec, SharedHost, SimResult
 from grpo_fleet.learner.fleet.leasing import (
     in_flight_limit,
@@ -49,6 +52,7 @@ class _Job:
     started: float = 0.0
     groups: int = 0
     version: int = 0
+    sampled: list[SampledGroup] = field(default_factory=list)  # a lease's groups' lengths
 
 
 LEARNER = -1
@@ -61,6 +65,7 @@ class _Buffered:
     version: int
     actor: int
     drawn: bool
+    sampled: SampledGroup = SampledGroup(0, 0, 0)
 
 
 @dataclass
@@ -76,6 +81,8 @@ class _Learner:
     trained_staleness: list[int] = field(default_factory=list)
     checked: list[tuple[int, int, float]] = field(default_factory=list)  # each step's (fused, forwards, seconds)
     checker_free_at: float = 0.0
+    arrival_staleness: list[int] = field(default_factory=list)
+    arrived_tokens: list[tuple[float, int]] = field(default_factory=list)  # (when, completion tokens) a submission
 
 
 class FleetSimulation:
@@ -103,6 +110,8 @@ class FleetSimulation:
         self.limit = in_flight_limit(self.rules.in_flight_steps, self.rules.groups_per_step)
         check = run.check
         self.trust = Trust(check.probation_groups, check.share, draw=random.Random(check.seed))
+        self.decoding = Decoding(actors, run.length_seed)
+        self.arriving: deque[list[SampledGroup]] = deque()  # submissions' lengths, in their "accept" events' order
 
     def run_to_end(self) -> SimResult:
         for index in range(len(self.actors)):
@@ -144,9 +153,11 @@ class FleetSimulation:
                     job.finish = self.now + (job.finish - self.now) * before / after
                     self._schedule(key, job)
 
-    def _begin(self, key: int, seconds: float, cores: float, groups: int = 0, version: int = 0) -> None:
+    def _begin(self, key: int, seconds: float, cores: float, groups: int = 0, version: int = 0,
+               sampled: Optional[list[SampledGroup]] = None) -> None:
         """A job of `seconds` alone-time starts now."""
-        job = _Job(finish=self.now, cores=cores, token=0, started=self.now, groups=groups, version=version)
+        job = _Job(finish=self.now, cores=cores, token=0, started=self.now, groups=groups, version=version,
+                   sampled=sampled or [])
         self._change_jobs(lambda: self.jobs.__setitem__(key, job), started=key)
         job.finish = self.now + seconds / self._rate()
         self._schedule(key, job)
@@ -165,7 +176,7 @@ class FleetSimulation:
         else:
             self.actor_busy[key] += self.now - job.started
             self.rates[key].add(job.groups / max(self.now - job.started, 1e-3))
-            self._submit(key, job.groups, job.version)
+            self._submit(key, job.groups, job.version, job.sampled)
 
     # ------------------------------------------------------------------ actors
 
@@ -200,11 +211,11 @@ class FleetSimulation:
         fetch = actor.fetch_seconds if self.actor_versions[index] < learner.version else 0.0
         self.actor_versions[index] = learner.version
         cores = self.host.actor_cores if self.host is not None else 1.0
-        self._begin(index, fetch + actor.lease_seconds + count * actor.seconds_per_group, cores, count,
-                    learner.version)
+        decode, sampled = self.decoding.lease(index, count)
+        self._begin(index, fetch + actor.lease_seconds + decode, cores, count, learner.version, sampled)
         self.pending[index] = self._grant(index)
 
-    def _submit(self, index: int, groups: int, version: int) -> None:
+    def _submit(self, index: int, groups: int, version: int, sampled: list[SampledGroup]) -> None:
         """Rollouts reach the learner's verifier; the actor goes on with the lease it was already granted."""
         learner = self.learner
         cost = groups * self.run.answer_seconds_per_group
@@ -212,10 +223,12 @@ class FleetSimulation:
         if LEARNER in self.jobs and cost > 0:
             self._extend(LEARNER, cost)
         self._at(learner.checker_free_at, "accept", index, groups, version)
+        self.arriving.append(sampled)  # accept events come due in the order they are scheduled
         pending, self.pending[index] = self.pending[index], None
         if pending:
             self._start(index, pending)
         else:  # the pipelined request was refused: the actor read that when this lease ended, and waits
+            self.decoding.wait(index)
             self._at(self.now + retry_after(learner.interval.value, False), "ask", index)
 
     # ------------------------------------------------------------------ the learner
@@ -226,6 +239,9 @@ class FleetSimulation:
         learner, rules = self.learner, self.rules
         learner.leased_out -= groups
         self.submitted += groups
+        sampled = self.arriving.popleft()
+        learner.arrival_staleness.extend([learner.version - version] * groups)
+        learner.arrived_tokens.append((self.now, sum(group.tokens for group in sampled)))
         if learner.version - version > rules.max_staleness:
             self.rejected += groups  # re-queued on the learner: the prompts come back, the work is lost
         else:
@@ -233,8 +249,9 @@ class FleetSimulation:
             whole = int(learner.informative_credit + 1e-9)
             learner.informative_credit -= whole
             key = str(actor)
-            learner.buffer.extend(_Buffered(version, actor, self.run.check.enabled and self.trust.wants_check(key))
-                                  for _ in range(whole))
+            learner.buffer.extend(_Buffered(version, actor, self.run.check.enabled and self.trust.wants_check(key),
+                                            sampled[i % len(sampled)] if sampled else SampledGroup(0, 0, 0))
+                                  for i in range(whole))
         self._maybe_step()
         self._wake_waiting()
 
@@ -247,7 +264,19 @@ class FleetSimulation:
         checks = self._check_seconds(batch)
         self._wake_waiting()
         cores = self.host.learner_cores if self.host is not None else 1.0
-        self._begin(LEARNER, checks + self.run.step_seconds, cores)
+        self._begin(LEARNER, checks + self.run.step_seconds + self._token_seconds(batch), cores)
+
+    def _token_seconds(self, batch: list[_Buffered]) -> float:
+        """The step's cost of its tokens at drawn lengths: prompt and completion rows, plus the share of the
+        padding to the batch's longest completion that the step pays (RunSpec.padding)."""
+        run = self.run
+        if run.seconds_per_token == 0.0:
+            return 0.0
+        groups = [group.sampled for group in batch]
+        real = sum(g.rows * run.prompt_tokens + g.tokens for g in groups)
+        longest = max((g.longest for g in groups), default=0)
+        padded = sum(g.rows * (run.prompt_tokens + longest) for g in groups)
+        return run.seconds_per_token * (real + run.padding * (padded - real))
 
     def _check_seconds(self, batch: list[_Buffered]) -> float:
         """The step's own check of `batch`: free at the version it trains from, a forward for a drawn older group,
@@ -299,7 +328,20 @@ class FleetSimulation:
             fused_fraction=sum(c[0] for c in learner.checked) / trained,
             forward_fraction=sum(c[1] for c in learner.checked) / trained,
             check_seconds_per_step=sum(c[2] for c in learner.checked) / max(1, len(learner.checked)),
+            staleness_p90=percentile(staleness, 0.9),
+            arrival_staleness=sum(learner.arrival_staleness) / max(1, len(learner.arrival_staleness)),
+            idle_slot_fraction=self.decoding.idle_fraction(),
+            rollout_tokens_per_second=sum(t for when, t in learner.arrived_tokens if ends[first] < when <= ends[-1])
+            / span if span > 0 else 0.0,
         )
+
+
+def percentile(values: list[int], share: float) -> float:
+    """The nearest-rank percentile: the smallest value at least `share` of `values` are at or below (0: none)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return float(ordered[max(0, math.ceil(share * len(ordered)) - 1)])
 
 
 def simulate(actors: list[ActorSpec], run: RunSpec, host: Optional[SharedHost] = None) -> SimResult:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo_fleet.config import RunConfig, SecurityConfig
+from grpo_fleet.fleetsim.lengths import LengthSpec
 
 _SECURITY = SecurityConfig()
 
@@ -75,12 +76,21 @@ TRUSTED = CheckSpec(enabled=False)
 @dataclass(frozen=True)
 class ActorSpec:
     """One simulated actor: a lease of n groups takes `lease_seconds + n x seconds_per_group` (its groups are
-    decoded as one batch, so a lease has a part its size hardly changes), plus `fetch_seconds` for a new version."""
+    decoded as one batch, so a lease has a part its size hardly changes), plus `fetch_seconds` for a new version.
+
+    Given `lengths`, each completion's length is drawn instead, and the lease's batch of n x G rows decodes
+    as `fleetsim.decoding` says: until its longest completion ends, or, with `refill`, handing rows that end
+    early to the next lease. `seconds_per_group` is then unused.
+    """
 
     seconds_per_group: float
     fetch_seconds: float = 0.0
     max_groups: int = 2  # ActorConfig.max_groups: what it asks for per lease
     lease_seconds: float = 0.0
+    lengths: Optional[LengthSpec] = None  # None: every group costs seconds_per_group, and has no lengths
+    token_seconds: float = 0.0  # with lengths: 1 / the batch's decode tokens/s, all rows decoding
+    group_size: int = 8  # generation.group_size: a group's completions (rows)
+    refill: bool = False  # a row that ends takes the next lease's work at once (continuous batching)
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,13 @@ class RunSpec:
     # Steps/s is measured from the end of this step to the last (None: the second half, a steady state). A
     # measured run of a few steps is compared from its second step on (its first carries the start-up).
     measure_from: Optional[int] = None
+    # The learner's step at drawn lengths (actors with a LengthSpec): step_seconds plus this much per trained
+    # token, prompt and completion, at `ranks` ranks. Rows are padded to the batch's longest completion, of which
+    # the step pays `padding` (0: packed rows, no padding paid; 1: every row padded).
+    seconds_per_token: float = 0.0
+    prompt_tokens: int = 0
+    padding: float = 0.0
+    length_seed: int = 0  # the actors' length draws (each actor its own stream), so a simulation repeats
 
 
 @dataclass(frozen=True)
@@ -125,3 +142,9 @@ class SimResult:
     fused_fraction: float = 0.0  # trained groups checked inside the step's own forward (at its version)
     forward_fraction: float = 0.0  # trained groups recomputed at an older version (probation or drawn)
     check_seconds_per_step: float = 0.0  # the forwards' seconds a step, on the slowest rank
+    # Versions behind: p90 of the trained groups' (mean_staleness is their mean), and the mean on arrival at
+    # the learner, before the buffer's wait.
+    staleness_p90: float = 0.0
+    arrival_staleness: float = 0.0
+    idle_slot_fraction: float = 0.0  # actors' decoding row-seconds with nothing to decode (drawn lengths only)
+    rollout_tokens_per_second: float = 0.0  # completion tokens the fleet submitted, over the measured steps

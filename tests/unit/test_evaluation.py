@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.evals.evaluation import Evaluation, eval_summary
+from grpo_fleet.learner.evals.evaluation import Evaluation, eval_lease_size, eval_summary
 from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
@@ -141,7 +141,75 @@ def test_expired_and_orphaned_eval_leases_go_back_in_the_round(desk: Desk) -> No
     desk.evaluation.release_actor("k2")
     desk.clock.now += 61
     desk.evaluation.expire()
-    assert not desk.evaluation.owns(first.lease_id) and len(desk.evaluation.current.pending) == PROMPTS
+    assert len(desk.evaluation.current.pending) == PROMPTS and not desk.evaluation.current.leases
+    assert not desk.evaluation.owns(second.lease_id), "an orphaned lease is forgotten"
+    assert first.lease_id in desk.evaluation.current.late, "an expired one is kept for its late result"
+
+
+def test_eval_leases_are_sized_by_the_actors_speed_in_completions() -> None:
+    # 0.1 training groups/s of 8 completions: 0.8 greedy prompts/s, 24 in 30 s; 3 when each is 8 samples too.
+    assert eval_lease_size(64, 16, 0.1, group_size=8, samples=1, target_seconds=30.0) == 16
+    assert eval_lease_size(64, 16, 0.1, group_size=8, samples=8, target_seconds=30.0) == 3
+    assert eval_lease_size(64, 16, 0.001, group_size=8, samples=8, target_seconds=30.0) == 1, "at least one"
+    assert eval_lease_size(4, 16, None, group_size=8, samples=1, target_seconds=30.0) == 4, "unmeasured: as asked"
+
+
+def test_a_slow_actor_gets_a_small_eval_lease_and_its_return_measures_it(desk: Desk) -> None:
+    """Issue 38: eval leases were sized by count, so every one of long greedy answers outlived its deadline."""
+    desk.evaluation.start(0, 0)
+    slow = desk.actor("k1")
+    slow.groups_per_second.add(0.01)  # a group of 2 in 100 s: one greedy prompt in 50 s, none in the 30 s target
+    lease = desk.evaluation.grant(slow, m.LeaseRequest(max_groups=8))
+    assert lease is not None and len(lease.prompts) == 1
+    desk.clock.now += 40.0
+    desk.evaluation.take(slow, answer(lease, {i: [1.0] for i in range(PROMPTS)}))
+    # 0.5 training groups in 40 s, averaged with the 0.01 it had.
+    assert slow.groups_per_second.value > 0.01 and slow.last_return == desk.clock.now
+
+
+def _late_counted(desk: Desk) -> float:
+    return desk.metrics.registry.get_sample_value("grpo_fleet_learner_late_groups_total", {"kind": "eval"}) or 0.0
+
+
+def _expired_then_re_leased(desk: Desk) -> tuple[m.Lease, list[m.Lease]]:
+    """A round whose first lease (k1's) expired, then the whole round out again to k2, its prompts among them."""
+    desk.evaluation.start(0, 0)
+    late = desk.evaluation.grant(desk.actor("k1"), m.LeaseRequest(max_groups=2))
+    assert late is not None
+    desk.clock.now += 61
+    desk.evaluation.expire()
+    others = []
+    while (lease := desk.evaluation.grant(desk.actor("k2"), m.LeaseRequest(max_groups=2))) is not None:
+        others.append(lease)
+    return late, others
+
+
+def test_a_late_eval_result_scores_what_nobody_has_scored_yet(desk: Desk) -> None:
+    late, others = _expired_then_re_leased(desk)
+    rewards = {i: [1.0] for i in range(PROMPTS)}
+    ack = desk.evaluation.take(desk.actor("k1"), answer(late, rewards))
+    assert ack.status == "accepted" and set(ack.groups.values()) == {"eval"} and _late_counted(desk) == 2
+    answers = [desk.evaluation.take(desk.actor("k2"), answer(lease, {i: [0.0] for i in range(PROMPTS)}))
+               for lease in others]
+    assert sum(v == "duplicate" for a in answers for v in a.groups.values()) == 2, "the first result won"
+    (row,) = desk.rows()
+    assert row["scored"] == PROMPTS and row["eval_reward"] == pytest.approx(2 / PROMPTS)
+    assert desk.registry.bans.violations("k1") == 0 and desk.registry.bans.violations("k2") == 0
+
+
+def test_a_result_no_round_waits_for_is_stale_never_judged_as_training(desk: Desk) -> None:
+    late, others = _expired_then_re_leased(desk)
+    for lease in others:
+        desk.evaluation.take(desk.actor("k2"), answer(lease, {i: [1.0] for i in range(PROMPTS)}))
+    assert desk.evaluation.current is None and len(desk.rows()) == 1, "the round finished without it"
+    msg = answer(late, {i: [1.0] for i in range(PROMPTS)})
+    assert desk.evaluation.claims(msg), "eval groups go to the eval room even when no round owns their lease"
+    ack = desk.evaluation.take(desk.actor("k1"), msg)
+    assert (ack.status, ack.reason) == ("stale", RejectReason.EVAL_ROUND_DONE) and not RejectReason.EVAL_ROUND_DONE.is_violation
+    assert desk.registry.bans.violations("k1") == 0 and len(desk.rows()) == 1
+    training = m.Rollouts(lease_id=late.lease_id, policy_version=0, groups=[
+        g.model_copy(update={"group_id": "g00000001"}) for g in msg.groups[:1]])
+    assert not desk.evaluation.claims(training)
 
 
 def test_unscored_eval_prompts_are_retried_then_left_out(desk: Desk) -> None:

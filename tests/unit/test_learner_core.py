@@ -363,7 +363,8 @@ def test_no_leases_once_training_is_done(make_learner):
     assert lease(learner).prompts == []
 
 
-def test_expired_leases_are_requeued_and_their_results_come_back_stale(learner):
+def test_expired_leases_are_requeued_and_a_late_result_still_counts_once(learner):
+    """Issue 38: long answers outlived their leases, and every late result was refused as stale_lease."""
     hello(learner)
     lease_msg = lease(learner)
     ids = [p.group_id for p in lease_msg.prompts]
@@ -373,15 +374,40 @@ def test_expired_leases_are_requeued_and_their_results_come_back_stale(learner):
     assert learner.expire_leases() == 1
     assert learner.state.scheduler.outstanding_groups == 0
     assert sample(learner, "grpo_fleet_learner_leases_expired_total") == 1
+    assert [t.group_id for t in learner.state.scheduler.queued_groups] == ids, "re-queued for anyone meanwhile"
 
     ack = ask(learner, ACTOR_A, rollouts_for(lease_msg))
-    assert ack.status == "stale"
-    assert set(ack.groups.values()) == {"stale"}
-    assert rejections(learner, RejectReason.STALE_LEASE) == len(ids)
-    assert ledger(learner) == [] and learner.state.buffer == []
-    # The same groups are leased again, to anyone.
+    assert ack.status == "accepted" and ack.groups == dict.fromkeys(ids, "accepted")
+    assert rejections(learner, RejectReason.STALE_LEASE) == 0
+    assert sample(learner, "grpo_fleet_learner_late_groups_total", {"kind": "train"}) == len(ids)
+    assert [line["group_id"] for line in ledger(learner)] == ids
+    # Taken out of the queue: the next lease holds fresh groups.
     hello(learner, ACTOR_B, "actor-b")
-    assert [p.group_id for p in lease(learner, ACTOR_B).prompts] == ids
+    assert not set(ids) & {p.group_id for p in lease(learner, ACTOR_B).prompts}
+
+
+def test_a_late_eval_result_is_kept_never_judged_as_training(make_learner):
+    """Issue 38: an expired eval lease's result went to intake and was refused as bad_group_size, a violation."""
+    learner = make_learner(train={"eval_every": 1})
+    hello(learner)
+    eval_lease = lease(learner)
+    assert eval_lease.eval is not None and eval_lease.eval.samples == 1 != GROUP_SIZE
+    later = time.monotonic() + learner.cfg.server.lease_seconds + 1
+    learner.evaluation.clock = lambda: later
+    learner.expire_leases()
+    late = rollouts_for(eval_lease, rewards=[1.0])
+    ack = ask(learner, ACTOR_A, late)
+    assert ack.status == "accepted" and set(ack.groups.values()) == {"eval"}
+    assert sample(learner, "grpo_fleet_learner_late_groups_total", {"kind": "eval"}) == len(eval_lease.prompts)
+    assert rejections(learner, RejectReason.BAD_GROUP_SIZE) == 0 and ledger(learner) == []
+    while (rest := lease(learner)).eval is not None:  # the rest of the round
+        assert ask(learner, ACTOR_A, rollouts_for(rest, rewards=[0.0])).status == "accepted"
+    assert learner.evaluation.current is None and learner.evaluation.finished[0][1].eval_reward == pytest.approx(
+        len(eval_lease.prompts) / 8)
+    # The same result again, after its round: stale, not a violation (eval answers are not stored).
+    again = ask(learner, ACTOR_A, late)
+    assert (again.status, again.reason) == ("stale", RejectReason.EVAL_ROUND_DONE)
+    assert learner.registry.bans.violations(learner.registry.actors[ACTOR_A].principal) == 0
 
 
 # ----------------------------------------------------------------- rollouts

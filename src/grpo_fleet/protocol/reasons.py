@@ -53,6 +53,9 @@ class RejectReason(str, Enum):
     # resume): it could not be checked, so it is not trained.
     VERSION_GONE = "version_gone"
     RUN_DONE = "run_done"
+    # Eval results no round waits for: their round finished (they came after its lease expired and others scored
+    # its prompts), or the learner restarted since. Never the actor's fault.
+    EVAL_ROUND_DONE = "eval_round_done"
     # The learner's own bug while judging a message (an exception where a refusal was due): never the sender's
     # fault, so never a violation; counted in grpo_fleet_learner_internal_errors_total and logged with a traceback.
     INTERNAL = "internal"

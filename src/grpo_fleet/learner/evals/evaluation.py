@@ -9,6 +9,13 @@ the ledger or the step's counts. With no actor connected, the learner evaluates
 the round itself (learner/run/local_eval.py). A round's line goes to metrics.jsonl
 (`"event": "eval"`) and its figures to Prometheus. Rounds in flight are not
 checkpointed: a resumed run starts with the next one. No sockets here.
+
+Eval leases are sized to the actor's measured speed, as training leases are. An
+eval lease that expires puts its prompts back in the round, and is kept while the
+round runs: its result, if it comes, scores the prompts nobody has scored yet
+(the first result for a prompt wins). A result no round waits for (its round has
+finished, or the learner restarted) is answered `stale` (`eval_round_done`),
+never judged as a training submission.
 """
 
 from __future__ import annotations
@@ -17,14 +24,14 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.fleet.leasing import conversation_of, prompt_item
+from grpo_fleet.learner.fleet.leasing import DEADLINE_SHARE, conversation_of, lease_size, prompt_item, record_speed
 from grpo_fleet.learner.records.runlog import EvalRecord, RunLog
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
@@ -61,12 +68,34 @@ def submitted_ids(msg: m.Rollouts) -> list[str]:
     return [g.group_id for g in msg.groups] + [u.group_id for u in msg.unscored]
 
 
+def eval_group_id(serial: int) -> str:
+    return f"e{serial:08d}"
+
+
+def names_eval_groups(msg: m.Rollouts) -> bool:
+    """Whether every group a submission names is an eval group (`eval_group_id`; training ids start with `g`)."""
+    return all(group_id[:1] == "e" and group_id[1:].isdigit() for group_id in submitted_ids(msg))
+
+
+def eval_lease_size(requested: int, limit: int, groups_per_second: Optional[float], group_size: int, samples: int,
+                    target_seconds: float) -> int:
+    """Eval prompts to lease: what the actor samples in `target_seconds` at its measured training speed.
+
+    The speed is in training groups of `group_size` completions; an eval prompt is
+    `samples` completions, so the actor does group_size / samples of them in a
+    group's time. At least one; an actor not measured yet gets what it asked for.
+    """
+    rate = None if groups_per_second is None else groups_per_second * group_size / samples
+    return lease_size(requested, limit, rate, target_seconds)
+
+
 @dataclass
 class EvalLease:
     lease_id: str
     actor: str
     deadline: float
     tickets: dict[str, int]  # group id -> eval prompt index
+    issued_at: float = 0.0
 
 
 @dataclass
@@ -78,6 +107,8 @@ class EvalRound:
     started: float
     pending: deque[int]  # eval prompt indices not yet leased
     leases: dict[str, EvalLease] = field(default_factory=dict)
+    # Leases that expired in this round (their prompts went back): a late result still scores what is unscored.
+    late: dict[str, EvalLease] = field(default_factory=dict)
     rewards: dict[int, list[float]] = field(default_factory=dict)
     versions: list[int] = field(default_factory=list)
     attempts: dict[int, int] = field(default_factory=dict)
@@ -87,6 +118,29 @@ class EvalRound:
     @property
     def complete(self) -> bool:
         return not self.pending and not self.leases
+
+    def lease(self, lease_id: str) -> Optional[EvalLease]:
+        """An open lease of this round, or one that expired in it."""
+        return self.leases.get(lease_id) or self.late.get(lease_id)
+
+    def put_back(self, indices: Iterable[int]) -> None:
+        """Prompts to lease again, less those scored meanwhile (by a late result) and those waiting already."""
+        waiting = set(self.pending)
+        self.pending.extend(i for i in indices if i not in self.rewards and i not in waiting)
+
+    def score(self, index: int, rewards: list[float], version: int, *, late: bool) -> bool:
+        """One prompt's samples; False (nothing kept) when it is scored already, or, from a `late` lease, when it
+        no longer waits (it was left out of the round meanwhile)."""
+        if index in self.rewards:
+            return False
+        if late and index not in self.pending and not any(index in lease.tickets.values()
+                                                          for lease in self.leases.values()):
+            return False
+        if index in self.pending:
+            self.pending.remove(index)
+        self.rewards[index] = rewards
+        self.versions.append(version)
+        return True
 
 
 class Evaluation:
@@ -98,7 +152,9 @@ class Evaluation:
         self.reward_check = reward_check  # eval rewards are re-scored like training ones (learner/door/actor_checks.py)
         self.train, self.examples, self.prompt_tokens = cfg.train, examples, prompt_tokens
         self.lease_seconds, self.max_tokens = cfg.server.lease_seconds, cfg.generation.max_tokens
-        self.max_groups_per_lease = cfg.server.max_groups_per_lease
+        self.max_groups_per_lease, self.group_size = cfg.server.max_groups_per_lease, cfg.generation.group_size
+        # An eval lease should come back well inside its deadline (its figures are for one version: no staleness).
+        self.target_seconds = min(cfg.server.lease_target_seconds or float("inf"), DEADLINE_SHARE * self.lease_seconds)
         self.vocab_size, self.reward_bound = vocab_size, cfg.task.reward_bound
         self.episode_tokens = cfg.task.max_episode_tokens if cfg.task.env else None  # every sample an episode
         self.state, self.registry, self.runlog, self.metrics, self.clock = state, registry, runlog, metrics, clock
@@ -134,12 +190,14 @@ class Evaluation:
         round_ = self.current
         if round_ is None or not round_.pending:
             return None
-        max_groups = min(request.max_groups, self.max_groups_per_lease)
-        lease = EvalLease(lease_id=uuid.uuid4().hex, actor=actor.principal, deadline=self.clock() + self.lease_seconds,
-                          tickets={})
+        max_groups = eval_lease_size(request.max_groups, self.max_groups_per_lease, actor.groups_per_second.value,
+                                     self.group_size, self.sampling().samples, self.target_seconds)
+        now = self.clock()
+        lease = EvalLease(lease_id=uuid.uuid4().hex, actor=actor.principal, deadline=now + self.lease_seconds,
+                          tickets={}, issued_at=now)
         while round_.pending and len(lease.tickets) < max_groups:
             self._serial += 1
-            lease.tickets[f"e{self._serial:08d}"] = round_.pending.popleft()
+            lease.tickets[eval_group_id(self._serial)] = round_.pending.popleft()
         round_.leases[lease.lease_id] = lease
         self.metrics.eval_leases.inc()
         return m.Lease(lease_id=lease.lease_id, deadline_seconds=self.lease_seconds, policy_version=round_.version,
@@ -147,33 +205,50 @@ class Evaluation:
                                 for g, i in lease.tickets.items()], eval=self.sampling())
 
     def owns(self, lease_id: str) -> bool:
-        return self.current is not None and lease_id in self.current.leases
+        """Whether `lease_id` is an eval lease of the running round, open or expired in it."""
+        return self.current is not None and self.current.lease(lease_id) is not None
+
+    def claims(self, msg: m.Rollouts) -> bool:
+        """Whether this room answers `msg`: a lease it owns, or eval groups no round waits for any more."""
+        return self.owns(msg.lease_id) or names_eval_groups(msg)
 
     def take(self, actor: ActorInfo, msg: m.Rollouts) -> m.Ack:
-        """The answer to eval Rollouts (owns() said they are); a complete round is written at once."""
+        """The answer to eval Rollouts (claims() said they are); a complete round is written at once."""
         round_ = self.current
-        assert round_ is not None and msg.lease_id in round_.leases  # checked by owns()
-        lease = round_.leases[msg.lease_id]
+        lease = round_.lease(msg.lease_id) if round_ is not None else None
+        if round_ is None or lease is None:
+            # Its round has finished (or the learner restarted since): nothing waits for it, and nobody erred.
+            self.metrics.rejections.labels(reason=RejectReason.EVAL_ROUND_DONE).inc(len(msg.groups))
+            return m.Ack(lease_id=msg.lease_id, status="stale", reason=RejectReason.EVAL_ROUND_DONE,
+                         groups={g: "stale" for g in submitted_ids(msg)})
         invalid = self._invalid(lease, actor, msg)
         if invalid is not None:
             self.metrics.rejections.labels(reason=invalid).inc()
             self.registry.record_violation(actor.principal, invalid)
             return m.Ack(lease_id=msg.lease_id, status="invalid", reason=invalid)
-        del round_.leases[msg.lease_id]
-        for group in msg.groups:
-            round_.rewards[lease.tickets[group.group_id]] = [c.reward for c in group.completions]
-            round_.versions.append(msg.policy_version)
-        for unscored in msg.unscored:
-            self._retry(round_, lease.tickets[unscored.group_id])
-        # Untouched tickets (an actor that returned less than it was given) go back too.
-        returned = set(submitted_ids(msg))
-        round_.pending.extend(index for group_id, index in lease.tickets.items() if group_id not in returned)
+        late = round_.leases.pop(msg.lease_id, None) is None
+        if late:
+            del round_.late[msg.lease_id]
+        record_speed(actor, lease.issued_at, (len(msg.groups) + len(msg.unscored)) * self.sampling().samples
+                     / self.group_size, self.clock())
+        answer = {g.group_id: "eval" if round_.score(lease.tickets[g.group_id], [c.reward for c in g.completions],
+                                                     msg.policy_version, late=late) else "duplicate"
+                  for g in msg.groups}
+        if late:  # its prompts went back when it expired: only what it scored counts
+            self.metrics.late_groups.labels(kind="eval").inc(sum(v == "eval" for v in answer.values()))
+        else:
+            for unscored in msg.unscored:
+                self._retry(round_, lease.tickets[unscored.group_id])
+            # Untouched tickets (an actor that returned less than it was given) go back too.
+            round_.put_back(index for group_id, index in lease.tickets.items() if group_id not in submitted_ids(msg))
         self.finish()
-        return m.Ack(lease_id=msg.lease_id, status="accepted", groups={g: "eval" for g in returned})
+        # A late result whose prompts others scored first: a duplicate, as in training.
+        status: Literal["accepted", "duplicate"] = "duplicate" if answer and "eval" not in answer.values() else "accepted"
+        return m.Ack(lease_id=msg.lease_id, status=status, groups={**answer, **{u.group_id: "eval" for u in msg.unscored}})
 
     def reward_jobs(self, actor: ActorInfo, msg: m.Rollouts) -> list[tuple[m.GroupResult, int]]:
         """The groups `take` would re-score, with their examples; reads the state, changes nothing (under the lock)."""
-        lease = self.current.leases.get(msg.lease_id) if self.current is not None else None
+        lease = self.current.lease(msg.lease_id) if self.current is not None else None
         if self.reward_check is None or lease is None or lease.actor != actor.principal:
             return []
         if any(group_id not in lease.tickets for group_id in submitted_ids(msg)) or m.validate_rollouts(
@@ -198,11 +273,13 @@ class Evaluation:
         return invalid
 
     def _retry(self, round_: EvalRound, index: int) -> None:
+        if index in round_.rewards:  # a late result scored it meanwhile
+            return
         round_.attempts[index] = round_.attempts.get(index, 0) + 1
         if round_.attempts[index] >= MAX_EVAL_ATTEMPTS:
             round_.dropped += 1
         else:
-            round_.pending.append(index)
+            round_.put_back([index])
 
     def expire(self) -> None:
         """Put the prompts of eval leases past their deadline back in the round."""
@@ -210,7 +287,8 @@ class Evaluation:
         if round_ is None:
             return
         for lease_id in [lid for lid, lease in round_.leases.items() if lease.deadline <= now]:
-            round_.pending.extend(round_.leases.pop(lease_id).tickets.values())
+            lease = round_.late[lease_id] = round_.leases.pop(lease_id)
+            round_.put_back(lease.tickets.values())
 
     def release_actor(self, principal: str) -> None:
         """An actor went away: its eval prompts go back in the round."""
@@ -218,7 +296,7 @@ class Evaluation:
         if round_ is None:
             return
         for lease_id in [lid for lid, lease in round_.leases.items() if lease.actor == principal]:
-            round_.pending.extend(round_.leases.pop(lease_id).tickets.values())
+            round_.put_back(round_.leases.pop(lease_id).tickets.values())
 
     def claim_for_learner(self, wait_seconds: float) -> list[int]:
         """The waiting prompts, for the learner to evaluate itself, once the round has waited `wait_seconds`."""
@@ -236,6 +314,8 @@ class Evaluation:
         assert round_ is not None
         round_.leases.pop("learner", None)
         for index, samples in rewards.items():
+            if index in round_.rewards:  # a late eval lease's result scored it meanwhile: the first one counts
+                continue
             if samples is None:
                 round_.dropped += 1
                 continue

@@ -73,7 +73,7 @@ class RequestHandlers:
         with rooms.lock:
             # Not `known`: that counts an unregistered sender, and `handle` below does so once already.
             actor = rooms.registry.peek(identity, peer_key(identity, principal))
-            owner = self.rollouts_owner(msg.lease_id)
+            owner = self.rollouts_owner(msg)
             jobs = owner.reward_jobs(actor, msg) if actor is not None else []
             check = owner.reward_check
         if check is None or not jobs:
@@ -105,10 +105,10 @@ class RequestHandlers:
         with self.rooms.lock:
             self.rooms.registry.refresh_service_discovery(learner_target)
 
-    def rollouts_owner(self, lease_id: str) -> RolloutsTaker:
-        """The room whose lease this is: an eval round's, else intake."""
+    def rollouts_owner(self, msg: m.Rollouts) -> RolloutsTaker:
+        """The room whose lease this is: an eval round's (or eval groups no round waits for), else intake."""
         evaluation = self.rooms.evaluation
-        return evaluation if evaluation.owns(lease_id) else self.rooms.intake
+        return evaluation if evaluation.claims(msg) else self.rooms.intake
 
     def _dispatch(self, req: Request, msg: BaseModel) -> Reply:
         kind = type(msg)
@@ -156,4 +156,4 @@ class RequestHandlers:
         return Reply(self.rooms.evaluation.grant(actor, request) or self.rooms.leasing.grant(actor, request))
 
     def rollouts(self, actor: ActorInfo, msg: m.Rollouts) -> Reply:
-        return Reply(self.rollouts_owner(msg.lease_id).take(actor, msg))
+        return Reply(self.rollouts_owner(msg).take(actor, msg))

@@ -11,7 +11,9 @@ has ended idles until the batch ends, unless it is refilled.
   holds its next lease while it generates, `FleetSimulation.pending`). The next
   lease then starts with a head start on every row that ended early and is
   charged only what is left. An actor refused its next lease has nothing to
-  refill with, and its rows' head start is lost.
+  refill with, and its rows' head start is lost. A lease's groups count as
+  sampled at the version of its start, head start included: a refilled row's
+  first tokens may be a version older, which the staleness figures leave out.
 
 With one length for every completion the two are the same, and the same as the
 simulator's old `seconds_per_group` model, which an actor without a length

@@ -55,11 +55,17 @@ def test_a_batch_waits_for_its_longest_row_and_a_refilled_row_is_charged_what_is
     refilled = decode_batch([100, 100, 10, 10], 0.01, batch.head_start)
     assert refilled.seconds == pytest.approx(100 * 0.04 - 2.0)
     assert decode_batch([100, 100, 10, 10], 0.01).seconds == pytest.approx(4.0)
+    # A row free 4 s early takes both short completions of the next batch and then a long one (-4 + 0.4 + 0.4 +
+    # 4.0: free 3.2 s before the batch ends); two rows stay empty, and one decodes the other long one.
+    taken = decode_batch([10, 10, 100, 100], 0.01, (4.0, 0.0, 0.0, 0.0))
+    assert taken.seconds == pytest.approx(4.0)
+    assert sorted(taken.head_start) == pytest.approx([0.0, 3.2, 4.0, 4.0])
 
 
-def _simulate(lengths: LengthSpec, refill: bool, actors: int = 1, groups_per_step: int = 8, **run):
+def _simulate(lengths: LengthSpec, refill: bool, actors: int = 1, groups_per_step: int = 8, max_staleness: int = 50,
+              **run):
     actor = ActorSpec(0.0, lengths=lengths, token_seconds=0.001, group_size=8, refill=refill)
-    rules = FleetRules(groups_per_step=groups_per_step, max_staleness=50, in_flight_steps=8)
+    rules = FleetRules(groups_per_step=groups_per_step, max_staleness=max_staleness, in_flight_steps=8)
     return simulate([actor] * actors, RunSpec(rules, step_seconds=0.5, prompt_tokens=50, **run))
 
 
@@ -71,6 +77,16 @@ def test_refilled_rows_idle_less_and_step_sooner_at_spread_lengths_and_change_no
     fixed = LengthSpec("fixed", 300)
     assert _simulate(fixed, True) == _simulate(fixed, False)
     assert _simulate(fixed, True).idle_slot_fraction == 0.0
+
+
+def test_a_refilling_actor_keeps_its_loaded_weights_only_as_far_as_the_staleness_bound_allows():
+    # One actor, 2 groups a step: the learner steps every lease or so. A batch that never empties keeps
+    # sampling at its loaded weights while may_refill allows; at max_staleness 1 it drains at every new version.
+    strict, loose = (_simulate(SPREAD, True, groups_per_step=2, max_staleness=bound) for bound in (1, 50))
+    static = _simulate(SPREAD, False, groups_per_step=2, max_staleness=50)
+    assert loose.arrival_staleness > 10 * static.arrival_staleness
+    assert loose.idle_slot_fraction < 0.1 < 0.4 < strict.idle_slot_fraction
+    assert loose.steps_per_second > 1.5 * strict.steps_per_second
 
 
 def test_drawn_lengths_at_one_length_are_the_old_fixed_cost_a_group():

@@ -11,9 +11,10 @@ has ended idles until the batch ends, unless it is refilled.
   holds its next lease while it generates, `FleetSimulation.pending`). The next
   lease then starts with a head start on every row that ended early and is
   charged only what is left. An actor refused its next lease has nothing to
-  refill with, and its rows' head start is lost. A lease's groups count as
-  sampled at the version of its start, head start included: a refilled row's
-  first tokens may be a version older, which the staleness figures leave out.
+  refill with, and its rows' head start is lost. As the actor does
+  (`actor.rolling`), a refilling batch holds one policy version: new work
+  starts at the loaded weights while `may_refill` allows, and only a drained
+  batch (its head start lost) swaps in the newest.
 
 With one length for every completion the two are the same, and the same as the
 simulator's old `seconds_per_group` model, which an actor without a length
@@ -35,7 +36,7 @@ class BatchDecode:
     """One lease's batch: its seconds, and the head start it leaves the next lease's rows (refill only)."""
 
     seconds: float
-    head_start: tuple[float, ...]  # per row, seconds it ended before the batch did
+    head_start: tuple[float, ...]  # per row, seconds it was free before the batch ended
     useful_seconds: float  # the batch's seconds had no row idled: its tokens x token_seconds
 
 
@@ -53,16 +54,19 @@ def decode_batch(lengths: Sequence[int], token_seconds: float, head_start: Seque
 
     A row with a head start (refill: it ended the last lease early and took this
     one's work then) is charged only what is left of it. Completions go, in the
-    order drawn, to the rows free soonest: lengths are not known in advance.
+    order drawn, to the row free soonest, as the actor's queue hands them out
+    (lengths are not known in advance); a row free early may take several.
+    Without a head start every row takes one, and the batch waits for its longest.
     """
     rows = len(lengths)
     step = rows * token_seconds
-    starts = sorted(-s for s in head_start)[:rows]  # the rows free longest go first
-    starts += [0.0] * (rows - len(starts))
-    heapq.heapify(starts)
-    ends = [heapq.heappop(starts) + tokens * step for tokens in lengths]
-    seconds = max(0.0, max(ends, default=0.0))
-    return BatchDecode(seconds, tuple(seconds - end for end in ends), sum(lengths) * token_seconds)
+    free = sorted(-s for s in head_start)[:rows]  # the rows free longest
+    free += [0.0] * (rows - len(free))
+    heapq.heapify(free)
+    for tokens in lengths:
+        heapq.heappush(free, heapq.heappop(free) + tokens * step)
+    seconds = max(0.0, max(free, default=0.0))
+    return BatchDecode(seconds, tuple(seconds - end for end in free), sum(lengths) * token_seconds)
 
 
 class Decoding:
@@ -87,6 +91,10 @@ class Decoding:
         self.useful_seconds += batch.useful_seconds
         rows = [lengths[g * size:(g + 1) * size] for g in range(groups)]
         return batch.seconds, [SampledGroup(sum(row), max(row), size) for row in rows]
+
+    def refilling(self, index: int) -> bool:
+        """Whether actor `index`'s rows are still decoding (some ended early and took new work) as a lease ends."""
+        return any(seconds > 0.0 for seconds in self.head_starts[index])
 
     def wait(self, index: int) -> None:
         """Actor `index` was refused its next lease: its rows idle, and their head start is lost."""

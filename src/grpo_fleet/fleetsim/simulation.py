@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from grpo_fleet.actor.rolling import may_refill
 from grpo_fleet.fleetsim.decoding import Decoding, SampledGroup
 from grpo_fleet.fleetsim.specs import ActorSpec, RunSpec, SharedHost, SimResult
 from grpo_fleet.learner.fleet.leasing import (
@@ -206,14 +207,26 @@ class FleetSimulation:
         self.waiting = []
 
     def _start(self, index: int, count: int) -> None:
-        """Generate a lease on the newest weights; the next lease is asked for at once (the actor pipelines)."""
-        actor, learner = self.actors[index], self.learner
-        fetch = actor.fetch_seconds if self.actor_versions[index] < learner.version else 0.0
-        self.actor_versions[index] = learner.version
+        """Generate a lease on the weights `_weights` picks; the next lease is asked for at once (the actor
+        pipelines)."""
+        actor = self.actors[index]
+        fetch, version = self._weights(index)
         cores = self.host.actor_cores if self.host is not None else 1.0
         decode, sampled = self.decoding.lease(index, count)
-        self._begin(index, fetch + actor.lease_seconds + decode, cores, count, learner.version, sampled)
+        self._begin(index, fetch + actor.lease_seconds + decode, cores, count, version, sampled)
         self.pending[index] = self._grant(index)
+
+    def _weights(self, index: int) -> tuple[float, int]:
+        """(fetch seconds, version) of the lease actor `index` starts now: the newest weights, fetched if they are
+        new. A refilling actor whose rows still decode keeps its loaded weights while the actor's own rule
+        (`actor.rolling.may_refill`) lets new work start at them; past it, its batch drains first."""
+        actor, newest, loaded = self.actors[index], self.learner.version, self.actor_versions[index]
+        if actor.refill and self.decoding.refilling(index):
+            if may_refill(loaded, newest, self.rules.max_staleness):
+                return 0.0, loaded
+            self.decoding.wait(index)  # no new work until the batch is empty: its rows idle out the tail
+        self.actor_versions[index] = newest
+        return (actor.fetch_seconds if loaded < newest else 0.0), newest
 
     def _submit(self, index: int, groups: int, version: int, sampled: list[SampledGroup]) -> None:
         """Rollouts reach the learner's verifier; the actor goes on with the lease it was already granted."""

@@ -13,6 +13,11 @@ inside the step's forward, for nothing; an older one is recomputed at its own
 version when drawn (every group of an actor on probation, then a random share),
 by the rank that trains it, or all on rank 0 (`specs.CheckSpec.spread`).
 
+At drawn completion lengths (`ActorSpec.lengths`) a lease costs what
+`decoding` says, a refilling actor keeps its loaded weights as long as the
+actor's own rule allows (`actor.rolling.may_refill`), and a step pays its
+groups' real tokens plus a share of their padding (`RunSpec.padding`).
+
 Processes run on machines of their own (a fleet of Macs), or on one shared
 host (`SharedHost`, how the check on this VM runs): there every busy process
 wants some cores, and when they want more than the host has, each runs slower

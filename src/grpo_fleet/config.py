@@ -421,6 +421,14 @@ class ServerConfig(_Section):
     pub_bind: Optional[str] = Field(None, description="PUB address for notices; default: bind port + 1.")
     advertise_host: Optional[str] = Field(None, description="Host actors should use for the PUB socket; default: the bind host.")
     lease_seconds: float = Field(60.0, gt=0, description="A lease not returned within this is re-queued.")
+    max_lease_seconds: Optional[float] = Field(
+        None, gt=0,
+        description="Longest a lease is held: one past its deadline whose actor is still at work (heard from "
+        "within 3 heartbeats: actors heartbeat between decoding steps) gets another lease_seconds, up to this long "
+        "after it was issued, so long answers are not done twice; then it is re-queued. Default: 3 x "
+        "lease_seconds; set it to lease_seconds to never extend a lease. A late result still counts (README: "
+        "Faults).",
+    )
     max_groups_per_lease: int = Field(4, ge=1, description="Upper bound on prompts in one lease.")
     in_flight_steps: int = Field(
         2, ge=1,

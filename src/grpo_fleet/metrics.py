@@ -53,6 +53,7 @@ class LearnerMetrics:
     fair_share_refusals: Counter
     leases_expired: Counter
     late_groups: Counter
+    leases_extended: Counter
     leases_outstanding: Gauge
     lease_groups: Histogram
     staleness: Histogram
@@ -139,6 +140,9 @@ def learner_metrics() -> LearnerMetrics:
         leases_expired=Counter(f"{p}_leases_expired", "Leases that expired and were re-queued", registry=r),
         late_groups=Counter(f"{p}_late_groups", "Groups taken from a lease past its deadline (its work was not thrown "
                             "away), by kind: train or eval", ["kind"], registry=r),
+        leases_extended=Counter(f"{p}_leases_extended", "Leases past their deadline given another lease_seconds "
+                                "(their actor still heartbeating; up to server.max_lease_seconds), by kind: train "
+                                "or eval", ["kind"], registry=r),
         leases_outstanding=Gauge(f"{p}_leases_outstanding", "Leases not yet returned", registry=r),
         lease_groups=Histogram(
             f"{p}_lease_groups", "Groups per lease, sized to each actor's measured speed", buckets=LEASE_BUCKETS, registry=r

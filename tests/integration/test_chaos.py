@@ -46,8 +46,11 @@ def _checkpointed_step(run_dir: Path) -> int:
     return json.loads(latest.read_text())["step"] if latest.exists() else 0
 
 
-def _stale_lease_refusals(metrics_port: int) -> float:
-    return scrape(metrics_port).by_label("reason").get(("grpo_fleet_learner_rejections_total", "stale_lease"), 0.0)
+def _late_work_handled(metrics_port: int) -> float:
+    """Late groups taken (issue 38), or refused as stale_lease (a lease no longer remembered)."""
+    scraped = scrape(metrics_port)
+    return (scraped.value("grpo_fleet_learner_late_groups_total", kind="train")
+            + scraped.value("grpo_fleet_learner_rejections_total", reason="stale_lease"))
 
 
 def _freeze_past_lease(actors: list, learner, metrics_port: int, lease_seconds: float) -> int:
@@ -56,15 +59,16 @@ def _freeze_past_lease(actors: list, learner, metrics_port: int, lease_seconds: 
     With all of them frozen the learner cannot step past what it had buffered
     (server.in_flight_steps), so the late work is from a version it can still
     train: it reaches the reward check (security.verify_rewards, the default),
-    and must be refused as stale_lease, not answered `internal` with a traceback.
-    An actor frozen while it held no lease (the learner's capacity was full) has
-    nothing late to send, hence the tries.
+    and must be taken as late work (or refused as stale_lease), not answered
+    `internal` with a traceback. A frozen actor sends no heartbeat, so its leases
+    are not extended. An actor frozen while it held no lease (the learner's
+    capacity was full) has nothing late to send, hence the tries.
     """
-    before = _stale_lease_refusals(metrics_port)
+    before = _late_work_handled(metrics_port)
 
-    def refused_as_stale() -> bool:
+    def handled() -> bool:
         assert "error handling" not in learner.log_path.read_text(), learner.log_path.read_text()[-3000:]
-        return _stale_lease_refusals(metrics_port) > before
+        return _late_work_handled(metrics_port) > before
 
     for tries in range(1, FREEZE_TRIES + 1):
         for actor in actors:
@@ -74,7 +78,7 @@ def _freeze_past_lease(actors: list, learner, metrics_port: int, lease_seconds: 
         for actor in actors:
             actor.send_signal(signal.SIGCONT)
         try:
-            wait_for(refused_as_stale, "late submissions refused as stale_lease", timeout=5, procs=[learner])
+            wait_for(handled, "late submissions taken or refused as stale_lease", timeout=5, procs=[learner])
             return tries
         except AssertionError as failed:
             if "timed out" not in str(failed):

@@ -167,6 +167,18 @@ def test_a_slow_actor_gets_a_small_eval_lease_and_its_return_measures_it(desk: D
     assert slow.groups_per_second.value > 0.01 and slow.last_return == desk.clock.now
 
 
+def test_an_eval_lease_is_extended_while_its_actor_works(desk: Desk) -> None:
+    desk.evaluation.start(0, 0)
+    lease = desk.evaluation.grant(desk.actor("k1"), m.LeaseRequest(max_groups=2))
+    assert lease is not None
+    desk.clock.now += 61
+    desk.evaluation.expire(lambda key: key == "k1")
+    assert desk.evaluation.current.leases[lease.lease_id].deadline == pytest.approx(desk.clock.now + 59)
+    desk.clock.now += 120  # past 3 x lease_seconds from its issue (server.max_lease_seconds' default)
+    desk.evaluation.expire(lambda key: True)
+    assert lease.lease_id in desk.evaluation.current.late and len(desk.evaluation.current.pending) == PROMPTS
+
+
 def _late_counted(desk: Desk) -> float:
     return desk.metrics.registry.get_sample_value("grpo_fleet_learner_late_groups_total", {"kind": "eval"}) or 0.0
 

@@ -371,6 +371,9 @@ def test_expired_leases_are_requeued_and_a_late_result_still_counts_once(learner
     assert learner.expire_leases() == 0
     later = time.monotonic() + learner.cfg.server.lease_seconds + 1
     learner.state.scheduler.clock = lambda: later
+    assert learner.expire_leases() == 0, "its actor is still connected: extended, not re-queued"
+    assert sample(learner, "grpo_fleet_learner_leases_extended_total", {"kind": "train"}) == 1
+    later += 2 * learner.cfg.server.lease_seconds  # past server.max_lease_seconds (3 x lease_seconds)
     assert learner.expire_leases() == 1
     assert learner.state.scheduler.outstanding_groups == 0
     assert sample(learner, "grpo_fleet_learner_leases_expired_total") == 1
@@ -386,15 +389,29 @@ def test_expired_leases_are_requeued_and_a_late_result_still_counts_once(learner
     assert not set(ids) & {p.group_id for p in lease(learner, ACTOR_B).prompts}
 
 
+def test_a_connected_actors_lease_is_extended_a_dropped_ones_result_still_counts(learner):
+    hello(learner)
+    lease_msg = lease(learner)
+    later = time.monotonic() + learner.cfg.server.lease_seconds + 1
+    learner.state.scheduler.clock = lambda: later
+    assert learner.expire_leases() == 0 and learner.state.scheduler.outstanding_groups == len(lease_msg.prompts)
+    assert learner.drop_actor(ACTOR_A) == 1, "went silent: its lease goes back"
+    assert learner.state.scheduler.outstanding_groups == 0
+    hello(learner)  # it comes back, and sends what it finished meanwhile
+    ack = ask(learner, ACTOR_A, rollouts_for(lease_msg))
+    assert ack.status == "accepted" and len(ledger(learner)) == len(lease_msg.prompts)
+
+
 def test_a_late_eval_result_is_kept_never_judged_as_training(make_learner):
     """Issue 38: an expired eval lease's result went to intake and was refused as bad_group_size, a violation."""
     learner = make_learner(train={"eval_every": 1})
     hello(learner)
     eval_lease = lease(learner)
     assert eval_lease.eval is not None and eval_lease.eval.samples == 1 != GROUP_SIZE
-    later = time.monotonic() + learner.cfg.server.lease_seconds + 1
+    later = time.monotonic() + 3 * learner.cfg.server.lease_seconds + 1  # past server.max_lease_seconds
     learner.evaluation.clock = lambda: later
     learner.expire_leases()
+    assert not learner.evaluation.current.leases
     late = rollouts_for(eval_lease, rewards=[1.0])
     ack = ask(learner, ACTOR_A, late)
     assert ack.status == "accepted" and set(ack.groups.values()) == {"eval"}

@@ -187,3 +187,26 @@ def test_a_late_lease_measures_its_actor_so_the_next_lease_fits_the_deadline(clo
     assert leasing.expire() == 1
     leasing.measure(actor, lease.lease_id, 4)
     assert actor.groups_per_second.value == pytest.approx(4 / (leasing.server.lease_seconds * 2))
+
+
+def test_a_lease_past_its_deadline_is_extended_while_its_actor_works_up_to_the_cap(clock):
+    """Issue 38: long answers outlived their leases while their actors were decoding them."""
+    leasing = _leasing(clock, lease_seconds=10.0, max_lease_seconds=25.0)
+    working, gone = _actor("working"), _actor("gone")
+    kept = leasing.grant(working, m.LeaseRequest(max_groups=1))
+    lost = leasing.grant(gone, m.LeaseRequest(max_groups=1))
+    scheduler = leasing.state.scheduler
+    clock.advance(10.0)
+    assert leasing.expire(lambda key: key == "working") == 1, "only the silent actor's lease goes back"
+    assert scheduler.leases[kept.lease_id].deadline == clock() + 10.0 and lost.lease_id not in scheduler.leases
+    clock.advance(10.0)
+    assert leasing.expire(lambda key: True) == 0 and scheduler.leases[kept.lease_id].deadline == clock() + 5.0
+    clock.advance(5.0)  # 25 s after it was issued: a hoarder holds it no longer
+    assert leasing.expire(lambda key: True) == 1 and scheduler.outstanding_groups == 0
+
+
+def test_a_lease_is_never_extended_when_max_lease_seconds_is_lease_seconds(clock):
+    leasing = _leasing(clock, lease_seconds=10.0, max_lease_seconds=10.0)
+    leasing.grant(_actor(), m.LeaseRequest(max_groups=1))
+    clock.advance(10.0)
+    assert leasing.expire(lambda key: True) == 1

@@ -219,6 +219,14 @@ def test_a_late_group_refused_stays_where_it_is_and_its_ticket_is_spent(make_sch
     assert scheduler.outstanding_groups == 1 and len(scheduler.late) == 0
 
 
+def test_a_dropped_actors_lease_is_remembered_too(make_scheduler):
+    scheduler = make_scheduler()
+    lease = scheduler.issue("actor-a", 2)
+    ids = ids_of(lease)
+    assert scheduler.release_actor("actor-a") == 1 and scheduler.outstanding_groups == 0
+    assert [scheduler.classify("actor-a", lease.lease_id, gid) for gid in ids] == [None, None]
+
+
 def test_late_leases_survive_a_resume(make_scheduler, clock):
     scheduler = make_scheduler()
     late, (first, second) = _expired(scheduler, clock)

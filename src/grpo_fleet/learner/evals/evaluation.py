@@ -31,7 +31,15 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.fleet.leasing import DEADLINE_SHARE, conversation_of, lease_size, prompt_item, record_speed
+from grpo_fleet.learner.fleet.leasing import (
+    DEADLINE_SHARE,
+    conversation_of,
+    extend_leases,
+    lease_size,
+    max_lease_seconds,
+    prompt_item,
+    record_speed,
+)
 from grpo_fleet.learner.records.runlog import EvalRecord, RunLog
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
@@ -152,6 +160,7 @@ class Evaluation:
         self.reward_check = reward_check  # eval rewards are re-scored like training ones (learner/door/actor_checks.py)
         self.train, self.examples, self.prompt_tokens = cfg.train, examples, prompt_tokens
         self.lease_seconds, self.max_tokens = cfg.server.lease_seconds, cfg.generation.max_tokens
+        self.max_lease_seconds = max_lease_seconds(cfg.server)
         self.max_groups_per_lease, self.group_size = cfg.server.max_groups_per_lease, cfg.generation.group_size
         # An eval lease should come back well inside its deadline (its figures are for one version: no staleness).
         self.target_seconds = min(cfg.server.lease_target_seconds or float("inf"), DEADLINE_SHARE * self.lease_seconds)
@@ -281,11 +290,14 @@ class Evaluation:
         else:
             round_.put_back([index])
 
-    def expire(self) -> None:
-        """Put the prompts of eval leases past their deadline back in the round."""
+    def expire(self, still_working: Callable[[str], bool] = lambda key: False) -> None:
+        """Extend the eval leases past their deadline of actors `still_working` (leasing.extend_leases); put the
+        prompts of the rest back in the round."""
         round_, now = self.current, self.clock()
         if round_ is None:
             return
+        extended = extend_leases(round_.leases.values(), now, self.lease_seconds, self.max_lease_seconds, still_working)
+        self.metrics.leases_extended.labels(kind="eval").inc(extended)
         for lease_id in [lid for lid, lease in round_.leases.items() if lease.deadline <= now]:
             lease = round_.late[lease_id] = round_.leases.pop(lease_id)
             round_.put_back(lease.tickets.values())

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import numpy as np
 
-from grpo_fleet.config import RunConfig
+from grpo_fleet.config import RunConfig, ServerConfig
 from grpo_fleet.learner.fleet.registry import ActorInfo, MovingAverage
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
@@ -36,6 +37,8 @@ DEADLINE_SHARE = 0.5
 MIN_RETRY_SECONDS, MAX_RETRY_SECONDS = 0.005, 0.2
 # What an actor not measured yet may hold, in leases: it asks for the next one while it generates the current one.
 NEW_ACTOR_LEASES = 2
+# Longest a lease is held while its actor is still at work, in lease_seconds (unless server.max_lease_seconds).
+DEFAULT_LEASE_SPANS = 3
 
 
 def lease_target_seconds(
@@ -88,6 +91,35 @@ def record_speed(actor: ActorInfo, issued_at: float, groups: float, now: float) 
     started = max(issued_at, actor.last_return if actor.last_return is not None else issued_at)
     actor.groups_per_second.add(groups / max(now - started, 1e-3))
     actor.last_return = now
+
+
+class HeldLease(Protocol):
+    """What extending a lease reads and moves: a training lease (records/tickets.py) or an eval lease alike."""
+
+    actor: str
+    deadline: float
+    issued_at: float
+
+
+def max_lease_seconds(server: ServerConfig) -> float:
+    return server.max_lease_seconds or DEFAULT_LEASE_SPANS * server.lease_seconds
+
+
+def extend_leases(leases: Iterable[HeldLease], now: float, lease_seconds: float, max_seconds: float,
+                  still_working: Callable[[str], bool]) -> int:
+    """Give each lease past its deadline whose actor is `still_working` another `lease_seconds`, never past
+    `max_seconds` after it was issued; returns how many were extended (the others expire as before).
+
+    A long answer's lease can outlive its deadline while its actor decodes on: re-queuing it then has another
+    actor do the same groups, and one of the two results is thrown away. The cap bounds what a hoarder holds.
+    """
+    extended = 0
+    for lease in leases:
+        deadline = min(lease.deadline + lease_seconds, lease.issued_at + max_seconds)
+        if lease.deadline <= now < deadline and still_working(lease.actor):
+            lease.deadline = deadline
+            extended += 1
+    return extended
 
 
 def in_flight_limit(in_flight_steps: int, groups_per_step: int) -> int:
@@ -171,9 +203,14 @@ class Leasing:
             self.step_interval.add(now - self._last_step_at)
         self._last_step_at = now
 
-    def expire(self) -> int:
-        """Re-queue leases past their deadline; returns how many expired."""
-        expired = self.state.scheduler.expire()
+    def expire(self, still_working: Callable[[str], bool] = lambda key: False) -> int:
+        """Extend the leases past their deadline of actors `still_working` (`extend_leases`), re-queue the rest;
+        returns how many expired."""
+        scheduler = self.state.scheduler
+        extended = extend_leases(scheduler.leases.values(), scheduler.clock(), self.server.lease_seconds,
+                                 max_lease_seconds(self.server), still_working)
+        self.metrics.leases_extended.labels(kind="train").inc(extended)
+        expired = scheduler.expire()
         if expired:
             self.metrics.leases_expired.inc(len(expired))
             self.metrics.leases_outstanding.set(len(self.state.scheduler.leases))

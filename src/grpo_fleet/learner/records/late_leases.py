@@ -1,14 +1,15 @@
 """Leases that expired lately: whose they were and which groups they still held, so a late result can count.
 
-A long answer can outlive `server.lease_seconds`. The scheduler re-queues an
-expired lease's groups at once (another actor may do them), and remembers the
-lease here. A result that then arrives from the same actor, for a group that is
-still unfinished, is taken as if the lease were open (the first result for a
-group wins; see PromptScheduler.classify). Only the tickets a lease held when it
-expired are kept, each under the actor it was leased to, so a late result can
-name no group its sender never held; a ticket is forgotten once its group is
-answered, so it counts once. The count of leases kept is bounded (oldest out),
-and so is the memory.
+A long answer can outlive `server.lease_seconds`, or its actor can go silent for
+a while and be dropped. The scheduler re-queues such a lease's groups at once
+(another actor may do them), and remembers the lease here. A result that then
+arrives from the same actor, for a group that is still unfinished, is taken as if
+the lease were open (the first result for a group wins; see
+PromptScheduler.classify). Only the tickets a lease held when it went back are
+kept, each under the actor it was leased to, so a late result can name no group
+its sender never held; a ticket is forgotten once its group is answered, so it
+counts once. The count of leases kept is bounded (oldest out), and so is the
+memory.
 """
 
 from __future__ import annotations

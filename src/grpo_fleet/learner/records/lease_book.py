@@ -11,7 +11,7 @@ is not live, which costs nothing per accepted group: a run of any length keeps
 and checkpoints only its live groups and the last serial, and a resume refuses
 duplicates exactly as the run did.
 
-An expired lease is re-queued and remembered (late_leases.py): a late result for
+An expired (or released) lease is re-queued and remembered (late_leases.py): a late result for
 a group still unfinished is taken, the first result for a group wins, and the
 other holder's copy is then a duplicate.
 """
@@ -232,16 +232,15 @@ class PromptScheduler:
         now = self.clock()
         expired = [lease for lease in self.leases.values() if lease.deadline <= now]
         for lease in expired:
-            self.late.remember(LeaseRecord(lease.lease_id, lease.actor, lease.deadline, lease.issued_at,
-                                           dict(lease.tickets)))
             self.release(lease.lease_id)
         return expired
 
     def release(self, lease_id: str) -> None:
-        """Re-queue all groups still out under a lease."""
+        """Re-queue all groups still out under a lease, and remember it: its actor's result may still come."""
         lease = self.leases.get(lease_id)
         if lease is None:
             return
+        self.late.remember(LeaseRecord(lease.lease_id, lease.actor, lease.deadline, lease.issued_at, dict(lease.tickets)))
         for group_id in list(lease.tickets):
             self.requeue(lease_id, group_id)
 

@@ -28,6 +28,9 @@ log = logging.getLogger("grpo_fleet.learner")
 # Handlers for anyone, and for registered actors only; each message type has one.
 OpenHandler = Callable[[Request, Any], Reply]
 ActorHandler = Callable[[ActorInfo, Any], Reply]
+# An actor heard from within this many heartbeat periods is still at work on its leases (it heartbeats between
+# decoding steps): those past their deadline are extended (leasing.extend_leases), not re-queued.
+WORKING_HEARTBEATS = 3
 
 
 class RequestHandlers:
@@ -95,10 +98,17 @@ class RequestHandlers:
             return rooms.state.scheduler.release_actor(info.principal)
 
     def expire_leases(self) -> int:
-        """Re-queue leases past their deadline; returns how many expired."""
-        with self.rooms.lock:
-            self.rooms.evaluation.expire()
-            return self.rooms.leasing.expire()
+        """Re-queue leases past their deadline, but extend those of actors still at work (up to
+        server.max_lease_seconds); returns how many expired."""
+        rooms = self.rooms
+        with rooms.lock:
+            rooms.evaluation.expire(self.still_working)
+            return rooms.leasing.expire(self.still_working)
+
+    def still_working(self, key: str) -> bool:
+        """Whether a session of an actor key was heard from within WORKING_HEARTBEATS heartbeat periods."""
+        cutoff = time.monotonic() - WORKING_HEARTBEATS * self.rooms.cfg.server.heartbeat_seconds
+        return any(session.last_seen >= cutoff for session in self.rooms.registry.sessions_of(key))
 
     def refresh_service_discovery(self, learner_target: Optional[str]) -> None:
         """Rebuild the /sd answer on the main thread; the HTTP thread reads the list it swaps in."""

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from grpo_reference import ref_group_advantages, ref_group_is_informative, ref_overlong_penalty
 
+from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.advantages import group_advantages
 from grpo_fleet.learner.step.batch import (
     LENGTH_BUCKET,
+    MICRO_BATCH_COST_TOKENS,
     LengthShaping,
     TrainBatch,
     batch_totals,
@@ -205,9 +209,57 @@ def test_micro_batch_plan_groups_similar_lengths():
     lengths = [3, 40, 4, 41, 5, 42]
     plans = plan_micro_batches(lengths, 3 * 48)
     assert [sorted(plan) for plan in plans] == [[1, 3, 5], [0, 2, 4]]
-    assert plan_micro_batches(lengths, 10_000) == [[5, 3, 1, 4, 2, 0]]
+    # Under a large budget too: splitting saves 3 x 32 padded positions, more than a micro-batch costs.
+    assert plan_micro_batches(lengths, 10_000) == [[5, 3, 1], [4, 2, 0]]
+    # Rows of one width are never split (that saves nothing), nor are close ones (16 positions saved < the cost).
+    assert plan_micro_batches([40, 41, 42, 20], 10_000) == [[2, 1, 0, 3]]
+    assert plan_micro_batches([5] * 64, 4096) == [list(range(64))]
     # A row longer than the budget still trains, alone.
     assert plan_micro_batches([100, 2], 16) == [[0], [1]]
+
+
+def plan_cost(lengths: list[int], plans: list[list[int]]) -> int:
+    return sum(len(plan) * bucketed(lengths[plan[0]]) + MICRO_BATCH_COST_TOKENS for plan in plans)
+
+
+def cheapest_by_enumeration(lengths: list[int], budget: int) -> int:
+    """The least cost over every way of cutting the rows, sorted longest first, into groups that fit."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    best = None
+    for cuts in itertools.product([False, True], repeat=len(order) - 1):
+        plans, current = [], [order[0]]
+        for index, cut in zip(order[1:], cuts):
+            if cut:
+                plans.append(current)
+                current = []
+            current.append(index)
+        plans.append(current)
+        if all(len(p) == 1 or len(p) * bucketed(lengths[p[0]]) <= budget for p in plans):
+            cost = plan_cost(lengths, plans)
+            best = cost if best is None else min(best, cost)
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_micro_batch_plan_is_the_cheapest_within_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 300, 9).tolist()
+    budget = int(rng.choice([300, 700, 2000]))
+    plans = plan_micro_batches(lengths, budget)
+    assert plan_cost(lengths, plans) == cheapest_by_enumeration(lengths, budget)
+
+
+def test_lengths_spread_16_to_512_are_padded_at_most_5_percent():
+    """Issue 38's goal: 8 groups x G = 8, completions 16..512 tokens after a 60-token prompt, default budget."""
+    budget = RunConfig().train.micro_batch_tokens
+    for seed in range(5):
+        lengths = (59 + np.random.default_rng(seed).integers(16, 513, 64)).tolist()
+        plans = plan_micro_batches(lengths, budget)
+        padded = sum(len(plan) * bucketed(lengths[plan[0]]) for plan in plans)
+        assert padded / sum(lengths) <= 1.05, (seed, padded / sum(lengths))
+        # Filling each micro-batch to the budget, longest first, padded 11-16% more.
+        assert len(plans) <= 20
 
 
 def test_row_lengths_end_at_the_last_completion_target(two_groups):

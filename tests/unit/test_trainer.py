@@ -368,6 +368,34 @@ def test_accumulated_micro_batch_gradients_equal_the_one_batch_gradient(tiny_mod
     assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)}, want, rel=1e-5)
 
 
+def spread_batch(seed: int, groups: int, group_size: int, low: int, high: int) -> TrainBatch:
+    """Groups whose completions are `low`..`high` tokens long, each after a prompt of 12..60 tokens."""
+    rng = np.random.default_rng(seed)
+    made = []
+    for b in range(groups):
+        prompt = rng.integers(0, 10, int(rng.integers(12, 61))).astype(np.int32)
+        records = [CompletionRecord(rng.integers(0, 10, n).astype(np.int32), -rng.uniform(1.5, 3.5, n).astype(np.float32),
+                                    float(rng.random()), "length")
+                   for n in rng.integers(low, high + 1, group_size).tolist()]
+        made.append(AcceptedGroup(f"g{b}", b, prompt, records, 0, "a"))
+    return build_train_batch(made)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_planned_micro_batches_of_lengths_16_to_512_give_the_one_batch_gradient(tiny_model_dir, mode):
+    """Issue 38: completions spread 16..512 tokens, cut into micro-batches by length, train as one padded batch."""
+    batch = spread_batch(3, groups=2, group_size=4, low=16, high=512)
+    trainer = trainer_for(tiny_model_dir, mode, loss_type="dapo", micro_batch_tokens=1024, logprob_chunk_tokens=128)
+    micro = split_batch(batch, trainer.micro_batch_tokens)
+    widths = sorted({m.inputs.shape[1] for m in micro})
+    assert len(micro) >= 3 and len(widths) >= 3  # really cut by length, not one padded batch
+    want_loss, want = dense_gradients(trainer, batch)
+
+    got = trainer.gradients(batch)
+    assert float(got.loss) == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert_close_trees({k: np.array(v) for k, v in tree_flatten(got.grads)}, want, rel=1e-4)
+
+
 def test_compiled_traces_stay_bounded_and_untraced_shapes_run_eager(tiny_model_dir):
     """Past `max_compiled_shapes` signatures new micro-batch shapes run eager, with the same gradients."""
     batch = varied_batch()

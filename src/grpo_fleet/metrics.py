@@ -260,6 +260,9 @@ class ActorMetrics:
     episode_turns: Histogram
     episodes_ended: Counter
     env_seconds: Histogram
+    idle_slots: Gauge
+    drains: Counter
+    drain_idle_slots: Counter
 
 
 def actor_metrics() -> ActorMetrics:
@@ -296,4 +299,10 @@ def actor_metrics() -> ActorMetrics:
                                ["end"], registry=r),
         env_seconds=Histogram(f"{p}_env_seconds", "Seconds one episode spent in its environment's calls (init, steps, "
                               "close)", buckets=PHASE_BUCKETS, registry=r),
+        idle_slots=Gauge(f"{p}_idle_slot_fraction", "Share of the rolling batch's (decoding step x slot) cells with no "
+                         "sequence in them, over this actor's life: 1 - active rows / (steps x batch size)", registry=r),
+        drains=Counter(f"{p}_drains", "Times the rolling batch stopped taking new work until its sequences finished, "
+                       "by reason: a newer policy version to load, or an eval lease to run alone", ["reason"], registry=r),
+        drain_idle_slots=Counter(f"{p}_drain_idle_slots", "Idle (decoding step x slot) cells while draining: what "
+                                 "the drains cost", registry=r),
     )

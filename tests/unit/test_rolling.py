@@ -99,9 +99,10 @@ def test_slot_usage_counts_idle_rows():
 
 def test_back_to_back_leases_leave_no_slot_idle(policy):
     # Each lease fills the 4 slots for 12 steps (no stop tokens): the next one must take them the step after.
+    # Shared-prefix prompts (>= 16 tokens) join the batch with no prefill step of their own.
     settings = SamplingSettings(group_size=2, max_tokens=12, temperature=1.0)
     rolling: RollingGenerator[int] = RollingGenerator(policy.model, settings, batch_size=4)
-    run_leases(rolling, [(i, _prompts(policy, "1=", "0123456789" * 2 + "2=")) for i in range(6)])
+    run_leases(rolling, [(i, _prompts(policy, "0123456789" * 2 + "1=", "0123456789" * 2 + "2=")) for i in range(6)])
     assert (rolling.usage.steps, rolling.usage.rows, rolling.usage.idle_fraction) == (6 * 12, 6 * 4 * 12, 0.0)
 
 

@@ -173,6 +173,18 @@ class LearnerLink:
             if reply is not None:
                 self._route(reply)
 
+    def take_answers(self) -> None:
+        """Route every answer already here, without waiting: between decoding steps, the batch never waits on us."""
+        while self._dealer is not None:
+            try:
+                reply = recv_message(self._dealer, timeout_s=0, limits=self.limits)
+            except ProtocolError as exc:
+                log.warning("bad reply from learner: %s", shown(exc))
+                continue
+            if reply is None:
+                return
+            self._route(reply)
+
     def await_chunk(self, offset: int) -> tuple[m.WeightsChunk, memoryview]:
         """The weight chunk starting at `offset`; leftovers of an abandoned transfer are skipped."""
         deadline = time.monotonic() + self.timeout

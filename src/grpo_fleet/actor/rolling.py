@@ -59,25 +59,30 @@ def may_refill(loaded: int, newest: int, max_staleness: Optional[int]) -> bool:
 class SlotUsage:
     """Decoding steps of a batch of `batch_size` slots and the rows they decoded.
 
-    Idle fraction = 1 - rows / (steps x batch_size): a slot is idle in a step
-    when no sequence decodes in it (finished, or no work waiting).
+    Idle fraction = 1 - rows / slots, where a step has `batch_size` slots: a
+    slot is idle in a step when no sequence decodes in it (finished, or no work
+    waiting). mlx-lm may decode a few rows more than `batch_size` for a step or
+    two (sequences leaving prefill join the rows already decoding); such a step
+    counts as many slots as rows, none idle.
     """
 
     batch_size: int
     steps: int = 0
     rows: int = 0
+    slots: int = 0
 
     def count(self, rows: int) -> None:
         self.steps += 1
         self.rows += rows
+        self.slots += max(rows, self.batch_size)
 
     @property
     def idle_slots(self) -> int:
-        return self.steps * self.batch_size - self.rows
+        return self.slots - self.rows
 
     @property
     def idle_fraction(self) -> float:
-        return self.idle_slots / (self.steps * self.batch_size) if self.steps else 0.0
+        return self.idle_slots / self.slots if self.slots else 0.0
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 The rooms it calls: `admission` (what it agrees to run), `link` (the pipelined
 request/reply to the learner), `pipeline` (what is in flight), `weights_sync`
-(snapshots), `rewarding` (the rewards' process, scoring), `rollout` (generation)
-and `wire` (conversion to messages). Actors are stateless: anything lost with an
+(snapshots), `rewarding` (the rewards' process, scoring), `streaming` (single-turn
+leases through one rolling batch), `episodes` (a lease of episodes at a time) and
+`wire` (conversion to messages). Actors are stateless: anything lost with an
 actor is re-queued by the learner's leases.
 """
 
@@ -26,6 +27,7 @@ from grpo_fleet.actor.episodes import RunEpisodes
 from grpo_fleet.actor.link import Answer, LearnerLink, LearnerUnavailable, Notice, StopActor
 from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rewarding import RunRewards
+from grpo_fleet.actor.streaming import LeaseStream, Turn
 from grpo_fleet.actor.weights_sync import WeightsSync
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.doctor import mlx_version
@@ -76,6 +78,8 @@ class ActorWorker:
         self.model_key: Optional[ModelKey] = None
         self.rewards = RunRewards()  # the rewards' own process, started on admission
         self.episodes = RunEpisodes()  # the environment's own process, when the run has one (Welcome.env)
+        self.stream = LeaseStream(self.link, self.inflight, self.metrics, cfg.max_groups, alone=self._rollout,
+                                  score=self.rewards.score)
         self.welcome: Optional[m.Welcome] = None
         self.stopping = False
         self.metrics_port = 0
@@ -159,6 +163,7 @@ class ActorWorker:
         self.rewards.start(plan_rewards(welcome.reward, self.cfg.reward_module, self.cfg.model_dirs))
         self.episodes.start(welcome.env, self.cfg.model_dirs)
         if plan is not None:
+            self.stream.reset()  # its sequences decode on the model being replaced
             self.policy = load_policy(plan.path, lora=plan.lora, dtype=plan.dtype)
             self.model_key = plan.key
             self.weights.forget()
@@ -182,6 +187,7 @@ class ActorWorker:
                     self.weights.loaded, welcome.policy_version)
         if previous.run_id != welcome.run_id:
             self.inflight.forget()
+            self.stream.reset()
         self.weights.forget()
 
     def _on_notice(self, notice: Notice) -> None:
@@ -219,9 +225,19 @@ class ActorWorker:
     # ------------------------------------------------------------------ work
 
     def _work_once(self) -> None:
+        """One turn: follow the learner's version (only while nothing decodes), then work."""
         self.link.poll_notices()
-        if self.weights.behind:
+        if self.weights.behind and self.stream.idle:
             self._sync_weights()
+        welcome, policy = self.welcome, self.policy
+        assert welcome is not None and policy is not None  # _adopt set both
+        if welcome.env is not None:  # episodes keep their own path: a lease at a time (actor/episodes.py)
+            self._one_lease()
+            return
+        self.stream.turn(Turn(welcome, policy, self.weights.loaded, self.weights.newest, self.stopping))
+
+    def _one_lease(self) -> None:
+        """Generate one lease whole and submit it, the next one asked for meanwhile."""
         lease = self._take_lease()
         if lease is None:
             return
@@ -252,7 +268,8 @@ class ActorWorker:
         return lease
 
     def _rollout(self, lease: m.Lease) -> m.Rollouts:
-        """Generate the lease's groups under the loaded snapshot and score them."""
+        """Generate the lease's groups under the loaded snapshot and score them (an episode lease, or an eval
+        lease run alone)."""
         welcome, policy = self.welcome, self.policy
         assert welcome is not None and policy is not None  # _adopt set both before any lease
         settings = wire.sampling_settings(welcome.generation, policy.tokenizer.eos_token_ids, lease.eval)

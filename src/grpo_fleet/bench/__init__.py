@@ -134,6 +134,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("weights", "weights", True, 0.5, "LoRA and full weight broadcast vs raw ZeroMQ"),
     Benchmark("step", "step", True, 0.1, "learner step phases, eager vs mx.compile (50M and memory rows: full)"),
     Benchmark("real_decode", "real_decode", True, 3.4, "real model: actor lease vs mlx_lm.batch_generate, idle slots"),
+    Benchmark("long_decode", "long_decode", False, 45.0,
+              "real model, long answers: rolling actor vs mlx_lm.batch_generate lease by lease, idle slots"),
     Benchmark("real_step", "real_step", False, 3.7, "real model: one Trainer.step tok/s, micro-batch padding"),
     Benchmark("episodes", "episodes", False, 3.0,
               "real model: CapitalQuiz episodes vs single-turn groups (tok/s of each kind, idle slots, learner step)"),

@@ -137,12 +137,15 @@ def test_a_version_past_the_bound_drains_the_batch_before_new_work(policy, task)
         assert inflight.next_lease is not None and inflight.next_lease.lease_id == "lease2"  # held back
     assert {r.policy_version for r in learner.submitted} == {0}
     assert stream.metrics.drains.labels(reason="version")._value.get() == 1
+    drain_cost = stream.metrics.drain_idle_slots._value.get()
+    assert drain_cost > 0  # the tail of the drain: slots that emptied with nothing to take them
     stream.turn(stale)  # idle now: still not at v0, where the worker would sync first
     assert inflight.next_lease is not None
     synced = Turn(welcome, policy, loaded=2, newest=2, stopping=False)
     while len(learner.submitted) < 3:
         stream.turn(synced)
     assert learner.submitted[-1].lease_id == "lease2" and learner.submitted[-1].policy_version == 2
+    assert stream.metrics.drain_idle_slots._value.get() == drain_cost  # no drain since: nothing more counted
 
 
 def test_one_version_behind_still_refills_under_max_staleness_2(policy, task):

@@ -143,6 +143,7 @@ class LeaseStream:
             size = min(MAX_BATCH_SIZE, self.max_groups * settings.group_size)
             self.rolling = RollingGenerator(now.policy.model, settings, size)
         self.rolling.add(lease, wire.lease_prompts(lease), now.loaded)
+        self.draining = None  # new work goes in: whatever drain there was has ended
         self.inflight.generating.add(lease.lease_id)
         self._started[lease.lease_id] = time.perf_counter()
         self._ask_unless(now.stopping)

@@ -144,6 +144,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("gguf_import", "gguf_import", False, 0.5, "import-gguf on Gemma 3 270M Q4_K_M: time, peak memory vs model size"),
     Benchmark("real", "real", True, 23.5, "real model learning: fleet vs in-process loop vs mlx-lm-lora, same task"),
     Benchmark("mixed", "mixed", True, 0.5, "capacity-sized leases with a 10x slower actor"),
+    Benchmark("late_leases", "late_leases", False, 1.6,
+              "long answers past their lease deadline: work thrown away, leases extended while heartbeating or not"),
     Benchmark("e2e", "e2e", False, 4.3, "tiny demo: wall time to its target, fleet vs batched loop and notebook loop"),
     Benchmark("data_parallel", "data_parallel", False, 5.0,
               "data-parallel learner: 50M step and gradient all-reduce at 1 and 2 ranks, LoRA and full"),

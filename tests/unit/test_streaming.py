@@ -190,3 +190,16 @@ def test_stopping_delivers_what_is_in_hand_and_asks_for_nothing_more(policy, tas
         stream.turn(stopping)
     assert inflight.drained and learner.log.count("L") == 2
     assert sorted(r.lease_id for r in learner.submitted) == ["lease0", "lease1"]
+
+
+def test_a_lease_names_the_learner_life_it_was_sampled_in(policy, task):
+    # The learner restarted while the lease decoded: its version number is of the old life, and so is its stamp.
+    stream, learner, inflight = _stream(policy, task, [_lease(policy, task, 0)])
+    before = _welcome(2).model_copy(update={"incarnation": "a" * 12})
+    for _ in range(2):  # lease0 asked for; lease0 in
+        stream.turn(Turn(before, policy, loaded=5, newest=5, stopping=False))
+    assert inflight.generating == {"lease0"}
+    after = Turn(_welcome(2).model_copy(update={"incarnation": "b" * 12}), policy, loaded=-1, newest=5, stopping=False)
+    while not learner.submitted:
+        stream.turn(after)
+    assert (learner.submitted[0].incarnation, learner.submitted[0].policy_version) == ("a" * 12, 5)

@@ -72,7 +72,8 @@ class LeaseStream:
         self._alone, self._score = alone, score  # an eval lease, run on its own; the rewards
         self.rolling: Optional[RollingGenerator[m.Lease]] = None
         self.draining: Optional[str] = None  # why nothing new goes in ("version", "eval"), until idle
-        self._started: dict[str, float] = {}  # lease id -> when it was queued
+        # lease id -> (when it was queued, the learner's life then): a Rollouts names the life its version is of
+        self._begun: dict[str, tuple[float, str]] = {}
         self._retry_at = 0.0  # after an empty lease: when to ask again
         self._slots = self._rows = 0
 
@@ -87,7 +88,7 @@ class LeaseStream:
             self.rolling.close()
         self.rolling, self.draining = None, None
         self.inflight.generating.clear()
-        self._started.clear()
+        self._begun.clear()
 
     def turn(self, now: Turn) -> None:
         """One step of work; blocks only when nothing decodes and there is nothing to do but wait."""
@@ -145,7 +146,7 @@ class LeaseStream:
         self.rolling.add(lease, wire.lease_prompts(lease), now.loaded)
         self.draining = None  # new work goes in: whatever drain there was has ended
         self.inflight.generating.add(lease.lease_id)
-        self._started[lease.lease_id] = time.perf_counter()
+        self._begun[lease.lease_id] = (time.perf_counter(), now.welcome.incarnation)
         self._ask_unless(now.stopping)
 
     def _ask_unless(self, stopping: bool) -> None:
@@ -175,14 +176,15 @@ class LeaseStream:
     def _finish(self, done: FinishedLease[m.Lease], now: Turn) -> None:
         """Score a finished lease and queue it for submission (dropped if its run was forgotten meanwhile)."""
         lease = done.key
-        self.metrics.generation_seconds.observe(time.perf_counter() - self._started.pop(lease.lease_id))
+        begun, incarnation = self._begun.pop(lease.lease_id)
+        self.metrics.generation_seconds.observe(time.perf_counter() - begun)
         if lease.lease_id not in self.inflight.generating:
             return
         self.inflight.generating.discard(lease.lease_id)
         scored, unscored = self._score(list(lease.prompts), done.groups, now.policy.tokenizer, self.metrics)
         self.metrics.peak_memory.set(mx.get_peak_memory())
         self.inflight.finished.append(m.Rollouts(
-            lease_id=lease.lease_id, policy_version=done.version, incarnation=now.welcome.incarnation, groups=scored,
+            lease_id=lease.lease_id, policy_version=done.version, incarnation=incarnation, groups=scored,
             unscored=unscored))
 
     def _wait(self, now: Turn) -> None:

@@ -131,6 +131,12 @@ class EvalRound:
         """An open lease of this round, or one that expired in it."""
         return self.leases.get(lease_id) or self.late.get(lease_id)
 
+    def give_back(self, lease_id: str) -> None:
+        """An open lease's prompts back in the round (it expired, or its actor went away); the lease is kept in
+        `late`, so its result still scores what nobody has scored meanwhile."""
+        lease = self.late[lease_id] = self.leases.pop(lease_id)
+        self.put_back(lease.tickets.values())
+
     def put_back(self, indices: Iterable[int]) -> None:
         """Prompts to lease again, less those scored meanwhile (by a late result) and those waiting already."""
         waiting = set(self.pending)
@@ -299,16 +305,15 @@ class Evaluation:
         extended = extend_leases(round_.leases.values(), now, self.lease_seconds, self.max_lease_seconds, still_working)
         self.metrics.leases_extended.labels(kind="eval").inc(extended)
         for lease_id in [lid for lid, lease in round_.leases.items() if lease.deadline <= now]:
-            lease = round_.late[lease_id] = round_.leases.pop(lease_id)
-            round_.put_back(lease.tickets.values())
+            round_.give_back(lease_id)
 
     def release_actor(self, principal: str) -> None:
-        """An actor went away: its eval prompts go back in the round."""
+        """An actor went away: its eval prompts go back in the round (its leases are kept, as expired ones are)."""
         round_ = self.current
         if round_ is None:
             return
         for lease_id in [lid for lid, lease in round_.leases.items() if lease.actor == principal]:
-            round_.put_back(round_.leases.pop(lease_id).tickets.values())
+            round_.give_back(lease_id)
 
     def claim_for_learner(self, wait_seconds: float) -> list[int]:
         """The waiting prompts, for the learner to evaluate itself, once the round has waited `wait_seconds`."""

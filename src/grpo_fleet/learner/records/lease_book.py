@@ -11,9 +11,9 @@ is not live, which costs nothing per accepted group: a run of any length keeps
 and checkpoints only its live groups and the last serial, and a resume refuses
 duplicates exactly as the run did.
 
-An expired (or released) lease is re-queued and remembered (late_leases.py): a late result for
-a group still unfinished is taken, the first result for a group wins, and the
-other holder's copy is then a duplicate.
+An expired (or released) lease is re-queued and remembered (late_leases.py): a
+late result for a group still unfinished is taken, the first result for a group
+wins, and the other holder's copy is then a duplicate.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class PromptScheduler:
         self._not_to: dict[str, str] = {}
         self.leases: dict[str, LeaseRecord] = {}
         self._lease_of_group: dict[str, str] = {}
-        self.late = LateLeases()  # leases past their deadline whose groups a late result may still finish
+        self.late = LateLeases()  # leases re-queued (expired, or their actor dropped) whose result may still come
         self.finished = FinishedGroups(self)
 
     # ------------------------------------------------------------------ handing out
@@ -157,8 +157,9 @@ class PromptScheduler:
     def classify(self, actor: str, lease_id: str, group_id: str) -> Optional[RejectReason]:
         """Why a submitted group cannot be accepted (DUPLICATE, STALE_LEASE, NOT_YOUR_LEASE, NOT_LEASED), or None.
 
-        A lease that expired lately is judged as an open one: its unfinished groups may still be accepted from the
-        actor it was leased to, wherever they are now (queued, or out again: the first result wins).
+        A lease that went back lately (expired, or its actor dropped) is judged as an open one: its unfinished groups
+        may still be accepted from the actor it was leased to, wherever they are now (queued, or out again: the first
+        result wins).
         """
         if group_id in self.finished:
             return RejectReason.DUPLICATE
@@ -178,11 +179,11 @@ class PromptScheduler:
         return lease.tickets[group_id].prompt_index
 
     def is_late(self, lease_id: str) -> bool:
-        """Whether `lease_id` names a lease that expired and is remembered (late_leases.py), not an open one."""
+        """Whether `lease_id` names a lease that went back and is remembered (late_leases.py), not an open one."""
         return lease_id not in self.leases and self.late.get(lease_id) is not None
 
     def _lease(self, lease_id: str) -> Optional[LeaseRecord]:
-        """An open lease, or one that expired lately."""
+        """An open lease, or one that went back lately."""
         return self.leases.get(lease_id) or self.late.get(lease_id)
 
     def finish(self, lease_id: str, group_id: str) -> GroupTicket:

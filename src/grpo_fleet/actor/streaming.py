@@ -75,12 +75,20 @@ class LeaseStream:
         # lease id -> (when it was queued, the learner's life then): a Rollouts names the life its version is of
         self._begun: dict[str, tuple[float, str]] = {}
         self._retry_at = 0.0  # after an empty lease: when to ask again
-        self._slots = self._rows = 0
+        self._slots = self._rows = 0  # over the actor's life, for the idle-slot gauge
+        self._drains = {"version": 0, "eval": 0}
+        self._drain_idle = 0
 
     @property
     def idle(self) -> bool:
         """Nothing decoding: weights may be swapped."""
         return self.rolling is None or self.rolling.idle
+
+    def summary(self) -> str:
+        """The batch's use over this actor's life, for its last log line."""
+        idle = 1.0 - self._rows / self._slots if self._slots else 0.0
+        return (f"{self._rows} tokens in {self._slots} slot-steps ({100 * idle:.1f}% idle); drains {self._drains}, "
+                f"{self._drain_idle} idle slot-steps while draining")
 
     def reset(self) -> None:
         """The model changed under us: what was decoding is dropped (the learner re-queues its leases)."""
@@ -128,6 +136,7 @@ class LeaseStream:
         if not self.idle:
             if self.draining is None:
                 self.draining = reason
+                self._drains[reason] += 1
                 self.metrics.drains.labels(reason=reason).inc()
             return
         self.draining = None
@@ -169,6 +178,7 @@ class LeaseStream:
         self._rows += usage.rows - rows_before
         self.metrics.idle_slots.set(1.0 - self._rows / self._slots)
         if self.draining is not None:
+            self._drain_idle += usage.idle_slots - idle_before
             self.metrics.drain_idle_slots.inc(usage.idle_slots - idle_before)
         for lease in finished:
             self._finish(lease, now)

@@ -117,6 +117,7 @@ class ActorWorker:
                 else:
                     backoff = 0.2
         finally:
+            log.info("actor %s rolling batch: %s", self.actor_id, self.stream.summary())
             self.link.shut()
             self.rewards.close()
             self.episodes.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +31,13 @@ HIDDEN_VECTORS_OUTSIDE_BLOCKS = 32
 # With grad checkpointing a block's input is kept (2 vectors with its gradient),
 # and recomputing a block holds about three blocks' worth while it runs.
 CHECKPOINTED_BLOCK_VECTORS, RECOMPUTED_BLOCKS = 2, 3
+# Attention on the CPU path (mx.fast's fallback and its gradient) holds [rows, heads, W, W] scores and
+# probabilities in each block the backward pass goes through: per token, about two heads x W values (2.1 measured,
+# tests/unit/test_memory.py). So a micro-batch of a fixed token budget grows linearly with its width W, not
+# quadratically, and by W ~ 500 attention holds as much as the rest of a SmolLM2 block.
+ATTENTION_BUFFERS = 2
+# The width a step is planned for when the caller does not know its prompts: max_tokens plus a long prompt.
+PROMPT_TOKENS_ALLOWANCE = 256
 # Measured peaks ran up to 10% over the sum above; plan with a margin.
 ACTIVATION_MARGIN = 1.25
 # fp32 [chunk, vocab] buffers alive in the LM head's backward: about 3 under
@@ -66,34 +73,54 @@ class StepMemory:
         return f"{self.total / GIB:.2f} GiB (" + ", ".join(f"{name} {size / GIB:.2f}" for name, size in parts) + ")"
 
 
-def _shape(model: nn.Module) -> tuple[int, int, int, int]:
-    """(hidden, intermediate, layers, vocab) from an mlx-lm model's args."""
+def _shape(model: nn.Module) -> tuple[int, int, int, int, int]:
+    """(hidden, intermediate, layers, vocab, heads) from an mlx-lm model's args."""
     args: Any = getattr(model, "args", None)
     hidden = int(getattr(args, "hidden_size", 0))
     intermediate = int(getattr(args, "intermediate_size", 4 * hidden))
     layers = int(getattr(args, "num_hidden_layers", len(getattr(model, "layers", []))))
     vocab = int(getattr(args, "vocab_size", 0))
-    return hidden, intermediate, layers, vocab
+    heads = int(getattr(args, "num_attention_heads", 0) or max(1, hidden // 64))
+    return hidden, intermediate, layers, vocab, heads
 
 
 def _nbytes(params: Any) -> int:
     return sum(value.nbytes for _, value in flat_leaves(params) if isinstance(value, mx.array))
 
 
-def estimate_step_memory(model: nn.Module, cfg: RunConfig, *, reference_copy: bool = False) -> StepMemory:
+def planned_width(cfg: RunConfig) -> int:
+    """The widest row a step is planned for: the longest completion (or episode) after a long prompt."""
+    longest = cfg.task.max_episode_tokens if cfg.task.env else cfg.generation.max_tokens
+    return longest + PROMPT_TOKENS_ALLOWANCE
+
+
+def blocks_with_gradients(cfg: RunConfig, layers: int) -> int:
+    """Blocks the backward pass goes through: LoRA's last lora.num_layers, else every one. The frozen blocks
+    below run forward only and keep nothing for it."""
+    if cfg.lora.enabled and 0 <= cfg.lora.num_layers < layers:
+        return cfg.lora.num_layers
+    return layers
+
+
+def estimate_step_memory(model: nn.Module, cfg: RunConfig, *, reference_copy: bool = False,
+                         width: Optional[int] = None) -> StepMemory:
     """Peak bytes of `Trainer.step` for this model under `cfg.train`'s micro-batch and chunk sizes.
 
     `reference_copy`: pi_ref is a second, frozen copy of the weights (full fine-tuning with beta > 0).
+    `width`: the longest row (prompt + completion) a micro-batch holds; `planned_width` by default.
     """
-    hidden, intermediate, layers, vocab = _shape(model)
+    hidden, intermediate, layers, vocab, heads = _shape(model)
     element = max((v.dtype.size for _, v in flat_leaves(model.parameters()) if isinstance(v, mx.array)), default=4)
-    per_block = element * (HIDDEN_VECTORS_PER_TOKEN * hidden + INTERMEDIATE_VECTORS_PER_TOKEN * intermediate)
+    width = planned_width(cfg) if width is None else width
+    attention = element * ATTENTION_BUFFERS * heads * width
+    per_block = element * (HIDDEN_VECTORS_PER_TOKEN * hidden + INTERMEDIATE_VECTORS_PER_TOKEN * intermediate) + attention
     outside = element * HIDDEN_VECTORS_OUTSIDE_BLOCKS * hidden
-    tokens = cfg.train.micro_batch_tokens
+    tokens = max(cfg.train.micro_batch_tokens, width)  # a row wider than the budget is a micro-batch of its own
+    graded = blocks_with_gradients(cfg, layers)
     if cfg.train.grad_checkpoint:
-        per_token = layers * CHECKPOINTED_BLOCK_VECTORS * hidden * element + RECOMPUTED_BLOCKS * per_block + outside
+        per_token = graded * CHECKPOINTED_BLOCK_VECTORS * hidden * element + RECOMPUTED_BLOCKS * per_block + outside
     else:
-        per_token = layers * per_block + outside
+        per_token = (graded + (graded < layers)) * per_block + outside  # a frozen block's forward, while it runs
     activations = int(ACTIVATION_MARGIN * tokens * per_token)
     chunk = min(cfg.train.logprob_chunk_tokens, tokens)
     chunks = -(-tokens // chunk)

@@ -70,3 +70,16 @@ def test_a_lora_step_counts_the_frozen_base_forward_twice_and_its_activation_gra
     checkpointed = step_flops(shape, mask, micro, reference=False, grad_checkpoint=True)
     assert checkpointed.useful == pytest.approx(forward + adapters + backward)
     assert checkpointed.recomputed == pytest.approx(head + 2 * body)
+
+
+def test_the_padding_figure_plans_completions_spread_16_to_512_within_5_percent():
+    from grpo_fleet.bench import Report
+    from grpo_fleet.bench.step_flops import SPREAD, spread_groups, spread_padding
+
+    groups = spread_groups(8, 8, SPREAD, 1000, seed=1)
+    lengths = [len(c.tokens) for g in groups for c in g.completions]
+    assert min(lengths) >= SPREAD[0] and max(lengths) <= SPREAD[1] and max(lengths) - min(lengths) > 300
+    report = Report()
+    spread_padding(report)
+    (figure,) = report.figures
+    assert figure.unit == "x" and 1.0 < figure.value <= 1.05, figure

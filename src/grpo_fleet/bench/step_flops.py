@@ -18,6 +18,13 @@ pass alone (a plain forward), and a matmul at the step's own shapes (the MLP's
 [positions x hidden] @ [hidden x ff], the head's [chunk x hidden] @
 [hidden x vocab]). For padding, the SmolLM2 step is timed again with
 micro-batches split tighter by length.
+
+Long answers (issue 38): the same figures at 128, 512 and 1,024 completion
+tokens after a 60-token prompt (SmolLM2-135M LoRA r8 and the Qwen shape, on
+synthetic completions: FLOPs do not depend on which tokens), with the pi_ref
+pass's share of the step (what `grpo.beta = 0` would save); and the padding the
+micro-batch planner leaves for completions spread uniformly over 16..512 tokens
+(8 groups x G = 8, the default `train.micro_batch_tokens`; no model runs).
 """
 
 from __future__ import annotations
@@ -35,16 +42,20 @@ from grpo_fleet.bench.flops import StepFlops, forward_flops, head_dims, linear_d
 from grpo_fleet.bench.real_decode import LeaseShape, real_model_dir
 from grpo_fleet.bench.real_step import real_groups
 from grpo_fleet.bench.step import synthetic_groups
-from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
+from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig, TrainConfig
 from grpo_fleet.doctor import matmul_gflops
-from grpo_fleet.learner.records.groups import AcceptedGroup
-from grpo_fleet.learner.step.batch import build_train_batch, split_batch
+from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.learner.step.batch import build_train_batch, row_lengths, split_batch
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import load_policy
 
 BENCH = "step_flops"
 TIGHT_MICRO_BATCH_TOKENS = 1024  # the SmolLM2 lease again, split into more micro-batches of closer lengths
 QWEN_BLOCKS = {Scale.QUICK: 1, Scale.DEFAULT: 4, Scale.FULL: 24}
+LONG_COMPLETIONS = (128, 512, 1024)  # completion tokens of the long-answer steps
+LONG_PROMPT = 60
+LONG_ROWS = {Scale.QUICK: 2, Scale.DEFAULT: 8, Scale.FULL: 8}  # completions a long-answer step trains on
+SPREAD = (16, 512)  # completion lengths of the padding figure, uniform
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,68 @@ def qwen(report: Report, scale: Scale) -> None:
                                                       trainer.chunk_tokens))
 
 
+def spread_groups(groups: int, group_size: int, lengths: tuple[int, int], vocab: int,
+                  seed: int = 0) -> list[AcceptedGroup]:
+    """Groups after LONG_PROMPT-token prompts whose completions are drawn uniformly from `lengths` (inclusive)."""
+    rng = np.random.default_rng(seed)
+    low, high = lengths
+    return [AcceptedGroup(f"g{g}", g, rng.integers(0, vocab, LONG_PROMPT).astype(np.int32), [
+        CompletionRecord(rng.integers(0, vocab, n).astype(np.int32), -rng.random(n).astype(np.float32),
+                         float(i) / group_size, "stop")
+        for i, n in enumerate(rng.integers(low, high + 1, group_size).tolist())], 0, "bench") for g in range(groups)]
+
+
+def spread_padding(report: Report) -> None:
+    """Padded over real positions as the planner cuts 8 groups x G = 8 of completions spread over SPREAD."""
+    budget = TrainConfig().micro_batch_tokens
+    ratios, counts = [], []
+    for seed in range(5):
+        batch = build_train_batch(spread_groups(8, 8, SPREAD, 1000, seed))
+        micro = split_batch(batch, budget)
+        ratios.append(sum(m.padded_tokens for m in micro) / int(row_lengths(np.array(batch.mask)).sum()))
+        counts.append(len(micro))
+    report.add(Figure(BENCH, f"padded positions over real ones, completions spread {SPREAD[0]}..{SPREAD[1]}",
+                      max(ratios), "x", goal="<= 1.05",
+                      notes=f"worst of 5 draws of 8 groups x G=8 after {LONG_PROMPT}-token prompts, at the default "
+                      f"{budget}-token micro-batches: {', '.join(f'{r:.3f}' for r in ratios)}, in "
+                      f"{min(counts)}-{max(counts)} micro-batches"))
+
+
+def report_long(report: Report, measured: Measured, completion: int) -> None:
+    """Achieved GF/s against doctor's, padding, and the pi_ref pass's share of the step, at one length."""
+    flops = measured.flops
+    report.add(Figure(BENCH, f"{measured.label}: achieved GF/s (useful FLOPs / step seconds)",
+                      flops.useful / measured.seconds / 1e9, "GF/s", baseline=measured.doctor,
+                      baseline_name="doctor matmul GF/s", goal=">= 0.45x at 512 tokens (SmolLM2)" if completion == 512
+                      else None, notes=f"{measured.seconds:.1f} s, {measured.micro_batches} micro-batches, padded/real "
+                      f"{flops.padded_positions / flops.real_positions:.3f}; load average {measured.load_average:.1f}"))
+    if measured.ref_seconds > 0:
+        report.add(Figure(BENCH, f"{measured.label}: the pi_ref pass's share of the step (beta > 0)",
+                          measured.ref_seconds / measured.seconds, "share",
+                          notes=f"{measured.ref_seconds:.1f} s of {measured.seconds:.1f} s: what grpo.beta = 0 saves"))
+
+
+def long_answers(report: Report, scale: Scale) -> None:
+    """SmolLM2-135M LoRA r8 (beta 0.04) and the Qwen shape, at LONG_COMPLETIONS completion tokens."""
+    from grpo_fleet.bench.qwen_step import qwen_config_trainer
+
+    rows = LONG_ROWS[scale]
+    policy = load_policy(str(real_model_dir()), lora=LoraConfig(enabled=True, rank=8))
+    smol = Trainer(policy, GRPOConfig(), OptimConfig(), temperature=1.0, max_tokens=max(LONG_COMPLETIONS))
+    trainers = {"SmolLM2-135M LoRA r8": smol,
+                f"Qwen2.5-0.5B shape, {QWEN_BLOCKS[scale]} blocks, LoRA r16": qwen_config_trainer(
+                    QWEN_BLOCKS[scale], max(LONG_COMPLETIONS))}
+    for name, trainer in trainers.items():
+        vocab = trainer.policy.vocab_size
+        for completion in LONG_COMPLETIONS:
+            groups = spread_groups(1, rows, (completion, completion), vocab)
+            label = f"{name}, {rows} x {LONG_PROMPT}+{completion} tokens"
+            # Warmed up on the same groups: the timed step traces no new shape.
+            report_long(report, timed_step(trainer, groups, label, groups), completion)
+
+
 def run(report: Report, scale: Scale) -> None:
+    spread_padding(report)
     smollm(report, scale)
     qwen(report, scale)
+    long_answers(report, scale)

@@ -82,11 +82,11 @@ def _lease(policy, task, number: int, prompts: int = 2, eval: Optional[m.EvalSam
     return m.Lease(lease_id=f"lease{number}", deadline_seconds=60.0, policy_version=0, prompts=items, eval=eval)
 
 
-def _welcome(max_staleness: Optional[int]) -> m.Welcome:
+def _welcome() -> m.Welcome:
     return m.Welcome(run_id="r", actor_id="a", model=m.ModelRef(path="p", digest="0" * 64),
                      generation=m.GenerationParams(group_size=G, max_tokens=8, temperature=1.0, top_p=1.0),
                      reward=m.RewardSpec(names=["reverse_positions"], weights=[1.0]), policy_version=0,
-                     heartbeat_seconds=1.0, vocab_size=10, max_staleness=max_staleness)
+                     heartbeat_seconds=1.0, vocab_size=10)
 
 
 def _stream(policy, task, leases: list[m.Lease], alone: Optional[Callable[[m.Lease], m.Rollouts]] = None):
@@ -108,7 +108,7 @@ def test_leases_decode_together_and_each_is_submitted_when_its_groups_finish(pol
     mx.random.seed(0)
     leases = [_lease(policy, task, n) for n in range(4)]
     stream, learner, inflight = _stream(policy, task, leases)
-    turn = Turn(_welcome(2), policy, loaded=3, newest=3, stopping=False)
+    turn = Turn(_welcome(), policy, loaded=3, newest=3, stopping=False)
     for _ in range(500):
         if len(learner.submitted) == 4:
             break
@@ -124,14 +124,14 @@ def test_leases_decode_together_and_each_is_submitted_when_its_groups_finish(pol
     assert stream.rolling is not None and stream.rolling.usage.steps > 0
 
 
-def test_a_version_past_the_bound_drains_the_batch_before_new_work(policy, task):
+def test_a_newer_version_drains_the_batch_before_new_work(policy, task):
     mx.random.seed(1)
     stream, learner, inflight = _stream(policy, task, [_lease(policy, task, n) for n in range(3)])
-    welcome = _welcome(2)
+    welcome = _welcome()
     for _ in range(3):  # lease0 asked for; lease0 in, lease1 asked for; lease1 queued, lease2 asked for
         stream.turn(Turn(welcome, policy, loaded=0, newest=0, stopping=False))
     assert inflight.generating == {"lease0", "lease1"} and inflight.next_lease is not None
-    stale = Turn(welcome, policy, loaded=0, newest=2, stopping=False)  # two versions behind: must not refill
+    stale = Turn(welcome, policy, loaded=0, newest=1, stopping=False)  # the learner moved on: no refill
     while not stream.idle:
         stream.turn(stale)
         assert inflight.next_lease is not None and inflight.next_lease.lease_id == "lease2"  # held back
@@ -141,18 +141,18 @@ def test_a_version_past_the_bound_drains_the_batch_before_new_work(policy, task)
     assert drain_cost > 0  # the tail of the drain: slots that emptied with nothing to take them
     stream.turn(stale)  # idle now: still not at v0, where the worker would sync first
     assert inflight.next_lease is not None
-    synced = Turn(welcome, policy, loaded=2, newest=2, stopping=False)
+    synced = Turn(welcome, policy, loaded=1, newest=1, stopping=False)
     while len(learner.submitted) < 3:
         stream.turn(synced)
-    assert learner.submitted[-1].lease_id == "lease2" and learner.submitted[-1].policy_version == 2
+    assert learner.submitted[-1].lease_id == "lease2" and learner.submitted[-1].policy_version == 1
     assert stream.metrics.drain_idle_slots._value.get() == drain_cost  # no drain since: nothing more counted
 
 
-def test_one_version_behind_still_refills_under_max_staleness_2(policy, task):
+def test_one_version_behind_nothing_new_starts(policy, task):
     stream, learner, inflight = _stream(policy, task, [_lease(policy, task, 0)])
-    for _ in range(2):  # lease0 asked for; lease0 in
-        stream.turn(Turn(_welcome(2), policy, loaded=0, newest=1, stopping=False))
-    assert inflight.generating == {"lease0"} or learner.submitted
+    for _ in range(2):  # lease0 asked for; then held: the worker syncs first
+        stream.turn(Turn(_welcome(), policy, loaded=0, newest=1, stopping=False))
+    assert not inflight.generating and inflight.next_lease is not None and stream.idle
 
 
 def test_an_eval_lease_runs_alone_once_the_batch_is_empty(policy, task):
@@ -169,7 +169,7 @@ def test_an_eval_lease_runs_alone_once_the_batch_is_empty(policy, task):
     leases = [_lease(policy, task, 0), _lease(policy, task, 1, eval=m.EvalSampling(samples=1, temperature=0.0)),
               _lease(policy, task, 2)]
     stream, learner, inflight = _stream(policy, task, leases, alone)
-    turn = Turn(_welcome(2), policy, loaded=0, newest=0, stopping=False)
+    turn = Turn(_welcome(), policy, loaded=0, newest=0, stopping=False)
     for _ in range(500):
         if len(learner.submitted) == 3:
             break
@@ -182,8 +182,8 @@ def test_an_eval_lease_runs_alone_once_the_batch_is_empty(policy, task):
 def test_stopping_delivers_what_is_in_hand_and_asks_for_nothing_more(policy, task):
     stream, learner, inflight = _stream(policy, task, [_lease(policy, task, n) for n in range(3)])
     for _ in range(2):  # lease0 asked for; lease0 in, lease1 asked for
-        stream.turn(Turn(_welcome(2), policy, loaded=0, newest=0, stopping=False))
-    stopping = Turn(_welcome(2), policy, loaded=0, newest=0, stopping=True)
+        stream.turn(Turn(_welcome(), policy, loaded=0, newest=0, stopping=False))
+    stopping = Turn(_welcome(), policy, loaded=0, newest=0, stopping=True)
     for _ in range(200):
         if inflight.drained:
             break
@@ -195,11 +195,11 @@ def test_stopping_delivers_what_is_in_hand_and_asks_for_nothing_more(policy, tas
 def test_a_lease_names_the_learner_life_it_was_sampled_in(policy, task):
     # The learner restarted while the lease decoded: its version number is of the old life, and so is its stamp.
     stream, learner, inflight = _stream(policy, task, [_lease(policy, task, 0)])
-    before = _welcome(2).model_copy(update={"incarnation": "a" * 12})
+    before = _welcome().model_copy(update={"incarnation": "a" * 12})
     for _ in range(2):  # lease0 asked for; lease0 in
         stream.turn(Turn(before, policy, loaded=5, newest=5, stopping=False))
     assert inflight.generating == {"lease0"}
-    after = Turn(_welcome(2).model_copy(update={"incarnation": "b" * 12}), policy, loaded=-1, newest=5, stopping=False)
+    after = Turn(_welcome().model_copy(update={"incarnation": "b" * 12}), policy, loaded=-1, newest=5, stopping=False)
     while not learner.submitted:
         stream.turn(after)
     assert (learner.submitted[0].incarnation, learner.submitted[0].policy_version) == ("a" * 12, 5)

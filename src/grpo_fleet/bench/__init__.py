@@ -134,7 +134,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("weights", "weights", True, 0.5, "LoRA and full weight broadcast vs raw ZeroMQ"),
     Benchmark("step", "step", True, 0.1, "learner step phases, eager vs mx.compile (50M and memory rows: full)"),
     Benchmark("real_decode", "real_decode", True, 3.4, "real model: actor lease vs mlx_lm.batch_generate, idle slots"),
-    Benchmark("long_decode", "long_decode", False, 45.0,
+    Benchmark("long_decode", "long_decode", False, 8.3,
               "real model, long answers: rolling actor vs mlx_lm.batch_generate lease by lease, idle slots"),
     Benchmark("real_step", "real_step", False, 3.7, "real model: one Trainer.step tok/s, micro-batch padding"),
     Benchmark("episodes", "episodes", False, 3.0,
@@ -144,6 +144,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("gguf_import", "gguf_import", False, 0.5, "import-gguf on Gemma 3 270M Q4_K_M: time, peak memory vs model size"),
     Benchmark("real", "real", True, 23.5, "real model learning: fleet vs in-process loop vs mlx-lm-lora, same task"),
     Benchmark("mixed", "mixed", True, 0.5, "capacity-sized leases with a 10x slower actor"),
+    Benchmark("two_macs", "two_macs", False, 10.0,
+              "two cores as two Macs, 256-token answers: fleet (learner + actor, a core each) vs mlx-lm-lora on one "
+              "core, s/step and the bound (gen + train) / max"),
     Benchmark("late_leases", "late_leases", False, 1.6,
               "long answers past their lease deadline: work thrown away, leases extended while heartbeating or not"),
     Benchmark("e2e", "e2e", False, 4.3, "tiny demo: wall time to its target, fleet vs batched loop and notebook loop"),

@@ -136,6 +136,7 @@ def _report(report: Report, model_dir: Path, stream: StreamShape, static: Window
     label = (f"{model_dir.name}, {stream.leases} leases of {shape.prompts} prompts x G={shape.group_size}, "
              f"max_tokens {shape.max_tokens}, T={shape.temperature}")
     static_idle = f"batch_generate's static batches left {100 * static.idle_fraction:.1f}% of slots idle"
+    tail = (whole.slots - whole.rows) - (steady.slots - steady.rows)
     report.add(Figure(
         "long_decode", f"rolling actor tok/s while work waited, {label}", steady.tokens_per_second, "tok/s",
         baseline=static.tokens_per_second, baseline_name="mlx_lm.batch_generate tok/s, lease by lease",
@@ -150,7 +151,8 @@ def _report(report: Report, model_dir: Path, stream: StreamShape, static: Window
     report.add(Figure(
         "long_decode", f"rolling actor idle batch slots while work waited, {label}", 100 * steady.idle_fraction, "%",
         baseline=100 * static.idle_fraction, baseline_name="batch_generate idle slots %", goal="<= 5%",
-        notes=f"whole stream, last tail included: {100 * whole.idle_fraction:.1f}%",
+        notes=f"whole stream, last tail included: {100 * whole.idle_fraction:.1f}%; that tail (what one drain for a "
+              f"new policy version costs) left {tail} slot-steps idle, {tail / shape.sequences:.0f} steps' worth",
     ))
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig
@@ -121,13 +121,25 @@ def fleet_env() -> dict:
     return env
 
 
-def _spawn(name: str, args: list[str], log_path: Path) -> Child:
+def _spawn(name: str, args: list[str], log_path: Path, core: Optional[int] = None) -> Child:
     with open(log_path, "w") as log:  # the child holds its own copy of the descriptor
         proc = subprocess.Popen(
             [sys.executable, "-m", "grpo_fleet", *args], stdout=log, stderr=subprocess.STDOUT,
             env=fleet_env(), start_new_session=True,
         )
+    if core is not None:
+        pin(proc.pid, core)
     return Child(name, proc, log_path)
+
+
+def pin(pid: int, core: int) -> None:
+    """Keep process `pid` on one CPU core (Linux), so that a core stands for one machine of a real fleet.
+
+    Popen returns once the child has exec'd Python, before it starts any thread
+    (BLAS and MLX pools come with their imports, much later), and threads and
+    exec (the CLI's OpenBLAS re-exec) inherit the mask: the whole child stays on `core`.
+    """
+    os.sched_setaffinity(pid, {core})
 
 
 def actor_model_dirs(cfg: RunConfig) -> list[str]:
@@ -153,13 +165,29 @@ def actor_args(cfg: RunConfig, index: int, metrics_port: int) -> list[str]:
     return args
 
 
-def start_fleet(cfg: RunConfig, config_path: Path, actors: int) -> Fleet:
-    """Start the learner and `actors` actor processes, each logging to RUN_DIR/NAME.log."""
+def start_fleet(cfg: RunConfig, config_path: Path, actors: int, cores: Optional[Sequence[int]] = None) -> Fleet:
+    """Start the learner and `actors` actor processes, each logging to RUN_DIR/NAME.log.
+
+    `cores` pins each child to one core, the learner first and then each actor (Linux only): on one
+    many-core machine, a core per process measures the fleet as the separate machines it stands for.
+    None leaves every child to the scheduler.
+    """
     run_dir = Path(cfg.run_dir)
-    learner = _spawn("learner", ["learner", "--config", str(config_path)], run_dir / "learner.log")
+    pins = core_of_each(cores, actors)  # checked before anything starts
+    learner = _spawn("learner", ["learner", "--config", str(config_path)], run_dir / "learner.log", pins[0])
     ports = [free_port() for _ in range(actors)]
-    fleet = [_spawn(f"actor-{i}", actor_args(cfg, i, port), run_dir / f"actor-{i}.log") for i, port in enumerate(ports)]
+    fleet = [_spawn(f"actor-{i}", actor_args(cfg, i, port), run_dir / f"actor-{i}.log", pins[i + 1])
+             for i, port in enumerate(ports)]
     return Fleet(learner, fleet, ports)
+
+
+def core_of_each(cores: Optional[Sequence[int]], actors: int) -> list[Optional[int]]:
+    """The core of the learner, then of each actor (None: not pinned)."""
+    if cores is None:
+        return [None] * (actors + 1)
+    if len(cores) != actors + 1:
+        raise ValueError(f"cores names {len(cores)} cores for {actors + 1} processes (the learner and each actor)")
+    return list(cores)
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
@@ -187,12 +215,13 @@ def _leave(signum: int, _frame: Optional[FrameType]) -> None:
 
 
 @contextlib.contextmanager
-def running(cfg: RunConfig, config_path: Path, actors: int) -> Iterator[Fleet]:
+def running(cfg: RunConfig, config_path: Path, actors: int, cores: Optional[Sequence[int]] = None) -> Iterator[Fleet]:
     """A started fleet for the length of a block, stopped however the block ends: an error, Ctrl-C,
-    or SIGTERM (from `timeout` or a service manager), which unwinds here like Ctrl-C does."""
+    or SIGTERM (from `timeout` or a service manager), which unwinds here like Ctrl-C does.
+    `cores`: see start_fleet."""
     previous = signal.signal(signal.SIGTERM, _leave)
     try:
-        fleet = start_fleet(cfg, config_path, actors)
+        fleet = start_fleet(cfg, config_path, actors, cores)
         try:
             yield fleet
         finally:

@@ -244,9 +244,10 @@ def completions_per_second(lines: list[str]) -> float:
 
 
 def run_mlx_lm_lora(spec: LikeForLike, out_dir: Path, *, base: Optional[RunConfig] = None,
-                    timeout_seconds: float = 6 * 3600) -> list[EvalPoint]:
+                    timeout_seconds: float = 6 * 3600, cpu: Optional[int] = None) -> list[EvalPoint]:
     """Train with mlx-lm-lora on `spec` in its own venv; held-out reward of each snapshot.
 
+    `cpu` pins the trainer to that one core with one BLAS thread (Linux): one core standing for one Mac.
     Raises BaselineUnavailable when its venv cannot be made.
     """
     from grpo_fleet.tasks import build_task
@@ -261,9 +262,9 @@ def run_mlx_lm_lora(spec: LikeForLike, out_dir: Path, *, base: Optional[RunConfi
     launched = time.time()
     job = runner_job(spec, cfg, train_rows=rows_path, out_dir=out_dir, launched=launched,
                      grpo_src=str(Path(__file__).resolve().parents[2]), reward_module=task.reward_module,
-                     reward_weights=task.reward_weights)
+                     reward_weights=task.reward_weights) | {"cpu": cpu}
     job_path.write_text(json.dumps(job, indent=1), encoding="utf-8")
-    _run_runner(python, job_path, out_dir, timeout_seconds)
+    _run_runner(python, job_path, out_dir, timeout_seconds, one_thread=cpu is not None)
     snapshots = parse_progress((out_dir / "progress.jsonl").read_text(encoding="utf-8").splitlines())
     return evaluate_snapshots(cfg, task, snapshots)
 
@@ -282,12 +283,14 @@ def write_train_rows(cfg: RunConfig, task: Any, path: Path) -> None:
             handle.write(json.dumps({"tokens": ids.tolist(), "prompt": job.prompt, "columns": dict(job.columns)}) + "\n")
 
 
-def _run_runner(python: Path, job_path: Path, out_dir: Path, timeout_seconds: float) -> None:
+def _run_runner(python: Path, job_path: Path, out_dir: Path, timeout_seconds: float, *, one_thread: bool = False) -> None:
     from grpo_fleet.blas import child_env
 
     env = child_env()
     env.pop("PYTHONPATH", None)  # the runner puts only grpo_fleet's src on its path, after its own packages
     env["PYTHONUNBUFFERED"] = "1"
+    if one_thread:  # pinned to one core: more BLAS threads would only take turns on it
+        env["OPENBLAS_NUM_THREADS"] = "1"
     with (out_dir / "runner.log").open("w", encoding="utf-8") as log:
         done = subprocess.run([str(python), str(RUNNER), str(job_path)], stdout=log, stderr=subprocess.STDOUT,
                               env=env, timeout=timeout_seconds, check=False)

@@ -21,6 +21,7 @@ in grpo-fleet's process, with its own `evaluate`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -137,6 +138,8 @@ def load_models(job: dict[str, Any]) -> tuple[Any, Any, Any]:
 
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text(encoding="utf-8"))
+    if job.get("cpu") is not None:  # one core for one Mac; before MLX and BLAS start their threads, which inherit it
+        os.sched_setaffinity(0, {int(job["cpu"])})
     clock = Clock(float(job["launched"]))
     sys.path.insert(0, job["grpo_src"])
 

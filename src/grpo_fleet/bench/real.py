@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, batched_rollout
@@ -35,7 +35,7 @@ from grpo_fleet.bench.mlx_lm_lora import BaselineUnavailable
 from grpo_fleet.bench.scraping import Scraped, scrape
 from grpo_fleet.config import RunConfig
 from grpo_fleet.demo import DemoOptions, demo_config
-from grpo_fleet.local_fleet import running
+from grpo_fleet.local_fleet import Fleet, running
 from grpo_fleet.plotting import load_eval_records, load_step_records
 
 MODEL = "smollm2-135m-instruct"
@@ -81,8 +81,12 @@ def real_config(run_dir: Path, *, steps: Optional[int] = None, seed: int = 0,
     return cfg
 
 
-def fleet_run(cfg: RunConfig, actors: int = 2) -> RealCurve:
-    """Run the fleet to cfg.train.steps; its eval rounds, each stamped when it appeared, less eval time so far."""
+def fleet_run(cfg: RunConfig, actors: int = 2, *, cores: Optional[Sequence[int]] = None,
+              on_poll: Optional[Callable[[Fleet], None]] = None) -> RealCurve:
+    """Run the fleet to cfg.train.steps; its eval rounds, each stamped when it appeared, less eval time so far.
+
+    `cores` pins its processes (local_fleet.start_fleet); `on_poll` sees the running fleet every poll.
+    """
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "bench-config.json"
@@ -90,8 +94,10 @@ def fleet_run(cfg: RunConfig, actors: int = 2) -> RealCurve:
     metrics = run_dir / "metrics.jsonl"
     launched, seen, stamps, scraped_at = time.monotonic(), 0, [], 0.0
     page: Optional[Scraped] = None
-    with running(cfg, config_path, actors) as fleet:
+    with running(cfg, config_path, actors, cores) as fleet:
         while fleet.learner.proc.poll() is None:
+            if on_poll is not None:
+                on_poll(fleet)
             rounds = load_eval_records(metrics)
             stamps += [time.monotonic() - launched] * (len(rounds) - seen)
             seen = len(rounds)
@@ -109,7 +115,7 @@ def fleet_run(cfg: RunConfig, actors: int = 2) -> RealCurve:
     if steps:
         mean_step = sum(float(s["step_seconds"]) for s in steps) / len(steps)
         mean_stale = sum(float(s["staleness_mean"]) for s in steps) / len(steps)
-        curve.notes = (f"the learner's own step (training only, while 2 actors generate on the same cores) took "
+        curve.notes = (f"the learner's own step (training only, while {actors} actors generate on the same cores) took "
                        f"{mean_step:.1f} s on average; groups trained {mean_stale:.2f} versions stale on average")
     curve.seconds = curve.points[-1][1] if curve.points else 0.0
     return curve

@@ -22,9 +22,11 @@ from test_learner_core import (
     run_config,
 )
 
+from grpo_fleet.config import RunConfig
 from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.door.actor_checks import RewardCheck, reward_gap
 from grpo_fleet.learner.run.coordinator import RunCoordinator
+from grpo_fleet.learner.run.rooms import calibration_settings
 from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND, HALF_PRECISION_MEAN_FLOOR, default_bound
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import load_policy
@@ -395,6 +397,16 @@ def test_the_learner_calibrates_the_half_precision_bound_on_its_own_model(make: 
     assert learner.intake.rules.logprob_bound("Device(gpu, 0)") == bound, "an actor of unknown dtype: bf16's"
     assert learner.intake.rules.logprob_bound("cpu") == default_bound("float32", "float32"), "fp32 keeps its own"
     assert make(security={"verify_logprobs": True, "calibration_prompts": 0}).intake.rules.calibrated == ()
+
+
+def test_calibration_samples_at_most_calibration_tokens_whatever_max_tokens() -> None:
+    """Its cost must not grow with the answers' length (205 s at 256 tokens, issue 38)."""
+    long = RunConfig.model_validate({"generation": {"max_tokens": 1024, "group_size": 8, "temperature": 0.7},
+                                     "security": {"calibration_tokens": 32}})
+    settings = calibration_settings(long, [2, 1])
+    assert (settings.max_tokens, settings.group_size, settings.temperature, settings.stop_token_ids) == (32, 8, 0.7, [1, 2])
+    short = long.model_copy(update={"generation": long.generation.model_copy(update={"max_tokens": 12})})
+    assert calibration_settings(short, [2]).max_tokens == 12
 
 
 def _one_behind(learner: RunCoordinator) -> m.Rollouts:

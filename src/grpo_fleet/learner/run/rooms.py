@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -127,12 +127,18 @@ def calibrate_bounds(cfg: RunConfig, policy: Policy, prompt_tokens: list[np.ndar
     ceiling = default_bound(dtype, learner_dtype)
     if count == 0 or ceiling.mean <= FLOAT32_PAIR_BOUND:
         return ()
-    gen = cfg.generation
-    settings = SamplingSettings(group_size=gen.group_size, max_tokens=gen.max_tokens, temperature=gen.temperature,
-                                stop_token_ids=sorted(policy.tokenizer.eos_token_ids))
+    settings = calibration_settings(cfg, policy.tokenizer.eos_token_ids)
     # Sampling in the learner's own dtype would show no rounding at all: a half-precision learner is calibrated
     # against float32 sampling, as wide an honest gap as a same-dtype actor on other hardware shows.
     sample_in = "float32" if dtype == learner_dtype else dtype
     found = calibrate(policy.model, prompt_tokens[:count], settings, dtype=sample_in, ceiling=ceiling,
                       chunk_tokens=cfg.train.logprob_chunk_tokens, micro_batch_tokens=cfg.train.micro_batch_tokens)
     return ((dtype, found.bound),)
+
+
+def calibration_settings(cfg: RunConfig, stop_token_ids: Iterable[int]) -> SamplingSettings:
+    """The run's sampling, for completions of at most security.calibration_tokens: the honest gap is per token, and
+    sampling 256-token answers in bfloat16 on a CPU made the learner wait 205 s before it admitted any actor."""
+    gen = cfg.generation
+    return SamplingSettings(group_size=gen.group_size, max_tokens=min(gen.max_tokens, cfg.security.calibration_tokens),
+                            temperature=gen.temperature, stop_token_ids=sorted(stop_token_ids))

@@ -446,6 +446,13 @@ class ServerConfig(_Section):
         "before they go stale.",
     )
     heartbeat_seconds: float = Field(2.0, gt=0, description="Heartbeat period both ways.")
+    model_load_seconds: float = Field(
+        300.0, gt=0,
+        description="How long an actor may stay silent after its Welcome while it loads the run's model: it sends "
+        "nothing until it asks for weights, and a real model (imported from GGUF, or large, or on a busy machine) "
+        "takes longer to load than the heartbeat silence allowed after that (10 heartbeats). Dropping it then made the "
+        "learner evaluate a whole round itself, minutes at long answers. Its first request ends the grace.",
+    )
     max_actors: int = Field(
         1024, ge=1,
         description="Most actors registered at once; a Hello beyond it is refused (`too_many_actors`) until one goes "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_fleet.config import ServerConfig
-from grpo_fleet.learner.fleet.registry import Registry, RunCard
+from grpo_fleet.learner.fleet.registry import Registry, RunCard, is_silent
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.persistence import capture, restore, state_from_dict, state_to_dict
 from grpo_fleet.learner.records.runlog import LogSizes
@@ -152,3 +152,16 @@ def test_bound_ids_are_bounded_forgetting_the_oldest_not_in_use(monkeypatch):
     refusal = registry.hello(b"new-3", "key-new", _hello("new-3"), "")
     assert refusal is not None and refusal.reason == "too_many_ids"
     assert sorted(registry.ids.bindings()) == ["live", "new-1", "new-2"]
+
+
+def test_a_welcomed_actor_may_load_its_model_in_silence_until_its_first_request(registry):
+    # Two actors of the long-answer demo were dropped 20 s after their Welcome while they imported SmolLM2, and the
+    # learner then evaluated a whole eval round itself (226 s at 256-token answers).
+    registry.hello(b"id-a", "key-a", _hello(), "")
+    actor = registry.actors[b"id-a"]
+    quiet = actor.last_seen + 60.0  # past 10 heartbeats of 2 s, within a 300 s load
+    assert not is_silent(actor, quiet, silence=20.0, load_grace=300.0), "loading: not silent yet"
+    assert is_silent(actor, actor.last_seen + 301.0, silence=20.0, load_grace=300.0), "the grace has an end"
+    registry.known(b"id-a", "key-a")  # its first request (GetWeights): loaded
+    assert is_silent(actor, actor.last_seen + 21.0, silence=20.0, load_grace=300.0)
+    assert not is_silent(actor, actor.last_seen + 19.0, silence=20.0, load_grace=300.0)

@@ -24,6 +24,7 @@ from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.verifier_thread import RolloutsVerifier
 from grpo_fleet.learner.fleet.bans import peer_key
+from grpo_fleet.learner.fleet.registry import is_silent
 from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
@@ -223,15 +224,16 @@ class LearnerServer:
         self.door.count_connection_events()
         self.door.reload_allow_list()
         self.learner.requests.expire_leases()
-        self._drop_silent_actors(now - SILENT_HEARTBEATS * period)
+        self._drop_silent_actors(now, SILENT_HEARTBEATS * period)
         self.learner.requests.refresh_service_discovery(self.metrics_target)
         state = self.learner.state
         self._publish(m.Heartbeat(actor_id="learner", policy_version=state.version, sent_at=time.time(),
                                   incarnation=state.incarnation))
 
-    def _drop_silent_actors(self, cutoff: float) -> None:
+    def _drop_silent_actors(self, now: float, silence: float) -> None:
+        load_grace = self.learner.cfg.server.model_load_seconds
         for identity, info in list(self.learner.registry.actors.items()):
-            if info.last_seen < cutoff:
+            if is_silent(info, now, silence, load_grace):
                 released = self.learner.requests.drop_actor(identity)
                 log.info("actor %s went silent; re-queued %d leases", shown(info.actor_id), released)
 

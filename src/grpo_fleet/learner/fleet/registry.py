@@ -90,6 +90,7 @@ class ActorInfo:
     # Measured from returned leases; sizes its next leases (learner/fleet/leasing.py).
     groups_per_second: MovingAverage = field(default_factory=MovingAverage)
     last_return: Optional[float] = None  # scheduler clock, when its last lease came back
+    loading: bool = True  # welcomed and silent since: loading the run's model (the silence allowed is longer)
 
     def status(self, now: float) -> m.ActorStatus:
         return m.ActorStatus(
@@ -97,6 +98,13 @@ class ActorInfo:
             tokens_per_second=self.rate.per_second(now), last_seen_seconds=max(0.0, now - self.last_seen),
             groups_per_second=self.groups_per_second.value,
         )
+
+
+def is_silent(actor: ActorInfo, now: float, silence: float, load_grace: float) -> bool:
+    """Whether `actor` has been quiet too long: `silence` seconds, or `load_grace` (if longer) while it has sent
+    nothing since its Welcome, as it loads the run's model (it cannot heartbeat while it does)."""
+    allowed = max(silence, load_grace) if actor.loading else silence
+    return now - actor.last_seen > allowed
 
 
 def actor_from_hello(hello: m.Hello, principal: str, peer_address: str) -> ActorInfo:
@@ -221,6 +229,7 @@ class Registry:
                 self.record_violation(owner, "id_taken")
             return None
         actor.last_seen = time.monotonic()
+        actor.loading = False
         return actor
 
     def peek(self, identity: bytes, owner: str) -> Optional[ActorInfo]:

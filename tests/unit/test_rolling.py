@@ -106,6 +106,9 @@ def test_back_to_back_leases_leave_no_slot_idle(policy):
     assert (rolling.usage.steps, rolling.usage.rows, rolling.usage.idle_fraction) == (6 * 12, 6 * 4 * 12, 0.0)
 
 
-@pytest.mark.parametrize(("loaded", "newest", "allowed"), [(3, 3, True), (3, 4, False), (5, 4, False), (-1, -1, False)])
-def test_new_work_starts_only_at_the_learners_own_version(loaded, newest, allowed):
-    assert may_refill(loaded, newest) is allowed
+@pytest.mark.parametrize(("loaded", "newest", "max_staleness", "allowed"), [
+    (3, 3, 2, True), (3, 4, 2, False), (3, 3, None, True), (3, 4, None, False), (3, 4, 0, False),
+    (3, 5, 4, True), (3, 6, 4, False), (5, 4, 2, False), (-1, -1, 2, False),
+])
+def test_new_work_starts_only_while_two_more_steps_stay_within_the_bound(loaded, newest, max_staleness, allowed):
+    assert may_refill(loaded, newest, max_staleness) is allowed

@@ -82,11 +82,11 @@ def _lease(policy, task, number: int, prompts: int = 2, eval: Optional[m.EvalSam
     return m.Lease(lease_id=f"lease{number}", deadline_seconds=60.0, policy_version=0, prompts=items, eval=eval)
 
 
-def _welcome() -> m.Welcome:
+def _welcome(max_staleness: Optional[int] = 2) -> m.Welcome:
     return m.Welcome(run_id="r", actor_id="a", model=m.ModelRef(path="p", digest="0" * 64),
                      generation=m.GenerationParams(group_size=G, max_tokens=8, temperature=1.0, top_p=1.0),
                      reward=m.RewardSpec(names=["reverse_positions"], weights=[1.0]), policy_version=0,
-                     heartbeat_seconds=1.0, vocab_size=10)
+                     heartbeat_seconds=1.0, vocab_size=10, max_staleness=max_staleness)
 
 
 def _stream(policy, task, leases: list[m.Lease], alone: Optional[Callable[[m.Lease], m.Rollouts]] = None):
@@ -148,7 +148,7 @@ def test_a_newer_version_drains_the_batch_before_new_work(policy, task):
     assert stream.metrics.drain_idle_slots._value.get() == drain_cost  # no drain since: nothing more counted
 
 
-def test_one_version_behind_nothing_new_starts(policy, task):
+def test_one_version_behind_nothing_new_starts_at_the_default_bound(policy, task):
     stream, learner, inflight = _stream(policy, task, [_lease(policy, task, 0)])
     for _ in range(2):  # lease0 asked for; then held: the worker syncs first
         stream.turn(Turn(_welcome(), policy, loaded=0, newest=1, stopping=False))
@@ -203,3 +203,10 @@ def test_a_lease_names_the_learner_life_it_was_sampled_in(policy, task):
     while not learner.submitted:
         stream.turn(after)
     assert (learner.submitted[0].incarnation, learner.submitted[0].policy_version) == ("a" * 12, 5)
+
+
+def test_a_loose_bound_keeps_refilling_a_version_behind(policy, task):
+    stream, learner, inflight = _stream(policy, task, [_lease(policy, task, 0)])
+    for _ in range(2):  # lease0 asked for; lease0 in at v0 while the learner is at v1
+        stream.turn(Turn(_welcome(max_staleness=4), policy, loaded=0, newest=1, stopping=False))
+    assert inflight.generating == {"lease0"} or learner.submitted

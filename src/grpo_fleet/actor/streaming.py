@@ -8,8 +8,9 @@ read the answers that came meanwhile, without waiting. The link's protocol is
 kept: one lease request and one submission unanswered at a time.
 
 Versions stay exact (actor/rolling.py): new work starts at the loaded version
-only while it is the learner's (`may_refill`). Once the learner publishes a
-newer one, the batch drains: nothing new goes in, what is in flight finishes at its
+only while it lags the learner's by little enough (`may_refill`: at the
+default grpo.max_staleness of 2, only at the learner's own version). Past
+that, the batch drains: nothing new goes in, what is in flight finishes at its
 version and is submitted, and only then (`idle`) does the worker load the new
 weights. An eval lease samples its own way, so the batch drains before it and
 it runs alone, as every lease did before. Both drains are counted with their
@@ -122,7 +123,7 @@ class LeaseStream:
             self.inflight.take_lease()
             self._retry_at = time.monotonic() + lease.retry_after
             return
-        if lease.eval is not None or not may_refill(now.loaded, now.newest):
+        if lease.eval is not None or not may_refill(now.loaded, now.newest, now.welcome.max_staleness):
             self._drain_for(lease, now)
             return
         if self.rolling is not None and not self.rolling.wants_work:

@@ -229,6 +229,9 @@ class Welcome(_Strict):
     vocab_size: int = Field(ge=1, le=INT32_MAX)
     incarnation: Incarnation = ""  # this life of the learner; a new one means "reload policy_version"
     env: Optional[EnvSpec] = None  # set: every prompt is an episode (envs/), else one completion per sample
+    # grpo.max_staleness: groups sampled more versions behind than this are refused. An actor starts new work at
+    # its loaded version only while that leaves two more steps within it (actor/rolling.py may_refill).
+    max_staleness: Optional[NonNegInt] = None
 
     @model_validator(mode="after")
     def _scored(self) -> "Welcome":

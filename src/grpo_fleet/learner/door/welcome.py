@@ -21,6 +21,7 @@ def run_card(cfg: RunConfig, policy: Policy, task: Task, model_digest: str) -> R
         generation=m.GenerationParams(**cfg.generation.model_dump()),
         reward=reward_spec(task),
         heartbeat_seconds=cfg.server.heartbeat_seconds, vocab_size=policy.vocab_size, env=env_spec(task),
+        max_staleness=cfg.grpo.max_staleness,
     )
 
 

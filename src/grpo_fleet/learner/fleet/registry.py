@@ -148,13 +148,14 @@ class RunCard:
     heartbeat_seconds: float
     vocab_size: int
     env: Optional[m.EnvSpec] = None  # task.env: every prompt is an episode
+    max_staleness: Optional[int] = None  # grpo.max_staleness: how far behind an actor may start new work
 
     def welcome(self, actor_id: str, state: LearnerState, pub_address: Optional[str]) -> m.Welcome:
         """The card, with what changes: the run id (kept across resumes), version and incarnation."""
         return m.Welcome(
             run_id=state.run_id, actor_id=actor_id, model=self.model, generation=self.generation, reward=self.reward,
             policy_version=state.version, heartbeat_seconds=self.heartbeat_seconds, pub_address=pub_address,
-            vocab_size=self.vocab_size, incarnation=state.incarnation, env=self.env,
+            vocab_size=self.vocab_size, incarnation=state.incarnation, env=self.env, max_staleness=self.max_staleness,
         )
 
 

@@ -139,8 +139,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("real_step", "real_step", False, 3.7, "real model: one Trainer.step tok/s, micro-batch padding"),
     Benchmark("episodes", "episodes", False, 3.0,
               "real model: CapitalQuiz episodes vs single-turn groups (tok/s of each kind, idle slots, learner step)"),
-    Benchmark("step_flops", "step_flops", False, 4.0,
-              "learner step's achieved FLOP/s vs doctor's matmul GF/s: SmolLM2-135M LoRA and the Qwen shape; padding"),
+    Benchmark("step_flops", "step_flops", False, 10.0,
+              "learner step's achieved FLOP/s vs doctor's matmul GF/s: SmolLM2-135M LoRA and the Qwen shape, also at "
+              "128/512/1,024 completion tokens with the pi_ref pass's share; padding of completions spread 16..512"),
     Benchmark("gguf_import", "gguf_import", False, 0.5, "import-gguf on Gemma 3 270M Q4_K_M: time, peak memory vs model size"),
     Benchmark("real", "real", True, 23.5, "real model learning: fleet vs in-process loop vs mlx-lm-lora, same task"),
     Benchmark("mixed", "mixed", True, 0.5, "capacity-sized leases with a 10x slower actor"),

@@ -54,7 +54,7 @@ TIGHT_MICRO_BATCH_TOKENS = 1024  # the SmolLM2 lease again, split into more micr
 QWEN_BLOCKS = {Scale.QUICK: 1, Scale.DEFAULT: 4, Scale.FULL: 24}
 LONG_COMPLETIONS = (128, 512, 1024)  # completion tokens of the long-answer steps
 LONG_PROMPT = 60
-LONG_ROWS = {Scale.QUICK: 2, Scale.DEFAULT: 8, Scale.FULL: 8}  # completions a long-answer step trains on
+LONG_ROWS = {Scale.QUICK: 1, Scale.DEFAULT: 2, Scale.FULL: 8}  # completions a long-answer step trains on
 SPREAD = (16, 512)  # completion lengths of the padding figure, uniform
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from grpo_fleet.bench.two_macs import Mark, cpu_seconds_from_stat, per_step, split_bound
+from grpo_fleet.bench.two_macs import Mark, cpu_seconds_from_stat, per_step, split_bound, window_tokens
 from grpo_fleet.local_fleet import core_of_each
 
 
@@ -40,6 +40,16 @@ def test_per_step_divides_each_delta_by_the_steps_between_marks():
 def test_one_mark_has_no_steady_step():
     mark = Mark(3, 10.0, 1.0, 1.0)
     assert all(math.isnan(v) for v in per_step(mark, mark))
+
+
+def test_window_tokens_count_the_steps_after_the_first_mark():
+    tokens = {1: 900.0, 2: 600.0, 3: 400.0}
+    assert window_tokens(tokens, 1, 3) == pytest.approx(500.0)
+
+
+def test_a_window_without_every_step_has_no_tokens_per_step():
+    assert math.isnan(window_tokens({1: 900.0, 3: 400.0}, 1, 3))
+    assert math.isnan(window_tokens({1: 900.0}, 1, 1))
 
 
 def test_the_learner_takes_the_first_core_and_each_actor_the_next():

@@ -55,11 +55,11 @@ LONG_REPLIES = [
 LEARNER_CORE, ACTOR_CORE, BASELINE_CORE = 0, 1, 0
 STEPS = {Scale.QUICK: 3, Scale.DEFAULT: 5, Scale.FULL: 12}  # >= 3: the steady window runs from step 1
 # Both contenders at the same sizes (B x G), smaller than the recipe's 4 x 8 so that a step on one core takes
-# a minute, not several; FULL runs the recipe's own.
-BATCH = {Scale.QUICK: ["grpo.groups_per_step=2", "generation.group_size=4"],
+# a minute, not several (QUICK: a smoke test, whose figures mean little); FULL runs the recipe's own.
+BATCH = {Scale.QUICK: ["grpo.groups_per_step=1", "generation.group_size=4"],
          Scale.DEFAULT: ["grpo.groups_per_step=2", "generation.group_size=8"]}
 # Held out: a few prompts, one sample each (eval leases decode alone, in small batches: minutes at 256 tokens).
-EVAL_PROMPTS = {Scale.QUICK: 6, Scale.DEFAULT: 12, Scale.FULL: 32}
+EVAL_PROMPTS = {Scale.QUICK: 2, Scale.DEFAULT: 12, Scale.FULL: 32}
 EVAL = ['train.eval_mode="sampled"', "train.eval_samples=1", "train.log_samples_every=0"]
 GOAL_RATIO = "<= 0.6x"
 GOAL_BOUND = ">= 0.85x (within 15%)"
@@ -97,6 +97,15 @@ class Mark:
     actor_cpu: float
 
 
+def window_tokens(tokens: dict[int, float], first: int, last: int) -> float:
+    """Completion tokens per step of the steps after `first`, up to `last`: the work of a steady window whose
+    clock starts when step `first` has ended (NaN when the window is empty or a step is missing)."""
+    steps = range(first + 1, last + 1)
+    if not steps or any(step not in tokens for step in steps):
+        return float("nan")
+    return sum(tokens[step] for step in steps) / len(steps)
+
+
 def per_step(first: Mark, last: Mark) -> tuple[float, float, float]:
     """(wall, learner CPU, actor CPU) seconds per step between two marks."""
     steps = last.steps - first.steps
@@ -116,8 +125,11 @@ class Marks:
     def __call__(self, fleet: Fleet) -> None:
         steps = len(load_step_records(self.metrics))
         if steps and (not self.seen or steps > self.seen[-1].steps):
-            self.seen.append(Mark(steps, time.monotonic(), cpu_seconds(fleet.learner.proc.pid),
-                                  cpu_seconds(fleet.actors[0].proc.pid)))
+            try:
+                self.seen.append(Mark(steps, time.monotonic(), cpu_seconds(fleet.learner.proc.pid),
+                                      cpu_seconds(fleet.actors[0].proc.pid)))
+            except OSError:  # a process that has just exited: the window ends at the mark before
+                pass
 
     def steady(self) -> tuple[float, float, float]:
         """Per step from the first step line to the last (start-up and the step-0 eval round before it)."""
@@ -137,11 +149,11 @@ def bench_config(run_dir: Path, scale: Scale, recipe: str = RECIPE) -> RunConfig
 
 @dataclass(frozen=True)
 class Baseline:
-    """mlx-lm-lora's run: its held-out curve, steady seconds per step and mean reply length."""
+    """mlx-lm-lora's run: its held-out curve, and its steady seconds and completion tokens per step."""
 
     curve: RealCurve
     step_seconds: float
-    mean_tokens: float
+    tokens_per_step: float
 
 
 def baseline_run(cfg: RunConfig, model_path: str, out_dir: Path) -> Baseline:
@@ -155,16 +167,18 @@ def baseline_run(cfg: RunConfig, model_path: str, out_dir: Path) -> Baseline:
     trained = [r for r in records if r["step"] >= 1]
     first, last = trained[0], trained[-1]
     seconds = (last["wall_seconds"] - first["wall_seconds"]) / max(last["step"] - first["step"], 1)
-    lengths = [float(r["mean_tokens"]) for r in trained if r.get("mean_tokens") is not None]
-    return Baseline(curve, seconds, sum(lengths) / len(lengths) if lengths else float("nan"))
+    batch = cfg.grpo.groups_per_step * cfg.generation.group_size
+    tokens = {r["step"]: float(r["mean_tokens"]) * batch for r in trained if r.get("mean_tokens") is not None}
+    return Baseline(curve, seconds, window_tokens(tokens, first["step"], last["step"]))
 
 
-def fleet_lengths(metrics: Path) -> tuple[float, float]:
-    """Mean completion tokens and mean learner step seconds over the fleet's step lines."""
+def fleet_window(metrics: Path, marks: Marks) -> tuple[float, float]:
+    """The fleet's completion tokens per step over the steady window, and its learner's mean step seconds."""
     steps = load_step_records(metrics)
-    if not steps:
+    if not steps or not marks.seen:
         return float("nan"), float("nan")
-    return (sum(float(s["completion_length_mean"]) for s in steps) / len(steps),
+    tokens = {int(s["step"]): float(s["tokens"]) for s in steps}
+    return (window_tokens(tokens, marks.seen[0].steps, marks.seen[-1].steps),
             sum(float(s["step_seconds"]) for s in steps) / len(steps))
 
 
@@ -181,7 +195,7 @@ def run(report: Report, scale: Scale) -> None:
         model_path = resolve_model_path(cfg, build_task(cfg.task))
         marks = Marks(Path(cfg.run_dir) / "metrics.jsonl")
         fleet = fleet_run(cfg, actors=1, cores=[LEARNER_CORE, ACTOR_CORE], on_poll=marks)
-        lengths = fleet_lengths(marks.metrics)
+        lengths = fleet_window(marks.metrics, marks)
         try:
             baseline: Optional[Baseline] = baseline_run(bench_config(Path(tmp) / "lora", scale), model_path,
                                                         Path(tmp) / "lora")
@@ -198,11 +212,19 @@ def report_figures(report: Report, cfg: RunConfig, marks: Marks, fleet: RealCurv
     batch = f"{cfg.grpo.groups_per_step} x {cfg.generation.group_size}, max_tokens {cfg.generation.max_tokens}"
     window = f"steps {marks.seen[0].steps}..{marks.seen[-1].steps}" if marks.seen else "no steps"
     lora_s = baseline.step_seconds if baseline else None
+    lora_tokens = baseline.tokens_per_step if baseline else float("nan")
     report.add(Figure(
         "two_macs", "time per step, fleet (2 cores) vs mlx-lm-lora (1 core)", wall, "s/step", baseline=lora_s,
         baseline_name="mlx-lm-lora s/step", goal=GOAL_RATIO,
-        notes=f"batch {batch}; fleet {window}, replies {tokens:.0f} tokens on average, the learner's own step "
-              f"{step_seconds:.1f} s; mlx-lm-lora replies {baseline.mean_tokens if baseline else float('nan'):.0f} tokens",
+        notes=f"batch {batch}; fleet {window}; completion tokens per step: fleet {tokens:.0f}, mlx-lm-lora "
+              f"{lora_tokens:.0f}; the fleet learner's own step {step_seconds:.1f} s on average",
+    ))
+    report.add(Figure(
+        "two_macs", "time per 1,000 completion tokens, fleet vs mlx-lm-lora",
+        1000 * wall / tokens if tokens > 0 else float("nan"), "s",
+        baseline=1000 * lora_s / lora_tokens if lora_s and lora_tokens > 0 else None, baseline_name="mlx-lm-lora s",
+        goal=GOAL_RATIO,
+        notes="the same windows per token: sampled replies differ in length from step to step and between the two",
     ))
     bound = split_bound(actor, learner)
     speedup = lora_s / wall if lora_s else float("nan")

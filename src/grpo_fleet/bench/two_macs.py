@@ -22,7 +22,11 @@ next lease while the last one finishes, so the leases' durations overlap. The
 learner's own step seconds (metrics.jsonl) are shown beside it.
 
 Also: the time to the same held-out reward, when both reach one (eval at step 0
-and after the last step, with the clock stopped, as bench `real` does).
+and after the last step, with the clock stopped, as bench `real` does). The
+recipe samples at T = 0.7, where mlx-lm-lora's loss takes logprobs of
+softmax(logits), not of the tempered distribution it sampled from
+(bench/mlx_lm_lora.py lists every difference): its speed is comparable, its
+learning less so.
 """
 
 from __future__ import annotations
@@ -53,13 +57,16 @@ LONG_REPLIES = [
     'task.rewards=["names_the_capital"]', "task.reward_weights=[1.0]",
 ]
 LEARNER_CORE, ACTOR_CORE, BASELINE_CORE = 0, 1, 0
-STEPS = {Scale.QUICK: 3, Scale.DEFAULT: 5, Scale.FULL: 12}  # >= 3: the steady window runs from step 1
-# Both contenders at the same sizes (B x G), smaller than the recipe's 4 x 8 so that a step on one core takes
-# a minute, not several (QUICK: a smoke test, whose figures mean little); FULL runs the recipe's own.
+# One core takes about 75 s per 1,000 completion tokens of generation and training together (the smoke run's CPU
+# seconds), so the sizes are small: QUICK (3 steps of 1 x 4) is a smoke test whose figures mean little, DEFAULT
+# (4 steps of 2 x 4) about 14 minutes, FULL (8 steps of 2 x 8, the recipe's G) about 50. Both contenders run
+# the same B x G; the steady window runs from step 1, so every scale has at least 3 steps.
+STEPS = {Scale.QUICK: 3, Scale.DEFAULT: 4, Scale.FULL: 8}
 BATCH = {Scale.QUICK: ["grpo.groups_per_step=1", "generation.group_size=4"],
-         Scale.DEFAULT: ["grpo.groups_per_step=2", "generation.group_size=8"]}
+         Scale.DEFAULT: ["grpo.groups_per_step=2", "generation.group_size=4"],
+         Scale.FULL: ["grpo.groups_per_step=2", "generation.group_size=8"]}
 # Held out: a few prompts, one sample each (eval leases decode alone, in small batches: minutes at 256 tokens).
-EVAL_PROMPTS = {Scale.QUICK: 2, Scale.DEFAULT: 12, Scale.FULL: 32}
+EVAL_PROMPTS = {Scale.QUICK: 2, Scale.DEFAULT: 4, Scale.FULL: 16}
 EVAL = ['train.eval_mode="sampled"', "train.eval_samples=1", "train.log_samples_every=0"]
 GOAL_RATIO = "<= 0.6x"
 GOAL_BOUND = ">= 0.85x (within 15%)"

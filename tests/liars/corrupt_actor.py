@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
+from pydantic import BaseModel
 
 from grpo_fleet.actor.worker import ActorWorker
 from grpo_fleet.cli import actor_config, build_parser
@@ -41,19 +42,27 @@ class LyingActor(ActorWorker):
             raise ValueError(f"kind {kind!r}: one of {', '.join(KINDS)}")
         super().__init__(cfg)
         self.kind = kind
+        honest_send = self.link.send
+
+        def send(msg: BaseModel) -> None:
+            # Every submission lies on its way out, whichever path made it: the rolling batch (actor/streaming.py)
+            # or a lease run alone (an eval lease). Lying where one path builds it let the other's through honest.
+            honest_send(self._lie(msg) if isinstance(msg, m.Rollouts) else msg)
+
+        self.link.send = send  # type: ignore[method-assign]
 
     def _sync_weights(self) -> None:
         if self.kind == "version":
-            # Keeps the base weights loaded from disk (v0 of a fresh run), whatever the learner publishes.
-            self.weights.loaded = 0
+            # Keeps the base weights loaded from disk (v0 of a fresh run) and says it loaded whatever the learner
+            # publishes. (Saying v0 instead, the rolling batch would start no work at a version so far behind.)
+            self.weights.loaded = self.weights.newest
             return
         super()._sync_weights()
         if self.kind == "weights":
             assert self.policy is not None
             perturb(self.policy.model)
 
-    def _rollout(self, lease: m.Lease) -> m.Rollouts:
-        honest = super()._rollout(lease)
+    def _lie(self, honest: m.Rollouts) -> m.Rollouts:
         if self.kind == "version":
             return honest.model_copy(update={"policy_version": self.weights.newest})
         return lie_about(honest, self.kind)

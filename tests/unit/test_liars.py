@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from grpo_fleet.actor.worker import ActorWorker
+from grpo_fleet.actor.link import LearnerLink
 from grpo_fleet.config import ActorConfig
 from grpo_fleet.protocol import messages as m
 from liars.corrupt_actor import LyingActor
@@ -19,11 +19,11 @@ HONEST = m.Rollouts(lease_id="l1", policy_version=3, incarnation="", groups=[m.G
 
 @pytest.fixture
 def liar(monkeypatch: pytest.MonkeyPatch):
-    """A LyingActor whose honest self would submit HONEST and has heard of version 7 (no socket is opened)."""
+    """A LyingActor that has heard of version 7, whose link keeps what it sends (no socket is opened)."""
     made: list[LyingActor] = []
 
     def make(kind: str) -> LyingActor:
-        monkeypatch.setattr(ActorWorker, "_rollout", lambda self, lease: HONEST)
+        monkeypatch.setattr(LearnerLink, "send", lambda self, msg: SENT.append(msg))
         actor = LyingActor(ActorConfig(connect="tcp://127.0.0.1:1"), kind)
         actor.weights.follow(7)
         made.append(actor)
@@ -34,21 +34,39 @@ def liar(monkeypatch: pytest.MonkeyPatch):
         actor.link.shut()
 
 
-LEASE = m.Lease(lease_id="l1", policy_version=3, prompts=[], deadline_seconds=60.0)
+SENT: list[object] = []
+
+
+def sent(actor: LyingActor) -> m.Rollouts:
+    """What goes out when the actor submits HONEST, from whichever path made it (the rolling batch or a lease
+    run alone: both send through the link)."""
+    SENT.clear()
+    actor.link.send(HONEST)
+    (msg,) = SENT
+    assert isinstance(msg, m.Rollouts)
+    return msg
 
 
 def submitted(actor: LyingActor) -> m.Completion:
-    return actor._rollout(LEASE).groups[0].completions[0]
+    return sent(actor).groups[0].completions[0]
 
 
 def test_each_liar_tells_its_own_lie(liar) -> None:
     assert submitted(liar("rewards")).reward == pytest.approx(0.75)
     assert submitted(liar("logprobs")).logprobs.to_numpy().tolist() == [-0.5, -1.0]
     version_liar = liar("version")
-    assert version_liar._rollout(LEASE).policy_version == 7
+    assert sent(version_liar).policy_version == 7
     version_liar._sync_weights()  # never loads a snapshot: it has no policy and no link, and does not fail
-    assert version_liar.weights.loaded == 0  # the base model from disk, which its honest self would submit as v0
+    assert version_liar.weights.loaded == 7  # says it holds the newest, sampling from the base model from disk
     assert submitted(liar("weights")) == HONEST.groups[0].completions[0]  # its lie is in the weights it samples from
+
+
+def test_other_messages_go_out_as_they_are(liar) -> None:
+    actor = liar("rewards")
+    SENT.clear()
+    request = m.LeaseRequest(max_groups=2)
+    actor.link.send(request)
+    assert SENT == [request]
 
 
 def test_an_unknown_lie_is_refused() -> None:

@@ -34,18 +34,13 @@ def test_the_recipe_asks_for_long_answers_with_held_out_prompts() -> None:
     assert {int(row["answer"]) for row in train}.isdisjoint(int(row["answer"]) for row in held_out)
 
 
-def test_every_real_country_named_earns_credit_once() -> None:
+def test_every_real_country_among_the_first_n_lines_earns_credit_once() -> None:
     rewards = _rewards()
     reply = "1. France\n2. Germany\n3. germany\n- The Netherlands\nCôte d'Ivoire\nAtlantis"
-    assert rewards.countries_listed(reply, "", answer="4") == 1.0  # France, Germany, Netherlands, Ivory Coast
-    assert rewards.countries_listed(reply, "", answer="8") == pytest.approx(4 / 8)
+    assert rewards.countries_listed(reply, "", answer="8") == pytest.approx(4 / 8)  # a repeat and a myth earn nothing
+    assert rewards.countries_listed(reply, "", answer="4") == pytest.approx(3 / 4)  # the 5th line is past N = 4
     assert rewards.countries_listed("USA\nUnited States of America\nAmerica", "", answer="3") == pytest.approx(1 / 3)
+    assert rewards.countries_listed("Peru\nChile\nCuba", "", answer="3") == 1.0
+    assert rewards.countries_listed("Peru\nChile\nCuba\nFiji", "", answer="2") == 1.0  # running on earns nothing
     assert rewards.countries_listed("Here are some countries you may like.", "", answer="5") == 0.0
-
-
-def test_a_clean_list_pays_and_padding_does_not() -> None:
-    rewards = _rewards()
-    assert rewards.clean_list("Peru\nChile\nCuba", "", answer="3") == 1.0
-    assert rewards.clean_list("Peru\nPeru\nPeru\nPeru", "", answer="4") == pytest.approx(1 / 4)
-    assert rewards.clean_list("Peru\nChile\nCuba\nFiji", "", answer="2") == pytest.approx(2 / 4)  # past N earns nothing
-    assert rewards.clean_list("", "", answer="3") == 0.0
+    assert rewards.countries_listed("", "", answer="3") == 0.0

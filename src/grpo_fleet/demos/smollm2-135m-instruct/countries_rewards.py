@@ -4,9 +4,9 @@ A reply is long by nature (10 to 41 lines of a few tokens each, up to about 200
 tokens) and every line can earn credit, so a group's replies spread in both
 length and reward: some stop after two lines, some repeat "China" until the
 budget runs out, some list twenty real countries. SmolLM2-135M-Instruct at
-temperature 0.7 scores about 0.25 here, with reward variance in every group
-probed, which is what GRPO needs; reasoning tasks give a model this small no
-signal at all (see the README's long-answer section).
+temperature 0.7 held reward variance in every group probed, which is what GRPO
+needs; reasoning tasks give a model this small no signal at all (see the
+README's long-answer section).
 
 A country counts once under any of its common names ("USA", "United States of
 America"), with or without a list marker ("3. Peru", "- Peru").
@@ -78,21 +78,12 @@ def _wanted(answer: str) -> int:
 
 @register_reward
 def countries_listed(completion: str, prompt: str, *, answer: str, **columns: Any) -> float:
-    """Different real countries named one per line, over the N asked for (capped at 1.0): partial credit per line."""
-    found = {_CANONICAL[line] for line in _lines(completion) if line in _CANONICAL}
-    return min(len(found), _wanted(answer)) / _wanted(answer)
+    """Different real countries among the reply's first N lines, over the N asked for: partial credit per line.
 
-
-@register_reward
-def clean_list(completion: str, prompt: str, *, answer: str, **columns: Any) -> float:
-    """The share of the reply's lines, up to N of them, that name a country not named before: repeats, prose and
-    lines past the N asked for earn nothing, so padding a reply out does not pay (0.0 for an empty reply)."""
-    lines = _lines(completion)
-    seen: set[str] = set()
-    fresh = 0
-    for line in lines[: _wanted(answer)]:
-        country = _CANONICAL.get(line)
-        if country is not None and country not in seen:
-            seen.add(country)
-            fresh += 1
-    return fresh / max(len(lines), 1)
+    Repeats, prose and lines past the N-th earn nothing, so a reply gains by naming more different countries and
+    nothing by running on. (A separate reward for a clean list taught the model a short one: three clean lines
+    scored more than twenty with two repeats, and replies fell from 139 tokens to 22 in three steps.)
+    """
+    wanted = _wanted(answer)
+    found = {_CANONICAL[line] for line in _lines(completion)[:wanted] if line in _CANONICAL}
+    return len(found) / wanted

@@ -52,9 +52,13 @@ def sync_tree(root: Path) -> None:
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so that it reads the old or the new content, after a kill or a power cut."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        flush_fd(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            flush_fd(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or an interrupt mid-write: `path` is untouched; leave no half copy beside it
+        tmp.unlink(missing_ok=True)
+        raise
     sync_path(path.parent)

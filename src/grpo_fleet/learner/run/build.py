@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig, load_run_config
+from grpo_fleet.durable import write_atomic
 from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.trackers import build_trackers, require_installed
 from grpo_fleet.learner.run.coordinator import RunCoordinator
@@ -110,7 +111,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     for split, tokens in (("train", prompts), ("eval", eval_prompts)):
         check_prompt_lengths(tokens, max_new_tokens=cfg.generation.max_tokens, context=context_length(policy.model),
                              split=split)
-    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    write_run_config(run_dir, cfg)
     learner = RunCoordinator(
         cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address,
         eval_prompt_tokens=eval_prompts, make_scorer=make_scorer,
@@ -124,6 +125,12 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     _open_trackers(learner, cfg, run_dir)
     log.info("learner ready: model %s, %d prompts, run %s", path, len(prompts), learner.state.run_id)
     return learner
+
+
+def write_run_config(run_dir: Path, cfg: RunConfig) -> None:
+    """RUN_DIR/config.json, replaced atomically: a crash or a full disk mid-write leaves the previous one, which
+    the next `--resume` reads (a plain write truncates it first)."""
+    write_atomic(run_dir / "config.json", json.dumps(cfg.model_dump(mode="json"), indent=2).encode())
 
 
 def load_resume_config(run_dir: str, overrides: Optional[list[str]] = None) -> RunConfig:

@@ -3,6 +3,7 @@ multi-turn environment run unchanged, reasoning-gym tasks, and the episode field
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ class Lookup(ToolEnv):
     ('<tool_call>["capital"]</tool_call>', '"name"'),
     ('<tool_call>{"name": "capital", "arguments": "Kenya"}</tool_call>', '"arguments" must be an object'),
     ('<tool_call>{"name": "capital", "arguments": {"country": "Kenya"}}', "no closing"),
+    # These escaped as RecursionError and ValueError (issue 39, item 9): the episode failed instead.
+    ("<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>", "nested too deeply"),
+    ('<tool_call>{"name": "capital", "arguments": {"n": ' + "9" * 5_000 + "}}</tool_call>", "cannot be read"),
 ])
 def test_a_malformed_tool_call_is_refused_with_what_was_wrong(text: str, problem: str) -> None:
     with pytest.raises(ToolCallError, match=problem):
@@ -46,6 +50,14 @@ def test_a_malformed_tool_call_is_refused_with_what_was_wrong(text: str, problem
     assert out["done"] is False and out["reward"] == 0.0
     told = out["observations"][0]["content"]
     assert told.startswith("<tool_response>\nerror:") and problem in told
+
+
+def test_finding_the_tool_call_is_linear_in_the_turn() -> None:
+    text = "<tool_call>" * 4096  # a lazy regex took about 1 s on this
+    started = time.perf_counter()
+    with pytest.raises(ToolCallError, match="no closing"):
+        parse_tool_call(text)
+    assert time.perf_counter() - started < 0.1
 
 
 def test_a_tool_call_runs_the_method_and_its_result_is_the_next_observation() -> None:

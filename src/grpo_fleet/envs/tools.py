@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import inspect
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-OPEN_TAG = "<tool_call>"
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 RESULT_CHARS = 2000
 
 
@@ -44,22 +42,36 @@ class ToolCallError(ValueError):
 
 
 def parse_tool_call(text: str) -> Optional[ToolCall]:
-    """The first tool call in a turn; None when the turn has none; ToolCallError when it is malformed."""
-    match = TOOL_CALL.search(text)
-    if match is None:
-        if OPEN_TAG in text:
-            raise ToolCallError("the tool call has no closing </tool_call>")
+    """The first tool call in a turn; None when the turn has none; ToolCallError when it is malformed.
+
+    Found with two `str.find`s, linear in the turn: a lazy regex tried every open
+    tag against the rest of the turn, about 1 s on 4,096 unclosed tags.
+    """
+    start = text.find(OPEN_TAG)
+    if start < 0:
         return None
-    try:
-        call = json.loads(match.group(1))
-    except json.JSONDecodeError as exc:
-        raise ToolCallError(f"the tool call is not JSON ({exc.msg})") from None
+    end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
+    if end < 0:
+        raise ToolCallError("the tool call has no closing </tool_call>")
+    call = _json(text[start + len(OPEN_TAG):end])
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         raise ToolCallError('the tool call needs a "name" string: {"name": ..., "arguments": {...}}')
     arguments = call.get("arguments", {})
     if not isinstance(arguments, dict):
         raise ToolCallError('"arguments" must be an object')
     return ToolCall(call["name"], arguments)
+
+
+def _json(body: str) -> Any:
+    """The call's JSON; whatever the model wrote, a ToolCallError when it cannot be read."""
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise ToolCallError(f"the tool call is not JSON ({exc.msg})") from None
+    except RecursionError:  # arrays or objects nested past the interpreter's recursion limit
+        raise ToolCallError("the tool call's JSON is nested too deeply") from None
+    except ValueError as exc:  # an integer past the interpreter's 4,300-digit limit on parsing
+        raise ToolCallError(f"the tool call's JSON holds a value that cannot be read ({str(exc)[:80]})") from None
 
 
 def tool_response(content: str) -> dict[str, Any]:

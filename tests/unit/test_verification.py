@@ -391,12 +391,12 @@ def resumed_from(first: RunCoordinator) -> Iterator[RunCoordinator]:
 
 def test_the_learner_calibrates_the_half_precision_bound_on_its_own_model(make: Callable[..., RunCoordinator]) -> None:
     learner = make(security={"verify_logprobs": True})
-    ((dtype, bound),) = learner.intake.rules.calibrated
+    ((dtype, bound),) = learner.calibration.bounds()  # no training thread here: the first to ask measures
     # The tiny model's honest bf16 gaps are about 0.0015 nats: the bound sits near the floor, far under 0.15.
     assert dtype == "bfloat16" and HALF_PRECISION_MEAN_FLOOR <= bound.mean < HALF_PRECISION_BOUND / 10
     assert learner.intake.rules.logprob_bound("Device(gpu, 0)") == bound, "an actor of unknown dtype: bf16's"
     assert learner.intake.rules.logprob_bound("cpu") == default_bound("float32", "float32"), "fp32 keeps its own"
-    assert make(security={"verify_logprobs": True, "calibration_prompts": 0}).intake.rules.calibrated == ()
+    assert make(security={"verify_logprobs": True, "calibration_prompts": 0}).calibration.bounds() == ()
 
 
 def test_calibration_samples_at_most_calibration_tokens_whatever_max_tokens() -> None:

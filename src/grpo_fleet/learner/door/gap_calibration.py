@@ -12,8 +12,9 @@ does, and keeps a margin over what it saw (`gap_bounds.calibrated_bound`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.door.actor_checks import LogprobCheck, WeightHistory
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
-from grpo_fleet.learner.step.gap_bounds import GapBound, calibrated_bound
+from grpo_fleet.learner.step.gap_bounds import CalibratedBounds, GapBound, calibrated_bound
 
 log = logging.getLogger("grpo_fleet.learner")
 
@@ -39,6 +40,51 @@ class Calibration:
     worst_tokens: list[float]
     bound: GapBound
     seconds: float
+
+
+class PendingCalibration:
+    """The calibrated bounds, measured once, by whichever thread asks first; the others wait for them.
+
+    Measuring takes a minute at long answers on a CPU (sampling in bfloat16), and
+    nothing needs the bound until a half-precision group arrives, which takes an
+    actor at least as long. So the learner admits actors at once, its training
+    thread (which owns the model) measures before its first step, and intake, on
+    its own thread, waits only if a group comes back first. Where no training
+    thread runs (a coordinator driven by hand), the first caller measures.
+    A measurement that fails leaves the fixed ceilings, which are looser, not open.
+    """
+
+    def __init__(self, measure: Callable[[], CalibratedBounds]) -> None:
+        self._measure: Callable[[], CalibratedBounds] | None = measure
+        self._claim = threading.Lock()
+        self._done = threading.Event()
+        self._bounds: CalibratedBounds = ()
+
+    def run(self) -> None:
+        """Measure now, unless another thread has already started (then return at once)."""
+        with self._claim:
+            measure, self._measure = self._measure, None
+        if measure is None:
+            return
+        try:
+            self._bounds = measure()
+        except Exception:  # the check still runs, against the ceilings
+            log.exception("logprob check calibration failed; half-precision actors are held to the fixed ceilings")
+        finally:
+            self._done.set()
+
+    def abandon(self) -> None:
+        """Never measure (the run stops first): waiters get the ceilings instead of waiting for ever."""
+        with self._claim:
+            unclaimed, self._measure = self._measure is not None, None
+        if unclaimed:  # one that is measuring sets it itself, when done
+            self._done.set()
+
+    def bounds(self) -> CalibratedBounds:
+        """The measured bounds, measuring them here if no thread has started, else waiting for the one that has."""
+        self.run()
+        self._done.wait()
+        return self._bounds
 
 
 def _cast_floating(model: nn.Module, dtype: str) -> list[tuple[str, mx.array]]:

@@ -6,7 +6,7 @@ each Rollouts, and `suspect_groups` finds whom to blame for a non-finite step.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,7 +16,8 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, GapBound, actor_dtype, default_bound
+from grpo_fleet.learner.step.gap_bounds import (FLOAT32_PAIR_BOUND, CalibratedBounds, GapBound, actor_dtype,
+                                                default_bound)
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits
 from grpo_fleet.protocol.reasons import RejectReason
@@ -62,8 +63,9 @@ class IntakeRules:
     reward_names: frozenset[str] = frozenset()
     requested_dtype: Optional[str] = None  # model.dtype: what every actor is told to sample in
     learner_dtype: str = "float32"  # what the learner recomputes logprobs in
-    # Actor dtype -> the half-precision bound measured on this run's model at start (learner/door/gap_calibration.py).
-    calibrated: tuple[tuple[str, GapBound], ...] = ()
+    # Actor dtype -> the half-precision bound measured on this run's model at start (learner/door/gap_calibration.py):
+    # the pairs, or what gives them once measured (PendingCalibration.bounds).
+    calibrated: CalibratedBounds | Callable[[], CalibratedBounds] = ()
     # The tokens that end sampling: each single-turn completion's finish_reason is checked against them. None: not.
     stop_token_ids: Optional[frozenset[int]] = None
     # task.max_episode_tokens in a run with an environment (every completion an episode, up to that long); else None.
@@ -71,7 +73,7 @@ class IntakeRules:
 
     @classmethod
     def from_config(cls, cfg: RunConfig, vocab_size: int, learner_dtype: str = "float32",
-                    calibrated: tuple[tuple[str, GapBound], ...] = (),
+                    calibrated: CalibratedBounds | Callable[[], CalibratedBounds] = (),
                     stop_token_ids: Optional[frozenset[int]] = None) -> "IntakeRules":
         gen = cfg.generation
         return cls(group_size=gen.group_size, vocab_size=vocab_size, max_tokens=gen.max_tokens,
@@ -98,7 +100,7 @@ class IntakeRules:
         ceiling = default_bound(dtype, self.learner_dtype)
         if ceiling.mean <= FLOAT32_PAIR_BOUND:
             return ceiling
-        measured = dict(self.calibrated)
+        measured = dict(self.calibrated() if callable(self.calibrated) else self.calibrated)
         return measured.get(dtype or "bfloat16", measured.get("bfloat16", ceiling))
 
 

@@ -19,7 +19,7 @@ from grpo_fleet.envs.hosting import InlineEnvs
 from grpo_fleet.generation import SamplingSettings
 from grpo_fleet.learner.door.actor_checks import LogprobCheck, RewardCheck, WeightHistory
 from grpo_fleet.learner.door.env_replay import EnvReplay, check_verifiable
-from grpo_fleet.learner.door.gap_calibration import calibrate
+from grpo_fleet.learner.door.gap_calibration import PendingCalibration, calibrate
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules
 from grpo_fleet.learner.door.snapshots import SnapshotStore
@@ -33,7 +33,7 @@ from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.samples import SampleLog, tokenizer_decode
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.learner.records.trackers import Trackers
-from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, GapBound, compute_dtype, default_bound
+from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, CalibratedBounds, compute_dtype, default_bound
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
@@ -72,9 +72,10 @@ class RunRooms:
                              if cfg.security.verify_rewards else None)
         self.weight_history, self.logprob_check = logprob_check(cfg, policy, metrics)
         learner_dtype = compute_dtype(policy.model)
-        calibrated = (calibrate_bounds(cfg, policy, prompt_tokens, learner_dtype)
-                      if self.logprob_check is not None else ())
-        rules = IntakeRules.from_config(cfg, policy.vocab_size, learner_dtype, calibrated,
+        # Measured by the training thread as it starts, not here: actors are admitted meanwhile (gap_calibration.py).
+        self.calibration = PendingCalibration(
+            lambda: calibrate_bounds(cfg, policy, prompt_tokens, learner_dtype) if self.logprob_check is not None else ())
+        rules = IntakeRules.from_config(cfg, policy.vocab_size, learner_dtype, self.calibration.bounds,
                                         stop_token_ids=frozenset(int(t) for t in policy.tokenizer.eos_token_ids))
         self.intake = Intake(rules, self.state, self.registry, self.leasing, self.runlog, metrics, prompt_tokens,
                              self.handoff, self.reward_check, self.trust, self.weight_history)
@@ -115,7 +116,7 @@ def logprob_check(cfg: RunConfig, policy: Policy,
 
 
 def calibrate_bounds(cfg: RunConfig, policy: Policy, prompt_tokens: list[np.ndarray],
-                     learner_dtype: str) -> tuple[tuple[str, GapBound], ...]:
+                     learner_dtype: str) -> CalibratedBounds:
     """The half-precision bound measured on this model at start (security.calibration_prompts; none when 0).
 
     Actors sample in model.dtype when it is set, else float32 on a CPU and their

@@ -52,6 +52,7 @@ class TrainingThread:
         rooms = self.rooms
         local = LocalEvaluator(rooms, rooms.make_scorer)
         try:
+            rooms.calibration.run()  # before anything else uses the model on this thread (gap_calibration.py)
             while not should_stop() and not rooms.state.done:
                 local.run_if_needed()
                 if self.wait_for_batch(timeout=0.1):
@@ -63,6 +64,7 @@ class TrainingThread:
                 if not local.run_if_needed():
                     time.sleep(0.05)
         finally:
+            rooms.calibration.abandon()  # stopped before it measured: intake must not wait for it
             local.close()
 
     def ready(self) -> bool:

@@ -73,6 +73,9 @@ class GapBound:
         return None
 
 
+CalibratedBounds = tuple[tuple[str, GapBound], ...]  # actor dtype -> the bound measured on this run's model
+
+
 def default_bound(actor: Optional[str], learner: str) -> GapBound:
     """The uncalibrated bound of a dtype pair: the ceilings of the table above."""
     if actor in EXACT_DTYPES and learner in EXACT_DTYPES:

@@ -103,6 +103,23 @@ def test_probation_checks_every_group_then_a_share_and_a_new_hello_starts_it_aga
     assert trust.on_probation("someone new")
 
 
+def test_the_trust_record_stays_bounded_whatever_keys_send(monkeypatch) -> None:
+    """Issue 39 item 10: without CURVE every fresh routing id that sent garbage (a violation) grew Trust.passed."""
+    import grpo_fleet.learner.fleet.trust as trust_module
+
+    trust = Trust(probation_groups=2, share=0.25, draw=random.Random(1))
+    for serial in range(10_000):
+        trust.begin_probation(f"routing-{serial}")
+    assert trust.passed == {} and trust.on_probation("routing-7")
+    monkeypatch.setattr(trust_module, "MAX_TRUSTED_KEYS", 3)
+    for key in ("old", "a", "b"):
+        trust.record_pass(key, 2)
+    trust.record_pass("old")  # passed again lately: kept over "a"
+    trust.record_pass("c", 2)
+    assert sorted(trust.passed) == ["b", "c", "old"]
+    assert trust.on_probation("a") and not trust.on_probation("old"), "a forgotten key is checked in full again"
+
+
 def test_a_sleeper_liar_trains_what_the_geometric_law_says_before_it_is_seen() -> None:
     trust = Trust(probation_groups=0, share=0.2, draw=random.Random(7))
     trained = []

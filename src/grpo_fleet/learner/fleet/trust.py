@@ -21,6 +21,12 @@ p = 0.2), and more than k with probability (1 - p)^k (more than 20: 1.2%).
 Groups sampled at the version the step trains from are checked for free, inside
 the step's own forward (learner/step: the fused check), so those are always
 checked whatever the share.
+
+The record is bounded: probation is the absence of a record (a Hello or a
+violation forgets the key, so garbage from fresh routing ids stores nothing), and
+at most MAX_TRUSTED_KEYS keys that passed checks are remembered; beyond that the
+key whose last pass is the oldest is forgotten, which puts it back on probation
+(the safe direction: its groups are all checked again).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from __future__ import annotations
 import random
 import secrets
 from dataclasses import dataclass, field
+
+# Keys whose passed checks are remembered at most (an honest fleet has a few dozen).
+MAX_TRUSTED_KEYS = 4096
 
 
 def expected_exposure(share: float) -> float:
@@ -51,7 +60,7 @@ class Trust:
 
     def begin_probation(self, key: str) -> None:
         """A new Hello or a violation: check every group of `key` again until it has passed enough."""
-        self.passed[key] = 0
+        self.passed.pop(key, None)  # no record is probation: a flood of fresh keys grows nothing
 
     def on_probation(self, key: str) -> bool:
         return self.passed.get(key, 0) < self.probation_groups
@@ -61,7 +70,11 @@ class Trust:
         return self.on_probation(key) or self.draw.random() < self.share
 
     def record_pass(self, key: str, groups: int = 1) -> None:
-        self.passed[key] = self.passed.get(key, 0) + groups
+        """Count `groups` passed checks of `key`; the key whose last pass is the oldest is forgotten beyond
+        MAX_TRUSTED_KEYS."""
+        self.passed[key] = self.passed.pop(key, 0) + groups  # re-inserted: the dict keeps the oldest last pass first
+        while len(self.passed) > MAX_TRUSTED_KEYS:
+            del self.passed[next(iter(self.passed))]
 
     def forget(self, key: str) -> None:
         self.passed.pop(key, None)

@@ -248,6 +248,23 @@ def test_an_episode_in_a_single_turn_run_and_a_single_completion_in_an_episode_r
     assert RejectReason.EPISODE_MISMATCH.is_violation and RejectReason.ENV_REPLAY_MISMATCH.is_violation
 
 
+@pytest.mark.parametrize("ends", ["stop", "length"])
+def test_an_episode_turn_longer_than_max_tokens_is_refused_as_too_long(ends):
+    """Sampling ends a turn at generation.max_tokens; one longer that ends on its stop token (9) was accepted
+    (issue 39, item 14)."""
+    last = [5, 5, 5, 9] if ends == "stop" else [5, 5, 5]
+    tokens = np.array([5, 5, 9, 1, *last], np.int32)  # the first turn fits (3), the last is 4 or 3 long
+    mask = np.array([1, 1, 1, 0] + [1] * len(last), np.uint8)
+    episode = m.Completion(tokens=m.Tensor.from_numpy(tokens),
+                           logprobs=m.Tensor.from_numpy(np.where(mask == 1, -1.0, 0.0).astype(np.float32)),
+                           reward=0.0, finish_reason=ends, mask=m.Tensor.from_numpy(mask), turns=[0, 4], end="done")
+    msg = m.Rollouts(lease_id="l", policy_version=0, groups=[m.GroupResult(group_id="g", completions=[episode])])
+    verdict = m.validate_rollouts(msg, group_size=1, vocab_size=10, max_tokens=3, stop_token_ids=frozenset({9}),
+                                  episode_tokens=64)
+    assert verdict is (RejectReason.TOO_LONG if ends == "stop" else None)
+    assert RejectReason.TOO_LONG.is_violation  # counted in rejections_total{reason="too_long"} and toward a ban
+
+
 @pytest.mark.parametrize("tokens, mask, reason, lie", [
     ([5, 9, 1, 5, 9], [1, 1, 0, 1, 1], "stop", False),  # two turns, each ended by its stop token (9)
     ([5, 5, 1, 5, 9], [1, 1, 0, 1, 1], "stop", False),  # the first turn cut at max_tokens (2)

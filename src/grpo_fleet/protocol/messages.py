@@ -489,6 +489,8 @@ def validate_rollouts(
         return RejectReason.EPISODE_MISMATCH
     if any(c.tokens.shape[0] > (max_tokens if episode_tokens is None else episode_tokens) for c in completions):
         return RejectReason.TOO_LONG
+    if any(c.mask is not None and longest_turn(c.mask.to_numpy()) > max_tokens for c in completions):
+        return RejectReason.TOO_LONG  # sampling ends a turn at max_tokens: a longer one was not sampled so
     # One concatenation per kind keeps the checks vectorised over the whole message.
     tokens = np.concatenate([c.tokens.to_numpy().astype(np.int64, copy=False) for c in completions])
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
@@ -553,8 +555,8 @@ def episode_finish_mismatch(tokens: np.ndarray, mask: np.ndarray, finish_reason:
     """
     ids = tokens.astype(np.int64, copy=False)
     stops = _is_stop(ids, stop_token_ids)
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    turns = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+    starts, stops_at = turn_spans(mask)
+    turns = list(zip(starts.tolist(), stops_at.tolist()))
     for index, (start, stop) in enumerate(turns):
         if stops[start : stop - 1].any():
             return True
@@ -567,6 +569,18 @@ def episode_finish_mismatch(tokens: np.ndarray, mask: np.ndarray, finish_reason:
         else:
             return ends_on_stop or not (full or len(ids) == episode_tokens)
     return False
+
+
+def turn_spans(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where an episode's sampled turns (the runs of 1s in its mask) start, and where each stops (exclusive)."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return edges[::2], edges[1::2]
+
+
+def longest_turn(mask: np.ndarray) -> int:
+    """The most tokens in one sampled turn."""
+    starts, stops = turn_spans(mask)
+    return int((stops - starts).max(initial=0))
 
 
 def values_out_of_bounds(logprobs: np.ndarray, rewards: np.ndarray, reward_bound: float) -> Optional[RejectReason]:

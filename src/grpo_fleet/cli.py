@@ -211,6 +211,7 @@ def _stop_with_stdin(worker: ActorWorker, request_timeout: float) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from grpo_fleet.demo import DemoOptions, run_demo
+    from grpo_fleet.run_lock import RunDirLocked
     from grpo_fleet.zoo import ZooError
 
     options = DemoOptions(
@@ -220,7 +221,7 @@ def _demo(args: argparse.Namespace) -> int:
     )
     try:
         summary = run_demo(options)
-    except ZooError as exc:
+    except (ZooError, RunDirLocked) as exc:  # a learner already running in the run directory: nothing was deleted
         print(f"grpo-fleet demo: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the fleet was stopped in order on the way out (local_fleet.running)

@@ -18,6 +18,7 @@ from grpo_fleet.config import RunConfig, apply_overrides, load_run_config, toml_
 from grpo_fleet.local_fleet import Fleet, FleetStop, early_stop, running
 from grpo_fleet.plotting import load_eval_records
 from grpo_fleet.protocol.endpoints import free_port, loopback_endpoint
+from grpo_fleet.run_lock import RunDirLock
 from grpo_fleet.zoo import ZOO_PREFIX, ZooError, is_gguf_source, lookup, model_reference
 
 # The demo's defaults: small enough for 2 CPU cores, tuned so learning is visible
@@ -181,10 +182,17 @@ def prepare(options: DemoOptions) -> tuple[RunConfig, Path]:
 
     cfg = demo_config(options)
     run_dir = Path(cfg.run_dir)
-    for stale in ("metrics.jsonl", "ledger.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model_path = local_model_path(resolve_model_path(cfg, build_task(cfg.task)))
+    # A learner running there holds the lock: it is refused in one line before anything of its run is deleted.
+    # Released once prepared, so that the demo's own learner can take it.
+    with RunDirLock(run_dir):
+        for stale in ("metrics.jsonl", "ledger.jsonl"):
+            (run_dir / stale).unlink(missing_ok=True)
+        return _resolved(cfg, run_dir, resolve_model_path(cfg, build_task(cfg.task)))
+
+
+def _resolved(cfg: RunConfig, run_dir: Path, resolved: str) -> tuple[RunConfig, Path]:
+    """The config with the model path learner and actors load, written to RUN_DIR/demo-config.json."""
+    model_path = local_model_path(resolved)
     if is_gguf_source(cfg.model.path):
         # Imported above into the run's cache; the learner and each actor still get the GGUF and import their own.
         model_path = model_reference(cfg.model.path, model_path)

@@ -458,6 +458,13 @@ class ServerConfig(_Section):
         description="Most actors registered at once; a Hello beyond it is refused (`too_many_actors`) until one goes "
         "silent, so throwaway identities cannot grow the learner's memory.",
     )
+    max_sessions_per_key: int = Field(
+        8, ge=1,
+        description="Most actors registered at once under one key (one key may run on several Macs); a Hello beyond "
+        "it is refused (`too_many_sessions`) until one goes silent, so one key cannot fill server.max_actors. A key "
+        "binds at most 4 actor ids per session for the run; beyond that its own oldest id not in use is forgotten, "
+        "never another key's.",
+    )
     max_message_bytes: int = Field(
         256 * 1024 * 1024, ge=1024,
         description="Upper cap on an accepted message. The learner's real limit is tighter: what the largest "

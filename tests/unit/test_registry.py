@@ -6,6 +6,8 @@ import pytest
 
 from grpo_fleet.config import ServerConfig
 from grpo_fleet.learner.fleet.registry import Registry, RunCard, is_silent
+from grpo_fleet.learner.records import actor_ids
+from grpo_fleet.learner.records.actor_ids import MAX_BOUND_IDS
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.persistence import capture, restore, state_from_dict, state_to_dict
 from grpo_fleet.learner.records.runlog import LogSizes
@@ -136,8 +138,6 @@ def test_the_bindings_survive_a_resume():
 
 
 def test_bound_ids_are_bounded_forgetting_the_oldest_not_in_use(monkeypatch):
-    import grpo_fleet.learner.records.actor_ids as actor_ids
-
     monkeypatch.setattr(actor_ids, "MAX_BOUND_IDS", 3)
     registry = Registry(ServerConfig(max_actors=8), learner_metrics())
     for name in ("live", "gone-1", "gone-2"):
@@ -152,6 +152,56 @@ def test_bound_ids_are_bounded_forgetting_the_oldest_not_in_use(monkeypatch):
     refusal = registry.hello(b"new-3", "key-new", _hello("new-3"), "")
     assert refusal is not None and refusal.reason == "too_many_ids"
     assert sorted(registry.ids.bindings()) == ["live", "new-1", "new-2"]
+
+
+def test_a_flood_of_new_ids_from_one_key_never_frees_another_keys_id():
+    """Issue 39 item 5: 4,096 Hellos under new ids from one key evicted the oldest bindings not in use, an honest
+    actor's among them (right after a resume, or while it restarts), and the flooding key then took that id."""
+    state = _state()
+    registry = Registry(ServerConfig(), learner_metrics(), ids=state.actor_ids)
+    assert registry.hello(b"mac-1", "honest", _hello("mac-1"), "") is None
+    registry.drop(b"mac-1")  # restarting: its id is bound, not in use
+    for serial in range(MAX_BOUND_IDS + 100):
+        assert registry.hello(b"flood", "hostile", _hello(f"flood-{serial}"), "") is None
+    assert registry.ids.owner("mac-1") == "honest"
+    assert sum(owner == "hostile" for owner in registry.ids.bindings().values()) == registry.ids_per_key
+    assert registry.hello(b"flood", "hostile", _hello("mac-1"), "").reason == "id_taken"
+    assert registry.hello(b"mac-1", "honest", _hello("mac-1"), "") is None, "the honest actor gets its id back"
+
+
+def test_a_key_whose_every_bound_id_is_in_use_is_refused_and_nothing_is_forgotten():
+    ids = actor_ids.ActorIds()
+    for serial in range(2):
+        assert ids.claim([f"live-{serial}"], "key", lambda name: True, per_key=2) is None
+    assert ids.claim(["new"], "key", lambda name: True, per_key=2) == "new"
+    assert ids.claim(["other"], "other-key", lambda name: True, per_key=2) is None, "the cap is per key"
+    assert sorted(ids.bindings()) == ["live-0", "live-1", "other"]
+    assert ids.claim(["new"], "key", lambda name: name != "live-0", per_key=2) is None
+    assert sorted(ids.bindings()) == ["live-1", "new", "other"], "its own oldest idle id went"
+
+
+def test_a_full_table_forgets_the_idle_ids_of_the_key_holding_the_most_first(monkeypatch):
+    monkeypatch.setattr(actor_ids, "MAX_BOUND_IDS", 4)
+    ids = actor_ids.ActorIds()
+    assert ids.claim(["small-1"], "small", lambda name: False) is None
+    for name in ("big-1", "big-2", "big-3"):
+        assert ids.claim([name], "big", lambda name: False) is None
+    assert ids.claim(["newcomer"], "new", lambda name: False) is None
+    assert sorted(ids.bindings()) == ["big-2", "big-3", "newcomer", "small-1"], "small-1 is older, big-1 goes"
+
+
+def test_one_key_may_open_only_max_sessions_per_key_sessions():
+    """Issue 39 item 2: one key could open max_actors (1,024) sessions, summing their lease caps and locking every
+    other key out with too_many_actors."""
+    registry = Registry(ServerConfig(max_actors=10, max_sessions_per_key=3), learner_metrics())
+    for serial in range(3):
+        assert registry.hello(f"s-{serial}".encode(), "greedy", _hello(f"s-{serial}"), "") is None
+    refusal = registry.hello(b"s-3", "greedy", _hello("s-3"), "")
+    assert refusal is not None and refusal.reason == "too_many_sessions" and "max_sessions_per_key" in refusal.detail
+    assert _sample(registry, "grpo_fleet_learner_protocol_errors_total", {"reason": "too_many_sessions"}) == 1
+    assert registry.hello(b"s-0", "greedy", _hello("s-0"), "") is None, "a live session may say Hello again"
+    assert registry.hello(b"other", "other-key", _hello("other"), "") is None
+    assert registry.sessions("greedy") == 3 and registry.key_count() == 2
 
 
 def test_a_welcomed_actor_may_load_its_model_in_silence_until_its_first_request(registry):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 from grpo_fleet.config import ServerConfig
 from grpo_fleet.learner.fleet.bans import Bans
 from grpo_fleet.learner.fleet.trust import Trust
-from grpo_fleet.learner.records.actor_ids import ActorIds
+from grpo_fleet.learner.records.actor_ids import IDS_PER_SESSION, ActorIds
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -164,7 +164,8 @@ class Registry:
 
     def __init__(self, server: ServerConfig, metrics: LearnerMetrics, trust: Optional[Trust] = None,
                  ids: Optional[ActorIds] = None) -> None:
-        self.max_actors = server.max_actors
+        self.max_actors, self.max_sessions_per_key = server.max_actors, server.max_sessions_per_key
+        self.ids_per_key = IDS_PER_SESSION * server.max_sessions_per_key
         self.metrics = metrics
         self.ids = ids if ids is not None else ActorIds()  # the run's: LearnerState.actor_ids, saved with it
         self.trust = trust  # the logprob check's record of each key: a Hello or a violation restarts its probation
@@ -176,18 +177,16 @@ class Registry:
         self.sd_snapshot: list[dict] = []
 
     def hello(self, identity: bytes, owner: str, msg: m.Hello, peer_address: str) -> Optional[m.ErrorReply]:
-        """Register (or re-register) an actor; the refusal when the registry is full or its id is another key's,
-        else None."""
-        if identity not in self.actors and len(self.actors) >= self.max_actors:
-            # Throwaway identities must not grow the registry; a real actor retries with backoff.
-            self.metrics.protocol_errors.labels(reason="too_many_actors").inc()
-            return m.ErrorReply(reason="too_many_actors", detail=f"{len(self.actors)} actors registered "
-                                "(server.max_actors); retry when one leaves")
-        taken = self.ids.claim(id_names(identity, msg.actor_id), owner, self._in_use().__contains__)
-        if taken is not None and self.ids.owner(taken) is None:  # no room: every bound id is in use
+        """Register (or re-register) an actor; the refusal when the registry (or its key's share of it) is full or
+        its id is another key's, else None."""
+        full = self._full(identity, owner)
+        if full is not None:
+            return full
+        taken = self.ids.claim(id_names(identity, msg.actor_id), owner, self._in_use().__contains__, self.ids_per_key)
+        if taken is not None and self.ids.owner(taken) is None:  # no room: every id it could free is in use
             self.metrics.protocol_errors.labels(reason="too_many_ids").inc()
-            return m.ErrorReply(reason="too_many_ids", detail="every actor id this run has bound is in use; retry "
-                                "when an actor leaves")
+            return m.ErrorReply(reason="too_many_ids", detail="every actor id this key may bind is in use; retry "
+                                "when one of its actors leaves")
         if taken is not None:
             # Not a violation: two Macs given the same --actor-id is a mistake an honest user makes.
             self.metrics.auth_failures.labels(reason="id_taken").inc()
@@ -202,6 +201,23 @@ class Registry:
         self.metrics.actors_connected.set(len(self.actors))
         return None
 
+    def _full(self, identity: bytes, owner: str) -> Optional[m.ErrorReply]:
+        """The refusal of a new session when the registry, or its key's share of it, is full; else None."""
+        current = self.actors.get(identity)
+        if current is not None and current.principal == owner:  # a live session saying Hello again
+            return None
+        if len(self.sessions_of(owner)) >= self.max_sessions_per_key:
+            # One key must not fill the registry (and lock others out with too_many_actors), nor sum more caps.
+            self.metrics.protocol_errors.labels(reason="too_many_sessions").inc()
+            return m.ErrorReply(reason="too_many_sessions", detail=f"this key has {self.max_sessions_per_key} actors "
+                                "registered (server.max_sessions_per_key); retry when one leaves")
+        if current is None and len(self.actors) >= self.max_actors:
+            # Throwaway identities must not grow the registry; a real actor retries with backoff.
+            self.metrics.protocol_errors.labels(reason="too_many_actors").inc()
+            return m.ErrorReply(reason="too_many_actors", detail=f"{len(self.actors)} actors registered "
+                                "(server.max_actors); retry when one leaves")
+        return None
+
     def _in_use(self) -> set[str]:
         """The names (actor ids and routing ids) live actors go by."""
         return {name for identity, info in self.actors.items() for name in id_names(identity, info.actor_id)}
@@ -209,6 +225,10 @@ class Registry:
     def sessions(self, owner: str) -> int:
         """Live sessions under one key (one key may run on two Macs)."""
         return len(self.sessions_of(owner))
+
+    def key_count(self) -> int:
+        """Keys with a live session: the in-flight budget's fair share is split among them (leasing.py)."""
+        return len({info.principal for info in self.actors.values()})
 
     def sessions_of(self, owner: str) -> list[ActorInfo]:
         """The live sessions under one key."""

@@ -474,9 +474,14 @@ class ServerConfig(_Section):
     max_violations: int = Field(
         50, ge=1,
         description="Malformed or hostile messages after which a peer (its CURVE key, else its routing id) is ignored "
-        "for ban_seconds. Stale, duplicate and unregistered-after-restart messages never count.",
+        "for ban_seconds (its first ban). Stale, duplicate and unregistered-after-restart messages never count.",
     )
-    ban_seconds: float = Field(600.0, gt=0, description="How long a ban lasts; then the peer's count starts again from 0.")
+    ban_seconds: float = Field(
+        600.0, gt=0,
+        description="How long a key's first ban lasts. Each later ban of the same key lasts twice the one before, and "
+        "a key banned before is banned again at its next violation, its every group logprob-checked. Bans and these "
+        "strikes are saved with each checkpoint and survive --resume.",
+    )
     verify_queue: int = Field(
         64, ge=1, le=65536,
         description="Rollouts waiting for the learner's one verifier thread (security.verify_rewards), at most; and "

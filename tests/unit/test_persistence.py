@@ -54,14 +54,17 @@ def test_a_capture_does_not_change_when_the_state_moves_on():
 
 
 def test_the_state_file_round_trips_with_the_keys_checkpoints_have_always_used(tmp_path):
-    saved = capture(_busy_state(), LogSizes(10, 20))
+    saved = capture(_busy_state(), LogSizes(10, 20), bans={"liar": [1, 2, 1.7e9]})
     write_state(tmp_path, state_to_dict(saved))
     data = read_state(tmp_path)
     assert set(data) == {"run_id", "step", "version", "buffer", "acks", "accepted_since_step",
                          "zero_variance_since_step", "scheduler", "ledger_bytes", "metrics_bytes", "samples_bytes",
-                         "wall_seconds", "weights_published", "actor_ids"}
+                         "wall_seconds", "weights_published", "actor_ids", "bans"}
     back = state_from_dict(data)
     assert (back.step, back.version, back.logs, back.acks) == (saved.step, saved.version, saved.logs, saved.acks)
+    assert back.bans == {"liar": [1, 2, 1.7e9]}
+    del data["bans"]  # as written before bans were saved: a resume lifts them, as every resume did then
+    assert state_from_dict(data).bans == {}
     np.testing.assert_array_equal(back.buffer[0].completions[1].logprobs, saved.buffer[0].completions[1].logprobs)
     assert back.buffer[0].actor_key == "k"
 

@@ -48,16 +48,19 @@ class SavedState:
     wall_seconds: float
     weights_published: bool = True  # the saved weights are version `version`'s (not past it)
     actor_ids: dict[str, str] = field(default_factory=dict)  # ActorIds.bindings(): actor id -> the key that owns it
+    # Bans.export(): key -> [violations, strikes, end of its ban as wall-clock time (0: none)] (learner/fleet/bans.py)
+    bans: dict[str, list[float]] = field(default_factory=dict)
 
 
-def capture(state: LearnerState, logs: LogSizes) -> SavedState:
-    """Copy what a checkpoint saves; call it under the lock that guards `state`, with the logs' sizes taken there."""
+def capture(state: LearnerState, logs: LogSizes, bans: Optional[dict[str, list[float]]] = None) -> SavedState:
+    """Copy what a checkpoint saves; call it under the lock that guards `state`, with the logs' sizes taken there
+    (and the peers' bans, `Bans.export`, which live with the fleet rather than in `state`)."""
     return SavedState(
         run_id=state.run_id, step=state.step, version=state.version, buffer=list(state.buffer),
         acks=state.acks.answers(), accepted_since_step=state.accepted_since_step,
         zero_variance_since_step=state.zero_variance_since_step, scheduler=state.scheduler.state_dict(),
         logs=logs, wall_seconds=state.wall_seconds(), weights_published=state.weights_published,
-        actor_ids=state.actor_ids.bindings(),
+        actor_ids=state.actor_ids.bindings(), bans=dict(bans or {}),
     )
 
 
@@ -160,6 +163,7 @@ def state_to_dict(saved: SavedState) -> dict[str, Any]:
         "wall_seconds": saved.wall_seconds,
         "weights_published": saved.weights_published,
         "actor_ids": saved.actor_ids,
+        "bans": saved.bans,
     }
 
 
@@ -178,6 +182,8 @@ def state_from_dict(data: dict[str, Any]) -> SavedState:
         weights_published=data.get("weights_published", True),
         # Checkpoints from before ids were bound to keys bound none: the first Hello after the resume binds each.
         actor_ids=data.get("actor_ids", {}),
+        # Checkpoints from before bans were saved kept none: a resume from one lifts every ban, as it always did.
+        bans=data.get("bans", {}),
     )
 
 

@@ -6,7 +6,8 @@ Every group of a batch goes one of three ways (`plan`):
   are that version's: checked inside the step against its own first forward
   (learner/step/fused_check.py), for the price of a comparison. Always.
 - **forward**: an older version, flagged at intake (probation, or drawn:
-  learner/fleet/trust.py): recomputed at its version before anything is
+  learner/fleet/trust.py), or sent by a key that was banned before (it earns no
+  probation credit back: learner/fleet/bans.py): recomputed at its version before anything is
   applied. With one rank, here before the step; with several ranks under LoRA,
   inside the step by the ranks that train its rows, each recomputing its own
   (the version's adapters travel with the batch: learner/step/recheck.py), so
@@ -102,7 +103,7 @@ class BatchChecks:
             self.cleared.discard(group.group_id)
             if fuse and screen > 0 and not cleared and group.policy_version in history.versions:
                 plan.screens[index] = screen
-            if not group.check_logprobs:
+            if not (group.check_logprobs or self.rooms.registry.bans.strikes(group.actor_key)):
                 plan.unchecked.append((group, SAMPLED_OUT))
             elif group.policy_version not in history.versions:
                 plan.unchecked.append((group, VERSION_GONE))

@@ -111,7 +111,7 @@ class TrainingThread:
             rooms.leasing.step_finished()
             if rooms.evaluation.due(state.step, final=state.done):
                 rooms.evaluation.start(state.step, state.version)
-            saved = persistence.capture(state, rooms.runlog.sizes()) if self.cycle.checkpoint_due(state) else None
+            saved = self._capture() if self.cycle.checkpoint_due(state) else None
         if trained.snapshot is not None and rooms.weight_history is not None:
             rooms.weight_history.record(trained.snapshot.version)
         rooms.trackers.log_record(record)  # outside the lock: a slow tracker holds up no request
@@ -125,8 +125,13 @@ class TrainingThread:
     def checkpoint(self) -> Path:
         """Write weights, optimizer and learner state as one checkpoint; the state is copied under the lock."""
         with self.rooms.lock:
-            saved = persistence.capture(self.rooms.state, self.rooms.runlog.sizes())
+            saved = self._capture()
         return self._save(saved)
+
+    def _capture(self) -> persistence.SavedState:
+        """What a checkpoint saves, the peers' bans and strikes included (under the lock)."""
+        rooms = self.rooms
+        return persistence.capture(rooms.state, rooms.runlog.sizes(), bans=rooms.registry.bans.export(time.time()))
 
     def _save(self, saved: persistence.SavedState) -> Path:
         rooms = self.rooms
@@ -148,6 +153,9 @@ class TrainingThread:
         saved = persistence.load(checkpoint, rooms.policy, rooms.trainer)
         with rooms.lock:
             persistence.restore(state, saved)
+            # A liar banned before the checkpoint stays banned, and keeps its strikes (learner/fleet/bans.py).
+            rooms.registry.bans.load(saved.bans, time.time())
+            rooms.metrics.banned_peers.set(rooms.registry.bans.banned_count())
             rooms.evaluation.current = None  # rounds are not checkpointed: the next one is due at its step
             # Groups accepted after this checkpoint are forgotten here and re-queued by
             # their leases, so the ledger must forget them too to stay exactly-once.

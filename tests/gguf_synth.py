@@ -136,6 +136,25 @@ def spm_vocab() -> Vocab:
     return vocab
 
 
+def staircase_spm_vocab(pieces: int, char: str = "a") -> Vocab:
+    """spm_vocab with `pieces` more normal pieces that extend each other (char * 2, char * 3, ...): each has a split
+    at every point, into two pieces, so the merges hold about pieces**3 / 3 characters (a vocabulary bomb)."""
+    vocab = spm_vocab()
+    vocab.tokens += [char * length for length in range(2, pieces + 2)]
+    vocab.types += [NORMAL] * pieces
+    vocab.scores += [-float(length) for length in range(2, pieces + 2)]
+    return vocab
+
+
+def padded_spm_vocab(pieces: int) -> Vocab:
+    """spm_vocab with `pieces` more normal pieces of six characters, as many as staircase_spm_vocab adds."""
+    vocab = spm_vocab()
+    vocab.tokens += [f"{index:06d}" for index in range(pieces)]
+    vocab.types += [NORMAL] * pieces
+    vocab.scores += [-float(index) for index in range(pieces)]
+    return vocab
+
+
 # Where a K-quant block keeps its fp16 scale d (and minimum scale dmin), by byte offset (ggml-common.h's block_qN_K).
 K_LAYOUT = {Q.Q2_K: (80, 82), Q.Q3_K: (108, None), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None)}
 
@@ -217,8 +236,10 @@ class WrittenModel:
 def write_model_gguf(path: Path, model: Any, args: dict[str, Any], vocab: Vocab, *,
                      mixed: Optional[dict[str, GGMLQuantizationType]] = None, pre: str = "smollm",
                      chat_template: Optional[str] = "chatml", extra: Optional[dict[str, Any]] = None,
-                     overrides: Optional[dict[str, tuple[Any, gguf.GGUFValueType]]] = None) -> WrittenModel:
-    """Write `model` as llama.cpp's converter would: q/k rows permuted for llama, Gemma's norms as 1 + w."""
+                     overrides: Optional[dict[str, tuple[Any, gguf.GGUFValueType]]] = None,
+                     rope_freqs: Optional[tuple[np.ndarray, GGMLQuantizationType]] = None) -> WrittenModel:
+    """Write `model` as llama.cpp's converter would: q/k rows permuted for llama, Gemma's norms as 1 + w.
+    `rope_freqs`: raw data of a type, written as that tensor instead of the factors (a hostile one)."""
     architecture = "gemma3" if args["model_type"] == "gemma3_text" else args["model_type"]
     writer = GGUFWriter(str(path), architecture)
     write_hyper(writer, args)
@@ -237,7 +258,10 @@ def write_model_gguf(path: Path, model: Any, args: dict[str, Any], vocab: Vocab,
         data = quantize(weight, kind) if kind not in K_LAYOUT else k_blocks(weight.shape, kind, rng)
         writer.add_tensor(name, data, raw_dtype=kind if kind not in (Q.F32, Q.F16) else None)
         expected[hf] = dequantize(data, kind).astype(np.float32)
-    if args.get("rope_scaling"):
+    if rope_freqs is not None:
+        data, kind = rope_freqs
+        writer.add_tensor("rope_freqs.weight", data, raw_dtype=kind if kind not in (Q.F32, Q.F16) else None)
+    elif args.get("rope_scaling"):
         head_dim = args.get("head_dim") or args["hidden_size"] // args["num_attention_heads"]
         writer.add_tensor("rope_freqs.weight", llamacpp_rope_factors(args["rope_scaling"], args["rope_theta"], head_dim))
     finish(writer)

@@ -30,7 +30,15 @@ from typing import Any
 import blake3
 
 from grpo_fleet.gguf_file import GGUFFile, read_gguf
-from grpo_fleet.gguf_metadata import GGUFError, Hyper, check_architecture, llama3_rope_scaling, model_config, read_hyper
+from grpo_fleet.gguf_metadata import (
+    GGUFError,
+    Hyper,
+    check_architecture,
+    check_rope_factors_shape,
+    llama3_rope_scaling,
+    model_config,
+    read_hyper,
+)
 from grpo_fleet.gguf_tokenizer import Specials, Vocab, build_tokenizer, read_specials, read_vocab, tokenizer_config, with_bos
 from grpo_fleet.gguf_weights import (
     SUPPORTED_TENSOR_TYPES,
@@ -98,6 +106,7 @@ def prepare(source: Path) -> Prepared:
     hyper = read_hyper(metadata, embedding.shape[0])
     rope = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
     if rope is not None and hyper.architecture == "llama":
+        check_rope_factors_shape(rope.shape, hyper)
         hyper = replace(hyper, rope_scaling=llama3_rope_scaling(dequantized(gguf, rope), hyper, metadata))
     plan = plan_weights(gguf.tensors, hyper)
     vocab = read_vocab(metadata, hyper)
@@ -107,6 +116,8 @@ def prepare(source: Path) -> Prepared:
     check_against_model(plan, config)
     try:
         tokenizer = with_bos(build_tokenizer(vocab), vocab, specials)
+    except GGUFError:  # our own refusal (a vocabulary bomb): already one line
+        raise
     except Exception as exc:  # the tokenizers library's own refusal of this vocabulary (a merge of unknown pieces)
         raise GGUFError(f"the tokenizer in the metadata cannot be built: {exc}") from None
     return Prepared(gguf, hyper, plan, config, vocab, specials, tokenizer)

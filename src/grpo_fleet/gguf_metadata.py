@@ -50,7 +50,8 @@ ARCHITECTURES = tuple(FAMILIES)
 
 
 def family_of(architecture: Any) -> Family:
-    if architecture not in FAMILIES:
+    # An array there (a list, or numpy's) is unhashable: looked up, it would be a TypeError, not this refusal.
+    if not isinstance(architecture, str) or architecture not in FAMILIES:
         raise GGUFError(f"architecture {architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     return FAMILIES[architecture]
 
@@ -184,16 +185,24 @@ def _linear_rope_scaling(metadata: dict[str, Any], arch: str) -> Optional[dict[s
     return {"type": "linear", "factor": meta_float(metadata, f"{arch}.rope.scaling.factor", 0.0, 1024.0)}
 
 
+def check_rope_factors_shape(shape: tuple[int, ...], hyper: Hyper) -> None:
+    """rope_freqs holds one factor per rotated pair: checked from the tensor table, before any byte is dequantized
+    (a hostile file's could be as large as the file, and many times that as float32)."""
+    if shape != (hyper.head_dim // 2,):
+        raise GGUFError(f"rope_freqs has shape {shape}, not ({hyper.head_dim // 2},): one factor per rotated pair")
+
+
 def llama3_rope_scaling(factors: np.ndarray, hyper: Hyper, metadata: dict[str, Any]) -> dict[str, Any]:
-    """mlx-lm's `rope_scaling` for a Llama 3.x file, recovered from llama.cpp's `rope_freqs` tensor.
+    """mlx-lm's `rope_scaling` for a Llama 3.x file, recovered from llama.cpp's `rope_freqs` tensor (its shape
+    already checked by check_rope_factors_shape).
 
     llama.cpp's converter (LlamaModel.generate_extra_tensors) writes the per-frequency factors its rope
     divides by, computed from rope_scaling's factor, low/high_freq_factor and the original context, and
     no rope-scaling metadata. The factor is the largest of them; the others are Llama 3.x's (1, 4, 8192)
     unless the metadata says otherwise. The factors are then recomputed from those and must match.
     """
-    if factors.shape != (hyper.head_dim // 2,) or not np.all(np.isfinite(factors)) or factors.min() < 1.0:
-        raise GGUFError(f"rope_freqs has shape {factors.shape} or values that are not Llama 3 rope factors")
+    if not np.all(np.isfinite(factors)) or factors.min() < 1.0:
+        raise GGUFError("rope_freqs has values that are not Llama 3 rope factors")
     original = meta_int(metadata, f"{hyper.architecture}.rope.scaling.original_context_length", 1, 1 << 24, 8192)
     scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": original}

@@ -90,6 +90,8 @@ HOSTILE = {
     "token types short": {"tokenizer.ggml.token_type": ([1, 1], V.ARRAY)},
     "merges malformed": {"tokenizer.ggml.merges": (["nospace", "a b c"], V.ARRAY)},
     "architecture a number": {"general.architecture": (7, V.UINT32)},
+    "architecture an array of names": {"general.architecture": (["llama", "llama"], V.ARRAY)},
+    "architecture an array of numbers": {"general.architecture": ([1, 2], V.ARRAY)},
     "alignment not a power of two": {"general.alignment": (24, V.UINT32)},
     "rope scaling yarn": {"llama.rope.scaling.type": ("yarn", V.STRING)},
     "vocab_size not the embedding's": {"llama.vocab_size": (7, V.UINT32)},

@@ -508,7 +508,8 @@ class SecurityConfig(_Section):
         "step trains from are checked inside the step's own forward (free); older ones by a forward at their version, "
         "every group of an actor on probation and a random check_share after. Keeps the trainable weights of the last "
         "max_staleness + in_flight_steps + 1 versions (free under LoRA, and saved with each checkpoint; under full "
-        "fine-tuning a resumed learner refuses groups of versions it no longer holds as version_gone).",
+        "fine-tuning a resumed learner refuses groups of versions it no longer holds as version_gone, and drops such "
+        "groups restored from the checkpoint's buffer, their prompts sampled again).",
     )
     max_logprob_gap: Optional[float] = Field(
         None, gt=0,

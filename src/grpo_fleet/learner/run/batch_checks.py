@@ -15,8 +15,14 @@ Every group of a batch goes one of three ways (`plan`):
   weights are too heavy to send each step: those checks stay on rank 0.
 - **unchecked**, with a reason counted in `grpo_fleet_learner_groups_unchecked_total`
   and written to the ledger: `sampled_out` (not drawn), `verification_off`,
-  `version_gone` (its weights are not kept; intake refuses such groups, so this
-  stays 0 unless something is wrong).
+  `version_gone` (its weights are not kept; this stays 0: see below).
+
+A buffered group whose version's weights are not kept could be neither
+recomputed nor screened. Intake refuses such work (`version_gone`), and those a
+full fine-tuning resume restores from the checkpoint's buffer (only LoRA saves
+its versions' weights with a checkpoint) are dropped before a batch is taken
+(`drop_unverifiable`): their prompts go back to be sampled again, counted in
+`grpo_fleet_learner_rejections_total{reason="version_gone"}` and ledgered.
 
 Every older group whose version is kept is also **screened** inside the step,
 checked or not: its tokens against the step's own forward, a few versions on,
@@ -46,10 +52,12 @@ import numpy as np
 from grpo_fleet.learner.door.actor_checks import LogprobGap
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import UncheckedEntry
+from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.step.fused_check import CheckedGroup, Recheck, check_bounds_array
 from grpo_fleet.learner.step.gap_bounds import GapBound
 from grpo_fleet.learner.step.step_result import StepStats
+from grpo_fleet.protocol.reasons import RejectReason
 
 SAMPLED_OUT, VERIFICATION_OFF, VERSION_GONE = "sampled_out", "verification_off", "version_gone"
 _PICKER = random.SystemRandom()  # which completions a forward check recomputes: the OS's randomness
@@ -112,6 +120,18 @@ class BatchChecks:
         if plan.forward and self._spread():
             plan.recheck = self._recheck(plan.forward, groups)
         return plan
+
+    def drop_unverifiable(self, state: LearnerState) -> int:
+        """Drop buffered groups of versions whose weights are not kept (under the lock), their prompts re-queued;
+        returns how many. None trains unchecked for want of its version (a full fine-tuning resume's buffer)."""
+        history = self.rooms.weight_history
+        if self.rooms.logprob_check is None or history is None:
+            return 0
+        gone = [g for g in state.buffer if g.policy_version not in history.versions]
+        if gone:
+            self.rooms.handoff.drop(gone, RejectReason.VERSION_GONE)
+            self.rooms.metrics.rejections.labels(reason=RejectReason.VERSION_GONE).inc(len(gone))
+        return len(gone)
 
     def _spread(self) -> bool:
         """Whether older groups are recomputed inside the step, each rank its own rows: with several ranks, under

@@ -86,6 +86,7 @@ class TrainingThread:
         with rooms.lock:
             # Stale groups go first, then the batch is taken and checked as it is: no group slides in unchecked.
             self.cycle.drop_too_stale(state)
+            self.checks.drop_unverifiable(state)
             if not self.cycle.ready(state):
                 return None
             groups, trained_on = self.cycle.take_batch(state)

@@ -262,3 +262,23 @@ def assert_checkpoint_generates_like_the_learner(checkpoint: Path, prompt: str, 
     else:
         assert theirs == ours, f"mlx_lm.generate gave tokens {theirs}, the learner's own decode {ours}"
     return completion_text(policy.tokenizer, completion, eos)
+
+
+# A user's environment (nothing imported from grpo_fleet), deterministic, whose rewards vary even for the tiny model:
+# two turns, each scored by its reply's length.
+LENGTHS_ENV = '''
+class Lengths:
+    deterministic = True
+
+    def __init__(self, env_config, extras):
+        self.turn = 0
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action):
+        self.turn += 1
+        observations = [] if self.turn == 2 else [{"role": "user", "content": "Once more."}]
+        return {"observations": observations, "reward": (len(action) % 3) / 2, "done": self.turn == 2,
+                "metadata": {}}
+'''

@@ -98,7 +98,7 @@ def _build_and_serve(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable
     from grpo_fleet.protocol.sockets import AddressInUse
     try:
         learner = build_learner(cfg, resume=resume)
-    except (MemoryBudgetError, TrackerUnavailable, ShortLog) as exc:
+    except (MemoryBudgetError, TrackerUnavailable, ShortLog, *user_file_errors()) as exc:
         logging.getLogger("grpo_fleet.learner").error("%s", exc)  # in learner.log too, not only the console
         print(f"grpo-fleet learner: {exc}", file=sys.stderr)
         return 2
@@ -209,6 +209,15 @@ def _stop_with_stdin(worker: ActorWorker, request_timeout: float) -> None:
     watch_stdin(stop, grace=request_timeout + 10.0)
 
 
+def user_file_errors() -> tuple[type[Exception], ...]:
+    """A task's own files that cannot be used (its environment or reward module): the user's to fix, in one line."""
+    from grpo_fleet.learner.door.env_replay import EnvNotVerifiable
+    from grpo_fleet.tasks.env_module import EnvLoadError
+    from grpo_fleet.tasks.reward_module import RewardModuleError
+
+    return EnvNotVerifiable, EnvLoadError, RewardModuleError
+
+
 def _demo(args: argparse.Namespace) -> int:
     from grpo_fleet.demo import DemoOptions, run_demo
     from grpo_fleet.run_lock import RunDirLocked
@@ -221,7 +230,7 @@ def _demo(args: argparse.Namespace) -> int:
     )
     try:
         summary = run_demo(options)
-    except (ZooError, RunDirLocked) as exc:  # a learner already running in the run directory: nothing was deleted
+    except (ZooError, RunDirLocked, *user_file_errors()) as exc:  # a learner already running there: nothing deleted
         print(f"grpo-fleet demo: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the fleet was stopped in order on the way out (local_fleet.running)

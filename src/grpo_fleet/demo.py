@@ -180,14 +180,18 @@ def prepare(options: DemoOptions) -> tuple[RunConfig, Path]:
     from grpo_fleet.learner.run.build import resolve_model_path
     from grpo_fleet.tasks import build_task
 
+    from grpo_fleet.learner.door.env_replay import check_verifiable
+
     cfg = demo_config(options)
     run_dir = Path(cfg.run_dir)
+    task = build_task(cfg.task)
+    check_verifiable(task.env, cfg.security.verify_rewards)  # refused here, in one line, before any process starts
     # A learner running there holds the lock: it is refused in one line before anything of its run is deleted.
     # Released once prepared, so that the demo's own learner can take it.
     with RunDirLock(run_dir):
         for stale in ("metrics.jsonl", "ledger.jsonl"):
             (run_dir / stale).unlink(missing_ok=True)
-        return _resolved(cfg, run_dir, resolve_model_path(cfg, build_task(cfg.task)))
+        return _resolved(cfg, run_dir, resolve_model_path(cfg, task))
 
 
 def _resolved(cfg: RunConfig, run_dir: Path, resolved: str) -> tuple[RunConfig, Path]:

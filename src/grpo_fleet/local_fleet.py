@@ -154,12 +154,24 @@ def actor_model_dirs(cfg: RunConfig) -> list[str]:
     return dirs
 
 
+def env_dirs(cfg: RunConfig) -> list[str]:
+    """The folder of task.env's file, when it is a file: the local actors import the learner's own copy, as they
+    read its reward module (a module name is installed, and allowed as it is)."""
+    if not cfg.task.env:
+        return []
+    from grpo_fleet.tasks.env_module import canonical_env
+    from grpo_fleet.tasks.reward_module import is_module_name
+
+    module, _ = canonical_env(cfg.task.env)
+    return [] if is_module_name(module) else [str(Path(module).parent)]
+
+
 def actor_args(cfg: RunConfig, index: int, metrics_port: int) -> list[str]:
     """`grpo-fleet actor` arguments for this fleet's actor `index`: allowed what its learner uses
-    from this machine, the model directory and the reward module (they are the same files here)."""
+    from this machine, the model directory, the reward module and the environment (the same files here)."""
     args = ["actor", "--connect", cfg.server.bind, "--actor-id", f"demo-actor-{index}",
             "--metrics-port", str(metrics_port), "--max-groups", str(cfg.server.max_groups_per_lease)]
-    args += [arg for path in actor_model_dirs(cfg) for arg in ("--model-dir", path)]
+    args += [arg for path in actor_model_dirs(cfg) + env_dirs(cfg) for arg in ("--model-dir", path)]
     if cfg.task.reward_module:
         args += ["--reward-module", cfg.task.reward_module]
     return args

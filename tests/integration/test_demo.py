@@ -22,6 +22,7 @@ from typing import Optional
 import pytest
 
 from grpo_fleet.blas import child_env
+from helpers import LENGTHS_ENV
 
 # Measured on 2 cores: a failing demo ends 1.7 s after its first child exits, and
 # 10-35 s after it starts (busy cores), most of it the learner's start.
@@ -62,12 +63,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def run_demo(cwd: Path, model_path: str, steps: int) -> DemoRun:
-    """`grpo-fleet demo --set model.path=MODEL_PATH` from `cwd`, watching which children it starts."""
+def run_demo(cwd: Path, model_path: str, steps: int, extra: tuple[str, ...] = ()) -> DemoRun:
+    """`grpo-fleet demo --set model.path=MODEL_PATH [EXTRA]` from `cwd`, watching which children it starts."""
     run_dir = cwd / "demo"
     out = cwd / "demo.out"
     args = [sys.executable, "-m", "grpo_fleet", "demo", "--steps", str(steps), "--run-dir", str(run_dir),
-            "--no-progress", "--set", f"model.path={model_path}", "--set", f"task.num_eval={EVAL_PROMPTS}"]
+            "--no-progress", "--set", f"model.path={model_path}", "--set", f"task.num_eval={EVAL_PROMPTS}", *extra]
     started = time.monotonic()
     with open(out, "w") as sink:
         demo = subprocess.Popen(args, cwd=cwd, env=child_env(), stdout=sink, stderr=subprocess.STDOUT)
@@ -143,3 +144,49 @@ def test_demo_stops_with_the_reason_when_a_process_exits(
     assert f"the demo stopped: {who}" in run.output and reason in run.output, run.output
     assert "held-out reward:" not in run.output  # no summary of a run that did not happen
     assert_nothing_left(run)
+
+
+def users_episode_config(folder: Path, env_source: str) -> None:
+    """What the README's episode section has a user write: an environment file beside their config."""
+    folder.mkdir()
+    (folder / "lengths.py").write_text(env_source)
+    demos = Path(__file__).resolve().parents[2] / "src/grpo_fleet/demos/smollm2-135m-instruct"
+    (folder / "my.toml").write_text(f"""
+[task]
+name = "jsonl"
+train_path = "{demos / 'capitals_train.jsonl'}"
+eval_path = "{demos / 'capitals_eval.jsonl'}"
+rewards = []
+chat_template = true
+env = "lengths.py:Lengths"
+max_turns = 2
+max_episode_tokens = 160
+
+[generation]
+group_size = 4
+max_tokens = 6
+""")
+
+
+def test_demo_trains_a_users_environment_file_beside_its_config(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
+    # The env file lies outside the run directory and is no installed module: the demo's own actors must be allowed
+    # it, as they are the reward module (they refused it as "outside the allowed directories").
+    project = tmp_path / "project"
+    users_episode_config(project, LENGTHS_ENV)
+    run = run_demo(project, str(tiny_chat_model_dir), steps=2, extra=("--config", "my.toml"))
+    assert "outside the allowed directories" not in run.output, run.output
+    summary = json.loads((project / "demo" / "summary.json").read_text())
+    assert summary["steps"] == 2, run.output
+    for actor in ("actor-0", "actor-1"):
+        assert "joined run" in (project / "demo" / f"{actor}.log").read_text(), run.output
+    assert_nothing_left(run)
+
+
+def test_demo_refuses_an_environment_it_cannot_verify_in_one_line(tmp_path: Path, tiny_chat_model_dir: Path) -> None:
+    project = tmp_path / "project"
+    users_episode_config(project, LENGTHS_ENV.replace("    deterministic = True\n", ""))
+    run = run_demo(project, str(tiny_chat_model_dir), steps=2, extra=("--config", "my.toml"))
+    assert run.returncode == 2, run.output
+    lines = run.output.strip().splitlines()
+    assert len(lines) == 1 and "does not declare itself deterministic" in lines[0], run.output
+    assert not run.children, "refused before any learner or actor started"

@@ -5,27 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers import jsonl
+from helpers import LENGTHS_ENV, jsonl
 
 DEMO = Path(__file__).resolve().parents[2] / "src/grpo_fleet/demos/smollm2-135m-instruct"
-# A user's environment (nothing imported from grpo_fleet), deterministic, whose rewards vary even for the tiny model:
-# two turns, each scored by its reply's length.
-LENGTHS_ENV = '''
-class Lengths:
-    deterministic = True
-
-    def __init__(self, env_config, extras):
-        self.turn = 0
-
-    def init(self, prompt):
-        return prompt, {}
-
-    def step(self, action):
-        self.turn += 1
-        observations = [] if self.turn == 2 else [{"role": "user", "content": "Once more."}]
-        return {"observations": observations, "reward": (len(action) % 3) / 2, "done": self.turn == 2,
-                "metadata": {}}
-'''
 
 
 def test_a_learner_and_an_actor_train_and_evaluate_episodes(run_config, spawn, tiny_chat_model_dir, tmp_path):
@@ -61,3 +43,17 @@ def test_a_learner_and_an_actor_train_and_evaluate_episodes(run_config, spawn, t
                            for row in samples)
     log = learner.log_path.read_text()
     assert "mismatch" not in log and "invalid" not in log  # every episode replayed to the same reward
+
+
+def test_the_learner_refuses_an_environment_it_cannot_replay_in_one_line(run_config, spawn, tiny_chat_model_dir,
+                                                                           tmp_path):
+    env_file = tmp_path / "lengths.py"
+    env_file.write_text(LENGTHS_ENV.replace("    deterministic = True\n", ""))
+    config, _ = run_config(
+        model={"path": str(tiny_chat_model_dir)},
+        task={"name": "jsonl", "train_path": str(DEMO / "capitals_train.jsonl"), "rewards": [], "chat_template": True,
+              "env": f"{env_file}:Lengths"})
+    learner = spawn("learner", "--config", str(config), name="learner")
+    assert learner.wait(timeout=120) == 2
+    log = learner.log_path.read_text()
+    assert "does not declare itself deterministic" in log and "Traceback" not in log, log[-3000:]

@@ -8,12 +8,12 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # this CPU can run (src/grpo_fleet/blas.py: LD_PRELOAD and OPENBLAS_CORETYPE, as the CLI sets them for itself).
 BLAS_ENV = $$($(PY) -m grpo_fleet.blas)
 
-.PHONY: demo demo-real test test-fast test-deps lint bench bench-full doctor system-deps clean readme
+.PHONY: demo demo-real test test-fast test-deps lint docs reference bench bench-full doctor system-deps clean readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,dev]'
+	$(PY) -m pip install --quiet -e '.[test,dev,docs]'
 	touch $@
 
 system-deps:
@@ -57,6 +57,16 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 
+# The manual (docs/, mkdocs.yml) built strictly into site/: a broken link or anchor fails it, and so does a
+# generated reference (docs/reference/) that no longer says what the code does (`make reference` rewrites them).
+# Not --quiet: it hides the warnings that strict mode counts, and the build would pass.
+docs: $(VENV)/.installed
+	$(PY) -m grpo_fleet.docs_reference --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+reference: $(VENV)/.installed
+	$(PY) -m grpo_fleet.docs_reference
+
 # pytest-xdist: most integration tests wait on their processes, so four workers keep two cores busy
 # (measured on 2 cores: 3 workers 650 s at 188% CPU, 4 workers 613 s at 193%).
 # One BLAS thread per process: the workers and their children already fill the cores, and OpenBLAS's
@@ -65,7 +75,7 @@ lint: $(VENV)/.installed
 # hundred learner and actor processes, and each would otherwise compile grpo_fleet anew (and every
 # worker rewrite every test module's asserts).
 TEST_WORKERS ?= 4
-test: test-deps $(VENV)/.installed lint
+test: test-deps $(VENV)/.installed lint docs
 	env -u PYTHONDONTWRITEBYTECODE $(BLAS_ENV) OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=0 --durations-min=1 $(PYTEST_ARGS)
 
 test-fast: test-deps $(VENV)/.installed
@@ -82,7 +92,7 @@ doctor: system-deps $(VENV)/.installed
 	$(VENV)/bin/grpo-fleet doctor
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .hypothesis .mypy_cache .ruff_cache
 
 readme: $(VENV)/.installed
 	$(PY) -c "from grpo_fleet.config import refresh_readme; refresh_readme('README.md')"

@@ -81,6 +81,35 @@ def _import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from grpo_fleet.export.run import ExportError, ExportRequest, export_run
+    from grpo_fleet.gguf import GGUFError
+
+    request = ExportRequest(path=args.run, out=args.out, step=args.step, gguf=args.gguf, ollama=args.ollama)
+    try:
+        result = export_run(request)
+    except (ExportError, GGUFError, OSError) as exc:
+        print(f"grpo-fleet export: {exc}", file=sys.stderr)
+        return 2
+    print(result.describe())
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    from grpo_fleet.export.names import GGUF_TYPES
+
+    export = sub.add_parser("export", help="fuse a run's adapters into its model: an mlx-lm directory and a GGUF for "
+                            "llama.cpp, LM Studio and Ollama")
+    export.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its latest checkpoint) or a "
+                        "checkpoint directory")
+    export.add_argument("--step", type=int, help="the checkpoint of this step in RUN_DIR")
+    export.add_argument("--out", required=True, metavar="DIR", help="where to write mlx/, the GGUF and the Modelfile")
+    export.add_argument("--gguf", choices=GGUF_TYPES, help="the GGUF's type (default q8_0 for a model imported from a "
+                        "GGUF; q4_k_m needs llama.cpp's quantizer)")
+    export.add_argument("--ollama", metavar="NAME", help="also write a Modelfile and print the `ollama create NAME` command")
+    export.set_defaults(func=_export)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -297,3 +326,4 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                          help="characters shown of each prompt and completion (default %(default)s)")
     samples.set_defaults(func=_samples)
     _add_simulate(sub)
+    _add_export(sub)

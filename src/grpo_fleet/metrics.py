@@ -73,6 +73,7 @@ class LearnerMetrics:
     skipped_updates: Counter
     groups_unscored: Counter
     groups_unscorable: Counter
+    unscored_requeues: Counter
     logprob_gap: Histogram
     logprob_check_seconds: Histogram
     logprob_checks: Counter
@@ -135,8 +136,9 @@ def learner_metrics() -> LearnerMetrics:
         leases_issued=Counter(f"{p}_leases_issued", "Leases handed out", registry=r),
         fair_share_refusals=Counter(
             f"{p}_fair_share_refusals", "Requests refused so that one actor cannot take more than its share, by reason: "
-            "actor_cap (a lease beyond what the actor can finish within server.lease_seconds), busy (Rollouts while "
-            "the verifier's queue is full; resent later)", ["reason"], registry=r),
+            "actor_cap (a lease beyond what the actor can finish within server.lease_seconds), fair_share (a lease "
+            "beyond the key's equal share of the in-flight budget plus one lease), busy (Rollouts while the "
+            "verifier's queue is full; resent later)", ["reason"], registry=r),
         leases_expired=Counter(f"{p}_leases_expired", "Leases that expired and were re-queued", registry=r),
         late_groups=Counter(f"{p}_late_groups", "Groups taken from a lease past its deadline (its work was not thrown "
                             "away), by kind: train or eval", ["kind"], registry=r),
@@ -188,6 +190,10 @@ def learner_metrics() -> LearnerMetrics:
         ),
         groups_unscorable=Counter(
             f"{p}_groups_unscorable", "Prompts given up on for this pass after repeated unscorable groups", registry=r
+        ),
+        unscored_requeues=Counter(
+            f"{p}_unscored_requeues", "Groups sent back unscored and re-queued, by where they may go: another_key (not "
+            "to the key that returned it, while another is live), any_key (a fleet of one key)", ["to"], registry=r,
         ),
         logprob_gap=Histogram(
             f"{p}_logprob_gap_nats", "Mean |reported - recomputed| token logprob of each checked group "

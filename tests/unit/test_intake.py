@@ -248,6 +248,32 @@ def test_a_prompt_unscored_three_times_in_a_row_is_skipped_for_the_pass(rooms):
     assert rooms.ledger() == [], "a skipped prompt never counts as an accepted group"
 
 
+def test_instant_unscored_returns_measure_no_speed(rooms, clock):
+    """Issue 39 item 2: speed was measured from every returned group, unscored ones included, over at least 1 ms:
+    two instant unscored returns read as 4,000 groups/s, and the key's cap is speed x lease_seconds."""
+    actor = rooms.registry.actors[b"id"]
+    for _ in range(2):
+        msg = _unscored_rollouts(rooms)
+        clock.advance(0.0005)
+        assert rooms.intake.take(actor, msg).status == "requeued"
+    assert actor.groups_per_second.value is None
+    scored = _rollouts(rooms)
+    clock.advance(1.0)
+    assert rooms.intake.take(actor, scored).status == "accepted"
+    assert actor.groups_per_second.value == pytest.approx(2.0), "accepted groups do count"
+
+
+def test_a_group_returned_unscored_goes_to_another_key_and_is_counted(rooms):
+    rooms.registry.hello(b"honest", "honest-key", m.Hello(actor_id="h", host="h", backend="cpu", versions={}), "")
+    msg = _unscored_rollouts(rooms)
+    rooms.intake.take(rooms.registry.actors[b"id"], msg)
+    returned = {u.group_id for u in msg.unscored}
+    assert not returned & set(rooms.state.scheduler.issue(KEY, 2).tickets), "not back to the key that returned them"
+    assert set(rooms.state.scheduler.issue("honest-key", 2).tickets) == returned
+    assert rooms.metrics.registry.get_sample_value("grpo_fleet_learner_unscored_requeues_total",
+                                                   {"to": "another_key"}) == 2
+
+
 def test_an_unscored_group_that_was_never_leased_is_a_violation(rooms):
     lease = rooms.state.scheduler.issue(KEY, 1)
     msg = m.Rollouts(lease_id=lease.lease_id, policy_version=0, incarnation=rooms.state.incarnation, groups=[],

@@ -9,12 +9,18 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.fleet.leasing import (
     DEADLINE_SHARE,
     MAX_RETRY_SECONDS,
+    MAX_SPEEDUP,
+    MIN_MEASURED_SECONDS,
     MIN_RETRY_SECONDS,
     NEW_ACTOR_LEASES,
+    SPEEDUP_BASE,
     Leasing,
+    actor_cap,
+    key_share,
     lease_size,
     lease_target_seconds,
     retry_after,
+    speed_sample,
 )
 from grpo_fleet.learner.fleet.registry import ActorInfo, MovingAverage
 from grpo_fleet.learner.records.lease_book import PromptScheduler
@@ -82,13 +88,13 @@ def test_target_stays_well_inside_the_lease_deadline():
 # ---------------------------------------------------------------- the Leasing room
 
 
-def _leasing(clock, sessions=lambda key: [], **server) -> Leasing:
+def _leasing(clock, sessions=lambda key: [], keys=lambda: 1, **server) -> Leasing:
     cfg = RunConfig.model_validate({"grpo": {"groups_per_step": 2}, "server": server})
     state = LearnerState(run_id="run", incarnation="a" * 12, steps_target=10,
                          scheduler=PromptScheduler(20, seed=0, lease_seconds=cfg.server.lease_seconds, clock=clock))
     prompts = [np.array([i], dtype=np.int32) for i in range(20)]
     return Leasing(cfg, state, learner_metrics(), prompts, [Example(prompt=f"p{i}", answer=str(i)) for i in range(len(prompts))],
-                   sessions)
+                   sessions, keys)
 
 
 def _actor(key: str = "key") -> ActorInfo:
@@ -101,9 +107,9 @@ def _held_after_asking(leasing: Leasing, actor: ActorInfo, times: int = 20) -> i
     return leasing.state.scheduler.groups_held(actor.principal)
 
 
-def _capped(leasing: Leasing) -> float:
+def _capped(leasing: Leasing, reason: str = "actor_cap") -> float:
     value = leasing.metrics.registry.get_sample_value("grpo_fleet_learner_fair_share_refusals_total",
-                                                      {"reason": "actor_cap"})
+                                                      {"reason": reason})
     return value or 0.0
 
 
@@ -167,7 +173,7 @@ def test_a_returned_lease_measures_its_actor(clock):
     actor = _actor()
     lease = leasing.grant(actor, m.LeaseRequest(max_groups=2))
     clock.advance(0.5)
-    leasing.measure(actor, lease.lease_id, 2)
+    leasing.measure(actor, leasing.issued_at(lease.lease_id), 2, 2)
     assert actor.groups_per_second.value == pytest.approx(4.0) and actor.last_return == clock()
 
 
@@ -185,7 +191,7 @@ def test_a_late_lease_measures_its_actor_so_the_next_lease_fits_the_deadline(clo
     lease = leasing.grant(actor, m.LeaseRequest(max_groups=4))
     clock.advance(leasing.server.lease_seconds * 2)
     assert leasing.expire() == 1
-    leasing.measure(actor, lease.lease_id, 4)
+    leasing.measure(actor, leasing.issued_at(lease.lease_id), 4, 4)
     assert actor.groups_per_second.value == pytest.approx(4 / (leasing.server.lease_seconds * 2))
 
 
@@ -210,3 +216,56 @@ def test_a_lease_is_never_extended_when_max_lease_seconds_is_lease_seconds(clock
     leasing.grant(_actor(), m.LeaseRequest(max_groups=1))
     clock.advance(10.0)
     assert leasing.expire(lambda key: True) == 1
+
+
+# ---------------------------------------------------------------- one key, hostile but allowed (issue 39 item 2)
+
+
+def test_a_key_holds_at_most_its_fair_share_plus_one_lease_whatever_speed_and_sessions_it_shows(clock):
+    """Its cap was speed x lease_seconds summed over up to max_actors sessions: two instant returns read as
+    4,000 groups/s, and one key took the whole in-flight budget."""
+    hostile = [_actor("hostile") for _ in range(8)]
+    for session in hostile:
+        session.groups_per_second.add(4000.0)
+    leasing = _leasing(clock, sessions=lambda key: hostile if key == "hostile" else [], keys=lambda: 2,
+                       in_flight_steps=8, max_groups_per_lease=2)  # 16 groups in flight, shared by 2 keys
+    share = key_share(16, 2, 2)
+    assert share == 16 // 2 + 2
+    assert _held_after_asking(leasing, hostile[0]) == share
+    assert _capped(leasing, "fair_share") > 0
+    honest = _actor("honest")
+    honest.groups_per_second.add(100.0)
+    assert _held_after_asking(leasing, honest) == 16 - share, "the rest is the other key's"
+
+
+def test_a_lone_key_has_the_whole_budget():
+    assert key_share(16, 1, 2) >= 16 and key_share(16, 0, 2) >= 16
+    assert key_share(3, 8, 4) == 4, "more keys than groups: still one lease each"
+
+
+def test_a_return_reads_no_faster_than_its_credible_time_nor_its_growth_allows():
+    assert speed_sample(2, 0.0005, None) == pytest.approx(2 / MIN_MEASURED_SECONDS), "no 1 ms floor: 4,000 groups/s"
+    assert speed_sample(4, 1.0, 1.0) == pytest.approx(MAX_SPEEDUP * 1.0)
+    assert speed_sample(1, 2.0, 1.0) == pytest.approx(0.5), "slowing down is never capped"
+    assert speed_sample(0, 0.001, 3.0) == 0.0
+    assert speed_sample(4, 1.0, 0.0) == pytest.approx(MAX_SPEEDUP * SPEEDUP_BASE), "a measure at 0 climbs again"
+
+
+def test_returns_with_nothing_accepted_only_slow_the_measure(clock):
+    leasing = _leasing(clock)
+    actor = _actor()
+
+    def returned(seconds: float, accepted: int) -> None:
+        lease = leasing.state.scheduler.issue(actor.principal, 2)
+        clock.advance(seconds)
+        leasing.measure(actor, leasing.issued_at(lease.lease_id), accepted, 2)
+
+    returned(0.0005, 0)
+    returned(0.0005, 0)
+    assert actor.groups_per_second.value is None, "instant unscored returns say nothing"
+    returned(1.0, 2)
+    assert actor.groups_per_second.value == pytest.approx(2.0)
+    returned(0.0005, 0)
+    assert actor.groups_per_second.value == pytest.approx(2.0), "nor do they raise a measure"
+    returned(10.0, 0)
+    assert actor.groups_per_second.value < 2.0, "a slow one lowers it: its leases shrink"

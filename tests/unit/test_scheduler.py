@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from grpo_fleet.learner.records.lease_book import PromptScheduler
+from grpo_fleet.learner.records.lease_book import UNSCORED_RETURNS, PromptScheduler
 from grpo_fleet.protocol.reasons import RejectReason
 
 LEASE_SECONDS = 10.0
@@ -438,3 +438,57 @@ def test_a_checkpoint_that_still_lists_finished_ids_resumes(make_scheduler):
     resumed = make_scheduler(num_prompts=5)
     resumed.load_state_dict(saved)
     assert resumed.finished == set(done)
+
+
+def _return_unscored(scheduler: PromptScheduler, key: str, live_keys: int) -> tuple[str, bool]:
+    lease = scheduler.issue(key, 1)
+    (group_id,) = lease.tickets
+    return group_id, scheduler.return_unscored(lease.lease_id, group_id, key, live_keys)
+
+
+def test_a_group_returned_unscored_goes_to_another_key_and_one_key_can_skip_nothing(make_scheduler):
+    """Issue 39 item 2: returning the same prompt unscored three times skipped it for the pass, so one actor chose
+    which prompts were trained."""
+    scheduler = make_scheduler()
+    returned, skipped = _return_unscored(scheduler, "hostile", live_keys=2)
+    assert not skipped and [t.group_id for t in scheduler.queued_groups] == [returned]
+    for _ in range(2 * UNSCORED_RETURNS):  # it asks again and again: never that group again
+        group_id, skipped = _return_unscored(scheduler, "hostile", live_keys=2)
+        assert group_id != returned and not skipped
+    assert returned in ids_of(scheduler.issue("honest", 1)), "re-leased to a different key"
+
+
+def test_a_prompt_is_skipped_only_after_unscored_returns_from_two_keys(make_scheduler):
+    scheduler = make_scheduler()
+    group_id, _ = _return_unscored(scheduler, "a", live_keys=2)
+    lease = scheduler.issue("b", 1)
+    assert ids_of(lease) == [group_id]
+    assert not scheduler.return_unscored(lease.lease_id, group_id, "b", live_keys=2)
+    lease = scheduler.issue("a", 1)
+    assert ids_of(lease) == [group_id]
+    assert scheduler.return_unscored(lease.lease_id, group_id, "a", live_keys=2), "3 in a row from 2 keys"
+    assert group_id in scheduler.finished and scheduler.queued_groups == []
+
+
+def test_in_a_fleet_of_one_key_its_returns_alone_skip_a_prompt(make_scheduler):
+    scheduler = make_scheduler()
+    group_id, skipped = _return_unscored(scheduler, "only", live_keys=1)
+    for attempt in range(1, UNSCORED_RETURNS):
+        lease = scheduler.issue("only", 1)
+        assert ids_of(lease) == [group_id], "not barred: nobody else would do it"
+        skipped = scheduler.return_unscored(lease.lease_id, group_id, "only", live_keys=1)
+        assert skipped == (attempt == UNSCORED_RETURNS - 1)
+    assert group_id in scheduler.finished
+
+
+def test_a_scored_group_ends_the_run_of_unscored_returns(make_scheduler):
+    scheduler = make_scheduler()
+    group_id, _ = _return_unscored(scheduler, "only", live_keys=1)
+    lease = scheduler.issue("only", 1)
+    index = lease.tickets[group_id].prompt_index
+    scheduler.finish(lease.lease_id, group_id)
+    retry = scheduler.retry_prompt(index)
+    for _ in range(UNSCORED_RETURNS - 1):  # two more returns of the prompt: three in all, not three in a row
+        lease = scheduler.issue("only", 1)
+        assert ids_of(lease) == [retry.group_id]
+        assert not scheduler.return_unscored(lease.lease_id, retry.group_id, "only", live_keys=1)

@@ -24,6 +24,7 @@ from grpo_fleet.learner.door.intake_rules import (
 )
 from grpo_fleet.learner.fleet.trust import Trust
 from grpo_fleet.learner.records.groups import AcceptedGroup
+from grpo_fleet.learner.records.lease_book import UNSCORED_RETURNS
 from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.metrics import LearnerMetrics
@@ -42,10 +43,6 @@ log = logging.getLogger("grpo_fleet.learner")
 # Refusals of the learner's reward check: the prompt goes back in the queue for someone else to do again.
 REWARD_CHECK_REFUSALS = frozenset({RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH,
                                    RejectReason.REWARD_UNVERIFIABLE, RejectReason.REWARD_TIMEOUT})
-# A prompt whose group comes back unscored this many times in a row is given up
-# on for this pass over the data: a reward that always fails on it would
-# otherwise have the fleet regenerate it forever.
-MAX_UNSCORED_ATTEMPTS = 3
 REWARD_ERRORS = frozenset(str(error) for error in RewardError)
 
 
@@ -86,8 +83,8 @@ class Intake:
         violations = sorted({r for r in (*refused.values(), *unscored.values()) if r is not None and r.is_violation})
         if violations:
             return self._invalid(actor, msg.lease_id, violations[0])
-        self.leasing.measure(actor, msg.lease_id, len(msg.groups) + len(msg.unscored))
-        requeued = self._unscored(msg, unscored)
+        issued_at = self.leasing.issued_at(msg.lease_id)  # read now: a lease whose groups are all taken is gone
+        requeued = self._unscored(actor, msg, unscored)
         unusable = unusable_version(msg, self.state, rules.max_staleness, self._kept())
         if not msg.groups:
             ack = m.Ack(lease_id=msg.lease_id, status="requeued", groups=requeued)
@@ -95,6 +92,9 @@ class Intake:
             ack = self._stale(msg, refused, unusable, requeued)
         else:
             ack = self._accept(actor, msg, refused, requeued)
+        # Only accepted groups show speed: work sent back unscored or stale must not earn a bigger share.
+        self.leasing.measure(actor, issued_at, sum(status == "accepted" for status in ack.groups.values()),
+                             len(msg.groups) + len(msg.unscored))
         # Only answers about leases that were open are worth replaying.
         if known_lease:
             self.state.acks.put(msg.lease_id, ack)
@@ -117,10 +117,12 @@ class Intake:
         self.registry.record_violation(actor.principal, reason)
         return m.Ack(lease_id=lease_id, status="invalid", reason=reason)
 
-    def _unscored(self, msg: m.Rollouts, classified: dict[str, Optional[RejectReason]]) -> dict[str, str]:
-        """Re-queue the groups the actor could not score (tasks/scoring.py); a prompt failing repeatedly is dropped."""
+    def _unscored(self, actor: ActorInfo, msg: m.Rollouts,
+                  classified: dict[str, Optional[RejectReason]]) -> dict[str, str]:
+        """Re-queue the groups the actor could not score (tasks/scoring.py) for another key; a prompt failing
+        repeatedly, for several keys, is dropped (records/lease_book.py)."""
         answer: dict[str, str] = {}
-        scheduler, attempts = self.state.scheduler, self.state.unscored_attempts
+        scheduler, live_keys = self.state.scheduler, self.registry.key_count()
         for group in msg.unscored:
             refusal = classified[group.group_id]
             if refusal is not None:  # a duplicate, or a lease that expired meanwhile: nothing to re-queue
@@ -129,17 +131,14 @@ class Intake:
             reward = group.reward if group.reward in self.rules.reward_names else "*"
             error = group.error if group.error in REWARD_ERRORS else "other"  # labels stay a bounded set
             self.metrics.groups_unscored.labels(reward=reward, error=error).inc()
-            index = scheduler.leased_prompt(msg.lease_id, group.group_id)
-            attempts[index] = attempts.get(index, 0) + 1
-            if attempts[index] >= MAX_UNSCORED_ATTEMPTS:
-                del attempts[index]
-                scheduler.finish(msg.lease_id, group.group_id)
+            if scheduler.return_unscored(msg.lease_id, group.group_id, actor.principal, live_keys):
                 self.metrics.groups_unscorable.inc()
-                log.warning("prompt %d came back unscored %d times (last: reward %s %s: %s); skipped for this pass",
-                            index, MAX_UNSCORED_ATTEMPTS, shown(reward), error, shown(group.detail, 200))
+                log.warning("prompt of group %s came back unscored %d times (last: reward %s %s: %s); skipped for "
+                            "this pass", group.group_id, UNSCORED_RETURNS, shown(reward), error,
+                            shown(group.detail, 200))
                 answer[group.group_id] = "unscorable"
             else:
-                scheduler.requeue(msg.lease_id, group.group_id)
+                self.metrics.unscored_requeues.labels(to="another_key" if live_keys > 1 else "any_key").inc()
                 answer[group.group_id] = "requeued"
         return answer
 
@@ -167,7 +166,6 @@ class Intake:
                 continue
             ticket = self.state.scheduler.finish(msg.lease_id, group.group_id)
             index = ticket.prompt_index
-            self.state.unscored_attempts.pop(index, None)
             records.append(accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
         self._pick_for_logprob_checks(actor, records)
         if late and records:

@@ -244,7 +244,7 @@ class Evaluation:
         late = round_.leases.pop(msg.lease_id, None) is None
         if late:
             del round_.late[msg.lease_id]
-        record_speed(actor, lease.issued_at, (len(msg.groups) + len(msg.unscored)) * self.sampling().samples
+        record_speed(actor, lease.issued_at, len(msg.groups) * self.sampling().samples
                      / self.group_size, self.clock())
         answer = {g.group_id: "eval" if round_.score(lease.tickets[g.group_id], [c.reward for c in g.completions],
                                                      msg.policy_version, late=late) else "duplicate"

@@ -9,7 +9,13 @@ to the scheduler's bookkeeping (scheduler.py). No sockets.
 
 Each actor key may hold at most what its sessions can finish within a lease's
 timeout at their measured speed (`actor_cap`), so one actor, honest but slow or
-hoarding on purpose, cannot take the whole in-flight budget from the others.
+hoarding on purpose, cannot take the whole in-flight budget from the others; and
+never more than its fair share of that budget plus one lease (`key_share`),
+whatever speed it shows or sessions it opens (at most
+server.max_sessions_per_key). Speed counts only the groups the learner accepted:
+a lease returned unscored or stale can only slow an actor's measure; and a
+return is never read as faster than MIN_MEASURED_SECONDS allows, nor as more
+than MAX_SPEEDUP times the actor's current measure.
 """
 
 from __future__ import annotations
@@ -39,6 +45,15 @@ MIN_RETRY_SECONDS, MAX_RETRY_SECONDS = 0.005, 0.2
 NEW_ACTOR_LEASES = 2
 # Longest a lease is held while its actor is still at work, in lease_seconds (unless server.max_lease_seconds).
 DEFAULT_LEASE_SPANS = 3
+# The shortest time a returned lease is measured over: about what the tests' tiny model takes for a group (a real
+# model takes seconds); a return sent at once must not read as thousands of groups per second.
+MIN_MEASURED_SECONDS = 0.01
+# One return may read as at most this many times the actor's current speed: a fast actor ramps up over a few
+# leases (its moving average grows at most 1 + EMA_WEIGHT x (MAX_SPEEDUP - 1) = 1.3x per return).
+MAX_SPEEDUP = 2.0
+# ... of its current speed or of this many groups per second, whichever is more: a measure near 0 (nothing
+# accepted lately) can climb again.
+SPEEDUP_BASE = 1.0
 
 
 def lease_target_seconds(
@@ -84,12 +99,32 @@ def actor_cap(groups_per_second: Optional[float], lease_seconds: float, max_grou
     return max(1, math.floor(groups_per_second * lease_seconds))
 
 
-def record_speed(actor: ActorInfo, issued_at: float, groups: float, now: float) -> None:
-    """Add one returned lease's groups per second to `actor`'s measure (`Leasing.measure` says when it starts)."""
-    if not groups:
+def key_share(limit: int, keys: int, max_groups_per_lease: int) -> int:
+    """Most groups one key may hold at once: an equal share of the in-flight `limit` among the `keys` with a live
+    session, plus one lease (so every key can work, and a lone key has the whole budget)."""
+    return limit // max(1, keys) + max_groups_per_lease
+
+
+def speed_sample(groups: float, seconds: float, current: Optional[float]) -> float:
+    """Groups per second of one return: over at least MIN_MEASURED_SECONDS, and at most MAX_SPEEDUP times
+    `current` (the actor's measure so far, None before the first; SPEEDUP_BASE if more)."""
+    sample = groups / max(seconds, MIN_MEASURED_SECONDS)
+    return sample if current is None else min(sample, MAX_SPEEDUP * max(current, SPEEDUP_BASE))
+
+
+def record_speed(actor: ActorInfo, issued_at: float, groups: float, now: float, credited: bool = True) -> None:
+    """Add one returned lease's groups per second to `actor`'s measure (`Leasing.measure` says when it starts).
+
+    `credited`: the groups were accepted. Work that was not (sent back unscored, stale, refused) may only slow
+    the measure, and says nothing before the first accepted return: one key cannot read as fast by returning
+    work it never did.
+    """
+    current = actor.groups_per_second.value
+    if not groups or (not credited and current is None):
         return
     started = max(issued_at, actor.last_return if actor.last_return is not None else issued_at)
-    actor.groups_per_second.add(groups / max(now - started, 1e-3))
+    sample = speed_sample(groups, now - started, current)
+    actor.groups_per_second.add(sample if credited or current is None else min(sample, current))
     actor.last_return = now
 
 
@@ -139,9 +174,11 @@ class Leasing:
 
     def __init__(self, cfg: RunConfig, state: LearnerState, metrics: LearnerMetrics,
                  prompt_tokens: list[np.ndarray], examples: list[Example],
-                 sessions: Callable[[str], list[ActorInfo]] = lambda key: []) -> None:
+                 sessions: Callable[[str], list[ActorInfo]] = lambda key: [],
+                 keys: Callable[[], int] = lambda: 1) -> None:
         self.server, self.state, self.metrics = cfg.server, state, metrics
         self.sessions = sessions  # the live sessions under a key (registry.sessions_of): the key's cap is theirs
+        self.keys = keys  # how many keys have a live session (registry.key_count): they share the budget
         self.limit = in_flight_limit(cfg.server.in_flight_steps, cfg.grpo.groups_per_step)
         self.max_staleness = cfg.grpo.max_staleness
         self.prompt_tokens, self.examples = prompt_tokens, examples
@@ -153,19 +190,23 @@ class Leasing:
         """Groups that may still be leased: the in-flight limit less what is out or buffered."""
         return max(0, self.limit - self.state.scheduler.outstanding_groups - len(self.state.buffer))
 
-    def room_for(self, actor: ActorInfo) -> int:
-        """Groups `actor`'s key may still take: its sessions' caps (`actor_cap`) less what the key holds."""
+    def room_for(self, actor: ActorInfo) -> tuple[int, str]:
+        """Groups `actor`'s key may still take, and what bounds them: its sessions' caps (`actor_cap`) or its share
+        of the budget (`key_share`), whichever is less, less what the key holds."""
+        server = self.server
         sessions = self.sessions(actor.principal) or [actor]
-        cap = sum(actor_cap(s.groups_per_second.value, self.server.lease_seconds, self.server.max_groups_per_lease)
+        cap = sum(actor_cap(s.groups_per_second.value, server.lease_seconds, server.max_groups_per_lease)
                   for s in sessions)
-        return cap - self.state.scheduler.groups_held(actor.principal)
+        share = key_share(self.limit, self.keys(), server.max_groups_per_lease)
+        held = self.state.scheduler.groups_held(actor.principal)
+        return (cap - held, "actor_cap") if cap <= share else (share - held, "fair_share")
 
     def grant(self, actor: ActorInfo, request: m.LeaseRequest) -> m.Lease:
         """A lease for `actor`, or an empty one telling it when to ask again."""
         state = self.state
-        room = self.room_for(actor)
+        room, bound = self.room_for(actor)
         if room < 1 and not state.done:
-            self.metrics.fair_share_refusals.labels(reason="actor_cap").inc()
+            self.metrics.fair_share_refusals.labels(reason=bound).inc()
         limit = min(self.server.max_groups_per_lease, self.capacity(), room)
         count = lease_size(request.max_groups, limit, actor.groups_per_second.value, self.target_seconds())
         lease = state.scheduler.issue(actor.principal, count) if count and not state.done else None
@@ -183,18 +224,24 @@ class Leasing:
         return lease_target_seconds(self.server.lease_target_seconds, self.max_staleness,
                                     self.step_interval.value, self.server.lease_seconds)
 
-    def measure(self, actor: ActorInfo, lease_id: str, groups: int) -> None:
-        """Groups per second of a returned lease, for sizing the next ones.
+    def issued_at(self, lease_id: str) -> Optional[float]:
+        """When an open or late lease was issued (None for one nobody remembers); read before its groups are
+        taken, as a lease whose every group is finished is forgotten."""
+        scheduler = self.state.scheduler
+        # A late lease is measured too: it is the one that says the actor is slower than its leases assumed.
+        lease = scheduler.leases.get(lease_id) or scheduler.late.get(lease_id)
+        return None if lease is None else lease.issued_at
+
+    def measure(self, actor: ActorInfo, issued_at: Optional[float], accepted: int, returned: int) -> None:
+        """Groups per second of a returned lease issued at `issued_at`, for sizing the next ones: its `accepted`
+        groups, or if none was, its `returned` ones as a slowdown only (`record_speed`).
 
         The clock starts when the lease was issued or when the actor's previous
         lease came back, whichever is later: actors ask for their next lease
         before generating the current one, and it waits in hand meanwhile.
         """
-        scheduler = self.state.scheduler
-        # A late lease is measured too: it is the one that says the actor is slower than its leases assumed.
-        lease = scheduler.leases.get(lease_id) or scheduler.late.get(lease_id)
-        if lease is not None:
-            record_speed(actor, lease.issued_at, groups, scheduler.clock())
+        if issued_at is not None:
+            record_speed(actor, issued_at, accepted or returned, self.state.scheduler.clock(), credited=accepted > 0)
 
     def step_finished(self) -> None:
         """Time the learner's steps: leases are sized in steps, and refused actors retry in about half of one."""

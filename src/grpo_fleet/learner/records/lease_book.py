@@ -14,6 +14,13 @@ duplicates exactly as the run did.
 An expired (or released) lease is re-queued and remembered (late_leases.py): a
 late result for a group still unfinished is taken, the first result for a group
 wins, and the other holder's copy is then a duplicate.
+
+A group sent back unscored (its reward failed on the actor) goes back in the
+queue barred from the key that returned it, while another key is live, so the
+next attempt is another key's: one key cannot choose, by returning prompts
+unscored, which ones train. A prompt is given up on for the pass only when its
+last UNSCORED_RETURNS groups came back unscored from UNSCORED_KEYS different keys
+(from the one key, in a fleet of one).
 """
 
 from __future__ import annotations
@@ -28,6 +35,12 @@ from typing import Callable, Optional
 from grpo_fleet.learner.records.late_leases import LateLeases
 from grpo_fleet.learner.records.tickets import GroupTicket, LeaseRecord
 from grpo_fleet.protocol.reasons import RejectReason
+
+# A prompt whose groups come back unscored this many times in a row is given up on for this pass over the data: a
+# reward that always fails on it would otherwise have the fleet regenerate it for ever...
+UNSCORED_RETURNS = 3
+# ... once they came from this many keys (or every live key, if fewer): one key's returns skip nothing.
+UNSCORED_KEYS = 2
 
 
 def group_id_of(serial: int) -> str:
@@ -88,6 +101,8 @@ class PromptScheduler:
         # Re-queued group -> the actor it must not go back to (its work on it was refused as its own fault); not
         # checkpointed: a resume forgives.
         self._not_to: dict[str, str] = {}
+        # Prompt index -> the keys of its latest groups sent back unscored in a row (not checkpointed either).
+        self._unscored: dict[int, list[str]] = {}
         self.leases: dict[str, LeaseRecord] = {}
         self._lease_of_group: dict[str, str] = {}
         self.late = LateLeases()  # leases re-queued (expired, or their actor dropped) whose result may still come
@@ -188,7 +203,20 @@ class PromptScheduler:
 
     def finish(self, lease_id: str, group_id: str) -> GroupTicket:
         """Mark a group accepted; it will never be handed out again."""
-        return self._take(lease_id, group_id)  # neither leased nor queued now: finished (see FinishedGroups)
+        ticket = self._take(lease_id, group_id)  # neither leased nor queued now: finished (see FinishedGroups)
+        self._unscored.pop(ticket.prompt_index, None)
+        return ticket
+
+    def return_unscored(self, lease_id: str, group_id: str, key: str, live_keys: int) -> bool:
+        """A group `key` sent back unscored: True if its prompt is given up on for this pass (see UNSCORED_RETURNS
+        and UNSCORED_KEYS); else it is re-queued, barred from `key` while another of the `live_keys` may do it."""
+        index = self.leased_prompt(lease_id, group_id)
+        returns = self._unscored[index] = [*self._unscored.get(index, []), key][-UNSCORED_RETURNS:]
+        if len(returns) == UNSCORED_RETURNS and len(set(returns)) >= min(UNSCORED_KEYS, live_keys):
+            self.finish(lease_id, group_id)
+            return True
+        self.requeue(lease_id, group_id, not_to=key if live_keys > 1 else None)
+        return False
 
     def requeue(self, lease_id: str, group_id: str, *, not_to: Optional[str] = None) -> GroupTicket:
         """Put a leased group back at the front of the queue (stale result, lost actor); `not_to`: an actor that

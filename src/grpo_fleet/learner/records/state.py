@@ -74,8 +74,6 @@ class LearnerState:
     buffer: list[AcceptedGroup] = field(default_factory=list)  # informative, accepted, untrained; oldest first
     accepted_since_step: int = 0
     zero_variance_since_step: int = 0
-    # prompt index -> groups of it in a row that came back unscored (not checkpointed: a resume forgives).
-    unscored_attempts: dict[int, int] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)  # moved back by the wall time of earlier lives
 
     @property

@@ -61,7 +61,8 @@ class RunRooms:
         security = cfg.security
         self.trust = Trust(probation_groups=security.probation_groups, share=security.check_share)
         self.registry = Registry(cfg.server, metrics, self.trust, self.state.actor_ids)
-        self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, task.train, self.registry.sessions_of)
+        self.leasing = Leasing(cfg, self.state, metrics, prompt_tokens, task.train, self.registry.sessions_of,
+                               self.registry.key_count)
         self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
         # Rewards are re-scored in a process of the learner's own, which can kill a reward that hangs; never
         # in this one, which could not. (Unit tests, which may start no process, pass an in-process scorer.)

@@ -60,6 +60,8 @@ class LearnerMetrics:
     group_reward: Histogram
     step_seconds: Histogram
     weight_bytes_served: Counter
+    weight_reply_bytes_held: Gauge
+    weights_refusals: Counter
     actors_connected: Gauge
     auth_failures: Counter
     connections_dropped: Counter
@@ -154,6 +156,13 @@ def learner_metrics() -> LearnerMetrics:
         group_reward=Histogram(f"{p}_group_reward", "Mean reward per accepted group", buckets=REWARD_BUCKETS, registry=r),
         step_seconds=Histogram(f"{p}_step_duration_seconds", "Wall time of one optimizer batch", registry=r),
         weight_bytes_served=Counter(f"{p}_weight_sent_bytes", "Weight bytes sent to actors", registry=r),
+        weight_reply_bytes_held=Gauge(
+            f"{p}_weight_reply_bytes_held", "Bytes of the weight blobs that chunks still queued for peers keep alive "
+            "(each distinct version once; a blob the snapshot store keeps too is counted)", registry=r),
+        weights_refusals=Counter(
+            f"{p}_weights_refusals", "Weight requests answered WeightsGone to bound the blobs queued chunks hold, by "
+            "reason: peer_busy (this peer key's earlier chunks are still queued, of another version or too many), "
+            "versions_cap (queued chunks already hold the most distinct versions)", ["reason"], registry=r),
         actors_connected=Gauge(f"{p}_actors_connected", "Actors heard from within the heartbeat timeout", registry=r),
         connections_dropped=Counter(
             f"{p}_connections_dropped", "Actor connections that ended: libzmq drops one whose message is over the "

@@ -249,7 +249,8 @@ class GetWeights(_Strict):
 
 
 class WeightsGone(_Strict):
-    """The answer to a GetWeights for a version the learner no longer keeps: fetch `current` instead."""
+    """The answer to a GetWeights for a version the learner no longer keeps, or will not send this peer now (its
+    earlier chunks are still queued: learner/door/weights_in_flight.py): fetch `current` instead."""
 
     requested: Version
     current: Version

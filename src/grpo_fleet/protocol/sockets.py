@@ -184,11 +184,13 @@ def sub_socket(
 
 
 def send_message(
-    sock: zmq.Socket, msg: BaseModel, *, identity: Optional[bytes] = None, raw: Optional[memoryview] = None
-) -> None:
+    sock: zmq.Socket, msg: BaseModel, *, identity: Optional[bytes] = None, raw: Optional[memoryview] = None,
+    track: bool = False,
+) -> Optional[zmq.MessageTracker]:
     """Send one message: [identity, payload] on a ROUTER, [payload] otherwise.
 
-    `raw` (weight chunks only) follows as one more frame, sent zero-copy.
+    `raw` (weight chunks only) follows as one more frame, sent zero-copy: it keeps the buffer it views alive until
+    libzmq lets go of it. With `track`, the tracker that says when (None when `raw` was small enough to copy).
     """
     payload = encode(msg)
     frames: list = [payload]
@@ -198,11 +200,13 @@ def send_message(
         frames.insert(0, identity)
     elif identity is not None:
         raise ValueError("identity is only meaningful on a ROUTER socket")
-    if raw is not None:
-        sock.send_multipart(frames, flags=zmq.SNDMORE, copy=len(payload) < _ZERO_COPY_THRESHOLD)
-        sock.send(raw, 0, copy=len(raw) < _ZERO_COPY_THRESHOLD)
-    else:
+    if raw is None:
         sock.send_multipart(frames, copy=len(payload) < _ZERO_COPY_THRESHOLD)
+        return None
+    sock.send_multipart(frames, flags=zmq.SNDMORE, copy=len(payload) < _ZERO_COPY_THRESHOLD)
+    copied = len(raw) < _ZERO_COPY_THRESHOLD
+    tracker = sock.send(raw, 0, copy=copied, track=track and not copied)
+    return tracker if track and not copied else None
 
 
 def recv_message(sock: zmq.Socket, *, timeout_s: float, limits: Limits = DEFAULT_LIMITS) -> Optional[BaseModel]:

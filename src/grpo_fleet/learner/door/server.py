@@ -23,6 +23,7 @@ from grpo_fleet.learner.door.doorman import Doorman, check_bind_security
 from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.verifier_thread import RolloutsVerifier
+from grpo_fleet.learner.door.weights_in_flight import WeightsInFlight
 from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.fleet.registry import is_silent
 from grpo_fleet.metrics_http import MetricsServer, serve_metrics
@@ -77,6 +78,8 @@ class LearnerServer:
         self._last_housekeeping = 0.0
         # Rollouts whose rewards are re-scored are answered off this thread (learner/door/verifier_thread.py).
         self.verifier = RolloutsVerifier(cfg.verify_queue) if learner.reward_check is not None else None
+        # Weight chunks queued zero-copy hold their version's blob until sent: bounded there.
+        self.weights_in_flight = WeightsInFlight(learner.metrics)
 
     def start_metrics(self) -> None:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
@@ -170,8 +173,21 @@ class LearnerServer:
             else:
                 reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address,
                                      observer=observer)
-            send_message(self.router, reply.message, identity=routed.identity, raw=reply.raw)
+            self._reply(routed.identity, peer_key(routed.identity, routed.principal), reply)
         self._send_verified()
+
+    def _reply(self, identity: bytes, owner: str, reply: Reply) -> None:
+        """Send `reply`; a weight chunk only within the bound on the blobs queued chunks hold (weights_in_flight.py),
+        else WeightsGone naming the current version, which the actor fetches again."""
+        chunk = reply.message
+        if not isinstance(chunk, m.WeightsChunk):
+            send_message(self.router, chunk, identity=identity, raw=reply.raw)
+        elif self.weights_in_flight.refusal(owner, chunk) is not None:
+            gone = m.WeightsGone(requested=chunk.version, current=self.learner.snapshots.current.version)
+            send_message(self.router, gone, identity=identity)
+        else:
+            tracker = send_message(self.router, chunk, identity=identity, raw=reply.raw, track=True)
+            self.weights_in_flight.sent(owner, chunk, tracker)
 
     def _send_verified(self) -> None:
         """Send the Acks the verifier thread has worked out since last time."""
@@ -223,6 +239,7 @@ class LearnerServer:
         self._last_housekeeping = now
         self.door.count_connection_events()
         self.door.reload_allow_list()
+        self.weights_in_flight.release()
         self.learner.requests.expire_leases()
         self._drop_silent_actors(now, SILENT_HEARTBEATS * period)
         self.learner.requests.refresh_service_discovery(self.metrics_target)

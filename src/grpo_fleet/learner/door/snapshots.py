@@ -35,5 +35,4 @@ class SnapshotStore:
         if snapshot is None:
             return Reply(m.WeightsGone(requested=request.version, current=self.current.version))
         header, raw = snapshot.chunk(request.offset, request.length, self.chunk_bytes)
-        self.metrics.weight_bytes_served.inc(header.length)
-        return Reply(header, raw)
+        return Reply(header, raw)  # counted as served once sent, within the bound (door/weights_in_flight.py)

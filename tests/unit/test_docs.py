@@ -17,6 +17,9 @@ from grpo_fleet.metrics import actor_metrics, learner_metrics
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+# A module the manual names: `learner/door/intake.py`, `door/intake.py` or `intake.py` (a path's tail is enough).
+MODULE = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.py)\b")
+EXAMPLES = {"my_rewards.py", "my_env.py"}  # the user's own files in the manual's examples
 
 
 def _nav_pages(entries: list) -> set[str]:
@@ -52,6 +55,16 @@ def test_the_references_name_every_config_key_and_every_metric():
     for registry in (learner_metrics().registry, actor_metrics().registry):
         for doc in metric_docs(registry):
             assert f"| `{doc.name}` |" in metrics, f"docs/reference/metrics.md does not list {doc.name}"
+
+
+def test_every_module_the_manual_names_exists():
+    """When a module moves or goes, the pages that name it say so (the manual must not describe a past layout)."""
+    modules = [path.relative_to(ROOT).as_posix() for folder in ("src", "tests", "configs", "bench")
+               for path in (ROOT / folder).rglob("*.py")]
+    missing = sorted({f"{page.relative_to(ROOT)}: {name}" for page in [ROOT / "README.md", *DOCS.rglob("*.md")]
+                      for name in MODULE.findall(page.read_text())
+                      if name not in EXAMPLES and not any(m == name or m.endswith("/" + name) for m in modules)})
+    assert missing == []
 
 
 def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page():

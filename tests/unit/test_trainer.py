@@ -589,7 +589,8 @@ def test_a_lie_the_step_sees_in_its_own_forward_drops_the_step(tiny_model_dir, c
     assert trainer.step(lying).skipped is None
 
 
-def test_a_loss_without_the_policy_logprobs_cannot_take_a_fused_check(tiny_model_dir, contrast_completions):
+def test_a_loss_without_the_policy_logprobs_is_still_checked_in_the_step(tiny_model_dir, contrast_completions):
+    """A custom loss_fn that returns no POLICY_LOGPROBS costs a checked step one no-grad forward, not its check."""
     policy = make_policy(tiny_model_dir, "lora")
 
     def plain_loss(model, micro, ref, totals, **kwargs):
@@ -598,8 +599,21 @@ def test_a_loss_without_the_policy_logprobs_cannot_take_a_fused_check(tiny_model
 
     trainer = Trainer(policy, GRPOConfig(beta=0.0, groups_per_step=1), OptimConfig(lr=1e-3), temperature=TEMPERATURE,
                       max_tokens=MAX_TOKENS, loss_fn=plain_loss)
-    assert not trainer.fuses_check and make_trainer(tiny_model_dir, "lora").fuses_check
-    batch = on_policy_batch(policy, *contrast_completions)
-    batch.check = check_bounds_array([GapBound(0.001, 0.05)])
-    with pytest.raises(ValueError, match="fuses_check"):
-        trainer.step(batch)
+    bound = check_bounds_array([GapBound(0.001, 0.05)])
+    honest = on_policy_batch(policy, *contrast_completions)
+    honest.check = bound
+    stats = trainer.step(honest)
+    assert stats.skipped is None and [c.broke for c in stats.checked] == [None] and stats.checked[0].worst < 1e-4
+    lying = on_policy_batch(policy, *contrast_completions)
+    lying.old_logprobs = lying.old_logprobs - 0.02 * lying.mask
+    lying.check = bound
+    before = snapshot(trainer)
+    stats = trainer.step(lying)
+    assert stats.skipped == LOGPROB_MISMATCH and [c.broke for c in stats.failed_checks] == ["mean"]
+    after = snapshot(trainer)
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+    lying.check = None
+    assert trainer.step(lying).proximal_seconds == 0.0, "unchecked, the loss's own forward is the only one"
+
+

@@ -4,7 +4,9 @@ Every group of a batch goes one of three ways (`plan`):
 
 - **fused**: sampled at the version the step trains from, while the live weights
   are that version's: checked inside the step against its own first forward
-  (learner/step/fused_check.py), for the price of a comparison. Always.
+  (learner/step/fused_check.py), for the price of a comparison. Always. A
+  custom loss_fn that returns no policy logprobs costs the step one no-grad
+  forward for it (Trainer._proximal), so a custom loss never turns it off.
 - **forward**: an older version, flagged at intake (probation, or drawn:
   learner/fleet/trust.py), or sent by a key that was banned before (it earns no
   probation credit back: learner/fleet/bans.py): recomputed at its version before anything is
@@ -24,9 +26,12 @@ its versions' weights with a checkpoint) are dropped before a batch is taken
 (`drop_unverifiable`): their prompts go back to be sampled again, counted in
 `grpo_fleet_learner_rejections_total{reason="version_gone"}` and ledgered.
 
-Every older group whose version is kept is also **screened** inside the step,
+Every other group whose version is kept is also **screened** inside the step,
 checked or not: its tokens against the step's own forward, a few versions on,
-under `security.screen_token_nats`. Honest drift over a few versions stays far
+under `security.screen_token_nats`. That includes, with `train.sync_every` > 1,
+the groups of the step's own version on the steps between two publishes, whose
+weights are already a few updates past it (so not fused; flagged ones are
+recomputed at their version, as older ones are). Honest drift over a few versions stays far
 under it; a token whose reported logprob was moved by many nats (the lie that
 buys a huge ratio) does not, in whichever completion it hides. A group beyond
 the screen drops the step's gradients and is recomputed whole at its version:
@@ -99,7 +104,7 @@ class BatchChecks:
         if check is None or history is None:
             plan.unchecked = [(g, VERIFICATION_OFF) for g in groups]
             return plan
-        fuse = weights_published and self.rooms.trainer.fuses_check
+        fuse = weights_published  # the live weights are trained_on's: its groups are checked exactly in the step
         screen = self.rooms.cfg.security.screen_token_nats
         # A cleared group dropped before its retry (too stale, or its actor banned) never comes back: forget it.
         self.cleared &= {g.group_id for g in groups} | {g.group_id for g in self.rooms.state.buffer}
@@ -109,7 +114,7 @@ class BatchChecks:
                 continue
             cleared = group.group_id in self.cleared
             self.cleared.discard(group.group_id)
-            if fuse and screen > 0 and not cleared and group.policy_version in history.versions:
+            if screen > 0 and not cleared and group.policy_version in history.versions:
                 plan.screens[index] = screen
             if not (group.check_logprobs or self.rooms.registry.bans.strikes(group.actor_key)):
                 plan.unchecked.append((group, SAMPLED_OUT))

@@ -155,15 +155,18 @@ class Trainer:
         with context:
             return [*frozen_logprobs(model, micro_batches, temperature=self.temperature, chunk_tokens=self.chunk_tokens)]
 
-    def _proximal(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
-        """The micro-batches with pi_prox attached, where the objective needs a forward of its own for it.
+    def _proximal(self, micro_batches: list[MicroBatch], checked: bool) -> list[MicroBatch]:
+        """The micro-batches with pi_prox attached, where the step needs a forward of its own for it.
 
         Decoupled at ppo_epochs > 1 the weights move after the first epoch, so
         pi_prox (the weights before the step) is one no-grad forward per
-        micro-batch, made first. Otherwise they come back as they are: with one
-        epoch the loss takes pi_prox from its own forward, and coupled needs none.
+        micro-batch, made first. So is it for a `checked` batch (`TrainBatch.check`)
+        when a custom loss_fn returns no policy logprobs of its own: the logprob
+        check and screen compare against it. Otherwise they come back as they are:
+        with one epoch the loss takes pi_prox from its own forward, and coupled needs none.
         """
-        if self.grpo.objective != "decoupled" or self.grpo.ppo_epochs == 1:
+        decoupled = self.grpo.objective == "decoupled" and self.grpo.ppo_epochs > 1
+        if not decoupled and not (checked and not self.loss_returns_logprobs):
             return micro_batches
         logprobs = frozen_logprobs(self.policy.model, micro_batches, temperature=self.temperature,
                                    chunk_tokens=self.chunk_tokens)
@@ -188,7 +191,7 @@ class Trainer:
         totals = batch_totals(batch)  # the whole batch's: every rank's share is normalised by the same totals
         refs = self.references(micro)
         ref_seconds = time.perf_counter() - start
-        with_proximal = self._proximal(micro)
+        with_proximal = self._proximal(micro, checked=batch.check is not None)
         proximal_seconds = 0.0 if with_proximal is micro else time.perf_counter() - start - ref_seconds
         micro = with_proximal
         proximal = [m.proximal_logprobs for m in micro if m.proximal_logprobs is not None]
@@ -231,16 +234,11 @@ class Trainer:
                          proximal_logprobs=grid, checked=tuple(checked), rechecked=tuple(rechecked),
                          recomputed_rows=recomputed, check_seconds=slowest_check(self.sharding, batch, check_seconds))
 
-    @property
-    def fuses_check(self) -> bool:
-        """Whether the step can check groups against its own forward: its loss returns the policy's logprobs."""
-        return self.loss_returns_logprobs
-
     def _fused_check(self, batch: TrainBatch, grid: Optional[np.ndarray]) -> list[CheckedGroup]:
         if batch.check is None:
             return []
         if grid is None:
-            raise ValueError("TrainBatch.check needs a loss_fn that returns the policy's logprobs (Trainer.fuses_check)")
+            raise ValueError("TrainBatch.check found no policy logprobs to compare with (Trainer._proximal makes them)")
         return fused_check(grid, np.array(batch.old_logprobs), np.array(batch.mask), batch.check)
 
     def save_optimizer(self, path: Path) -> None:

@@ -23,20 +23,23 @@ LIAR_KEY = LIAR.hex()  # no CURVE: the key is the routing id
 PROBATION = 2  # security.probation_groups: one honest submission of GROUPS_PER_STEP groups
 ROUNDS = 12  # submissions a life tries before the liar gives up on it (a drawn check finds it long before)
 SETTINGS = {"security": {"verify_logprobs": True, "probation_groups": PROBATION},
-            "grpo": {"max_staleness": 2}, "train": {"steps": 10_000, "checkpoint_every": 10_000}}
+            "grpo": {"max_staleness": 2}, "train": {"steps": 10_000, "checkpoint_every": 10_000},
+            # Leases as long as asked for, whatever speed a busy machine measures: the rounds are the same every run.
+            "server": {"lease_seconds": 3600.0, "lease_target_seconds": 1800.0}}
 
 
-def _round(learner: RunCoordinator, lie: bool) -> list[str]:
+def _round(learner: RunCoordinator, lie: bool) -> tuple[int, list[str]]:
     """The liar samples at version v; an honest actor's groups train the policy past v; then the liar submits (a
-    version late) and the buffer is trained dry. Returns the ids of the groups it lied in."""
+    version late) and the buffer is trained dry. Returns how many groups it sent, and the ids of those it lied in."""
     early = generated_rollouts(learner, lease(learner, LIAR))
+    assert len(early.groups) == GROUPS_PER_STEP, "a full lease (SETTINGS): the draws fall the same way every run"
     version = learner.state.version
     _honest(learner)
     assert learner.state.version > version
     sent = shifted(early, -0.05) if lie else early
     assert ask(learner, LIAR, sent).status == "accepted"
     _honest(learner)
-    return [g.group_id for g in sent.groups] if lie else []
+    return len(sent.groups), [g.group_id for g in sent.groups] if lie else []
 
 
 def _honest(learner: RunCoordinator) -> None:
@@ -52,8 +55,10 @@ def _life(learner: RunCoordinator) -> list[str]:
     """Hello, honest through probation, then lies until banned (or ROUNDS run out); the groups it lied in."""
     hello(learner, LIAR, "liar")
     lied: list[str] = []
-    for index in range(ROUNDS):
-        lied += _round(learner, lie=index * GROUPS_PER_STEP >= PROBATION)
+    sent = 0
+    for _ in range(ROUNDS):
+        count, lies = _round(learner, lie=sent >= PROBATION)  # honest until its probation is passed
+        sent, lied = sent + count, lied + lies
         if learner.registry.is_banned(LIAR_KEY):
             break
     return lied
@@ -92,7 +97,7 @@ def test_a_liar_returning_every_ten_minutes_for_two_hours_trains_at_most_four_gr
     assert trained == [4, 0, 0, 0], "lies trained per life: the first life's share, never again"
     # Bans of 10, 20, 40 and 80 minutes: it came back 3 times, each caught at its first lie.
     assert len(lives) == 4 and learner.registry.bans.strikes(LIAR_KEY) == 4
-    assert all(len(lied) == GROUPS_PER_STEP for lied in lives[1:])
+    assert all(0 < len(lied) <= GROUPS_PER_STEP for lied in lives[1:]), "caught at its first lying submission"
     assert not learner.registry.is_banned(ACTOR_B.hex())
 
 

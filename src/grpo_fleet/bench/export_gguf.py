@@ -1,0 +1,107 @@
+"""Benchmark `export_gguf`: `grpo-fleet export` of SmolLM2-135M-Instruct with LoRA adapters to a Q8_0 GGUF.
+
+A run directory is made as a learner leaves one: the zoo's GGUF imported, rank-8 adapters on every layer with
+lora_b drawn (as after some training), a checkpoint. The export then runs in a fresh process that reports its own
+peak resident memory (the baseline: the same process with the same modules loaded, exporting nothing); time is
+wall-clock seconds for `export_run`, the whole of it: loading, fusing, the mlx-lm directory, quantizing, the GGUF.
+
+With llama-cpp-python installed, llama.cpp then reads the exported GGUFs and its greedy continuations are
+compared with mlx-lm's on the fused model (export/llamacpp_check.py), at f16, Q8_0, Q4_0 and Q4_K_M.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import cast
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from grpo_fleet.bench import Figure, Report, Scale
+from grpo_fleet.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, point_latest
+from grpo_fleet.config import LoraConfig
+from grpo_fleet.model import load_policy, save_checkpoint
+from grpo_fleet.realshape import default_cache_dir
+from grpo_fleet.zoo import import_source
+
+MODEL = "zoo:smollm2-135m-instruct"
+_CHILD = r"""
+import json, resource, sys, time
+from grpo_fleet.export.run import ExportRequest, export_run
+import mlx.core, mlx_lm, gguf.quants
+scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+start = time.perf_counter()
+if sys.argv[1] != "-":
+    export_run(ExportRequest(path=sys.argv[1], out=sys.argv[2], gguf=sys.argv[3]))
+print(json.dumps({"seconds": time.perf_counter() - start, "loaded_bytes": before,
+                  "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale}))
+"""
+
+
+def _child(*args: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, timeout=1800, check=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def trained_run(root: Path, model: str = MODEL, rank: int = 8) -> Path:
+    """A run directory of `model` (a GGUF model path) whose latest checkpoint holds drawn rank-`rank` adapters."""
+    policy = load_policy(str(import_source(model, default_cache_dir())), lora=LoraConfig(enabled=True, rank=rank))
+    mx.random.seed(0)
+    adapters = cast(list[tuple[str, mx.array]], tree_flatten(policy.model.trainable_parameters()))
+    policy.model.load_weights([(n, 0.01 * mx.random.normal(v.shape)) for n, v in adapters if n.endswith("lora_b")],
+                              strict=False)
+    checkpoints = root / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({"model": {"path": model}, "generation": {"temperature": 0.7}}))
+
+    def learner_files(staging: Path) -> None:  # what makes a checkpoint complete; export does not read them
+        for name in (STATE_FILE, OPTIMIZER_FILE):
+            (staging / name).write_bytes(b"-")
+
+    path = save_checkpoint(policy, checkpoints / "step_000001", extra={"step": 1}, write_extra=learner_files)
+    point_latest(checkpoints, path, {"step": 1})
+    return root
+
+
+def run(report: Report, scale: Scale) -> None:
+    idle = _child("-")
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-export-") as tmp:
+        run_dir = trained_run(Path(tmp) / "run")
+        measured = _child(str(run_dir), str(Path(tmp) / "q8_0"), "q8_0")
+        gguf = next((Path(tmp) / "q8_0").glob("*.gguf"))
+        size = gguf.stat().st_size / 1e6
+        note = f"SmolLM2-135M-Instruct + rank-8 LoRA -> mlx-lm directory (float32) and {size:.0f} MB Q8_0 GGUF"
+        report.add(Figure("export_gguf", "export SmolLM2-135M + LoRA to Q8_0: wall time", measured["seconds"], "s",
+                          notes=note))
+        report.add(Figure("export_gguf", "export SmolLM2-135M + LoRA to Q8_0: peak resident memory",
+                          measured["peak_bytes"] / 1e6, "MB", baseline=idle["peak_bytes"] / 1e6,
+                          baseline_name="interpreter + modules, no export", notes=note))
+        if scale is not Scale.QUICK:
+            _agreement(report, run_dir, Path(tmp))
+
+
+def _agreement(report: Report, run_dir: Path, tmp: Path) -> None:
+    """llama.cpp's greedy continuations on each exported type against mlx-lm's on the fused model (32 x 16)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("[export_gguf] llama-cpp-python is not installed: no greedy agreement rows", flush=True)
+        return
+    from mlx_lm import load
+
+    from grpo_fleet.export.llamacpp_check import compare
+    from grpo_fleet.export.run import ExportRequest, export_run
+
+    for quant in ("f16", "q8_0", "q4_0", "q4_k_m"):
+        result = export_run(ExportRequest(path=str(run_dir), out=str(tmp / quant), gguf=quant))
+        assert result.gguf is not None
+        model, tokenizer = load(str(result.mlx_dir))[:2]
+        agreement = compare(result.gguf, model, tokenizer)
+        goal = "32/32" if quant in ("f16", "q8_0") else None
+        report.add(Figure("export_gguf", f"llama.cpp greedy = mlx-lm (fused), {quant}: identical continuations",
+                          agreement.identical, f"of {agreement.prompts}", goal=goal, notes=agreement.describe()))

@@ -1,0 +1,82 @@
+"""llama.cpp as the reader of an exported GGUF: its greedy continuations next to mlx-lm's on the fused model.
+
+Both sides are given the same prompt token ids (the fused model's tokenizer with its chat template), so a
+difference is the weights' or the arithmetic's, not the tokenizers'; llama.cpp's own tokenizer (from the GGUF's
+metadata) is compared separately on the same texts. Needs llama-cpp-python (the `llamacpp` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+PROMPTS_FILE = Path(__file__).resolve().parents[1] / "tasks" / "data" / "gsm8k_mini.jsonl"
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How often llama.cpp's greedy continuation equals mlx-lm's, over `prompts` prompts of `tokens` tokens."""
+
+    prompts: int
+    tokens: int
+    identical: int  # prompts whose whole continuation is the same
+    same_tokens: int  # tokens equal up to the first difference in each continuation (a shared prefix, summed)
+    tokenizer_identical: int  # prompts llama.cpp tokenizes to the same ids as the fused model's tokenizer
+
+    def describe(self) -> str:
+        return (f"{self.identical}/{self.prompts} continuations identical, {self.same_tokens}/{self.prompts * self.tokens} "
+                f"tokens before the first difference; tokenizer {self.tokenizer_identical}/{self.prompts}")
+
+
+def prompt_texts(count: int) -> list[str]:
+    """`count` questions (the packaged GSM8K sample, repeated with a number if it has fewer)."""
+    questions = [json.loads(line)["question"] for line in PROMPTS_FILE.read_text().splitlines() if line.strip()]
+    return [questions[i % len(questions)] + ("" if i < len(questions) else f" ({i})") for i in range(count)]
+
+
+def chat_prompt(tokenizer: Any, question: str) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return str(tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                 add_generation_prompt=True))
+    return question
+
+
+def mlx_greedy(model: Any, prompt: list[int], count: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=count, sampler=lambda logits: mx.argmax(logits, axis=-1))
+    return [int(token) for token, _ in steps]
+
+
+def llamacpp_greedy(llm: Any, prompt: list[int], count: int) -> list[int]:
+    tokens = []
+    for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        tokens.append(int(token))
+        if len(tokens) == count:
+            break
+    return tokens
+
+
+def _shared(left: list[int], right: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(left, right)) if a != b), min(len(left), len(right)))
+
+
+def compare(gguf: Path, model: Any, tokenizer: Any, prompts: int = 32, tokens: int = 16) -> Agreement:
+    """llama.cpp on `gguf` against mlx-lm on `model` (the fused model), greedy, `prompts` x `tokens`."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=1, n_batch=256, verbose=False)
+    identical = same = tokenized = 0
+    for text in prompt_texts(prompts):
+        chat = chat_prompt(tokenizer, text)
+        ids = list(tokenizer.encode(chat, add_special_tokens=False))
+        tokenized += llm.tokenize(chat.encode(), add_bos=False, special=True) == ids
+        ours, theirs = mlx_greedy(model, ids, tokens), llamacpp_greedy(llm, ids, tokens)
+        identical += ours == theirs
+        same += _shared(ours, theirs)
+    llm.close()
+    return Agreement(prompts, tokens, identical, same, tokenized)

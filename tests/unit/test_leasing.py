@@ -21,6 +21,7 @@ from grpo_fleet.learner.fleet.leasing import (
     lease_target_seconds,
     retry_after,
     speed_sample,
+    unmeasured_speed,
 )
 from grpo_fleet.learner.fleet.registry import ActorInfo, MovingAverage
 from grpo_fleet.learner.records.lease_book import PromptScheduler
@@ -262,7 +263,11 @@ def test_returns_with_nothing_accepted_only_slow_the_measure(clock):
 
     returned(0.0005, 0)
     returned(0.0005, 0)
-    assert actor.groups_per_second.value is None, "instant unscored returns say nothing"
+    unmeasured = unmeasured_speed(leasing.server.lease_seconds, leasing.server.max_groups_per_lease)
+    assert actor.groups_per_second.value == pytest.approx(unmeasured), "instant unscored returns gain nothing"
+    assert actor_cap(unmeasured, leasing.server.lease_seconds, leasing.server.max_groups_per_lease) \
+        == actor_cap(None, leasing.server.lease_seconds, leasing.server.max_groups_per_lease)
+    actor.groups_per_second.value = None
     returned(1.0, 2)
     assert actor.groups_per_second.value == pytest.approx(2.0)
     returned(0.0005, 0)

@@ -112,20 +112,21 @@ def speed_sample(groups: float, seconds: float, current: Optional[float]) -> flo
     return sample if current is None else min(sample, MAX_SPEEDUP * max(current, SPEEDUP_BASE))
 
 
-def record_speed(actor: ActorInfo, issued_at: float, groups: float, now: float, credited: bool = True) -> None:
-    """Add one returned lease's groups per second to `actor`'s measure (`Leasing.measure` says when it starts).
-
-    `credited`: the groups were accepted. Work that was not (sent back unscored, stale, refused) may only slow
-    the measure, and says nothing before the first accepted return: one key cannot read as fast by returning
-    work it never did.
-    """
-    current = actor.groups_per_second.value
-    if not groups or (not credited and current is None):
+def record_speed(actor: ActorInfo, issued_at: float, groups: float, now: float,
+                 most: Optional[float] = None) -> None:
+    """Add one returned lease's groups per second, at most `most`, to `actor`'s measure (`Leasing.measure` says
+    when it starts and what `most` is)."""
+    if not groups:
         return
     started = max(issued_at, actor.last_return if actor.last_return is not None else issued_at)
-    sample = speed_sample(groups, now - started, current)
-    actor.groups_per_second.add(sample if credited or current is None else min(sample, current))
+    sample = speed_sample(groups, now - started, actor.groups_per_second.value)
+    actor.groups_per_second.add(sample if most is None else min(sample, most))
     actor.last_return = now
+
+
+def unmeasured_speed(lease_seconds: float, max_groups_per_lease: int) -> float:
+    """The speed whose `actor_cap` is an unmeasured actor's: work not accepted never reads as faster."""
+    return NEW_ACTOR_LEASES * max_groups_per_lease / lease_seconds
 
 
 class HeldLease(Protocol):
@@ -234,14 +235,21 @@ class Leasing:
 
     def measure(self, actor: ActorInfo, issued_at: Optional[float], accepted: int, returned: int) -> None:
         """Groups per second of a returned lease issued at `issued_at`, for sizing the next ones: its `accepted`
-        groups, or if none was, its `returned` ones as a slowdown only (`record_speed`).
+        groups; or if none was, its `returned` ones, which may only slow the measure (or, before the first, set
+        it no faster than `unmeasured_speed`): one key cannot read as fast by sending back work it never did,
+        and an honest one whose work comes back stale is still measured slower, so its leases shrink.
 
         The clock starts when the lease was issued or when the actor's previous
         lease came back, whichever is later: actors ask for their next lease
         before generating the current one, and it waits in hand meanwhile.
         """
-        if issued_at is not None:
-            record_speed(actor, issued_at, accepted or returned, self.state.scheduler.clock(), credited=accepted > 0)
+        if issued_at is None:
+            return
+        current = actor.groups_per_second.value
+        most = None if accepted else (
+            current if current is not None else unmeasured_speed(self.server.lease_seconds,
+                                                                 self.server.max_groups_per_lease))
+        record_speed(actor, issued_at, accepted or returned, self.state.scheduler.clock(), most)
 
     def step_finished(self) -> None:
         """Time the learner's steps: leases are sized in steps, and refused actors retry in about half of one."""

@@ -143,8 +143,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "learner step's achieved FLOP/s vs doctor's matmul GF/s: SmolLM2-135M LoRA and the Qwen shape, also at "
               "128/512/1,024 completion tokens with the pi_ref pass's share; padding of completions spread 16..512"),
     Benchmark("gguf_import", "gguf_import", False, 0.5, "import-gguf on Gemma 3 270M Q4_K_M: time, peak memory vs model size"),
-    Benchmark("export_gguf", "export_gguf", True, 1.0,
-              "export SmolLM2-135M + LoRA to Q8_0: time, peak memory; llama.cpp's greedy tokens vs mlx-lm's per type"),
+    Benchmark("export_gguf", "export_gguf", True, 0.3,
+              "export SmolLM2-135M + LoRA to Q8_0: time, peak memory (full: llama.cpp's greedy tokens vs mlx-lm's)"),
     Benchmark("real", "real", True, 23.5, "real model learning: fleet vs in-process loop vs mlx-lm-lora, same task"),
     Benchmark("mixed", "mixed", True, 0.5, "capacity-sized leases with a 10x slower actor"),
     Benchmark("two_macs", "two_macs", False, 50.0,  # estimated from its smoke run: FULL not yet measured

@@ -12,8 +12,6 @@ compared with mlx-lm's on the fused model (export/llamacpp_check.py), at f16, Q8
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import cast
@@ -22,6 +20,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from grpo_fleet.bench import Figure, Report, Scale
+from grpo_fleet.bench.peak import measured
 from grpo_fleet.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, point_latest
 from grpo_fleet.config import LoraConfig
 from grpo_fleet.model import load_policy, save_checkpoint
@@ -29,23 +28,20 @@ from grpo_fleet.realshape import default_cache_dir
 from grpo_fleet.zoo import import_source
 
 MODEL = "zoo:smollm2-135m-instruct"
-_CHILD = r"""
-import json, resource, sys, time
-from grpo_fleet.export.run import ExportRequest, export_run
-import mlx.core, mlx_lm, gguf.quants
-scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-start = time.perf_counter()
-if sys.argv[1] != "-":
-    export_run(ExportRequest(path=sys.argv[1], out=sys.argv[2], gguf=sys.argv[3]))
-print(json.dumps({"seconds": time.perf_counter() - start, "loaded_bytes": before,
-                  "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale}))
-"""
+_PRELOAD = ["mlx.core", "mlx_lm", "gguf.quants"]
+
+
+def export_once(path: str, out: str, gguf: str) -> None:
+    """The measured call (bench/peak.py passes keyword arguments as JSON)."""
+    from grpo_fleet.export.run import ExportRequest, export_run
+
+    export_run(ExportRequest(path=path, out=out, gguf=gguf))
 
 
 def _child(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, timeout=1800, check=True)
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    """export_once(run_dir, out, gguf) in a fresh process; no arguments: the baseline, exporting nothing."""
+    kwargs = None if not args else {"path": args[0], "out": args[1], "gguf": args[2]}
+    return measured("grpo_fleet.bench.export_gguf:export_once", _PRELOAD, kwargs)
 
 
 def trained_run(root: Path, model: str = MODEL, rank: int = 8) -> Path:
@@ -69,7 +65,7 @@ def trained_run(root: Path, model: str = MODEL, rank: int = 8) -> Path:
 
 
 def run(report: Report, scale: Scale) -> None:
-    idle = _child("-")
+    idle = _child()
     with tempfile.TemporaryDirectory(prefix="grpo-bench-export-") as tmp:
         run_dir = trained_run(Path(tmp) / "run")
         measured = _child(str(run_dir), str(Path(tmp) / "q8_0"), "q8_0")
@@ -81,7 +77,7 @@ def run(report: Report, scale: Scale) -> None:
         report.add(Figure("export_gguf", "export SmolLM2-135M + LoRA to Q8_0: peak resident memory",
                           measured["peak_bytes"] / 1e6, "MB", baseline=idle["peak_bytes"] / 1e6,
                           baseline_name="interpreter + modules, no export", notes=note))
-        if scale is not Scale.QUICK:
+        if scale is Scale.FULL:  # four exports and 4 x 512 greedy tokens on each side: minutes
             _agreement(report, run_dir, Path(tmp))
 
 

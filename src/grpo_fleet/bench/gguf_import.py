@@ -11,34 +11,21 @@ whole of it: header, checks, tokenizer, dequantization, writing.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from grpo_fleet.bench import Figure, Report, Scale
+from grpo_fleet.bench.peak import measured
 from grpo_fleet.zoo import fetch_gguf
 
 MODEL = "gemma3-270m"
-# The child: load what an import loads, note the resident peak, import (or not), report.
-_CHILD = r"""
-import json, resource, sys, time
-from grpo_fleet.gguf import import_gguf
-import mlx.core, mlx_lm.models.gemma3_text, tokenizers, gguf.quants
-scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-start = time.perf_counter()
-if sys.argv[1] != "-":
-    import_gguf(sys.argv[1], sys.argv[2], dtype=sys.argv[3])
-print(json.dumps({"seconds": time.perf_counter() - start, "loaded_bytes": before,
-                  "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale}))
-"""
+_PRELOAD = ["mlx.core", "mlx_lm.models.gemma3_text", "tokenizers", "gguf.quants"]
 
 
 def _child(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, timeout=1800, check=True)
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    """import_gguf(source, out, dtype) measured in a fresh process; no arguments: the baseline, importing nothing."""
+    kwargs = None if not args else {"source": args[0], "out_dir": args[1], "dtype": args[2]}
+    return measured("grpo_fleet.gguf:import_gguf", _PRELOAD, kwargs)
 
 
 def _model_bytes(folder: Path) -> int:
@@ -47,7 +34,7 @@ def _model_bytes(folder: Path) -> int:
 
 def run(report: Report, scale: Scale) -> None:
     source = fetch_gguf(MODEL)
-    idle = _child("-")
+    idle = _child()
     dtypes = ["float32", "bfloat16"] if scale is not Scale.QUICK else ["float32"]
     with tempfile.TemporaryDirectory(prefix="grpo-bench-gguf-") as tmp:
         for dtype in dtypes:

@@ -502,6 +502,14 @@ class SecurityConfig(_Section):
         True, description="Re-score every submitted group with the learner's own rewards and answers; a reward that "
         "differs is refused as reward_mismatch (a violation). Turn off only for rewards that are not deterministic.",
     )
+    replay_seconds: float = Field(
+        10.0, gt=0, le=3600,
+        description="Longest the learner spends replaying one group's episodes of a deterministic task.env (every "
+        "episode and turn, the comparison included), once the environment has the actor's turns; it runs in a child "
+        "process, killed past this. Such a group is refused as env_replay_timeout, a violation charged to its actor, "
+        "as is one call past task.env_timeout_seconds. Raise it for an environment whose honest steps are slow: a "
+        "submission holds the learner's one verifier thread this long at most.",
+    )
     verify_logprobs: bool = Field(
         True, description="Check the logprobs actors report against the learner's own before a group trains; a group "
         "beyond its bound bans the actor at once (logprob_mismatch) and nothing of it trains. Groups at the version the "

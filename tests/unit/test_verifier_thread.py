@@ -46,6 +46,25 @@ def test_close_with_nothing_submitted_returns_at_once():
     assert time.monotonic() - closed_at < 1.0 and verifier.answers() == []
 
 
+def test_close_interrupts_the_work_in_hand_instead_of_waiting_it_out():
+    """A replay hanging on an actor's turns (issue 39, item 1): `interrupt` (the replay's child killed) ends it."""
+    release = threading.Event()
+    verifier = RolloutsVerifier(interrupt=release.set)
+    started = threading.Event()
+
+    def hung() -> Reply:
+        started.set()
+        release.wait(60)  # until interrupted
+        return Reply(m.Ack(lease_id="hung", status="stale"))
+
+    verifier.submit(b"a", "key-a", hung)
+    assert started.wait(10)
+    closed_at = time.monotonic()
+    verifier.close()
+    assert time.monotonic() - closed_at < 5 and release.is_set()
+    assert [reply.message.lease_id for _, reply in verifier.answers()] == ["hung"]  # answered, as unverifiable
+
+
 def _held_verifier(**bounds: int) -> tuple[RolloutsVerifier, threading.Event, threading.Event, list[str]]:
     """A verifier whose first job holds the thread until `release` is set; `order` lists the jobs as answered."""
     verifier = RolloutsVerifier(**bounds)

@@ -2,8 +2,8 @@
 
 On an actor the host runs in a child process beside the rewards' (envs/process.py),
 so a hanging or crashing environment costs its episodes, never the actor.
-`InlineEnvs` runs the same host in this process (tests, and the learner's replay
-of deterministic environments). Every failure is an answer with its kind, never
+`InlineEnvs` runs the same host in this process (tests and benches; the
+learner replays deterministic environments in a child process too). Every failure is an answer with its kind, never
 an exception.
 """
 
@@ -77,9 +77,10 @@ def batch_deadline(calls: EnvCalls, timeout_seconds: float) -> float:
     return len(calls.calls) * timeout_seconds + BATCH_SLACK_SECONDS
 
 
-def lost(calls: EnvCalls, detail: str) -> list[EnvAnswer]:
-    """Every call of a batch failed together: the process hosting the environments died or hung."""
-    return [EnvAnswer(call.episode, failure="crashed", detail=detail) for call in calls.calls]
+def lost(calls: EnvCalls, detail: str, kind: FailureKind = "crashed") -> list[EnvAnswer]:
+    """Every call of a batch failed together: the process hosting the environments died ("crashed") or hung
+    ("timeout")."""
+    return [EnvAnswer(call.episode, failure=kind, detail=detail) for call in calls.calls]
 
 
 class EnvHost:
@@ -134,5 +135,9 @@ class InlineEnvs:
         self.host = EnvHost(setup)
         self.guard = inline_guard(setup.timeout_seconds)
 
-    def run_envs(self, calls: EnvCalls) -> list[EnvAnswer]:
+    def run_envs(self, calls: EnvCalls, max_seconds: Optional[float] = None) -> list[EnvAnswer]:
+        """`max_seconds` cannot interrupt a call here; a caller that must stop a hang uses envs/process.EnvProcess."""
         return self.host.run(calls, self.guard)
+
+    def close(self) -> None:
+        self.host.live.clear()

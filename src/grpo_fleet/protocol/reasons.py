@@ -29,6 +29,9 @@ class RejectReason(str, Enum):
     # Replaying a deterministic environment (task.env's `deterministic = True`) on the learner with the episode's
     # actions gave other observation tokens or another reward than the actor reported (door/env_replay.py).
     ENV_REPLAY_MISMATCH = "env_replay_mismatch"
+    # Replaying it ran past a call's task.env_timeout_seconds or the group's security.replay_seconds once the
+    # environment had the episode's actions: charged to the submitter (a violation), as a reward timeout is.
+    ENV_REPLAY_TIMEOUT = "env_replay_timeout"
     # Groups the sender was never given: a violation.
     NOT_YOUR_LEASE = "not_your_lease"
     NOT_LEASED = "not_leased"
@@ -81,6 +84,7 @@ _VIOLATIONS = frozenset({
     RejectReason.DUPLICATE_GROUP_IN_MESSAGE, RejectReason.BAD_GROUP_SIZE, RejectReason.LENGTH_MISMATCH,
     RejectReason.TOO_LONG, RejectReason.TOKEN_OUT_OF_RANGE, RejectReason.BAD_LOGPROB, RejectReason.BAD_REWARD,
     RejectReason.FINISH_REASON_MISMATCH, RejectReason.EPISODE_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH,
+    RejectReason.ENV_REPLAY_TIMEOUT,
     RejectReason.NOT_YOUR_LEASE, RejectReason.NOT_LEASED,
     RejectReason.REWARD_MISMATCH, RejectReason.LOGPROB_MISMATCH, RejectReason.REWARD_TIMEOUT,
 })

@@ -42,6 +42,7 @@ from grpo_fleet.learner.step.forward import frozen_logprobs
 from grpo_fleet.learner.step.gap_bounds import GapBound, group_gap
 from grpo_fleet.learner.step.recheck import weights_of
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example, Task
 from grpo_fleet.tasks.prompts import decode_completion
@@ -85,13 +86,15 @@ class RewardCheck:
 
     def verdicts(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
         """group_id -> None (the rewards agree), REWARD_MISMATCH, REWARD_TIMEOUT (the reward ran out of time on these
-        completions), or REWARD_UNVERIFIABLE (our check failed otherwise)."""
+        completions), ENV_REPLAY_MISMATCH or ENV_REPLAY_TIMEOUT (door/env_replay.py), or REWARD_UNVERIFIABLE (our
+        check failed otherwise)."""
         ahead = {group.group_id: self._ahead[id(group)][1] for group, _ in groups
                  if self._ahead.get(id(group), (None,))[0] is group}
         return {**self._score([(g, i) for g, i in groups if g.group_id not in ahead]), **ahead}
 
     def _score(self, groups: Sequence[tuple[m.GroupResult, int]]) -> dict[str, Optional[RejectReason]]:
         verdicts: dict[str, Optional[RejectReason]] = {}
+        overran = False
         for (group, index), score in zip(groups, self._task_scores(groups)):
             if score.rewards is None:
                 verdicts[group.group_id] = (RejectReason.REWARD_TIMEOUT if timed_out(score)
@@ -99,20 +102,38 @@ class RewardCheck:
                 continue
             expected: list[float] = score.rewards
             if self.replay is not None:
-                replayed = self.replay.replay_group(self.examples[index], group.completions)
-                if any(r.problem for r in replayed):
-                    log.warning("group %s: %s", group.group_id, next(r.problem for r in replayed if r.problem))
-                    verdicts[group.group_id] = RejectReason.ENV_REPLAY_MISMATCH
+                if overran:  # one replay of this submission ran out of time: its other groups are charged alike,
+                    verdicts[group.group_id] = RejectReason.ENV_REPLAY_TIMEOUT  # so it holds the thread once
                     continue
-                if any(r.failed for r in replayed):
-                    log.warning("group %s unverifiable: the environment failed on the learner: %s", group.group_id,
-                                next(r.failed for r in replayed if r.failed))
-                    verdicts[group.group_id] = RejectReason.REWARD_UNVERIFIABLE
+                replayed, refusal = self._replayed(group, self.examples[index], score.rewards)
+                overran = refusal is RejectReason.ENV_REPLAY_TIMEOUT
+                if replayed is None:
+                    verdicts[group.group_id] = refusal
                     continue
-                expected = [task + r.reward for task, r in zip(score.rewards, replayed)]
+                expected = replayed
             gap = reward_gap([c.reward for c in group.completions], expected)
             verdicts[group.group_id] = RejectReason.REWARD_MISMATCH if gap > REWARD_TOLERANCE else None
         return verdicts
+
+    def _replayed(self, group: m.GroupResult, example: Example,
+                  task_rewards: list[float]) -> tuple[Optional[list[float]], Optional[RejectReason]]:
+        """The group's expected rewards (the task's plus its replayed episodes'), or why there are none."""
+        assert self.replay is not None
+        replayed = self.replay.replay_group(example, group.completions)
+        for field, reason, said in (("problem", RejectReason.ENV_REPLAY_MISMATCH, "differs from the replay"),
+                                    ("overran", RejectReason.ENV_REPLAY_TIMEOUT, "held the replay too long"),
+                                    ("failed", RejectReason.REWARD_UNVERIFIABLE, "unverifiable: the environment "
+                                     "failed on the learner")):
+            why = next((getattr(r, field) for r in replayed if getattr(r, field)), "")
+            if why:
+                log.warning("group %s %s: %s", group.group_id, said, shown(why, 300))
+                return None, reason
+        return [task + r.reward for task, r in zip(task_rewards, replayed)], None
+
+    def stop_replays(self) -> None:
+        """The learner is stopping: a replay in flight ends now (its group unverifiable), and none starts after."""
+        if self.replay is not None:
+            self.replay.stop()
 
     def _task_scores(self, groups: Sequence[tuple[m.GroupResult, int]]) -> list[GroupScore]:
         """The task's rewards of each group (0 each in an episode run that names none), or why they failed here."""
@@ -133,6 +154,7 @@ class RewardCheck:
         return decode_completion(self.tokenizer, completion.tokens.to_numpy().tolist(), completion.finish_reason, self.eos)
 
     def close(self) -> None:
+        self.stop_replays()
         self.scorer.close()
 
 

@@ -42,7 +42,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("grpo_fleet.learner")
 # Refusals of the learner's reward check: the prompt goes back in the queue for someone else to do again.
 REWARD_CHECK_REFUSALS = frozenset({RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH,
-                                   RejectReason.REWARD_UNVERIFIABLE, RejectReason.REWARD_TIMEOUT})
+                                   RejectReason.REWARD_UNVERIFIABLE, RejectReason.REWARD_TIMEOUT,
+                                   RejectReason.ENV_REPLAY_TIMEOUT})
+# Those where the check did not finish (a reward or a replay failed or ran out of time): counted toward the prompt's
+# skip, as a return unscored is.
+CHECK_UNFINISHED = frozenset({RejectReason.REWARD_UNVERIFIABLE, RejectReason.REWARD_TIMEOUT,
+                              RejectReason.ENV_REPLAY_TIMEOUT})
 REWARD_ERRORS = frozenset(str(error) for error in RewardError)
 
 
@@ -204,19 +209,32 @@ class Intake:
     def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
         """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""
         self.metrics.rejections.labels(reason=reason).inc()
-        if reason in REWARD_CHECK_REFUSALS:
-            # Its fault (a mismatch, a timeout): another actor does it again, not this one for ever.
-            self.state.scheduler.requeue(lease_id, group_id, not_to=actor.principal if reason.is_violation else None)
+        if reason in CHECK_UNFINISHED:
+            self._check_unfinished(actor, lease_id, group_id, reason)
+        elif reason in REWARD_CHECK_REFUSALS:
+            # Its fault (a mismatch): another actor does it again, not this one for ever.
+            self.state.scheduler.requeue(lease_id, group_id, not_to=actor.principal)
         if reason in (RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH):
             self.registry.record_violation(actor.principal, reason)
             log.warning("actor %s reported rewards the learner does not get for group %s", shown(actor.actor_id),
                         group_id)
-        elif reason is RejectReason.REWARD_TIMEOUT:
-            # Its completions held the one verifier thread for a reward timeout: after max_violations, banned.
+        elif reason in (RejectReason.REWARD_TIMEOUT, RejectReason.ENV_REPLAY_TIMEOUT):
+            # Its completions held the one verifier thread for a reward timeout or the replay's
+            # security.replay_seconds: after max_violations, banned.
             self.registry.record_violation(actor.principal, reason)
-            log.warning("actor %s sent completions the learner's reward timed out on (group %s)",
-                        shown(actor.actor_id), group_id)
+            log.warning("actor %s sent work the learner's check ran out of time on (group %s: %s)",
+                        shown(actor.actor_id), group_id, reason)
         return reason.group_status
+
+    def _check_unfinished(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> None:
+        """A group the learner's check could not finish goes back as an unscored one does: to another key, and
+        its prompt is skipped for the pass after a few such returns (records/lease_book.py), so a prompt whose
+        check always fails or hangs is not regenerated for ever."""
+        scheduler = self.state.scheduler
+        if scheduler.return_unscored(lease_id, group_id, actor.principal, self.registry.key_count()):
+            self.metrics.groups_unscorable.inc()
+            log.warning("the prompt of group %s could not be checked %d times in a row (last: %s); skipped for this "
+                        "pass", group_id, UNSCORED_RETURNS, reason)
 
     def blame_tampered(self, failures: list[tuple[AcceptedGroup, LogprobGap]],
                        in_hand: Sequence[AcceptedGroup] = ()) -> None:

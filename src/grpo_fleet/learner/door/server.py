@@ -77,7 +77,9 @@ class LearnerServer:
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
         # Rollouts whose rewards are re-scored are answered off this thread (learner/door/verifier_thread.py).
-        self.verifier = RolloutsVerifier(cfg.verify_queue) if learner.reward_check is not None else None
+        check = learner.reward_check
+        self.verifier = (RolloutsVerifier(cfg.verify_queue, interrupt=check.stop_replays) if check is not None
+                         else None)
         # Weight chunks queued zero-copy hold their version's blob until sent: bounded there.
         self.weights_in_flight = WeightsInFlight(learner.metrics)
 

@@ -21,8 +21,10 @@ ones, not by its whole queue; and each such timeout is charged to it
 
 Stopping takes nothing more: `close` drops the submissions not started (unanswered:
 their actors resend them, to the resumed learner) and waits for the one in hand,
-whose scoring the reward's own timeout bounds; so the final checkpoint, written
-after it, holds every group that was taken.
+whose scoring the reward's own timeout bounds, and whose environment replay it
+interrupts (the replay's child process is killed: its group is unverifiable and
+re-queued); so the final checkpoint, written after it, holds every group that
+was taken.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ PER_KEY_QUEUED = 4
 class RolloutsVerifier:
     """Received Rollouts, answered on one thread, one actor key at a time in turn; replies wait in `answers()`."""
 
-    def __init__(self, max_queued: int = 64, per_key: int = PER_KEY_QUEUED) -> None:
+    def __init__(self, max_queued: int = 64, per_key: int = PER_KEY_QUEUED,
+                 interrupt: Optional[Callable[[], None]] = None) -> None:
         self.max_queued, self.per_key = max_queued, per_key
+        self.interrupt = interrupt  # ends the work in hand early when stopping (an environment replay: its child)
         self._waiting: OrderedDict[str, deque[Job]] = OrderedDict()  # by actor key; the next to serve first
         self._queued = 0
         self._ready = threading.Condition()
@@ -111,6 +115,8 @@ class RolloutsVerifier:
             self._ready.notify_all()  # wakes the thread if it waits for a job
         if self._thread.is_alive():
             log.info("stopping: waiting for the Rollouts being verified (its reward's timeout bounds the wait)")
+            if self.interrupt is not None:  # a replay in flight ends now: its group unverifiable, not charged
+                self.interrupt()
         self._thread.join()
         if dropped:
             log.info("stopping: %d Rollouts not verified yet were dropped unanswered; their actors resend them", dropped)

@@ -282,7 +282,8 @@ class Evaluation:
             return RejectReason.NOT_LEASED
         if invalid is None and self.reward_check is not None:
             verdicts = self.reward_check.verdicts([(g, lease.tickets[g.group_id]) for g in msg.groups])
-            for lie in (RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH):
+            # A replay the episodes held past its time is charged as a lie: the reported rewards would count.
+            for lie in (RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH, RejectReason.ENV_REPLAY_TIMEOUT):
                 if lie in verdicts.values():
                     return lie  # the whole lease: its prompts go back in the round
         return invalid

@@ -12,6 +12,8 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig, load_run_config
 from grpo_fleet.durable import write_atomic
+from grpo_fleet.envs.process import EnvProcess
+from grpo_fleet.learner.door.env_replay import EnvCalling
 from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.trackers import build_trackers, require_installed
 from grpo_fleet.learner.run.coordinator import RunCoordinator
@@ -21,6 +23,7 @@ from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import Policy, latest_checkpoint, model_digest
 from grpo_fleet.realshape import build_realshape, is_realshape
 from grpo_fleet.tasks import Task, build_task
+from grpo_fleet.tasks.env_module import EnvSetup
 from grpo_fleet.tasks.prompts import check_prompt_lengths, context_length, encode_prompt
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
 from grpo_fleet.tiny_model import build_tiny_model
@@ -87,14 +90,16 @@ def _open_trackers(learner: RunCoordinator, cfg: RunConfig, run_dir: Path) -> No
 
 
 def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional[str] = None,
-                  make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess) -> RunCoordinator:
+                  make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess,
+                  make_envs: Callable[[EnvSetup], EnvCalling] = EnvProcess) -> RunCoordinator:
     """Everything the learner needs, loaded and ready; writes the resolved config to the run dir.
 
     With `resume`, continues from the run directory's latest checkpoint.
     `make_scorer` builds what re-scores submissions (security.verify_rewards): a
     process of its own, which can interrupt a reward that hangs, unless the
     caller gives another (the unit tests run rewards in-process: they may start
-    no process).
+    no process); `make_envs` likewise hosts the replay of a deterministic
+    environment (learner/door/env_replay.py).
     """
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,7 +119,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     write_run_config(run_dir, cfg)
     learner = RunCoordinator(
         cfg, policy, trainer, task, prompts, model_digest(path), learner_metrics(), run_dir, pub_address=pub_address,
-        eval_prompt_tokens=eval_prompts, make_scorer=make_scorer,
+        eval_prompt_tokens=eval_prompts, make_scorer=make_scorer, make_envs=make_envs,
     )
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if checkpoint is not None:

@@ -18,6 +18,8 @@ import numpy as np
 from pydantic import BaseModel
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.envs.process import EnvProcess
+from grpo_fleet.learner.door.env_replay import EnvCalling
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.records.runlog import StepRecord
 from grpo_fleet.learner.run.handlers import RequestHandlers
@@ -29,6 +31,7 @@ from grpo_fleet.model import Policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.tasks import Task
+from grpo_fleet.tasks.env_module import EnvSetup
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
 
 
@@ -38,9 +41,11 @@ class RunCoordinator(RunRooms):
     def __init__(self, cfg: RunConfig, policy: Policy, trainer: Trainer, task: Task, prompt_tokens: list[np.ndarray],
                  model_digest: str, metrics: LearnerMetrics, run_dir: Path, pub_address: Optional[str] = None,
                  eval_prompt_tokens: Optional[list[np.ndarray]] = None,
-                 make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess) -> None:
+                 make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess,
+                 make_envs: Callable[[EnvSetup], EnvCalling] = EnvProcess) -> None:
         super().__init__(cfg, policy, trainer, task, prompt_tokens, model_digest, metrics, run_dir,
-                         pub_address=pub_address, eval_prompt_tokens=eval_prompt_tokens, make_scorer=make_scorer)
+                         pub_address=pub_address, eval_prompt_tokens=eval_prompt_tokens, make_scorer=make_scorer,
+                         make_envs=make_envs)
         self.requests = RequestHandlers(self)
         self.training = TrainingThread(self)
 

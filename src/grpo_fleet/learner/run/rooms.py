@@ -15,10 +15,10 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.envs.hosting import InlineEnvs
+from grpo_fleet.envs.process import EnvProcess
 from grpo_fleet.generation import SamplingSettings
 from grpo_fleet.learner.door.actor_checks import LogprobCheck, RewardCheck, WeightHistory
-from grpo_fleet.learner.door.env_replay import EnvReplay, check_verifiable
+from grpo_fleet.learner.door.env_replay import EnvCalling, EnvReplay, check_verifiable
 from grpo_fleet.learner.door.gap_calibration import PendingCalibration, calibrate
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules
@@ -38,6 +38,7 @@ from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
 from grpo_fleet.tasks import Task
+from grpo_fleet.tasks.env_module import EnvSetup
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
 
 
@@ -47,7 +48,8 @@ class RunRooms:
     def __init__(self, cfg: RunConfig, policy: Policy, trainer: Trainer, task: Task, prompt_tokens: list[np.ndarray],
                  model_digest: str, metrics: LearnerMetrics, run_dir: Path, pub_address: Optional[str] = None,
                  eval_prompt_tokens: Optional[list[np.ndarray]] = None,
-                 make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess) -> None:
+                 make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess,
+                 make_envs: Callable[[EnvSetup], EnvCalling] = EnvProcess) -> None:
         self.cfg, self.policy, self.trainer, self.task = cfg, policy, trainer, task
         self.prompt_tokens, self.model_digest, self.metrics, self.run_dir = prompt_tokens, model_digest, metrics, run_dir
         self.pub_address = pub_address
@@ -68,7 +70,7 @@ class RunRooms:
         # in this one, which could not. (Unit tests, which may start no process, pass an in-process scorer.)
         self.make_scorer = make_scorer  # the local evaluator's rewards run in one of these too
         check_verifiable(task.env, cfg.security.verify_rewards)  # before anything starts a process
-        replay = env_replay(cfg, task, policy)
+        replay = env_replay(cfg, task, policy, make_envs)
         self.reward_check = (RewardCheck(task, task.train, policy.tokenizer, make_scorer(task.reward_set()), replay)
                              if cfg.security.verify_rewards else None)
         self.weight_history, self.logprob_check = logprob_check(cfg, policy, metrics)
@@ -90,12 +92,15 @@ class RunRooms:
         self.trackers = Trackers([], metrics.tracker_errors)  # setup opens logging.report_to's once the step is known
 
 
-def env_replay(cfg: RunConfig, task: Task, policy: Policy) -> Optional[EnvReplay]:
-    """The replay of a deterministic environment's episodes (security.verify_rewards), in this process: the
-    environment is the run's own file, and the replay only gives it the actions an actor reported."""
+def env_replay(cfg: RunConfig, task: Task, policy: Policy,
+               make_envs: Callable[[EnvSetup], EnvCalling]) -> Optional[EnvReplay]:
+    """The replay of a deterministic environment's episodes (security.verify_rewards), in a process of the
+    learner's own: the actions an actor reported can make the environment hang, which only a child can be killed
+    for (learner/door/env_replay.py). Unit tests, which may start no process, pass an in-process host."""
     if task.env is None or not cfg.security.verify_rewards:
         return None
-    return EnvReplay(task.env, policy.tokenizer, cfg.task.system_prompt, InlineEnvs(task.env))
+    return EnvReplay(task.env, policy.tokenizer, cfg.task.system_prompt, make_envs(task.env),
+                     budget_seconds=cfg.security.replay_seconds)
 
 
 def logprob_check(cfg: RunConfig, policy: Policy,

@@ -8,7 +8,9 @@ the whole lease, environment tokens per second, the seconds spent in
 environment calls and the share of (decoding step x batch slot) cells left idle
 while the episodes' environments stepped (every slot waits: the runner steps
 the environments between decoding steps), and one learner step (LoRA r8) on
-the lease as the learner would train it (environment tokens masked).
+the lease as the learner would train it (environment tokens masked). And the
+learner's replay of the lease's episodes (security.verify_rewards), in the child
+process it runs in against this process (where it ran before issue 39).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def measure(report: Report, model_dir: Path, prompts: int, group_size: int, max_
                       100 * envs.seconds / episode_seconds, "%",
                       notes="every slot waits while the turns that ended are stepped together"))
 
+    replay_rows(report, label, tokenizer, setup, examples, [[o.completion for o in g] for g in episodes])
+
     trainer = Trainer(policy, GRPOConfig(), OptimConfig(), temperature=1.0, max_tokens=max_tokens)
     single_groups = [_group(i, p, list(g)) for i, (p, g) in enumerate(zip(ids, single))]
     episode_groups = [_group(i, p, [o.completion for o in g]) for i, (p, g) in enumerate(zip(ids, episodes))]
@@ -123,6 +127,41 @@ def measure(report: Report, model_dir: Path, prompts: int, group_size: int, max_
         tokens = sum(int(c.sampled.sum()) for g in groups for c in g.completions)
         report.add(Figure("episodes", f"learner step, {name}, {label}", stats.train_seconds, "s",
                           notes=f"{tokens} sampled tokens trained ({tokens / stats.train_seconds:.0f} tok/s)"))
+
+
+def _replay_seconds(replay: Any, examples: list[dict[str, Any]], groups: list[list[Any]], rounds: int) -> float:
+    """Seconds to replay every group `rounds` times, as the learner's reward check does (each must agree)."""
+    from grpo_fleet.tasks import Example
+
+    started = time.perf_counter()
+    for _ in range(rounds):
+        for ex, group in zip(examples, groups):
+            replayed = replay.replay_group(Example(ex["prompt"], ex["answer"]), group)
+            assert not any(r.problem or r.overran or r.failed for r in replayed), replayed
+    return time.perf_counter() - started
+
+
+def replay_rows(report: Report, label: str, tokenizer: Any, setup: Any, examples: list[dict[str, Any]],
+                episodes: list[list[GeneratedCompletion]], rounds: int = 5) -> None:
+    """The learner's replay of the lease's episodes (security.verify_rewards) in a child process, as it runs, and
+    in this process, as it ran before issue 39: what killing a hung replay costs an honest group."""
+    from grpo_fleet.actor.wire import to_completion
+    from grpo_fleet.envs.process import EnvProcess
+    from grpo_fleet.learner.door.env_replay import EnvReplay
+
+    groups = [[to_completion(c, 0.0) for c in g] for g in episodes]  # the reward check compares rewards, not this
+    child = EnvProcess(setup)
+    try:
+        seconds = {"child": _replay_seconds(EnvReplay(setup, tokenizer, SYSTEM, child), examples, groups, rounds),
+                   "inline": _replay_seconds(EnvReplay(setup, tokenizer, SYSTEM, InlineEnvs(setup)), examples, groups,
+                                             rounds)}
+    finally:
+        child.close()
+    per_group = {where: 1000 * s / (rounds * len(groups)) for where, s in seconds.items()}
+    report.add(Figure("episodes", f"learner replay ms per group, child process, {label}", per_group["child"], "ms",
+                      baseline=per_group["inline"], baseline_name="in the learner's process",
+                      notes=f"{per_group['child'] / per_group['inline']:.2f}x in-process; two round trips a group "
+                            "(every init, then every turn and close)"))
 
 
 def run(report: Report, scale: Scale, model_dir: Optional[Path] = None) -> None:

@@ -28,13 +28,16 @@ from mlx.utils import tree_unflatten
 
 from grpo_fleet.config import DistributedConfig
 from grpo_fleet.exit_codes import RANKS_FAILED
-from grpo_fleet.learner.ranks.ring_trust import hostfile_addresses
+from grpo_fleet.learner.ranks.ring_trust import RingRefused, hostfile_addresses
 from grpo_fleet.learner.ranks.sharding import DIGEST_WORDS, buckets, weights_digest
 from grpo_fleet.trees import flat_leaves
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 # Gradients travel in flat buckets of at most this many bytes (mlx.nn.average_gradients uses 32 MiB).
 BUCKET_BYTES = 32 << 20
+# The most bytes a rank takes in one broadcast of bytes (the run config with its state layout: a few hundred kB
+# for the largest models).
+MAX_BROADCAST_BYTES = 64 << 20
 
 
 def exit_now(message: str) -> NoReturn:
@@ -111,6 +114,26 @@ def init_group(cfg: DistributedConfig, rank: int) -> mx.distributed.Group:
     return group
 
 
+class Packed:
+    """A tree's leaves packed into a few flat buckets of one dtype each (`sharding.buckets`), and back."""
+
+    def __init__(self, tree: Any) -> None:
+        self.pairs = flat_leaves(tree)
+        leaves = [value for _, value in self.pairs]
+        self.groups = buckets([v.nbytes for v in leaves], [str(v.dtype) for v in leaves], BUCKET_BYTES)
+        self.flats = [mx.concatenate([leaves[i].reshape(-1) for i in group]) for group in self.groups]
+
+    def unpack(self, flats: list[mx.array]) -> Any:
+        """The tree again, its leaves cut from `flats` (arrays of `self.flats`' shapes: their sums, say)."""
+        leaves = [value for _, value in self.pairs]
+        out: list[Optional[mx.array]] = [None] * len(leaves)
+        for group, flat in zip(self.groups, flats):
+            offsets = np.cumsum([leaves[i].size for i in group])[:-1].tolist()
+            for i, piece in zip(group, mx.split(flat, offsets) if offsets else [flat]):
+                out[i] = piece.reshape(leaves[i].shape)
+        return tree_unflatten([(key, value) for (key, _), value in zip(self.pairs, out)])
+
+
 class RankGroup:
     """The collectives the ranks run, each evaluated at once under the watchdog."""
 
@@ -123,6 +146,7 @@ class RankGroup:
         # The run's ring secret (ring_trust.py): b"" on a ring that runs without keys (loopback, trusted network).
         self.ring_key = b""
         self.sequence = 0  # commands rank 0 has sent (or this rank has taken): each header's tag covers it
+        self.gathers = 0  # checked gathers run (ring_guard.gather_checked): each contribution's tag covers it
         self.refusals: Counter[str] = Counter()  # by reason: knocks at the ring door, and the ring's proofs
 
     def peers(self) -> str:
@@ -153,17 +177,14 @@ class RankGroup:
 
     def all_sum(self, tree: Any, what: str) -> Any:
         """The tree (of arrays) summed over the ranks, its leaves packed into few flat buckets (`sharding.buckets`)."""
-        pairs = flat_leaves(tree)
-        leaves = [value for _, value in pairs]
-        groups = buckets([v.nbytes for v in leaves], [str(v.dtype) for v in leaves], BUCKET_BYTES)
-        packed = [mx.concatenate([leaves[i].reshape(-1) for i in group]) for group in groups]
-        summed_packed = self.run(what, packed, mx.distributed.all_sum)
-        summed: list[Optional[mx.array]] = [None] * len(leaves)
-        for group, flat in zip(groups, summed_packed):
-            offsets = np.cumsum([leaves[i].size for i in group])[:-1].tolist()
-            for i, piece in zip(group, mx.split(flat, offsets) if offsets else [flat]):
-                summed[i] = piece.reshape(leaves[i].shape)
-        return tree_unflatten([(key, value) for (key, _), value in zip(pairs, summed)])
+        packed = Packed(tree)
+        return packed.unpack(self.run(what, packed.flats, mx.distributed.all_sum))
+
+    def gather(self, arrays: list[mx.array], what: str) -> list[list[mx.array]]:
+        """Every rank's `arrays` (of the same shapes on every rank, at least 1-D), by rank: an all-gather of each."""
+        gathered = self.run(what, arrays, mx.distributed.all_gather)
+        return [[whole[rank * a.shape[0]:(rank + 1) * a.shape[0]] for whole, a in zip(gathered, arrays)]
+                for rank in range(self.size)]
 
     def broadcast(self, arrays: list[mx.array], what: str, *, idle: bool = False) -> list[mx.array]:
         """Rank 0's arrays on every rank: the others pass arrays of the same shapes and dtypes (their values unused).
@@ -184,9 +205,17 @@ class RankGroup:
         return np.array(out)
 
     def broadcast_bytes(self, data: bytes, what: str, *, idle: bool = False) -> bytes:
-        """Rank 0's bytes on every rank (the others pass b""): the length first, then the bytes."""
+        """Rank 0's bytes on every rank (the others pass b""): the length first, then the bytes.
+
+        A length over MAX_BROADCAST_BYTES is refused (RingRefused) before anything is allocated for it: the
+        bytes' HMAC (ring_guard.receive_signed) can only be checked once they are here."""
         (length,) = self.broadcast([mx.array([len(data)], dtype=mx.int32)], f"{what} (length)", idle=idle)
-        buffer = np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(int(np.array(length)[0]), np.uint8)
+        size = int(np.array(length)[0])
+        if not 0 <= size <= MAX_BROADCAST_BYTES:
+            self.refusals["oversized"] += 1
+            raise RingRefused(f"rank {self.rank}: the {what} is {size} bytes, not 0 to {MAX_BROADCAST_BYTES}: "
+                              "altered on the way, or not from rank 0")
+        buffer = np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(size, np.uint8)
         (out,) = self.broadcast([mx.array(buffer)], what, idle=idle)
         return bytes(np.array(out))
 

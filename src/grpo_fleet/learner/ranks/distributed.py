@@ -29,14 +29,21 @@ from prometheus_client import CollectorRegistry
 from grpo_fleet.config import ConfigError, DistributedConfig, RunConfig
 from grpo_fleet.learner.ranks.collectives import RankGroup, init_group
 from grpo_fleet.learner.ranks.rank_metrics import CollectiveTotals
-from grpo_fleet.learner.ranks.ring_guard import admit_ranks, check_network, check_state, send_signed
+from grpo_fleet.learner.ranks.ring_guard import (
+    admit_ranks,
+    check_backend,
+    check_network,
+    check_state,
+    checked_sum,
+    gather_checked,
+    send_signed,
+)
 from grpo_fleet.learner.ranks.ring_trust import RingRefused, header_tag
 from grpo_fleet.learner.ranks.sharding import (
     HEADER_SIZE,
     Command,
     Header,
     check_rows_cover_ranks,
-    scatter_rows,
     shard_rows,
 )
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, take_rows
@@ -87,8 +94,8 @@ class DataParallel:
         return take_rows(batch, self.rows)
 
     def combine(self, gradients: Gradients) -> Gradients:
-        summed = self.ranks.all_sum({"loss": gradients.loss, "stats": gradients.stats, "grads": gradients.grads},
-                                    "gradient all-sum")
+        summed = checked_sum(self.ranks, {"loss": gradients.loss, "stats": gradients.stats, "grads": gradients.grads},
+                             "gradient all-sum")
         return Gradients(loss=summed["loss"], stats=summed.get("stats", {}), grads=summed["grads"],
                          policy_logprobs=gradients.policy_logprobs)
 
@@ -100,9 +107,17 @@ class DataParallel:
         return None if local is None else self.gather_rows(local, batch.mask.shape[0], "pi_prox all-sum")
 
     def gather_rows(self, values: np.ndarray, total: int, what: str = "check all-sum") -> np.ndarray:
-        """This rank's rows of values (`own_rows`' order), every rank's summed onto the batch's `[N, L]` grid."""
-        mine = scatter_rows(values, self.rows, total)
-        return np.array(self.ranks.all_sum({"grid": mx.array(mine)}, what)["grid"])
+        """This rank's rows of values (`own_rows`' order) and every other rank's, each checked against its tag
+        (`gather_checked`), on the batch's `[N, L]` grid."""
+        most = -(-total // self.size)  # the most rows a rank has: each sends that many, padded
+        padded = np.zeros((most, *values.shape[1:]), values.dtype)
+        padded[:len(values)] = values
+        pieces = [np.array(piece) for (piece,) in gather_checked(self.ranks, [mx.array(padded)], what)]
+        grid = np.zeros((total, *values.shape[1:]), pieces[0].dtype)
+        for rank, piece in enumerate(pieces):
+            rows = shard_rows(total, rank, self.size)
+            grid[rows] = piece[:len(rows)]
+        return grid
 
     def slowest(self, seconds: float) -> float:
         return self.ranks.most(seconds, "check seconds (max)")
@@ -118,34 +133,41 @@ class DataParallel:
             self.send(Header(Command.KEEPALIVE))
 
     def send(self, header: Header, arrays: tuple[mx.array, ...] | list[mx.array] = ()) -> None:
-        """Rank 0: the header, signed over its number in the run and the batch `arrays` it announces."""
-        signed = replace(header, tag=self._tag(header, [signable(a) for a in arrays]))
+        """Rank 0: the header, signed over its number in the run: its fields alone, and with the batch `arrays`
+        it announces."""
+        sequence, unsigned = self.ranks.sequence, header.unsigned()
+        self.ranks.sequence += 1
+        signed = replace(header, head_tag=self._tag(sequence, unsigned, None),
+                         tag=self._tag(sequence, unsigned, [signable(a) for a in arrays]))
         self.ranks.broadcast([mx.array(signed.encode())], f"{header.command.name.lower()} command")
         self.last_command = time.monotonic()
 
-    def _tag(self, header: Header, arrays: list[np.ndarray]) -> bytes:
-        unsigned = replace(header, tag=b"").encode()
-        words = header_tag(self.ranks.ring_key, self.ranks.sequence, unsigned, arrays)
-        self.ranks.sequence += 1
-        return words.tobytes()
+    def _tag(self, sequence: int, unsigned: np.ndarray, arrays: Optional[list[np.ndarray]]) -> bytes:
+        """The header's fields' tag (`arrays` None), or its tag with the batch it announces."""
+        purpose = "step command" if arrays is None else "step header"
+        return header_tag(self.ranks.ring_key, sequence, unsigned, arrays or [], purpose).tobytes()
 
-    def verify(self, header: Header, arrays: list[np.ndarray]) -> None:
-        """The others: refuse (RingRefused) a header whose HMAC does not hold over what it announced."""
-        if not hmac.compare_digest(self._tag(header, arrays), header.tag):
+    def verify(self, header: Header, arrays: Optional[list[np.ndarray]]) -> None:
+        """The others: refuse (RingRefused) the header just taken unless its fields (`arrays` None), or its fields
+        and the batch `arrays`, match their tag."""
+        sequence = self.ranks.sequence - 1
+        tag = header.head_tag if arrays is None else header.tag
+        if not hmac.compare_digest(self._tag(sequence, header.unsigned(), arrays), tag):
             self.ranks.refusals["bad tag"] += 1
-            raise RingRefused(f"rank {self.ranks.rank}: rank 0's {header.command.name.lower()} command "
-                              f"{self.ranks.sequence - 1} failed its HMAC: altered on the way, or not from rank 0")
+            raise RingRefused(f"rank {self.ranks.rank}: rank 0's {header.command.name.lower()} command {sequence} "
+                              "failed its HMAC: altered on the way, or not from rank 0")
 
     def receive(self) -> Header:
-        """The others: rank 0's next command (waited for up to `idle_timeout_seconds`), a step's checked with its batch."""
+        """The others: rank 0's next command (waited for up to `idle_timeout_seconds`), its fields checked before
+        anything is allocated for the batch a step announces (that batch is checked in `receive_batch`)."""
         (words,) = self.ranks.broadcast([mx.zeros(HEADER_SIZE, dtype=mx.int32)], "waiting for rank 0's next command",
                                         idle=True)
         try:
             header = Header.decode(np.array(words))
         except ValueError as exc:
             raise RingRefused(f"rank {self.ranks.rank}: rank 0's command is not one ({exc})") from None
-        if header.command != Command.STEP:
-            self.verify(header, [])
+        self.ranks.sequence += 1
+        self.verify(header, None)
         return header
 
     def receive_batch(self, header: Header, trainable: Sequence[tuple[str, mx.array]] = ()) -> TrainBatch:
@@ -263,7 +285,10 @@ def connect(cfg: DistributedConfig, rank: int, *, authenticated: bool) -> Option
     """
     check_network(cfg, authenticated=authenticated)
     group = init_group(cfg, rank)
-    return None if group.size() == 1 else RankGroup(group, cfg)
+    if group.size() == 1:
+        return None
+    check_backend(cfg)
+    return RankGroup(group, cfg)
 
 
 @contextmanager

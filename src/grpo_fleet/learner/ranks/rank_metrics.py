@@ -43,7 +43,8 @@ class CollectiveTotals(Collector):
             sent.add_metric([what, str(self.ranks.rank)], nbytes)
         refused = CounterMetricFamily(f"{LEARNER}_ring_refusals", "What a rank refused before or over the ring: "
                                       "knocks at rank 0's ring door (a key not allowed, a malformed or repeated knock), "
-                                      "failed ring proofs, messages whose HMAC failed", labels=["reason", "rank"])
+                                      "failed ring proofs, messages or a rank's gathered part whose HMAC failed (bad "
+                                      "tag), a broadcast of bytes past its bound (oversized)", labels=["reason", "rank"])
         for reason, count in sorted(self.ranks.refusals.items()):
             refused.add_metric([reason, str(self.ranks.rank)], count)
         yield seconds

@@ -10,7 +10,12 @@
    that took a rank's port without coming through the door is refused there, by
    rank 0 and by the other ranks, before anything of the run is shared.
 4. The run config, the shared state and every step header carry an HMAC keyed
-   with the secret, which each other rank checks before it uses them.
+   with the secret, which each other rank checks before it uses them (a header's
+   fields before anything is allocated for the batch they announce).
+5. What each rank adds (its gradients, its rows of a grid) is all-gathered with
+   a tag of its own, checked by every other rank before the sum (`gather_checked`).
+MPI and JACCL ranks meet at no door, so they start only on a network declared
+trusted (`check_backend`).
 Without keys (a ring on loopback, or a trusted network) the key is b"": the same
 steps run, so the ranks still catch a stray process that speaks no protocol.
 """
@@ -27,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.config import DistributedConfig, RunConfig
-from grpo_fleet.learner.ranks.collectives import RankGroup, ring_hostfile
+from grpo_fleet.learner.ranks.collectives import Packed, RankGroup, launched_backend, ring_hostfile
 from grpo_fleet.learner.ranks.ring_trust import (
     NONCE_WORDS,
     TAG_WORDS,
@@ -37,7 +42,9 @@ from grpo_fleet.learner.ranks.ring_trust import (
     failed_proofs,
     host_of,
     nonce_slots,
+    payload_tag,
     proof_slots,
+    row_slots,
     tag,
 )
 from grpo_fleet.learner.ranks.sharding import weights_digest
@@ -54,6 +61,17 @@ def check_network(cfg: DistributedConfig, *, authenticated: bool) -> Optional[li
         check_ring_network([a for rank in hosts for a in rank], authenticated=authenticated,
                            trusted=cfg.trusted_network)
     return hosts
+
+
+def check_backend(cfg: DistributedConfig) -> None:
+    """Connected, before anything of the run is shared: MPI and JACCL ranks meet at no ring door and name no
+    addresses to judge, so they share no ring secret (their tags would be keyed with b""): refused (RingRefused)
+    unless their network is declared trusted."""
+    backend = launched_backend(cfg.backend, os.environ)
+    if backend != "ring" and not cfg.trusted_network:
+        raise RingRefused(f"the {backend} backend has no ring door and no network check, so its ranks share no ring "
+                          "secret; set distributed.trusted_network = true if their network is yours alone, or use "
+                          "the ring backend (mlx.launch --backend ring) with keys")
 
 
 def door_endpoint(cfg: DistributedConfig) -> Optional[str]:
@@ -153,3 +171,43 @@ def check_state(ranks: RankGroup, weights: Any, optimizer_state: Any) -> None:
         ranks.refusals["bad tag"] += 1
         raise RingRefused(f"rank {ranks.rank}: the weights or optimizer state received differ from rank 0's (HMAC of "
                           "their digests): altered on the way, or not from rank 0")
+
+
+def gather_checked(ranks: RankGroup, arrays: list[mx.array], what: str) -> list[list[mx.array]]:
+    """Every rank's `arrays` by rank (this rank's own as they are), each other rank's refused (RingRefused) unless
+    the tag it sent with them holds: MLX's all-gather carries them in clear."""
+    counter = ranks.gathers
+    ranks.gathers += 1
+    mine = payload_tag(ranks.ring_key, what, counter, ranks.rank, [wire_view(a) for a in arrays])
+    tags = ranks.gather_slots(row_slots(ranks.rank, ranks.size, mine), f"{what} (tags)")
+    pieces = ranks.gather(arrays, what)
+    pieces[ranks.rank] = arrays
+    forged = [rank for rank in range(ranks.size) if rank != ranks.rank and not hmac.compare_digest(
+        np.ascontiguousarray(tags[rank], np.int32).tobytes(),
+        payload_tag(ranks.ring_key, what, counter, rank, [wire_view(a) for a in pieces[rank]]))]
+    if forged:
+        ranks.refusals["bad tag"] += 1
+        raise RingRefused(f"rank {ranks.rank}: the {what} from rank(s) {', '.join(map(str, forged))} failed its HMAC: "
+                          "altered on the way, or not from a rank of this run")
+    return pieces
+
+
+def checked_sum(ranks: RankGroup, tree: Any, what: str) -> Any:
+    """The tree (of arrays) summed over the ranks from their checked contributions (`gather_checked`), in rank
+    order on every rank, so every rank gets the same bits; one bucket at a time, so the ranks' copies of one
+    bucket are held at once, not of the whole tree."""
+    packed = Packed(tree)
+    sums = []
+    for flat in packed.flats:
+        pieces = gather_checked(ranks, [flat], what)
+        total = pieces[0][0]
+        for (piece,) in pieces[1:]:
+            total = total + piece
+        mx.eval(total)
+        sums.append(total)
+    return packed.unpack(sums)
+
+
+def wire_view(array: mx.array) -> np.ndarray:
+    """An array's bytes as they travel, for a tag (bfloat16, which NumPy has not, as its 16-bit words)."""
+    return np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)

@@ -3,9 +3,11 @@
 MLX's ring carries everything in clear and accepts whoever connects first. So
 the ranks first meet at rank 0's CURVE "ring door" (protocol/ring_door.py),
 where each follower gets the run's ring secret; then over the ring every rank
-shows it knows the secret (`proof_tag` over every rank's nonce), and every
-message rank 0 sends (the run config, the shared state, each step's batch)
-carries an HMAC keyed with it. Nothing here opens a socket: bytes in, verdicts out.
+shows it knows the secret (`proof_tag` over every rank's nonce), every
+message rank 0 sends (the run config, the shared state, each step's header and
+batch) carries an HMAC keyed with it, and so does what each rank adds to a
+gather (its gradients, its rows of a grid: `payload_tag`). Nothing here opens a
+socket: bytes in, verdicts out.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import ipaddress
 import json
 from typing import Iterable
 
+import blake3
 import numpy as np
 
 NONCE_WORDS = 8  # int32 words of each rank's nonce in the proof
@@ -87,11 +90,32 @@ def as_words(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.int32).copy()
 
 
+def row_slots(rank: int, size: int, data: bytes) -> np.ndarray:
+    """A `[size, words]` grid of zeros with this rank's `data` in its row: summed over ranks, everyone's."""
+    slots = np.zeros((size, len(data) // 4), dtype=np.int32)
+    slots[rank] = as_words(data)
+    return slots
+
+
 def nonce_slots(rank: int, size: int, nonce: bytes) -> np.ndarray:
     """A `[size, NONCE_WORDS]` grid of zeros with this rank's nonce in its row: summed over ranks, everyone's."""
-    slots = np.zeros((size, NONCE_WORDS), dtype=np.int32)
-    slots[rank] = as_words(nonce)
-    return slots
+    return row_slots(rank, size, nonce)
+
+
+def payload_tag(secret: bytes, purpose: str, counter: int, rank: int, arrays: Iterable[np.ndarray]) -> bytes:
+    """Rank `rank`'s tag over what it adds to the `counter`-th gather of the run (its gradients, its rows of a
+    grid): keyed BLAKE3, which hashes gradients on every core, keyed from the ring secret, and bound to the
+    purpose, the gather's number and the rank, so a peer in the middle can neither alter, replay nor swap them."""
+    key = hmac.new(secret, b"payload key", hashlib.sha256).digest()
+    mac = blake3.blake3(key=key, max_threads=blake3.blake3.AUTO)
+    for part in (purpose.encode(), counter.to_bytes(8, "little"), rank.to_bytes(4, "little")):
+        mac.update(len(part).to_bytes(8, "little") + part)
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        kind = f"{array.dtype}:{array.shape}".encode()
+        mac.update(len(kind).to_bytes(8, "little") + kind + array.nbytes.to_bytes(8, "little"))
+        mac.update(memoryview(array.reshape(-1)).cast("B"))
+    return mac.digest()
 
 
 def proof_tag(secret: bytes, rank: int, nonces: np.ndarray) -> bytes:
@@ -112,9 +136,11 @@ def failed_proofs(secret: bytes, nonces: np.ndarray, tags: np.ndarray) -> list[i
                                        proof_tag(secret, rank, nonces))]
 
 
-def header_tag(secret: bytes, sequence: int, words: np.ndarray, arrays: Iterable[np.ndarray]) -> np.ndarray:
-    """The `HEADER_TAG_WORDS` words a step header carries: its number in the run, its fields, and the batch it
-    announces, so a peer in the middle of the ring can neither alter, replay nor reorder a batch unseen."""
+def header_tag(secret: bytes, sequence: int, words: np.ndarray, arrays: Iterable[np.ndarray],
+               purpose: str = "step header") -> np.ndarray:
+    """The `HEADER_TAG_WORDS` words of a step header's tag: its number in the run, its fields, and the batch it
+    announces, so a peer in the middle of the ring can neither alter, replay nor reorder a batch unseen (a
+    header carries two: its fields' alone, as `purpose` "step command", and with its batch)."""
     parts = [sequence.to_bytes(8, "little"), np.ascontiguousarray(words, np.int32).tobytes()]
     parts += [f"{a.dtype}:{a.shape}".encode() + np.ascontiguousarray(a).tobytes() for a in arrays]
-    return as_words(tag(secret, "step header", *parts)[: 4 * HEADER_TAG_WORDS])
+    return as_words(tag(secret, purpose, *parts)[: 4 * HEADER_TAG_WORDS])

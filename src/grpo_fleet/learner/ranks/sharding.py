@@ -7,7 +7,7 @@ every rule the ranks must agree on is testable without processes.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import mlx.core as mx
@@ -15,7 +15,7 @@ import numpy as np
 
 from grpo_fleet.trees import flat_leaves
 
-HEADER_SIZE = 9  # int32 slots of the command rank 0 broadcasts before each step
+HEADER_SIZE = 13  # int32 slots of the command rank 0 broadcasts before each step: 5 fields, 2 tags of 4
 DIGEST_WORDS = 4  # int32 words of the weights' digest the ranks compare
 MAX_CHECK_VERSIONS = 64  # versions whose weights one step's header may announce (far above any staleness kept)
 
@@ -36,25 +36,34 @@ class Header:
     rows: int = 0
     width: int = 0
     num_groups: int = 0
-    tag: bytes = b""  # 16 bytes of HMAC (ring_trust.header_tag) in the last 4 words; b"" before it is signed
+    tag: bytes = b""  # 16 bytes of HMAC (ring_trust.header_tag) over the fields and the batch; b"" unsigned
     versions: int = 0  # a step's older versions whose weights follow the batch, to recompute groups at (step/recheck.py)
+    # 16 bytes of HMAC over the fields alone: checked before anything is allocated for the batch they announce.
+    head_tag: bytes = b""
 
     def encode(self) -> np.ndarray:
         out = np.zeros(HEADER_SIZE, dtype=np.int32)
         out[:5] = [int(self.command), self.rows, self.width, self.num_groups, self.versions]
-        if self.tag:
-            out[5:] = np.frombuffer(self.tag, dtype=np.int32)
+        for start, tag in ((5, self.head_tag), (9, self.tag)):
+            if tag:
+                out[start:start + 4] = np.frombuffer(tag, dtype=np.int32)
         return out
+
+    def unsigned(self) -> np.ndarray:
+        """The words its tags cover: the fields, no tag."""
+        return replace(self, tag=b"", head_tag=b"").encode()
 
     @classmethod
     def decode(cls, words: np.ndarray) -> "Header":
         if words.shape != (HEADER_SIZE,):
             raise ValueError(f"a step header has {HEADER_SIZE} int32 words, got shape {words.shape}")
         command, rows, width, groups, versions = (int(w) for w in words[:5])
-        if not 0 <= versions <= MAX_CHECK_VERSIONS:
-            raise ValueError(f"a step header announces {versions} versions' weights (at most {MAX_CHECK_VERSIONS})")
-        tag = np.ascontiguousarray(words[5:], np.int32).tobytes() if words[5:].any() else b""  # zeros: unsigned
-        return cls(Command(command), rows, width, groups, tag=tag, versions=versions)
+        if min(rows, width, groups) < 0 or not 0 <= versions <= MAX_CHECK_VERSIONS:
+            raise ValueError(f"a step header announces {rows} x {width} rows of {groups} groups and {versions} "
+                             f"versions' weights (none negative, at most {MAX_CHECK_VERSIONS} versions)")
+        head_tag, tag = (np.ascontiguousarray(words[i:i + 4], np.int32).tobytes() if words[i:i + 4].any() else b""
+                         for i in (5, 9))  # zeros: unsigned
+        return cls(Command(command), rows, width, groups, tag=tag, versions=versions, head_tag=head_tag)
 
 
 def shard_rows(total: int, rank: int, size: int) -> np.ndarray:

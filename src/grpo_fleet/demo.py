@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from grpo_fleet.config import RunConfig, apply_overrides, load_run_config, toml_string
+from grpo_fleet.export.hint import export_hint
 from grpo_fleet.local_fleet import Fleet, FleetStop, early_stop, running
 from grpo_fleet.plotting import load_eval_records
 from grpo_fleet.protocol.endpoints import free_port, loopback_endpoint
@@ -177,10 +178,9 @@ def local_model_path(path: str) -> str:
 
 def prepare(options: DemoOptions) -> tuple[RunConfig, Path]:
     """The demo's config with its model resolved (the tiny one built), written where the learner reads it."""
+    from grpo_fleet.learner.door.env_replay import check_verifiable
     from grpo_fleet.learner.run.build import resolve_model_path
     from grpo_fleet.tasks import build_task
-
-    from grpo_fleet.learner.door.env_replay import check_verifiable
 
     cfg = demo_config(options)
     run_dir = Path(cfg.run_dir)
@@ -260,6 +260,7 @@ def summarise(cfg: RunConfig, records: list[dict], rounds: list[dict], wall: flo
         plot_run(run_dir, plot)
     print(f"held-out reward: {before:.3f} -> {after:.3f} in {summary['steps']} steps, {wall:.0f}s wall")
     print(f"summary {run_dir / 'summary.json'}, plot {plot}, checkpoint {checkpoint}")
+    print(export_hint(run_dir, is_gguf_source(cfg.model.path)))
     if not summary["ok"]:
         print("the held-out reward did not rise: the demo did not show learning (too few steps?)")
     return summary

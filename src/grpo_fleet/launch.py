@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from grpo_fleet.blas import child_env
+from grpo_fleet.config import RunConfig
 from grpo_fleet.exit_codes import DONE, NOT_FOUND
 from grpo_fleet.fleet_file import (
     ActorSpec,
@@ -227,7 +228,18 @@ def run_fleet(cfg: FleetConfig, *, stop_event: Optional[threading.Event] = None,
             wait = learner_stop_wait(recent_records(run_dir / METRICS_FILE), run.train.checkpoint_every,
                                      cfg.stop_timeout)
             _wind_down(learner, slots, cfg, wait, stop, printer)
+    _say_how_to_export(run, printer)
     return _exit_code(learner.proc.returncode)
+
+
+def _say_how_to_export(run: RunConfig, printer: Printer) -> None:
+    """The run's last line, once it has a checkpoint: how to take it back to a chat app."""
+    from grpo_fleet.checkpoint_dirs import latest_checkpoint
+    from grpo_fleet.export.hint import export_hint
+    from grpo_fleet.zoo import is_gguf_source  # imports MLX: only now, at the end
+
+    if latest_checkpoint(run.run_dir) is not None:
+        printer.say(export_hint(run.run_dir, is_gguf_source(run.model.path)))
 
 
 def _wind_down(learner: Child, slots: list[_ActorSlot], cfg: FleetConfig, learner_wait: LearnerStopWait,

@@ -180,6 +180,8 @@ def test_launch_trains_to_the_end_with_a_failing_actor(tmp_path: Path, run_confi
     assert "restarting hostC in 1s" in out
     after = out.split("[launch] learner exited with code 0", 1)[1]
     assert "[launch] started" not in after and "SIGKILL" not in out
+    # The run's last line says how to take the checkpoint to a chat app (the tiny model: no GGUF).
+    assert out.splitlines()[-1].startswith("[launch] next, fuse the adapters") and f"grpo-fleet export {run_dir}" in out
 
 
 def test_failed_learner_stops_the_actors_and_sigkill_ends_a_stubborn_one(tmp_path: Path, run_config, capsys) -> None:

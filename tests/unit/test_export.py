@@ -183,3 +183,12 @@ def test_run_config_sampling_is_read(tmp_path: Path) -> None:
     read = read_source(run)
     assert (read.temperature, read.step, read.gguf) == (0.3, 2, source)
     assert json.loads((read.checkpoint / "grpo_fleet.json").read_text())["base_model"] == read.base_model
+
+
+def test_a_run_ends_saying_how_to_export_it() -> None:
+    from grpo_fleet.export.hint import export_hint
+
+    from_gguf = export_hint("runs/my run", from_gguf=True)
+    assert "grpo-fleet export 'runs/my run' --out 'runs/my run/export' --ollama NAME" in from_gguf
+    assert "--ollama" not in export_hint("runs/demo", from_gguf=False)
+    assert "grpo-fleet export runs/demo --out runs/demo/export" in export_hint("runs/demo", from_gguf=False)

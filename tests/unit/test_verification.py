@@ -61,12 +61,15 @@ def test_the_learner_re_scores_in_a_process_of_its_own_unless_given_a_scorer(
     """Never an in-process fallback, which could not interrupt a reward that hangs; a unit test passes its own."""
     import inspect
 
+    from grpo_fleet.envs.process import EnvProcess
     from grpo_fleet.learner.run.build import build_learner as build_with_processes
     from grpo_fleet.tasks.reward_runner import ScoringProcess
 
-    # Both ways in default to a scoring process (starting one here would break the unit tests' rule).
+    # Both ways in default to a scoring process (starting one here would break the unit tests' rule), and replay a
+    # deterministic environment in a process of its own too, which can be killed when the actor's turns hang it.
     for built_by in (RunCoordinator, build_with_processes):
         assert inspect.signature(built_by).parameters["make_scorer"].default is ScoringProcess, built_by
+        assert inspect.signature(built_by).parameters["make_envs"].default is EnvProcess, built_by
     parts = make()
     cfg = parts.cfg.model_copy(update={"security": parts.cfg.security.model_copy(update={"verify_rewards": True})})
     inline = InlineScorer(parts.task.reward_set())

@@ -92,7 +92,8 @@ def as_response(text: str, model: str, number: int, parse_calls: bool) -> Respon
 
 def tool_calls(text: str, number: int) -> list[ToolCall]:
     """Every `<tool_call>` in the reply, or none if any of them cannot be read (as a server's parser gives up)."""
-    calls, start = [], text.find(OPEN_TAG)
+    calls: list[ToolCall] = []
+    start = text.find(OPEN_TAG)
     while start >= 0:
         end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
         if end < 0:

@@ -40,7 +40,7 @@ except ImportError as exc:  # one line at start-up, naming the extra
                       f"'grpo-fleet[verifiers]' ({exc})") from None
 
 from grpo_fleet.envs.adapters import background_loop
-from grpo_fleet.envs.adapters.verifiers_client import Turn, plain_messages
+from grpo_fleet.envs.adapters.verifiers_client import Turn
 from grpo_fleet.envs.adapters.verifiers_rollout import Finished, Rollout
 from grpo_fleet.envs.protocol import EnvError
 
@@ -89,8 +89,9 @@ def checked(env: Any, env_id: str, max_turns: int) -> Any:
 
 def rollout_input(prompt: list[dict[str, Any]], extras: dict[str, Any]) -> dict[str, Any]:
     """verifiers' RolloutInput from our prompt and the example's columns (answer, info, example_id)."""
-    answer, info = extras.get("answer"), extras.get("info")
-    return {"prompt": [dict(message) for message in prompt], "example_id": int(extras.get("example_id") or 0),
+    answer, info, example_id = extras.get("answer"), extras.get("info"), extras.get("example_id")
+    return {"prompt": [dict(message) for message in prompt],
+            "example_id": example_id if isinstance(example_id, int) and not isinstance(example_id, bool) else 0,
             "answer": "" if answer is None else str(answer), "info": info if isinstance(info, (dict, str)) else {}}
 
 
@@ -110,7 +111,7 @@ class VerifiersEnv:
         if not isinstance(event, Turn):
             raise EnvError("the verifiers rollout ended before asking for the model's first turn")
         self.sent = event.messages
-        return plain_messages(event.messages), {}
+        return list(event.messages), {}
 
     def step(self, action: str) -> dict[str, Any]:
         if self.rollout is None:

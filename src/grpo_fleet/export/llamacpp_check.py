@@ -65,18 +65,30 @@ def _shared(left: list[int], right: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(left, right)) if a != b), min(len(left), len(right)))
 
 
-def compare(gguf: Path, model: Any, tokenizer: Any, prompts: int = 32, tokens: int = 16) -> Agreement:
-    """llama.cpp on `gguf` against mlx-lm on `model` (the fused model), greedy, `prompts` x `tokens`."""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=1, n_batch=256, verbose=False)
-    identical = same = tokenized = 0
-    for text in prompt_texts(prompts):
-        chat = chat_prompt(tokenizer, text)
-        ids = list(tokenizer.encode(chat, add_special_tokens=False))
-        tokenized += llm.tokenize(chat.encode(), add_bos=False, special=True) == ids
+def greedy_agreement(llm: Any, model: Any, prompts: list[list[int]], tokens: int) -> tuple[int, int]:
+    """(prompts whose continuations are identical, tokens before the first difference, summed): llama.cpp's `llm`
+    against mlx-lm's `model`, greedy, `tokens` tokens after each prompt."""
+    identical = same = 0
+    for ids in prompts:
         ours, theirs = mlx_greedy(model, ids, tokens), llamacpp_greedy(llm, ids, tokens)
         identical += ours == theirs
         same += _shared(ours, theirs)
+    return identical, same
+
+
+def open_gguf(gguf: Path) -> Any:
+    """llama.cpp's model on one thread (the comparisons are about numbers, not speed)."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(gguf), n_ctx=1024, n_threads=1, n_batch=256, verbose=False)
+
+
+def compare(gguf: Path, model: Any, tokenizer: Any, prompts: int = 32, tokens: int = 16) -> Agreement:
+    """llama.cpp on `gguf` against mlx-lm on `model` (the fused model), greedy, `prompts` chat prompts x `tokens`."""
+    llm = open_gguf(gguf)
+    chats = [chat_prompt(tokenizer, text) for text in prompt_texts(prompts)]
+    ids = [list(tokenizer.encode(chat, add_special_tokens=False)) for chat in chats]
+    tokenized = sum(llm.tokenize(chat.encode(), add_bos=False, special=True) == want for chat, want in zip(chats, ids))
+    identical, same = greedy_agreement(llm, model, ids, tokens)
     llm.close()
     return Agreement(prompts, tokens, identical, same, tokenized)

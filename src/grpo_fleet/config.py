@@ -479,8 +479,8 @@ class ServerConfig(_Section):
     ban_seconds: float = Field(
         600.0, gt=0,
         description="How long a key's first ban lasts. Each later ban of the same key lasts twice the one before, and "
-        "a key banned before is banned again at its next violation, its every group logprob-checked. Bans and these "
-        "strikes are saved with each checkpoint and survive --resume.",
+        "a key banned before is banned again at its next violation, its every group logprob-checked. Bans and each "
+        "key's count of them are saved with each checkpoint and survive --resume.",
     )
     verify_queue: int = Field(
         64, ge=1, le=65536,

@@ -1,4 +1,7 @@
-"""Unit tests are pure: no sockets, no processes. This fixture makes that a rule rather than a habit."""
+"""Unit tests are pure: no sockets, no processes. This fixture makes that a rule rather than a habit.
+
+`make` builds real tiny learners in-process, for the tests of the learner's checks (test_verification.py and
+the tests beside it)."""
 
 from __future__ import annotations
 
@@ -6,10 +9,14 @@ import multiprocessing.process
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import pytest
 import zmq
+from test_learner_core import run_config
+
+from grpo_fleet.learner.run.coordinator import RunCoordinator
+from in_process import build_learner
 
 
 def _refuse(what: str) -> Any:
@@ -44,3 +51,18 @@ def _probes_only(start: Any) -> Any:
         start(self, args, *rest, **kwargs)
 
     return guarded
+
+
+@pytest.fixture
+def make(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., RunCoordinator]]:
+    """Returns `build(**sections)`: a real tiny learner (no sockets, no processes) with the unit tests' run config
+    and these sections over it, each in a run directory of its own; all are closed after the test."""
+    built: list[RunCoordinator] = []
+
+    def build(**sections: dict) -> RunCoordinator:
+        built.append(build_learner(run_config(tiny_model_dir, tmp_path / f"run{len(built)}", **sections)))
+        return built[-1]
+
+    yield build
+    for learner in built:
+        learner.close()

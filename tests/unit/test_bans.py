@@ -20,9 +20,9 @@ def test_a_ban_runs_out_and_the_key_is_on_its_last_warning(clock):
     clock.advance(59.9)
     assert bans.is_banned("pest")
     clock.advance(0.2)
-    assert not bans.is_banned("pest") and bans.banned_count() == 0 and bans.strikes("pest") == 1
+    assert not bans.is_banned("pest") and bans.banned_count() == 0 and bans.times_banned("pest") == 1
     assert bans.record("pest") is True, "banned before: one violation bans it again"
-    assert bans.violations("pest") == 1 and bans.strikes("pest") == 2
+    assert bans.violations("pest") == 1 and bans.times_banned("pest") == 2
 
 
 def test_each_later_ban_of_a_key_lasts_twice_the_one_before(clock):
@@ -38,7 +38,7 @@ def test_each_later_ban_of_a_key_lasts_twice_the_one_before(clock):
     assert bans.length(10_000) == 600 * 2.0 ** 16, "capped, so the end stays a finite time"
 
 
-def test_bans_and_strikes_survive_export_and_load_and_downtime_counts(clock):
+def test_bans_and_ban_counts_survive_export_and_load_and_downtime_counts(clock):
     bans = Bans(max_violations=3, ban_seconds=600, clock=clock)
     bans.record("liar", 3)  # banned until 600
     bans.record("old-liar", 3)
@@ -48,14 +48,14 @@ def test_bans_and_strikes_survive_export_and_load_and_downtime_counts(clock):
     saved = bans.export(wall=1_000_000.0)
     later = Bans(max_violations=3, ban_seconds=600, clock=clock)
     later.load(saved, wall=1_000_000.0 + 1000)  # the learner was down for 1,000 s of liar's 1,200 s ban
-    assert later.is_banned("liar") and later.strikes("liar") == 2
+    assert later.is_banned("liar") and later.times_banned("liar") == 2
     clock.advance(199)
     assert later.is_banned("liar")
     clock.advance(2)
     assert not later.is_banned("liar")
-    assert not later.is_banned("old-liar") and later.strikes("old-liar") == 1
-    assert later.record("old-liar") is True, "its strike survived the resume: one violation bans it again"
-    assert later.violations("pest") == 1 and later.strikes("pest") == 0
+    assert not later.is_banned("old-liar") and later.times_banned("old-liar") == 1
+    assert later.record("old-liar") is True, "its ban count survived the resume: one violation bans it again"
+    assert later.violations("pest") == 1 and later.times_banned("pest") == 0
     assert later.export(wall=5.0).keys() == saved.keys()
 
 
@@ -72,7 +72,7 @@ def test_throwaway_identities_cannot_push_a_banned_key_out(clock):
     bans.record("liar", 5)
     for i in range(10_000):
         bans.record(f"throwaway-{i}")
-    assert len(bans) == 100 and bans.is_banned("liar") and bans.strikes("liar") == 1
+    assert len(bans) == 100 and bans.is_banned("liar") and bans.times_banned("liar") == 1
 
 
 def test_the_ban_follows_the_curve_key_when_there_is_one():

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from test_learner_core import ACTOR_B, GROUPS_PER_STEP, ask, generated_rollouts, hello, lease
-from test_verification import make, resumed_from, shifted  # noqa: F401  (make: the fixture)
+from test_verification import resumed_from, shifted
 
 from grpo_fleet.learner.run.coordinator import RunCoordinator
 from helpers import audit_ledger
@@ -88,7 +88,7 @@ def test_a_liar_returning_every_ten_minutes_for_two_hours_trains_at_most_four_gr
     learner.registry.bans.clock = clock
     learner.trust.draw = OneInFive()  # type: ignore[assignment]  # a Random's one method the check draws with
     lives: list[list[str]] = []
-    for attempt in range(12):  # every 10 minutes over 2 hours
+    for _ in range(12):  # an attempt every 10 minutes over 2 hours
         if not learner.registry.is_banned(LIAR_KEY):
             lives.append(_life(learner))
             assert learner.registry.is_banned(LIAR_KEY), "every life ends in a ban"
@@ -96,12 +96,12 @@ def test_a_liar_returning_every_ten_minutes_for_two_hours_trains_at_most_four_gr
     trained = [_trained(learner, lied) for lied in lives]
     assert trained == [4, 0, 0, 0], "lies trained per life: the first life's share, never again"
     # Bans of 10, 20, 40 and 80 minutes: it came back 3 times, each caught at its first lie.
-    assert len(lives) == 4 and learner.registry.bans.strikes(LIAR_KEY) == 4
+    assert len(lives) == 4 and learner.registry.bans.times_banned(LIAR_KEY) == 4
     assert all(0 < len(lied) <= GROUPS_PER_STEP for lied in lives[1:]), "caught at its first lying submission"
     assert not learner.registry.is_banned(ACTOR_B.hex())
 
 
-def test_bans_and_strikes_survive_a_resume(make: Callable[..., RunCoordinator]) -> None:
+def test_bans_and_ban_counts_survive_a_resume(make: Callable[..., RunCoordinator]) -> None:
     first = make(**SETTINGS)
     first.trust.draw = OneInFive()  # type: ignore[assignment]  # caught within ROUNDS, whatever the OS draws
     lied = _life(first)
@@ -109,7 +109,7 @@ def test_bans_and_strikes_survive_a_resume(make: Callable[..., RunCoordinator]) 
     first.checkpoint()
     with resumed_from(first) as resumed:
         bans = resumed.registry.bans
-        assert bans.is_banned(LIAR_KEY) and bans.strikes(LIAR_KEY) == 1
+        assert bans.is_banned(LIAR_KEY) and bans.times_banned(LIAR_KEY) == 1
         assert resumed.metrics.registry.get_sample_value("grpo_fleet_learner_banned_peers") == 1
-        bans.clock = lambda: float("inf")  # long after the ban ran out: the strike still checks all it sends
+        bans.clock = lambda: float("inf")  # long after the ban ran out: its ban count still checks all it sends
         assert bans.record(LIAR_KEY) is True, "its last warning survived the resume"

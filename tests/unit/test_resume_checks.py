@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from test_learner_core import ACTOR_A, ask, generated_rollouts, hello, lease
-from test_verification import make, rejections, resumed_from, shifted  # noqa: F401  (make: the fixture)
+from test_verification import rejections, resumed_from, shifted
 
 from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.protocol.reasons import RejectReason

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from test_learner_core import ACTOR_A, GROUPS_PER_STEP, ask, generated_rollouts, hello, lease
-from test_verification import checks, make, rejections, spiked  # noqa: F401  (make: the fixture)
+from test_verification import checks, rejections, spiked
 
 from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.protocol.reasons import RejectReason

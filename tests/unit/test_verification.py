@@ -19,7 +19,6 @@ from test_learner_core import (
     generated_rollouts,
     hello,
     lease,
-    run_config,
 )
 
 from grpo_fleet.config import RunConfig
@@ -37,19 +36,6 @@ from grpo_fleet.tasks.reward_runner import InlineScorer
 from helpers import audit_ledger
 from helpers import jsonl as json_lines
 from in_process import build_learner
-
-
-@pytest.fixture
-def make(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., RunCoordinator]]:
-    built: list[RunCoordinator] = []
-
-    def build(**sections: dict) -> RunCoordinator:
-        built.append(build_learner(run_config(tiny_model_dir, tmp_path / f"run{len(built)}", **sections)))
-        return built[-1]
-
-    yield build
-    for learner in built:
-        learner.close()
 
 
 def rejections(learner: RunCoordinator, reason: RejectReason) -> float:

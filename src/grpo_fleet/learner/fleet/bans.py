@@ -16,15 +16,15 @@ The ban policy, in one place:
   logprob lie) and lasts `ban_seconds`. Bans escalate: each later ban of the same
   key lasts twice the one before (10, 20, 40, 80 minutes at the default), and a
   key that was banned before is on its last warning for the rest of the run:
-  its next violation bans it again. Its strikes (how many bans) never run out,
+  its next violation bans it again. Its count of bans lasts the whole run,
   and the logprob check checks every group of such a key (run/batch_checks.py):
   a liar that comes back gets no probation credit. So a liar that returns
   whenever its ban runs out trains its lies in its first life only.
-- Bans and strikes are saved with each checkpoint (`export` / `load`, the ban's
+- Bans and ban counts are saved with each checkpoint (`export` / `load`, the ban's
   end as wall-clock time) and survive `--resume`; time the learner was down
   counts toward a ban. Bans earned after the last checkpoint are lost with a
   crash, as is the rest of that state.
-- At most `max_tracked` keys are remembered; beyond that one with no strikes
+- At most `max_tracked` keys are remembered; beyond that one never banned
   goes first (the least recently offending), so throwaway identities cannot
   grow the learner's memory nor push a banned key out.
 """
@@ -51,7 +51,7 @@ def peer_key(identity: bytes, principal: Optional[str]) -> str:
 class _Record:
     violations: int = 0  # since its last ban ran out
     banned_until: float = 0.0  # on the Bans clock; 0: not banned
-    strikes: int = 0  # bans this key has earned in the run
+    times_banned: int = 0  # in this run
 
 
 class Bans:
@@ -76,29 +76,29 @@ class Bans:
         now = self.clock()
         entry = self._records.pop(key, None) or _Record()
         if entry.banned_until and entry.banned_until <= now:
-            entry.violations, entry.banned_until = 0, 0.0  # the ban ran out; its strike stays
+            entry.violations, entry.banned_until = 0, 0.0  # the ban ran out; it still counts as one
         entry.violations += weight
-        limit = 1 if entry.strikes else self.max_violations  # banned before: the last warning was that ban
+        limit = 1 if entry.times_banned else self.max_violations  # banned before: the last warning was that ban
         newly_banned = entry.violations >= limit and not entry.banned_until
         if newly_banned:
-            entry.strikes += 1
-            entry.banned_until = now + self.length(entry.strikes)
+            entry.times_banned += 1
+            entry.banned_until = now + self.length(entry.times_banned)
         self._records[key] = entry  # most recent last
         self._trim()
         return newly_banned
 
-    def length(self, strikes: int) -> float:
-        """How long the `strikes`-th ban of a key lasts: ban_seconds, doubled for each ban before it."""
-        return self.ban_seconds * 2.0 ** min(max(strikes - 1, 0), MAX_DOUBLINGS)
+    def length(self, times_banned: int) -> float:
+        """How long the `times_banned`-th ban of a key lasts: ban_seconds, doubled for each ban before it."""
+        return self.ban_seconds * 2.0 ** min(max(times_banned - 1, 0), MAX_DOUBLINGS)
 
     def is_banned(self, key: str) -> bool:
         entry = self._records.get(key)
         return entry is not None and entry.banned_until > self.clock()
 
-    def strikes(self, key: str) -> int:
+    def times_banned(self, key: str) -> int:
         """How many bans `key` has earned in this run (0: never banned)."""
         entry = self._records.get(key)
-        return 0 if entry is None else entry.strikes
+        return 0 if entry is None else entry.times_banned
 
     def violations(self, key: str) -> int:
         entry = self._records.get(key)
@@ -112,32 +112,32 @@ class Bans:
         return len(self._records)
 
     def export(self, wall: float) -> dict[str, list[float]]:
-        """Every key's [violations, strikes, end of its ban as wall-clock time at `wall` (0: none)], for a
+        """Every key's [violations, times banned, end of its ban as wall-clock time at `wall` (0: none)], for a
         checkpoint."""
         now = self.clock()
         out: dict[str, list[float]] = {}
         for key, entry in self._records.items():
             over = 0 < entry.banned_until <= now  # ran out: its count starts again at the next violation
             left = entry.banned_until - now if entry.banned_until > now else 0.0
-            out[key] = [0 if over else entry.violations, entry.strikes, wall + left if left else 0.0]
+            out[key] = [0 if over else entry.violations, entry.times_banned, wall + left if left else 0.0]
         return out
 
     def load(self, saved: dict[str, list[float]], wall: float) -> None:
         """Take back what `export` wrote (at wall-clock `wall` now): a ban whose end passed meanwhile is over, its
-        strikes kept."""
+        count of bans kept."""
         now = self.clock()
         self._records.clear()
-        for key, (violations, strikes, until) in saved.items():
+        for key, (violations, times_banned, until) in saved.items():
             left = until - wall if until else 0.0
-            if until and left <= 0:  # the ban ran out while the learner was down: a fresh count, the strike kept
+            if until and left <= 0:  # the ban ran out while the learner was down: a fresh count, the ban still counted
                 violations = 0
-            self._records[key] = _Record(int(violations), now + left if left > 0 else 0.0, int(strikes))
+            self._records[key] = _Record(int(violations), now + left if left > 0 else 0.0, int(times_banned))
         self._trim()
 
     def _trim(self) -> None:
-        """Forget keys beyond max_tracked: first the least recently offending with no strikes, then any."""
+        """Forget keys beyond max_tracked: first the least recently offending never banned, then any."""
         while len(self._records) > self.max_tracked:
-            spare = next((key for key, e in self._records.items() if not e.strikes), None)
+            spare = next((key for key, e in self._records.items() if not e.times_banned), None)
             if spare is None:
                 self._records.popitem(last=False)
             else:

@@ -116,7 +116,7 @@ class BatchChecks:
             self.cleared.discard(group.group_id)
             if screen > 0 and not cleared and group.policy_version in history.versions:
                 plan.screens[index] = screen
-            if not (group.check_logprobs or self.rooms.registry.bans.strikes(group.actor_key)):
+            if not (group.check_logprobs or self.rooms.registry.bans.times_banned(group.actor_key)):
                 plan.unchecked.append((group, SAMPLED_OUT))
             elif group.policy_version not in history.versions:
                 plan.unchecked.append((group, VERSION_GONE))

@@ -130,7 +130,7 @@ class TrainingThread:
         return self._save(saved)
 
     def _capture(self) -> persistence.SavedState:
-        """What a checkpoint saves, the peers' bans and strikes included (under the lock)."""
+        """What a checkpoint saves, the peers' bans and ban counts included (under the lock)."""
         rooms = self.rooms
         return persistence.capture(rooms.state, rooms.runlog.sizes(), bans=rooms.registry.bans.export(time.time()))
 
@@ -154,7 +154,7 @@ class TrainingThread:
         saved = persistence.load(checkpoint, rooms.policy, rooms.trainer)
         with rooms.lock:
             persistence.restore(state, saved)
-            # A liar banned before the checkpoint stays banned, and keeps its strikes (learner/fleet/bans.py).
+            # A liar banned before the checkpoint stays banned, and keeps its count of bans (learner/fleet/bans.py).
             rooms.registry.bans.load(saved.bans, time.time())
             rooms.metrics.banned_peers.set(rooms.registry.bans.banned_count())
             rooms.evaluation.current = None  # rounds are not checkpointed: the next one is due at its step

@@ -35,11 +35,21 @@ def lora_policy(base: Path, *, trained: float, rank: int = 4) -> Policy:
     return policy
 
 
+def full_policy(base: Path, trained: float) -> Policy:
+    """The imported base with every weight trainable, its norms moved by `trained` (a full fine-tune's checkpoint)."""
+    policy = load_policy(str(base))
+    moved = [(name, value + trained) for name, value in tree_flatten(policy.model.parameters()) if "norm" in name]
+    policy.model.load_weights(moved, strict=False)
+    mx.eval(policy.model.parameters())
+    return policy
+
+
 def run_from_gguf(root: Path, gguf: Path | str, *, model_path: str | None = None, trained: float = 0.0, step: int = 0,
-                  generation: dict[str, Any] | None = None) -> tuple[Path, Policy]:
-    """A run directory whose latest checkpoint is step `step`'s adapters on `gguf` imported into root/base."""
+                  generation: dict[str, Any] | None = None, full: bool = False) -> tuple[Path, Policy]:
+    """A run directory whose latest checkpoint is step `step`'s adapters on `gguf` imported into root/base (`full`:
+    every weight trained instead, `trained` added to the norms)."""
     base = import_gguf(gguf, root / "base")
-    policy = lora_policy(base, trained=trained)
+    policy = full_policy(base, trained) if full else lora_policy(base, trained=trained)
     run = root / "run"
     (run / "checkpoints").mkdir(parents=True)
     config = {"model": {"path": model_path or str(gguf)}, "generation": generation or {"temperature": 0.7, "top_p": 1.0}}

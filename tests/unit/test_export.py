@@ -105,6 +105,21 @@ def test_trained_adapters_are_fused_into_both_outputs(architecture: str, tmp_pat
         np.testing.assert_allclose(np.array(reimported[name]), np.array(value), rtol=2**-10, atol=1e-6, err_msg=name)
 
 
+def test_a_full_fine_tune_checkpoint_is_exported_as_it_is(tmp_path: Path) -> None:
+    from mlx_lm import load
+
+    source = _source(tmp_path, "qwen2", Q.F16)
+    run, policy = run_from_gguf(tmp_path, source, trained=0.25, full=True)
+    result = export_run(ExportRequest(path=str(run), out=str(tmp_path / "out"), gguf="f16"))
+    assert result.gguf is not None
+    prompt = [3, 70, 261, 9]
+    np.testing.assert_allclose(_logits(load(str(result.mlx_dir))[0], prompt), _logits(policy.model, prompt), atol=1e-4)
+    norm = read_gguf(result.gguf)
+    moved = dequantized(norm, _tensors(norm)["output_norm.weight"])
+    original = dequantized(read_gguf(source), _tensors(read_gguf(source))["output_norm.weight"])
+    np.testing.assert_allclose(moved, original + 0.25, atol=1e-6)
+
+
 def test_permute_rope_rows_is_undone_by_the_importer() -> None:
     weight = np.arange(8 * 3 * 6, dtype=np.float32).reshape(48, 3)
     permuted = permute_rope_rows(weight, 6)

@@ -207,3 +207,15 @@ def test_a_run_ends_saying_how_to_export_it() -> None:
     assert "grpo-fleet export 'runs/my run' --out 'runs/my run/export' --ollama NAME" in from_gguf
     assert "--ollama" not in export_hint("runs/demo", from_gguf=False)
     assert "grpo-fleet export runs/demo --out runs/demo/export" in export_hint("runs/demo", from_gguf=False)
+
+
+def test_the_cli_exports_and_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from grpo_fleet.cli import main
+
+    run, _ = run_from_gguf(tmp_path, _source(tmp_path, "llama", Q.Q8_0), step=3)
+    assert main(["export", str(run), "--out", str(tmp_path / "out"), "--gguf", "q5_0", "--ollama", "mine"]) == 0
+    out = capsys.readouterr().out
+    assert f"GGUF: {tmp_path / 'out' / 'step3-Q5_0.gguf'}" in out and "ollama create mine -f" in out
+    assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("grpo-fleet export: ") and "neither a run directory" in err and "\n" not in err

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from grpo_fleet.gguf_metadata import GGUFError
+
 OLLAMA_PREFIX, LMSTUDIO_PREFIX = "ollama:", "lmstudio:"
 OLLAMA_ENV = "OLLAMA_MODELS"
 MODEL_LAYER = "application/vnd.ollama.image.model"
@@ -24,8 +26,9 @@ CHATML_TEMPLATE = ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }
                    "<|im_start|>assistant\n")
 
 
-class AppModelError(ValueError):
-    """An app's model name that does not resolve to one GGUF file, with the reason in one line."""
+class AppModelError(GGUFError):
+    """An app's model name that does not resolve to one GGUF file, with the reason in one line (a GGUFError, so
+    import-gguf, the learner and actors refuse it as they refuse a GGUF file they cannot read)."""
 
 
 def is_app_path(path: str) -> bool:

@@ -297,8 +297,8 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
 
     gguf = sub.add_parser("import-gguf", help="turn a GGUF file (llama incl. Llama 3.x, qwen2, qwen3, gemma3) into an "
                           "mlx-lm model directory")
-    gguf.add_argument("file", help="a .gguf file, or zoo:NAME for a model the zoo fetches (zoo:smollm2-135m-instruct, "
-                      "zoo:gemma3-270m)")
+    gguf.add_argument("file", help="a .gguf file, zoo:NAME for a model the zoo fetches (zoo:smollm2-135m-instruct, "
+                      "zoo:gemma3-270m), or an app's model: ollama:NAME[:TAG], lmstudio:PUBLISHER/NAME")
     gguf.add_argument("out_dir", help="directory to write; an existing one is replaced only if import-gguf wrote it")
     gguf.add_argument("--force", action="store_true", help="replace an existing OUT_DIR that import-gguf did not write")
     gguf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",

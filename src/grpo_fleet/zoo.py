@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from grpo_fleet.export.app_stores import app_gguf, is_app_path
 from grpo_fleet.gguf import cached_import, file_digest, is_gguf_path
 
 CACHE_ENV = "GRPO_FLEET_DOWNLOAD_CACHE"
@@ -298,12 +299,14 @@ def fetch(model: ZooModel, cache: Path) -> Path:
 
 
 def is_gguf_source(path: str) -> bool:
-    """A model.path that names a GGUF: a `.gguf` file or a `zoo:` model."""
-    return is_zoo_path(path) or is_gguf_path(path)
+    """A model.path that names a GGUF: a `.gguf` file, a `zoo:` model, or an app's (`ollama:`, `lmstudio:`)."""
+    return is_zoo_path(path) or is_app_path(path) or is_gguf_path(path)
 
 
 def gguf_file(path: str) -> Path:
-    """The GGUF file a model.path names (a zoo model is fetched first)."""
+    """The GGUF file a model.path names (a zoo model is fetched first; an app's is found in its folder)."""
+    if is_app_path(path):
+        return app_gguf(path)
     return fetch_gguf(path) if is_zoo_path(path) else Path(path).expanduser().resolve()
 
 
@@ -315,6 +318,6 @@ def import_source(path: str, cache_root: str | Path) -> Path:
 def model_reference(configured: str, loaded: str) -> str:
     """The model path the learner tells actors: a GGUF by its zoo name or its file (absolute), since each
     actor imports its own copy; anything else by the directory the learner loaded."""
-    if is_zoo_path(configured):
+    if is_zoo_path(configured) or is_app_path(configured):  # each actor resolves the name itself
         return configured
     return str(Path(configured).expanduser().resolve()) if is_gguf_path(configured) else loaded

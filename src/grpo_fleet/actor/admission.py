@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional, get_args
 
 from grpo_fleet.config import LoraConfig, ModelConfig
+from grpo_fleet.export.app_stores import is_app_path
 from grpo_fleet.generation import TruncatedSamplingError, refuse_truncated_sampling
 from grpo_fleet.gguf import GGUFError
 from grpo_fleet.model import model_digest
@@ -81,12 +82,14 @@ def check_run(welcome: m.Welcome) -> None:
 
 def local_model_path(path: str, model_dirs: list[str]) -> str:
     """Where to load the learner's model from: a real-shape model is (re)built in this machine's
-    own cache, and a zoo model fetched and imported there, which needs no --model-dir (both are pinned);
-    any other local path must be allowed, and a GGUF file among them is imported into the cache once."""
+    own cache, and a zoo model fetched and imported there, which needs no --model-dir (both are pinned); an app's
+    model (`ollama:`, `lmstudio:`) is taken from this machine's app folder, as its user pulled it, and imported too
+    (its digest is checked against the learner's like any model's); any other local path must be allowed, and a
+    GGUF file among them is imported into the cache once."""
     built = local_copy(path)
     if built is not None:
         return str(built)
-    if not is_zoo_path(path) and not model_path_allowed(path, model_dirs):
+    if not is_zoo_path(path) and not is_app_path(path) and not model_path_allowed(path, model_dirs):
         raise ActorRefused(
             f"model path {path!r} is outside the allowed directories "
             f"{model_dirs or [os.getcwd()]}; pass --model-dir to allow it"

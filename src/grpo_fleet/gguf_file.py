@@ -27,6 +27,10 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # v1 counted in 32 bits; llama.cpp has not written it since 2023
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 DEFAULT_ALIGNMENT = 32
+# Strings in all the metadata's arrays together. A short string costs ~6x its bytes in the file as a Python object,
+# so a file of nothing else could need several times its size; real files stay far below (Llama 3: 128,256 tokens
+# and 280,147 merges; Gemma 3: 262,144 tokens), and the vocabulary itself is held to 1 << 22 (gguf_metadata).
+MAX_METADATA_STRINGS = 1 << 22
 # Metadata value types (gguf's GGUFValueType): struct format of the fixed-size ones.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
@@ -72,6 +76,7 @@ class _Cursor:
         # Slicing the memmap itself builds an array object per read: a 262k-token vocabulary took seconds.
         self.view = memoryview(data)  # type: ignore[arg-type]
         self.what = "the header"
+        self.strings_left = MAX_METADATA_STRINGS
 
     def fail(self, reason: str) -> GGUFError:
         return GGUFError(f"{self.path} is not a valid GGUF file: {reason} (at byte {self.pos} of {self.size}, in {self.what})")
@@ -165,6 +170,9 @@ def _read_value(cursor: _Cursor, kind: int) -> Any:
     if item != _STRING:
         raise cursor.fail(f"an array of value type {item} (arrays of numbers or strings only)")
     _bounded(cursor, count, 8, "strings")
+    if count > cursor.strings_left:
+        raise cursor.fail(f"an array of {count} strings, past the {MAX_METADATA_STRINGS} the metadata may hold in all")
+    cursor.strings_left -= count
     return [cursor.string(cursor.size) for _ in range(count)]
 
 

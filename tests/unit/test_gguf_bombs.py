@@ -127,3 +127,19 @@ def test_the_bounds_leave_room_for_real_vocabularies_and_refuse_pieces_that_exte
     with pytest.raises(GGUFError, match="characters of merges"):
         merges(runs)
     assert len(merges(runs[: 16 * 1000])) == 1000 * 120  # a third of them: inside the bound
+
+
+def test_the_metadata_holds_a_bounded_number_of_strings_in_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short string costs ~6x its bytes as a Python object: a 50 MB file of 5 M of them took 426 MB to read."""
+    from grpo_fleet import gguf_file
+
+    vocab = byte_level_vocab()
+    args = tiny_args("llama", len(vocab.tokens))
+    model = tiny_model(args)
+    good = write_model_gguf(tmp_path / "good.gguf", model, args, vocab).path
+    strings = len(vocab.tokens) + len(vocab.merges)
+    monkeypatch.setattr(gguf_file, "MAX_METADATA_STRINGS", strings)  # this file's tokens and merges, exactly
+    assert import_gguf(good, tmp_path / "out").is_dir()
+    padded = write_model_gguf(tmp_path / "padded.gguf", model, args, vocab,
+                              overrides={"general.tags": (["one more"], V.ARRAY)}).path
+    assert "past the" in _refused_in_one_line(padded, tmp_path / "padded-out")

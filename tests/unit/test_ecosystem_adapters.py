@@ -130,8 +130,9 @@ def test_only_the_deterministic_classes_say_so(verifiers_envs, openenv_module):
 def test_an_openenv_environment_maps_reset_and_step_with_reward_and_done_through(openenv_module):
     env = openenv_module.OpenEnvEnv({"environment": "oe_length_echo:LengthEcho", "env_args": {"turns": 2}},
                                     {"answer": "Nairobi"})
-    conversation = checked_init(env.init(PROMPT))
-    assert conversation == [*PROMPT, {"role": "user", "content": "Say something."}]  # the reset observation
+    conversation, info = env.init(PROMPT)
+    assert checked_init((conversation, info)) == PROMPT  # the learner's prompt opens it, as it rendered it
+    assert info == {"observation": "Say something."}  # the reset observation is not shown
     first = checked_step(env.step("Hello"))  # 5 characters: (5 % 3) / 2
     assert (first.observations, first.reward, first.done) == ([{"role": "user", "content": "You said: Hello"}], 1.0,
                                                               False)

@@ -8,8 +8,10 @@ importable by name (installed, or on PYTHONPATH); `env_args` are its constructor
 keyword arguments. One instance per episode.
 
 - init(prompt): `reset()`, with the example's columns that reset takes by name
-  (a `seed` column gives each prompt its own seeded episode). The reset
-  observation, as text, follows the learner's prompt as a user message.
+  (a `seed` column gives each prompt its own seeded episode). The learner's prompt
+  opens the conversation, as it rendered it: the reset observation is not shown
+  (a message after the prompt's generation header cannot continue its ids), so
+  what the model must see first belongs in the dataset's prompt.
 - step(text): the model's turn becomes the environment's Action: its one text
   field (or `action_field`) holds the turn. The Action class is the one the class
   declares, `Environment[MyAction, MyObservation, MyState]`, or `action =
@@ -113,8 +115,8 @@ class OpenEnvEnv:
         self.env = env_class(**dict(config.get("env_args") or {}))
 
     def init(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        text = observation_text(self.env.reset(**self._reset_arguments()), self.observation_field)
-        return [*prompt, *([{"role": "user", "content": text}] if text else [])], {}
+        observation = self.env.reset(**self._reset_arguments())
+        return list(prompt), {"observation": observation_text(observation, self.observation_field)}
 
     def step(self, action: str) -> dict[str, Any]:
         observation = self.env.step(self.action_class(**{self.action_field: action}))

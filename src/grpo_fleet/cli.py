@@ -96,9 +96,10 @@ def _build_and_serve(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable
     from grpo_fleet.learner.run.build import build_learner
     from grpo_fleet.learner.step.memory import MemoryBudgetError
     from grpo_fleet.protocol.sockets import AddressInUse
+    refusals: tuple[type[Exception], ...] = (MemoryBudgetError, TrackerUnavailable, ShortLog, *user_file_errors())
     try:
         learner = build_learner(cfg, resume=resume)
-    except (MemoryBudgetError, TrackerUnavailable, ShortLog, *user_file_errors()) as exc:
+    except refusals as exc:
         logging.getLogger("grpo_fleet.learner").error("%s", exc)  # in learner.log too, not only the console
         print(f"grpo-fleet learner: {exc}", file=sys.stderr)
         return 2
@@ -164,6 +165,7 @@ def actor_config(args: argparse.Namespace) -> "ActorConfig":
         return None if isinstance(value, _FromConfig) else value
 
     fields = {"connect": args.connect, "actor_id": args.actor_id, "max_groups": given(args.max_groups),
+              "env_concurrency": given(args.env_concurrency),
               "request_timeout": given(args.request_timeout), "model_dirs": args.model_dir,
               "reward_module": args.reward_module, "key_file": args.key, "learner_key_file": args.learner_key}
     data: dict[str, object] = {key: value for key, value in fields.items() if value is not None}
@@ -228,9 +230,10 @@ def _demo(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         config=args.config, overrides=list(args.set or []), model=args.model,
     )
+    refusals: tuple[type[Exception], ...] = (ZooError, RunDirLocked, *user_file_errors())
     try:
         summary = run_demo(options)
-    except (ZooError, RunDirLocked, *user_file_errors()) as exc:  # a learner already running there: nothing deleted
+    except refusals as exc:  # a learner already running in the run directory: nothing was deleted
         print(f"grpo-fleet demo: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the fleet was stopped in order on the way out (local_fleet.running)
@@ -281,6 +284,8 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
     actor.add_argument("--actor-id", help="name in logs and metrics (default host-pid)")
     actor.add_argument("--max-groups", type=int, default=_FromConfig("max_groups"),
                        help="prompts per lease (default %(default)s)")
+    actor.add_argument("--env-concurrency", type=int, default=_FromConfig("env_concurrency"),
+                       help="environment calls run at once (default %(default)s)")
     actor.add_argument("--request-timeout", type=float, default=_FromConfig("request_timeout"),
                        help="seconds without a reply before reconnecting (default %(default)s)")
     actor.add_argument("--metrics-host", default=_FromConfig("metrics.host"),

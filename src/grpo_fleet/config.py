@@ -698,6 +698,12 @@ class ActorConfig(_Section):
         description="Name shown in logs and metrics (letters, digits and ._:@+-); default: host-pid.",
     )
     max_groups: int = Field(2, ge=1, description="Prompts asked for per lease.")
+    env_concurrency: int = Field(
+        64, ge=1, le=1024,
+        description="Environment calls (task.env) this actor runs at once, in its environment process: a slow tool "
+        "holds its own episode while the others' calls, and their decoding, go on. An async def step waits on an "
+        "event loop there, not on a thread.",
+    )
     metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig(port=9401))
     model_dirs: list[str] = Field(
         default_factory=list,

@@ -323,8 +323,9 @@ class TurnGenerator:
         for uid in uids:
             del self._keys[uid], self._sampled[uid]
 
-    def next_ends(self, on_step: Optional[Callable[[], None]] = None) -> list[TurnEnd]:
-        """Decode until at least one sequence ends its turn; every turn that ended in that step."""
+    def next_ends(self, on_step: Optional[Callable[[], None]] = None, *, one_step: bool = False) -> list[TurnEnd]:
+        """Decode until at least one sequence ends its turn (or for `one_step` only); every turn that ended in
+        that step."""
         ends: list[TurnEnd] = []
         while self._keys and not ends:
             responses = self.generator.next_generated()
@@ -340,7 +341,14 @@ class TurnGenerator:
                     ends.append(TurnEnd(self._keys.pop(response.uid), tokens, logprobs, response.finish_reason,
                                         response.prompt_cache, list(response.all_tokens)))
                     del self._sampled[response.uid]
+            if one_step:
+                break
         return ends
+
+    @property
+    def decoding(self) -> int:
+        """Sequences in the batch now (or waiting for a slot in it)."""
+        return len(self._keys)
 
     def close(self) -> None:
         self.generator.close()

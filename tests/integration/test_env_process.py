@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from grpo_fleet.envs.hosting import EnvAnswer, EnvCall, EnvCalls
 from grpo_fleet.envs.process import EnvProcess
 from grpo_fleet.tasks.env_module import EnvSetup
 
 ENV = '''
-import os, signal, time
+import asyncio, os, time
 
 class Moody:
     def __init__(self, env_config, extras):
@@ -26,10 +29,17 @@ class Moody:
                 time.sleep(0.01)
         if action == "die":
             os._exit(3)
-        if action == "block":  # a hang the per-call timer cannot end (its signal blocked, as C code may)
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        if action == "block":  # a hang no timer can interrupt: one call into C
             time.sleep(3600)
+        if action.startswith("slow"):  # a tool that takes time: a search, an interpreter, a judge
+            time.sleep(float(action[4:]))
         return {"observations": [], "reward": 1.0, "done": True, "metadata": {}}
+
+
+class Awaiting(Moody):
+    async def step(self, action):
+        await asyncio.sleep(float(action))
+        return {"observations": [], "reward": float(action), "done": True, "metadata": {}}
 '''
 PROMPT = [{"role": "user", "content": "hi"}]
 
@@ -67,7 +77,7 @@ def test_a_deadline_kills_a_hang_and_close_from_another_thread_ends_a_batch_at_o
         started = time.monotonic()
         init, hung = process.run_envs(_calls(1, "block"), max_seconds=1.0)  # the batch's own deadline: 62 s
         assert time.monotonic() - started < 5
-        assert init.failure == hung.failure == "timeout" and "killed" in hung.detail
+        assert init.failure is None and hung.failure == "timeout" and "killed" in hung.detail  # init had answered
         in_flight: list[list[EnvAnswer]] = []
         worker = threading.Thread(target=lambda: in_flight.append(process.run_envs(_calls(2, "block"))))
         worker.start()
@@ -76,8 +86,65 @@ def test_a_deadline_kills_a_hang_and_close_from_another_thread_ends_a_batch_at_o
         process.close()
         worker.join(timeout=10)
         assert not worker.is_alive() and time.monotonic() - stopping < 5
-        assert [a.failure for a in in_flight[0]] == ["crashed", "crashed"] and "closed" in in_flight[0][0].detail
+        assert in_flight[0][1].failure == "crashed" and "closed" in in_flight[0][1].detail
         (after,) = process.run_envs(EnvCalls([EnvCall(3, "init", ({}, PROMPT))]))
         assert after.failure == "crashed" and "closed" in after.detail and process.child is None  # none restarted
     finally:
         process.close()
+
+
+@contextlib.contextmanager
+def _moody(tmp_path: Path, class_name: str = "Moody", **setup: Any) -> Iterator[EnvProcess]:
+    path = tmp_path / "moody.py"
+    path.write_text(ENV)
+    process = EnvProcess(EnvSetup(module=str(path), class_name=class_name, **setup))
+    try:
+        yield process
+    finally:
+        process.close()
+
+
+def _inits(episodes: range) -> EnvCalls:
+    return EnvCalls([EnvCall(e, "init", ({}, PROMPT)) for e in episodes])
+
+
+def _collected(process: EnvProcess, count: int, within: float) -> list[EnvAnswer]:
+    answers: list[EnvAnswer] = []
+    deadline = time.monotonic() + within
+    while len(answers) < count and time.monotonic() < deadline:
+        answers += process.collect(0.05)
+    return answers
+
+
+def test_slow_tools_run_side_by_side_and_a_fast_episode_is_answered_first(tmp_path: Path) -> None:
+    """Issue 40, item 1: a call that takes a second holds its own episode, not the others'."""
+    with _moody(tmp_path, timeout_seconds=10.0, concurrency=8) as process:
+        assert all(a.failure is None for a in process.run_envs(_inits(range(9))))  # episodes 0-8
+        started = time.monotonic()
+        # Eight calls at once, as many as the process runs side by side: seven slow tools, then an instant one.
+        process.submit(EnvCalls([EnvCall(e, "step", "slow1.0") for e in range(7)] + [EnvCall(8, "step", "ok")]))
+        first = _collected(process, 1, 5.0)
+        assert [a.episode for a in first] == [8], "the instant step must not wait behind the slow ones"
+        rest = _collected(process, 7, 10.0)
+        seconds = time.monotonic() - started
+        assert sorted(a.episode for a in rest) == list(range(7)) and all(a.step is not None for a in rest)
+        assert seconds < 4.0, f"7 one-second calls side by side took {seconds:.1f}s (one at a time: 7 s)"
+
+
+def test_an_async_step_is_awaited_and_an_episodes_calls_keep_their_order(tmp_path: Path) -> None:
+    with _moody(tmp_path, "Awaiting", timeout_seconds=0.5) as process:
+        # init, then two steps of the same episode in one batch: the second may not start before the first ends.
+        answers = process.run_envs(EnvCalls([EnvCall(1, "init", ({}, PROMPT)), EnvCall(1, "step", "0.2"),
+                                             EnvCall(1, "step", "0.0"), EnvCall(2, "init", ({}, PROMPT)),
+                                             EnvCall(2, "step", "5")]))
+        assert [a.step.reward if a.step else a.failure for a in answers[1:3]] == [0.2, 0.0]
+        assert answers[4].failure == "timeout" and process.restarts == 0  # the coroutine was cancelled, not the process
+
+
+def test_a_call_stuck_in_c_times_out_alone_and_the_others_go_on(tmp_path: Path) -> None:
+    with _moody(tmp_path, timeout_seconds=1.0) as process:
+        process.run_envs(_inits(range(2)))
+        stuck, fine = process.run_envs(EnvCalls([EnvCall(0, "step", "block"), EnvCall(1, "step", "ok")]))
+        assert stuck.failure == "timeout" and "1s" in stuck.detail and fine.step is not None
+        (later,) = process.run_envs(_inits(range(5, 6)))
+        assert later.failure is None and process.restarts == 0  # its thread was written off, the process kept

@@ -52,16 +52,28 @@ class Echo:
 
 
 class Recording:
-    """A real host, whose calls and answers the test reads afterwards."""
+    """A real host, whose calls and answers the test reads afterwards. `hold`: episode k's answers come back only
+    after k % (hold + 1) more collects, as slow tools would, so episodes park and resume in a mixed order."""
 
-    def __init__(self, envs: InlineEnvs) -> None:
-        self.envs = envs
+    def __init__(self, envs: InlineEnvs, hold: int = 0) -> None:
+        self.envs, self.hold = envs, hold
         self.log: list[tuple[Any, EnvAnswer]] = []
+        self.held: list[tuple[int, EnvAnswer]] = []  # (the collect that releases it, the answer)
+        self.collects = 0
 
     def run_envs(self, calls: EnvCalls) -> list[EnvAnswer]:
         answers = self.envs.run_envs(calls)
         self.log.extend(zip(calls.calls, answers))
         return answers
+
+    def submit(self, calls: EnvCalls) -> None:
+        self.held += [(self.collects + 1 + a.episode % (self.hold + 1), a) for a in self.run_envs(calls)]
+
+    def collect(self, wait_seconds: float = 0.0) -> list[EnvAnswer]:
+        self.collects += 1
+        due = [answer for when, answer in self.held if when <= self.collects]
+        self.held = [(when, answer) for when, answer in self.held if when > self.collects]
+        return due
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +87,11 @@ def _starts(policy: Any) -> list[EpisodeStart]:
 
 
 def _run(policy: Any, setup: EnvSetup, *, group_size: int = 3, max_tokens: int = 6,
-         budget: int = 200) -> tuple[list[list[EpisodeOutcome]], Recording]:
+         budget: int = 200, hold: int = 0) -> tuple[list[list[EpisodeOutcome]], Recording]:
     mx.random.seed(7)
     settings = SamplingSettings(group_size=group_size, max_tokens=max_tokens, temperature=1.0,
                                 stop_token_ids=sorted(policy.tokenizer.eos_token_ids))
-    recording = Recording(InlineEnvs(setup))
+    recording = Recording(InlineEnvs(setup), hold)
     runner = EpisodeRunner(policy.model, policy.tokenizer, settings, EpisodeLimits(setup.max_turns, budget), recording)
     return runner.run(_starts(policy)), recording
 
@@ -96,8 +108,9 @@ def _spans(mask: list[int]) -> list[tuple[int, int, int]]:
     return [(a, b, mask[a]) for a, b in zip(edges, edges[1:])]
 
 
-def test_ids_are_the_sampled_turns_and_the_template_differences(policy: Any, tmp_path: Path) -> None:
-    groups, recording = _run(policy, _echo_setup(tmp_path))
+@pytest.mark.parametrize("hold", [0, 3])  # 3: observations come back late and out of order, episodes parked meanwhile
+def test_ids_are_the_sampled_turns_and_the_template_differences(policy: Any, tmp_path: Path, hold: int) -> None:
+    groups, recording = _run(policy, _echo_setup(tmp_path), hold=hold)
     encoder = ObservationEncoder(policy.tokenizer, policy.tokenizer.eos_token_ids)
     eos = set(policy.tokenizer.eos_token_ids)
     steps = [(call, answer) for call, answer in recording.log if call.kind == "step"]
@@ -127,10 +140,15 @@ def test_ids_are_the_sampled_turns_and_the_template_differences(policy: Any, tmp
             assert outcome.reward == pytest.approx(0.75)  # the sum of three steps' 0.25
 
 
-def test_sampled_logprobs_are_the_learners_on_the_whole_episode(policy: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("hold", [0, 3])
+def test_sampled_logprobs_are_the_learners_on_the_whole_episode(policy: Any, tmp_path: Path, hold: int) -> None:
     # The learner recomputes every logprob from prompt + completion in one forward: sampled tokens agree with what
-    # the actor recorded while resuming from KV caches; environment tokens carry 0 and no claim.
-    groups, _ = _run(policy, _echo_setup(tmp_path))
+    # the actor recorded while resuming from KV caches (parked beside the batch while others decode, with `hold`);
+    # environment tokens carry 0 and no claim.
+    groups, recording = _run(policy, _echo_setup(tmp_path), hold=hold)
+    resumed = [call.episode for call, _ in recording.log if call.kind == "step"]
+    in_step = [key for _ in range(3) for key in sorted(set(resumed))]  # every episode's turn t before any's t + 1
+    assert (resumed == in_step) == (hold == 0), "held answers must make the episodes take their turns out of step"
     starts = _starts(policy)
     for start, group in zip(starts, groups):
         for outcome in group:

@@ -20,7 +20,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.demo import DemoOptions, demo_settings
 from grpo_fleet.envs.hosting import InlineEnvs
 from grpo_fleet.envs.runner import EpisodeLimits, EpisodeRunner
-from grpo_fleet.generation import SamplingSettings, TurnEnd, TurnGenerator
+from grpo_fleet.generation import SamplingSettings, TurnEnd
 from grpo_fleet.learner.door.actor_checks import LogprobCheck, WeightHistory
 from grpo_fleet.learner.door.env_replay import EnvNotVerifiable
 from grpo_fleet.learner.door.intake_rules import IntakeRules, accepted_group, inbound_limits
@@ -103,10 +103,10 @@ class TurnLog(EpisodeRunner):
         super().__init__(*args, **kwargs)
         self.sampled: dict[int, list[list[int]]] = {}
 
-    def _step(self, episodes: Any, ends: list[TurnEnd], generator: TurnGenerator) -> None:
+    def _send_steps(self, episodes: Any, ends: list[TurnEnd], waiting: dict) -> None:
         for end in ends:
             self.sampled.setdefault(end.key, []).append(list(end.tokens))
-        super()._step(episodes, ends, generator)
+        super()._send_steps(episodes, ends, waiting)
 
 
 def run_episodes(learner: RunCoordinator) -> tuple[m.Lease, m.Rollouts, TurnLog]:

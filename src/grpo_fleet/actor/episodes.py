@@ -34,7 +34,7 @@ log = logging.getLogger("grpo_fleet.actor")
 ENV_REWARD = "env"  # the `reward` an unscored group names when its environment failed
 
 
-def plan_env(spec: m.EnvSpec, model_dirs: list[str]) -> EnvSetup:
+def plan_env(spec: m.EnvSpec, model_dirs: list[str], concurrency: int = 64) -> EnvSetup:
     """This machine's copy of the learner's environment, once it has the learner's digest.
 
     Importing runs code, so a file must lie inside an allowed --model-dir (the
@@ -52,7 +52,7 @@ def plan_env(spec: m.EnvSpec, model_dirs: list[str]) -> EnvSetup:
                            f"{spec.module_digest[:12]}): give every Mac the same file")
     return EnvSetup(module=spec.module, class_name=spec.class_name, config=dict(spec.config),
                     max_turns=spec.max_turns, max_episode_tokens=spec.max_episode_tokens,
-                    timeout_seconds=spec.timeout_seconds)
+                    timeout_seconds=spec.timeout_seconds, concurrency=concurrency)
 
 
 def episode_starts(lease: m.Lease, welcome: m.Welcome, env: m.EnvSpec) -> list[EpisodeStart]:
@@ -74,8 +74,8 @@ class RunEpisodes:
         self.setup: Optional[EnvSetup] = None
         self.process: Optional[EnvProcess] = None
 
-    def start(self, spec: Optional[m.EnvSpec], model_dirs: list[str]) -> None:
-        setup = plan_env(spec, model_dirs) if spec is not None else None
+    def start(self, spec: Optional[m.EnvSpec], model_dirs: list[str], concurrency: int = 64) -> None:
+        setup = plan_env(spec, model_dirs, concurrency) if spec is not None else None
         if setup == self.setup and (setup is None or self.process is not None):
             return
         self.close()

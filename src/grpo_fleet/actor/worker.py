@@ -162,7 +162,7 @@ class ActorWorker:
         """Admit the learner's run; load its model once (same path, digest, adapters and dtype = same model)."""
         plan = admit(welcome, self.cfg.model_dirs, self.model_key)
         self.rewards.start(plan_rewards(welcome.reward, self.cfg.reward_module, self.cfg.model_dirs))
-        self.episodes.start(welcome.env, self.cfg.model_dirs)
+        self.episodes.start(welcome.env, self.cfg.model_dirs, self.cfg.env_concurrency)
         if plan is not None:
             self.stream.reset()  # its sequences decode on the model being replaced
             self.policy = load_policy(plan.path, lora=plan.lora, dtype=plan.dtype)

@@ -46,6 +46,14 @@ class TimedEnvs:
         finally:
             self.seconds += time.perf_counter() - started
 
+    def submit(self, calls: EnvCalls) -> None:
+        started = time.perf_counter()
+        self.envs.submit(calls)  # in this process, the calls run here and now: every slot waits for them
+        self.seconds += time.perf_counter() - started
+
+    def collect(self, wait_seconds: float = 0.0) -> list[EnvAnswer]:
+        return self.envs.collect(wait_seconds)
+
 
 def _examples(count: int) -> list[dict[str, Any]]:
     lines = (DEMO / "capitals_eval.jsonl").read_text().splitlines()
@@ -164,6 +172,58 @@ def replay_rows(report: Report, label: str, tokenizer: Any, setup: Any, examples
                             "(every init, then every turn and close)"))
 
 
+# The tool rows: turns long enough to matter, more episodes than decoding slots (a freed slot has work to take).
+TOOL_TURNS, TOOL_TURN_TOKENS, TOOL_SLOTS = 3, 24, 32
+
+
+def tool_delay_rows(report: Report, model_dir: Path, prompts: int, group_size: int, delay: float = 1.0) -> None:
+    """Sampled tok/s with a tool that takes `delay` seconds a call against an instant one, the same episodes, in
+    the actor's environment process (envs/pool.py: calls side by side), and the decoding slots left idle."""
+    from grpo_fleet.config import LoraConfig
+    from grpo_fleet.envs.process import EnvProcess
+    from grpo_fleet.envs.protocol import env_extras
+    from grpo_fleet.envs.runner import EpisodeLimits, EpisodeRunner, EpisodeStart
+    from grpo_fleet.generation import SamplingSettings
+    from grpo_fleet.model import load_policy
+    from grpo_fleet.tasks.env_module import EnvSetup
+    from grpo_fleet.tasks.prompts import chat_messages, encode_prompt
+
+    policy = load_policy(str(model_dir), lora=LoraConfig(enabled=True, rank=8))
+    examples = _examples(prompts)
+    ids = [encode_prompt(policy.tokenizer, ex["prompt"], chat_template=True, system_prompt=SYSTEM) for ex in examples]
+    starts = [EpisodeStart(p, chat_messages(ex["prompt"], SYSTEM), env_extras({}, ex["answer"], TOOL_TURNS))
+              for p, ex in zip(ids, examples)]
+    # Every turn runs to its token limit (no stop token), so both runs decode the same number of tokens.
+    settings = SamplingSettings(group_size=group_size, max_tokens=TOOL_TURN_TOKENS, temperature=1.0, stop_token_ids=[])
+    label = (f"{model_dir.name}, {prompts} prompts x G={group_size}, {TOOL_TURNS} turns of {TOOL_TURN_TOKENS} "
+             f"tokens, {TOOL_SLOTS} slots")
+    rates, idle = {}, {}
+    for name, seconds in (("instant", 0.0), (f"{delay:g} s", delay)):
+        setup = EnvSetup(module="grpo_fleet.bench.slow_tool_env", class_name="SlowTool", max_turns=TOOL_TURNS,
+                         max_episode_tokens=1024, timeout_seconds=delay + 30, config={"delay_seconds": seconds},
+                         concurrency=prompts * group_size)
+        envs = EnvProcess(setup)
+        try:
+            runner = EpisodeRunner(policy.model, policy.tokenizer, settings, EpisodeLimits(TOOL_TURNS, 1024), envs,
+                                   batch_size=TOOL_SLOTS)
+            mx.random.seed(0)
+            started = time.perf_counter()
+            outcomes = [o for g in runner.run(starts) for o in g]
+            wall = time.perf_counter() - started
+        finally:
+            envs.close()
+        sampled = sum(sum(o.completion.episode.mask) for o in outcomes if o.completion.episode)
+        rates[name], idle[name] = sampled / wall, runner.slots
+        report.add(Figure("episodes", f"sampled tok/s, tool {name} a call, {label}", rates[name], "tok/s",
+                          baseline=rates.get("instant") if seconds else None, baseline_name="instant tool",
+                          notes=f"{sampled} sampled tokens in {wall:.1f}s; decoding slots idle "
+                                f"{100 * runner.slots.idle_share:.1f}% of the time, episodes waiting on the tool "
+                                f"{runner.slots.tool_wait_seconds:.1f}s"))
+    report.add(Figure("episodes", f"decoding slots idle while a {delay:g} s tool runs, {label}",
+                      100 * idle[f"{delay:g} s"].idle_share, "%",
+                      notes="slot-seconds left empty over slot-seconds the unfinished episodes could fill"))
+
+
 def run(report: Report, scale: Scale, model_dir: Optional[Path] = None) -> None:
     directory = real_model_dir(model_dir)
     if not (directory / "config.json").exists():
@@ -171,3 +231,4 @@ def run(report: Report, scale: Scale, model_dir: Optional[Path] = None) -> None:
         return
     prompts, group_size = (2, 4) if scale is Scale.QUICK else (8, 8)
     measure(report, directory, prompts, group_size, max_tokens=16)
+    tool_delay_rows(report, directory, prompts, group_size)

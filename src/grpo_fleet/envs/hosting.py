@@ -9,6 +9,8 @@ an exception.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
@@ -59,12 +61,19 @@ class EnvTimeout(Exception):
 Guard = Callable[[Callable[[], Any]], Any]  # runs a call under the timeout, raising EnvTimeout past it
 
 
+async def as_coroutine(awaitable: Any) -> Any:
+    return await awaitable
+
+
 def inline_guard(timeout_seconds: float) -> Guard:
-    """Calls in this process cannot be interrupted; one that took too long still fails."""
+    """Calls in this process cannot be interrupted; one that took too long still fails. An `async def` method's
+    coroutine is run to its end here."""
 
     def guard(call: Callable[[], Any]) -> Any:
         started = time.perf_counter()
         value = call()
+        if inspect.isawaitable(value):
+            value = asyncio.run(as_coroutine(value))
         if time.perf_counter() - started > timeout_seconds:
             raise EnvTimeout(f"took over {timeout_seconds:g}s (task.env_timeout_seconds)")
         return value
@@ -92,9 +101,10 @@ class EnvHost:
         self.live: dict[int, Any] = {}
 
     def run(self, calls: EnvCalls, guard: Guard) -> list[EnvAnswer]:
-        return [self._timed(call, guard) for call in calls.calls]
+        return [self.answer(call, guard) for call in calls.calls]
 
-    def _timed(self, call: EnvCall, guard: Guard) -> EnvAnswer:
+    def answer(self, call: EnvCall, guard: Guard) -> EnvAnswer:
+        """One call's answer (or its failure), timed; a failed episode's environment is dropped."""
         started = time.perf_counter()
         try:
             answer = self._answer(call, guard)
@@ -129,15 +139,24 @@ class EnvHost:
 
 
 class InlineEnvs:
-    """Environments in this process: the same host, with calls timed but not interruptible."""
+    """Environments in this process: the same host, with calls timed but not interruptible, one at a time."""
 
     def __init__(self, setup: EnvSetup) -> None:
         self.host = EnvHost(setup)
         self.guard = inline_guard(setup.timeout_seconds)
+        self._answered: list[EnvAnswer] = []
 
     def run_envs(self, calls: EnvCalls, max_seconds: Optional[float] = None) -> list[EnvAnswer]:
         """`max_seconds` cannot interrupt a call here; a caller that must stop a hang uses envs/process.EnvProcess."""
         return self.host.run(calls, self.guard)
+
+    def submit(self, calls: EnvCalls) -> None:
+        """Run the calls now (nothing here runs beside the caller); their answers wait for `collect`."""
+        self._answered += self.host.run(calls, self.guard)
+
+    def collect(self, wait_seconds: float = 0.0) -> list[EnvAnswer]:
+        answered, self._answered = self._answered, []
+        return answered
 
     def close(self) -> None:
         self.host.live.clear()

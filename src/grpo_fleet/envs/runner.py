@@ -4,9 +4,13 @@ Each episode's ids are the prompt's, then its turns as sampled, then after each
 turn the environment's chunk (envs/template.py), and so on; nothing is ever
 re-tokenized. The mask says which ids the model sampled (1) and which the
 environment gave (0); only sampled ones carry logprobs. All episodes of a lease
-share one continuous batch (generation.TurnGenerator): the turns that end in the
-same decoding step are stepped together in one batch of environment calls, and
-the episodes that go on re-enter the batch from their KV caches.
+share one continuous batch (generation.TurnGenerator). A turn that ends leaves
+the batch, its KV cache parked beside it, and its environment step is sent off
+without waiting (`submit`): the other sequences keep decoding, and a sequence
+waiting for a slot takes the freed one. When the observation comes back
+(`collect`, between decoding steps), the episode re-enters the batch from its
+cache with the observation's ids. A slow tool holds its own episode only; an
+episode's turns, ids and masks are those of a sequential run.
 
 An episode ends when its environment says done, after task.max_turns turns, or
 when the next observation would not fit in task.max_episode_tokens (the tokens
@@ -17,6 +21,7 @@ and the actor sends that group back unscored, as with a failing reward.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
@@ -29,9 +34,41 @@ from grpo_fleet.tasks.prompts import decode_completion
 
 
 class EnvRunner(Protocol):
-    """Runs a batch of environment calls: the rewards' process on an actor (ScoringProcess), or InlineEnvs."""
+    """Runs environment calls: the environment process on an actor (envs/process.EnvProcess), or InlineEnvs."""
 
     def run_envs(self, calls: EnvCalls) -> list[EnvAnswer]: ...
+
+    def submit(self, calls: EnvCalls) -> None: ...
+
+    def collect(self, wait_seconds: float = 0.0) -> list[EnvAnswer]: ...
+
+
+# How long the runner waits for an observation when no sequence is decoding (every episode left waits for its tool).
+ENV_WAIT_SECONDS = 0.05
+
+
+@dataclass
+class SlotUse:
+    """Decoding slots over time: how many there were for the episodes still running, and how many sat idle."""
+
+    slot_seconds: float = 0.0
+    idle_slot_seconds: float = 0.0
+    tool_wait_seconds: float = 0.0  # time with at least one episode waiting for its environment
+    _last: float = field(default_factory=time.perf_counter)
+
+    def observe(self, capacity: int, decoding: int, unfinished: int, waiting: int) -> None:
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        slots = min(capacity, unfinished)
+        if slots:
+            self.slot_seconds += slots * elapsed
+            self.idle_slot_seconds += max(0, slots - decoding) * elapsed
+        if waiting:
+            self.tool_wait_seconds += elapsed
+
+    @property
+    def idle_share(self) -> float:
+        return self.idle_slot_seconds / self.slot_seconds if self.slot_seconds else 0.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +143,7 @@ class EpisodeRunner:
                  envs: EnvRunner, *, batch_size: int = 64, on_step: Optional[Callable[[], None]] = None) -> None:
         self.model, self.tokenizer, self.settings, self.limits, self.envs = model, tokenizer, settings, limits, envs
         self.batch_size, self.on_step = batch_size, on_step
+        self.slots = SlotUse()  # of the last `run`
         self.eos = {int(t) for t in settings.stop_token_ids}
         self.encoder = ObservationEncoder(tokenizer, self.eos)
 
@@ -113,13 +151,20 @@ class EpisodeRunner:
         size = self.settings.group_size
         episodes = [_Episode(key=i * size + j, group=i) for i in range(len(starts)) for j in range(size)]
         prompts = self._init(episodes, starts)
-        generator = TurnGenerator(self.model, self.settings, min(len(episodes), self.batch_size))
+        capacity = min(len(episodes), self.batch_size)
+        generator = TurnGenerator(self.model, self.settings, capacity)
+        waiting: dict[int, tuple[TurnEnd, str]] = {}  # episodes whose environment is stepping: the turn and its text
         try:
             ready = [e for e in episodes if e.failure is None]
             generator.start([e.key for e in ready], [prompts[e.key] for e in ready],
                             [self._room(e) for e in ready])
-            while generator.active:
-                self._step(episodes, generator.next_ends(self.on_step), generator)
+            self.slots = SlotUse()
+            while generator.active or waiting:
+                if generator.active:
+                    self._send_steps(episodes, generator.next_ends(self.on_step, one_step=True), waiting)
+                for answer in self.envs.collect(0.0 if generator.active else ENV_WAIT_SECONDS):
+                    self._resume(episodes, answer, waiting, generator)
+                self.slots.observe(capacity, generator.decoding, generator.decoding + len(waiting), len(waiting))
         finally:
             generator.close()
             self._close(episodes)
@@ -152,24 +197,34 @@ class EpisodeRunner:
             prompts[episode.key] = ids
         return prompts
 
-    def _step(self, episodes: list[_Episode], ends: list[TurnEnd], generator: TurnGenerator) -> None:
-        """Step the environments of the turns that just ended, in one batch; resume the episodes that go on."""
-        ended = [episodes[end.key] for end in ends]
-        actions = []
-        for episode, end in zip(ended, ends):
+    def _send_steps(self, episodes: list[_Episode], ends: list[TurnEnd],
+                    waiting: dict[int, tuple[TurnEnd, str]]) -> None:
+        """Send the environment steps of the turns that just ended, without waiting for them."""
+        calls = []
+        for end in ends:
+            episode = episodes[end.key]
             episode.add(end.tokens, end.logprobs)
             episode.finish_reason = end.finish_reason
-            actions.append(decode_completion(self.tokenizer, end.tokens, end.finish_reason, self.eos))
-        answers = self.envs.run_envs(EnvCalls([EnvCall(e.key, "step", a) for e, a in zip(ended, actions)]))
-        for episode, end, action, answer in zip(ended, ends, actions, answers):
-            episode.env_seconds += answer.seconds
-            chunk = self._after(episode, end, action, answer)
-            if chunk is not None:
-                episode.add(chunk)
-                generator.resume(end, chunk, self._room(episode))
-        failed = {e.group for e in ended if e.failure is not None}
-        if failed:  # a group with a failed episode goes back unscored: its other episodes stop here
-            generator.cancel({e.key for e in episodes if e.group in failed})
+            action = decode_completion(self.tokenizer, end.tokens, end.finish_reason, self.eos)
+            waiting[end.key] = (end, action)
+            calls.append(EnvCall(end.key, "step", action))
+        if calls:
+            self.envs.submit(EnvCalls(calls))
+
+    def _resume(self, episodes: list[_Episode], answer: EnvAnswer, waiting: dict[int, tuple[TurnEnd, str]],
+                generator: TurnGenerator) -> None:
+        """An observation came back: the episode goes on from its cache, or ends; a failure ends its group."""
+        episode = episodes[answer.episode]
+        end, action = waiting.pop(answer.episode)
+        episode.env_seconds += answer.seconds
+        if any(e.failure is not None for e in episodes if e.group == episode.group):
+            return  # a group with a failed episode goes back unscored: its other episodes stop here
+        chunk = self._after(episode, end, action, answer)
+        if chunk is not None:
+            episode.add(chunk)
+            generator.resume(end, chunk, self._room(episode))
+        elif episode.failure is not None:
+            generator.cancel({e.key for e in episodes if e.group == episode.group})
 
     def _after(self, episode: _Episode, end: TurnEnd, action: str, answer: EnvAnswer) -> Optional[list[int]]:
         """The environment ids to go on with, or None when the episode is over (ended or failed)."""

@@ -30,6 +30,7 @@ class EnvSetup:
     max_turns: int = 4
     max_episode_tokens: int = 1024
     timeout_seconds: float = 10.0
+    concurrency: int = 64  # calls run at once in the environment process (envs/pool.py)
 
 
 def split_env_spec(spec: str) -> tuple[str, str]:

@@ -280,7 +280,12 @@ def _plot_lengths(ax: Axes, records: list[dict], window: int) -> None:
     ax.set_title("completion length")
     ax.set_ylabel("tokens")
     ax.set_ylim(bottom=0)
-    _with_fractions(ax, records, (("truncated_fraction", "black", "cut off at max_tokens (right)"),), window, "fraction")
+    fractions = [("truncated_fraction", "black", "cut off at max_tokens (right)")]
+    if _series(records, "tool_call_episode_fraction")[0]:  # episodes that call tools: is the model learning to?
+        ax.set_title("completion length, and tool calls")
+        fractions += [("tool_call_episode_fraction", "tab:green", "episodes with a well-formed tool call (right)"),
+                      ("tool_call_malformed_fraction", "tab:red", "tool calls malformed (right)")]
+    _with_fractions(ax, records, fractions, window, "fraction")
     if not mean:
         _no_data(ax, "completion_length_mean")
 

@@ -51,6 +51,12 @@ class StepRecord(UpdateStats):
     check_seconds: float = 0.0
     groups_checked: int = 0
     groups_unchecked: int = 0
+    # Episodes (task.env) only, else None: turns per episode, well-formed <tool_call>s per episode, the share of
+    # episodes that made one, and the share of attempted calls that were malformed (learner/run/episode_stats.py).
+    episode_turns_mean: Optional[float] = None
+    tool_calls_per_episode: Optional[float] = None
+    tool_call_episode_fraction: Optional[float] = None
+    tool_call_malformed_fraction: Optional[float] = None
 
 
 @dataclass(frozen=True)

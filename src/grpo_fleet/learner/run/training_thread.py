@@ -24,6 +24,7 @@ from grpo_fleet.learner.records import persistence
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import RunLog, StepRecord
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
+from grpo_fleet.learner.run.episode_stats import episode_stats, turn_decoder
 from grpo_fleet.learner.run.batch_checks import BatchChecks
 from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.learner.run.rooms import RunRooms
@@ -291,7 +292,8 @@ class BatchCycle:
         return StepRecord(
             step=state.step, policy_version=state.version,
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-            **{**stats.update_stats(), **_length_stats(groups)},
+            **{**stats.update_stats(), **_length_stats(groups),
+               **episode_stats(groups, turn_decoder(self.trainer.policy.tokenizer))},
             groups=len(groups), tokens=int(sum(g.num_tokens for g in groups)),
             staleness_mean=float(np.mean([done.trained_on - g.policy_version for g in groups])),
             staleness_max=int(max(done.trained_on - g.policy_version for g in groups)),

@@ -75,14 +75,20 @@ def ranked(path: str, mode: str, repeats: int, out: Path) -> None:
         return
     batch = _batch(trainer)
     trainer.step(batch)  # warm-up
-    before = list(ranks.totals[GRADIENTS])
+    before = _gradient_totals(ranks.totals)
     started = time.perf_counter()
     for _ in range(repeats):
         trainer.step(batch)
     step = (time.perf_counter() - started) / repeats
-    seconds, sent = (now - then for now, then in zip(ranks.totals[GRADIENTS], before))
+    seconds, sent = (now - then for now, then in zip(_gradient_totals(ranks.totals), before))
     sharding.send(Header(Command.STOP))
     out.write_text(json.dumps({"step": step, "allreduce": seconds / repeats, "bytes": sent / repeats}))
+
+
+def _gradient_totals(totals: dict[str, list[float]]) -> list[float]:
+    """[seconds, bytes] of the gradient sum so far: its gather and the gather of the ranks' tags over their parts."""
+    parts = [totals.get(name, [0.0, 0.0]) for name in (GRADIENTS, f"{GRADIENTS} (tags)")]
+    return [sum(values) for values in zip(*parts)]
 
 
 def two_ranks(path: str, mode: str, repeats: int, root: Path) -> dict[str, float]:

@@ -47,19 +47,19 @@ def assert_trained_on_two_turn_episodes(run_dir: Path) -> None:
                            for row in samples)
 
 
-def test_a_verifiers_multiturn_env_trains_three_steps(run_config, spawn, tiny_chat_model_dir, tmp_path):
-    pytest.importorskip("verifiers", reason="the verifiers extra is not installed: pip install 'grpo-fleet[verifiers]'")
-    write_module(tmp_path / "modules", "vf_once_more", VERIFIERS_ENV)
-    run_dir = train_three_steps(run_config, spawn, tiny_chat_model_dir, tmp_path / "modules",
-                                "grpo_fleet.envs.adapters.verifiers_env:DeterministicVerifiersEnv",
-                                {"env_id": "vf-once-more", "env_args": {"max_turns": 2}})
-    assert_trained_on_two_turn_episodes(run_dir)
+ECOSYSTEMS = {  # extra -> (module name, its source, task.env, task.env_config)
+    "verifiers": ("vf_once_more", VERIFIERS_ENV, "grpo_fleet.envs.adapters.verifiers_env:DeterministicVerifiersEnv",
+                  {"env_id": "vf-once-more", "env_args": {"max_turns": 2}}),
+    "openenv": ("oe_length_echo", OPENENV_ENV, "grpo_fleet.envs.adapters.openenv_env:DeterministicOpenEnvEnv",
+                {"environment": "oe_length_echo:LengthEcho", "env_args": {"turns": 2}}),
+}
 
 
-def test_an_openenv_environment_trains_three_steps(run_config, spawn, tiny_chat_model_dir, tmp_path):
-    pytest.importorskip("openenv", reason="the openenv extra is not installed: pip install 'grpo-fleet[openenv]'")
-    write_module(tmp_path / "modules", "oe_length_echo", OPENENV_ENV)
-    run_dir = train_three_steps(run_config, spawn, tiny_chat_model_dir, tmp_path / "modules",
-                                "grpo_fleet.envs.adapters.openenv_env:DeterministicOpenEnvEnv",
-                                {"environment": "oe_length_echo:LengthEcho", "env_args": {"turns": 2}})
+@pytest.mark.parametrize("extra", sorted(ECOSYSTEMS))
+def test_an_environment_from_another_ecosystem_trains_three_steps(extra, run_config, spawn, tiny_chat_model_dir,
+                                                                    tmp_path):
+    pytest.importorskip(extra, reason=f"the {extra} extra is not installed: pip install 'grpo-fleet[{extra}]'")
+    module, source, env, env_config = ECOSYSTEMS[extra]
+    write_module(tmp_path / "modules", module, source)
+    run_dir = train_three_steps(run_config, spawn, tiny_chat_model_dir, tmp_path / "modules", env, env_config)
     assert_trained_on_two_turn_episodes(run_dir)

@@ -3,6 +3,12 @@ ecosystem's own style (tests/ecosystem_envs.py), in this process."""
 
 from __future__ import annotations
 
+import importlib
+import signal
+import sys
+import threading
+import types
+
 import pytest
 
 from ecosystem_envs import OPENENV_ENV, VERIFIERS_ENV, VERIFIERS_TOOL_ENV, import_module_from
@@ -48,6 +54,24 @@ def test_task_max_turns_caps_the_environments_own_and_the_rollout_is_scored_ther
     env.init(PROMPT)
     result = checked_step(env.step("Hi"))
     assert (result.reward, result.done) == (1.0, True)
+
+
+def test_an_environment_loads_on_a_worker_thread_and_leaves_the_hosts_signals_alone(verifiers_envs):
+    sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    failures: list = []
+
+    def load() -> None:  # envs/pool.py runs calls on worker threads, where signal.signal raises
+        try:
+            verifiers_envs.VerifiersEnv({"env_id": "vf-once-more", "env_args": {"max_turns": 3}}, {"max_turns": 9})
+        except Exception as exc:
+            failures.append(exc)
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    worker.join()
+    verifiers_envs.VerifiersEnv({"env_id": "vf-once-more", "env_args": {"max_turns": 4}}, {"max_turns": 9})
+    assert failures == []
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == (sigterm, sigint)
 
 
 def test_a_tool_env_runs_the_tool_the_reply_calls_and_scores_the_final_answer(verifiers_envs):
@@ -170,3 +194,13 @@ def test_bad_openenv_settings_are_one_line_errors(openenv_module):
         with pytest.raises(EnvError) as caught:
             openenv_module.OpenEnvEnv(config, {})
         assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_verifiers_without_multiturn_env_is_refused_in_one_line(monkeypatch):
+    newer = types.ModuleType("verifiers")  # 0.4.0's root: no MultiTurnEnv, no load_environment of that kind
+    newer.__version__ = "0.4.0"
+    monkeypatch.setitem(sys.modules, "verifiers", newer)
+    monkeypatch.delitem(sys.modules, "grpo_fleet.envs.adapters.verifiers_client", raising=False)
+    with pytest.raises(ImportError, match=r"verifiers 0.4.0 has no MultiTurnEnv .*pins 0.3.1") as caught:
+        importlib.import_module("grpo_fleet.envs.adapters.verifiers_client")
+    assert "\n" not in str(caught.value)

@@ -11,11 +11,13 @@ calling thread (SIGALRM or the parent's deadline), never in the loop's.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, Optional, TypeVar
 
 T = TypeVar("T")
+WAKE_SECONDS = 0.05
 
 _lock = threading.Lock()
 _loop: Optional[asyncio.AbstractEventLoop] = None
@@ -32,5 +34,16 @@ def background_loop() -> asyncio.AbstractEventLoop:
 
 
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run the coroutine on the background loop and wait for its result (its exception is raised here)."""
-    return asyncio.run_coroutine_threadsafe(coroutine, background_loop()).result()
+    """Run the coroutine on the background loop and wait for its result (its exception is raised here).
+
+    The wait wakes every WAKE_SECONDS, so an interruption the host raises in this thread (envs/pool.py raises
+    one at the next bytecode when a call runs past its timeout) lands; the coroutine is then cancelled."""
+    future = asyncio.run_coroutine_threadsafe(coroutine, background_loop())
+    try:
+        while True:
+            try:
+                return future.result(timeout=WAKE_SECONDS)
+            except concurrent.futures.TimeoutError:
+                continue
+    finally:
+        future.cancel()  # a no-op once it is done

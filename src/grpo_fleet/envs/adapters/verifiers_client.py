@@ -22,11 +22,17 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 try:
-    from verifiers.clients import Client
-    from verifiers.types import Response, ResponseMessage, ToolCall
+    import verifiers as vf
 except ImportError as exc:  # one line at start-up, naming the extra
     raise ImportError(f"task.env's verifiers adapter needs the verifiers package: pip install "
                       f"'grpo-fleet[verifiers]' ({exc})") from None
+if not hasattr(vf, "MultiTurnEnv"):
+    raise ImportError(f"verifiers {getattr(vf, '__version__', '?')} has no MultiTurnEnv (0.4.0 replaced environments "
+                      "with harness programs that call a model server of their own): pip install "
+                      "'grpo-fleet[verifiers]', which pins 0.3.1")
+
+from verifiers.clients import Client  # noqa: E402  (only once the check above passed)
+from verifiers.types import Response, ResponseMessage, ToolCall  # noqa: E402
 
 from grpo_fleet.envs.protocol import EnvError
 from grpo_fleet.envs.tools import CLOSE_TAG, OPEN_TAG

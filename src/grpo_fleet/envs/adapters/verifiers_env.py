@@ -31,16 +31,13 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import sys
+import types
 from typing import Any, Optional, Union
 
-try:
-    import verifiers as vf
-except ImportError as exc:  # one line at start-up, naming the extra
-    raise ImportError(f"task.env's verifiers adapter needs the verifiers package: pip install "
-                      f"'grpo-fleet[verifiers]' ({exc})") from None
-
 from grpo_fleet.envs.adapters import background_loop
-from grpo_fleet.envs.adapters.verifiers_client import Turn
+from grpo_fleet.envs.adapters.verifiers_client import Turn, vf  # vf: a verifiers with MultiTurnEnv, checked there
 from grpo_fleet.envs.adapters.verifiers_rollout import Finished, Rollout
 from grpo_fleet.envs.protocol import EnvError
 
@@ -49,6 +46,22 @@ CONFIG_KEYS = ("env_id", "env_args")
 ENV_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)?$")
 
 _loaded: dict[str, Any] = {}  # this process's environments, by (env_id, env_args, max_turns)
+
+
+def leave_signals_to_the_host() -> None:
+    """verifiers' Environment takes SIGINT and SIGTERM for its teardown as it is built. In the environment process
+    those are the host's (Ctrl-C is the parent's to handle, the parent stops the child), and on a worker thread
+    `signal.signal` raises, so no environment could load there. Its module gets a `signal` that leaves them be
+    (its atexit teardown still runs)."""
+    module = sys.modules[vf.Environment.__module__]
+    if getattr(module, "signal", None) is signal:
+        host_owned = types.ModuleType("signal")
+        host_owned.__dict__.update(signal.__dict__)
+        host_owned.signal = lambda signum, handler: signal.getsignal(signum)  # type: ignore[attr-defined]
+        module.signal = host_owned  # type: ignore[attr-defined]
+
+
+leave_signals_to_the_host()
 
 
 def env_settings(env_config: Optional[dict[str, Any]]) -> tuple[str, dict[str, Any]]:

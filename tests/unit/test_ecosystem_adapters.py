@@ -7,6 +7,7 @@ import importlib
 import signal
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -72,6 +73,30 @@ def test_an_environment_loads_on_a_worker_thread_and_leaves_the_hosts_signals_al
     verifiers_envs.VerifiersEnv({"env_id": "vf-once-more", "env_args": {"max_turns": 4}}, {"max_turns": 9})
     assert failures == []
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == (sigterm, sigint)
+
+
+def test_episodes_that_start_together_share_one_load_and_a_failed_load_fails_each_alike(verifiers_envs, monkeypatch):
+    real, loads = verifiers_envs.vf.load_environment, []
+
+    def slow_load(env_id: str, **env_args: object) -> object:
+        loads.append(env_id)
+        time.sleep(0.3)
+        if env_args.get("max_turns") == 6:
+            raise RuntimeError("no such dataset")
+        return real(env_id, **env_args)
+
+    monkeypatch.setattr(verifiers_envs.vf, "load_environment", slow_load)
+    config = {"env_id": "vf-once-more", "env_args": {"max_turns": 5}}
+    workers = [threading.Thread(target=verifiers_envs.VerifiersEnv, args=(config, {"max_turns": 9})) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert loads == ["vf-once-more"]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="no such dataset"):
+            verifiers_envs.VerifiersEnv({"env_id": "vf-once-more", "env_args": {"max_turns": 6}}, {"max_turns": 9})
+    assert loads == ["vf-once-more", "vf-once-more"]
 
 
 def test_a_tool_env_runs_the_tool_the_reply_calls_and_scores_the_final_answer(verifiers_envs):
@@ -184,6 +209,12 @@ def test_an_observation_with_several_fields_is_read_as_json(openenv_module):
     text = openenv_module.observation_text(Board(cells="x.o", score=2, reward=1.0), None)
     assert text == '{"cells": "x.o", "score": 2}'
     assert openenv_module.observation_text(Board(cells="x.o", score=2), "cells") == "x.o"
+
+
+def test_an_openenv_environment_that_needs_one_thread_is_refused(openenv_module, monkeypatch):
+    monkeypatch.setattr(sys.modules["oe_length_echo"].LengthEcho, "REQUIRES_SINGLE_THREAD_EXECUTOR", True)
+    with pytest.raises(EnvError, match="REQUIRES_SINGLE_THREAD_EXECUTOR"):
+        openenv_module.OpenEnvEnv({"environment": "oe_length_echo:LengthEcho"}, {})
 
 
 def test_bad_openenv_settings_are_one_line_errors(openenv_module):

@@ -40,10 +40,15 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
     one at the next bytecode when a call runs past its timeout) lands; the coroutine is then cancelled."""
     future = asyncio.run_coroutine_threadsafe(coroutine, background_loop())
     try:
-        while True:
-            try:
-                return future.result(timeout=WAKE_SECONDS)
-            except concurrent.futures.TimeoutError:
-                continue
+        return wait(future)
     finally:
         future.cancel()  # a no-op once it is done
+
+
+def wait(future: concurrent.futures.Future[T]) -> T:
+    """The future's result, waited for in wakes of WAKE_SECONDS (so an interruption of this thread lands)."""
+    while True:
+        try:
+            return future.result(timeout=WAKE_SECONDS)
+        except concurrent.futures.TimeoutError:
+            continue

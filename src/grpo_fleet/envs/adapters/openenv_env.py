@@ -100,6 +100,9 @@ class OpenEnvEnv:
         if unknown:
             raise EnvError(f"task.env_config for an OpenEnv environment takes {', '.join(CONFIG_KEYS)}, not {unknown}")
         env_class = named_class(config.get("environment"), Environment, "environment")
+        if getattr(env_class, "REQUIRES_SINGLE_THREAD_EXECUTOR", False):
+            raise EnvError(f"{env_class.__name__} needs every call on one thread (REQUIRES_SINGLE_THREAD_EXECUTOR); the "
+                           "environment process runs an episode's calls on any of its worker threads")
         action_class = (named_class(config["action"], Action, "action") if "action" in config
                         else declared_action(env_class))
         if action_class is None:

@@ -29,10 +29,12 @@ replays every episode to check the actor's reward.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import signal
 import sys
+import threading
 import types
 from typing import Any, Optional, Union
 
@@ -45,7 +47,9 @@ CONFIG_KEYS = ("env_id", "env_args")
 # An id as vf.load_environment takes it ("my-env", "owner/my-env"), never a path: the module is imported by name.
 ENV_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)?$")
 
-_loaded: dict[str, Any] = {}  # this process's environments, by (env_id, env_args, max_turns)
+_loaded: dict[str, concurrent.futures.Future[Any]] = {}  # this process's environments, by (env_id, env_args, max_turns)
+_loading_lock = threading.Lock()
+_loader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifiers-load")
 
 
 def leave_signals_to_the_host() -> None:
@@ -80,11 +84,16 @@ def env_settings(env_config: Optional[dict[str, Any]]) -> tuple[str, dict[str, A
 
 
 def load(env_id: str, env_args: dict[str, Any], max_turns: int) -> Any:
-    """The environment, loaded once per process and checked for what a per-episode rollout can train."""
+    """The environment, loaded once per process and checked for what a per-episode rollout can train.
+
+    It loads on a thread of its own: episodes that start together wait for the one load, and a load longer than
+    task.env_timeout_seconds fails the first episodes only (their calls are interrupted, not the load), so a large
+    dataset does not fail every episode. A load that failed fails every episode of this process the same way."""
     key = json.dumps([env_id, env_args, max_turns], sort_keys=True, default=repr)
-    if key not in _loaded:
-        _loaded[key] = checked(vf.load_environment(env_id, **env_args), env_id, max_turns)
-    return _loaded[key]
+    with _loading_lock:
+        if key not in _loaded:
+            _loaded[key] = _loader.submit(lambda: checked(vf.load_environment(env_id, **env_args), env_id, max_turns))
+    return background_loop.wait(_loaded[key])
 
 
 def checked(env: Any, env_id: str, max_turns: int) -> Any:

@@ -235,3 +235,18 @@ def test_a_verifiers_without_multiturn_env_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ImportError, match=r"verifiers 0.4.0 has no MultiTurnEnv .*pins 0.3.1") as caught:
         importlib.import_module("grpo_fleet.envs.adapters.verifiers_client")
     assert "\n" not in str(caught.value)
+
+
+def test_an_episode_dropped_without_close_has_its_rollout_cancelled(verifiers_envs):
+    import gc
+
+    env = verifiers_envs.VerifiersEnv({"env_id": "vf-once-more"}, {"answer": "Nairobi", "max_turns": 4})
+    env.init(PROMPT)
+    rollout = env.rollout
+    del env  # as the host drops an episode whose call timed out
+    gc.collect()
+    for _ in range(100):
+        if rollout.task.done():
+            break
+        time.sleep(0.01)
+    assert rollout.task.cancelled()

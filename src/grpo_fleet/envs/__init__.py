@@ -7,5 +7,6 @@
 - `template`: observation tokens from the chat template's difference between turns;
 - `runner`: the actor's episode runner (G episodes per prompt, one continuous batch, sampled/environment mask);
 - `tools`: the ready-made `<tool_call>` convention;
-- `capital_quiz`: a shipped environment (feedback and a second try).
+- `capital_quiz`: a shipped environment (feedback and a second try);
+- `adapters/`: environments written for verifiers and OpenEnv, hosted as `task.env` classes.
 """

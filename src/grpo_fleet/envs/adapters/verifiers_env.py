@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Optional, Union
 
 from grpo_fleet.envs.adapters import background_loop
@@ -117,6 +118,11 @@ def rollout_input(prompt: list[dict[str, Any]], extras: dict[str, Any]) -> dict[
             "answer": "" if answer is None else str(answer), "info": info if isinstance(info, (dict, str)) else {}}
 
 
+def cancel_soon(rollout: Rollout) -> None:
+    if rollout.task is not None:
+        background_loop.background_loop().call_soon_threadsafe(rollout.task.cancel)
+
+
 class VerifiersEnv:
     """One episode of a verifiers environment (see the module docstring); not declared deterministic."""
 
@@ -129,6 +135,8 @@ class VerifiersEnv:
 
     def init(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         self.rollout = Rollout(self.env, rollout_input(prompt, self.extras))
+        # An episode the host drops without close (its call timed out) must not leave its rollout waiting forever.
+        weakref.finalize(self, cancel_soon, self.rollout)
         event = background_loop.run(self.rollout.start())
         if not isinstance(event, Turn):
             raise EnvError("the verifiers rollout ended before asking for the model's first turn")

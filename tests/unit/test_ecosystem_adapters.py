@@ -169,13 +169,6 @@ def test_an_environment_that_rewrites_its_history_is_refused(verifiers_envs):
         env.step("Hello")
 
 
-def test_only_the_deterministic_classes_say_so(verifiers_envs, openenv_module):
-    assert getattr(verifiers_envs.VerifiersEnv, "deterministic", False) is False
-    assert verifiers_envs.DeterministicVerifiersEnv.deterministic is True
-    assert getattr(openenv_module.OpenEnvEnv, "deterministic", False) is False
-    assert openenv_module.DeterministicOpenEnvEnv.deterministic is True
-
-
 def test_an_openenv_environment_maps_reset_and_step_with_reward_and_done_through(openenv_module):
     env = openenv_module.OpenEnvEnv({"environment": "oe_length_echo:LengthEcho", "env_args": {"turns": 2}},
                                     {"answer": "Nairobi"})
@@ -250,3 +243,21 @@ def test_an_episode_dropped_without_close_has_its_rollout_cancelled(verifiers_en
             break
         time.sleep(0.01)
     assert rollout.task.cancelled()
+
+
+@pytest.mark.parametrize("extra, plain, deterministic", [
+    ("verifiers", "verifiers_env:VerifiersEnv", "verifiers_env:DeterministicVerifiersEnv"),
+    ("openenv", "openenv_env:OpenEnvEnv", "openenv_env:DeterministicOpenEnvEnv")])
+def test_the_learner_replays_only_the_deterministic_adapters(extra, plain, deterministic):
+    pytest.importorskip(extra, reason=f"the {extra} extra is not installed: pip install 'grpo-fleet[{extra}]'")
+    from grpo_fleet.learner.door.env_replay import EnvNotVerifiable, check_verifiable
+    from grpo_fleet.tasks.env_module import EnvSetup
+
+    def setup(spec: str) -> EnvSetup:
+        module, class_name = spec.split(":")
+        return EnvSetup(module=f"grpo_fleet.envs.adapters.{module}", class_name=class_name)
+
+    with pytest.raises(EnvNotVerifiable, match="does not declare itself deterministic"):
+        check_verifiable(setup(plain), verify_rewards=True)
+    check_verifiable(setup(plain), verify_rewards=False)
+    check_verifiable(setup(deterministic), verify_rewards=True)

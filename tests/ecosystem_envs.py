@@ -28,8 +28,13 @@ def last_reply_length(completion, answer):
     return (len(replies[-1]) % 3) / 2 if replies else 0.0
 
 
+CAPITALS = {"Kenya": "Nairobi", "Peru": "Lima", "Japan": "Tokyo", "Chile": "Santiago", "Egypt": "Cairo",
+            "Spain": "Madrid", "Nepal": "Kathmandu", "Ghana": "Accra"}
+
+
 def load_environment(max_turns=2, **kwargs):
-    dataset = Dataset.from_list([{"question": "What is the capital of Kenya?", "answer": "Nairobi"}])
+    dataset = Dataset.from_list([{"question": f"What is the capital of {country}?", "answer": city}
+                                 for country, city in CAPITALS.items()])
     return OnceMore(dataset=dataset, rubric=vf.Rubric(funcs=[last_reply_length]), max_turns=max_turns, **kwargs)
 '''
 

@@ -15,14 +15,14 @@ from helpers import jsonl
 DEMO = Path(__file__).resolve().parents[2] / "src/grpo_fleet/demos/smollm2-135m-instruct"
 
 
-def train_three_steps(run_config: Any, spawn: Any, model_dir: Path, modules: Path, env: str,
+def train_three_steps(run_config: Any, spawn: Any, model_dir: Path, modules: Path, data: dict[str, Any], env: str,
                       env_config: dict[str, Any]) -> Path:
-    """A learner and an actor train 3 steps on the capitals with `env`; the run directory."""
+    """A learner and an actor train 3 steps on `data`'s prompts with `env`; the run directory."""
     config, cfg = run_config(
         model={"path": str(model_dir)},
-        task={"name": "jsonl", "train_path": str(DEMO / "capitals_train.jsonl"), "rewards": [], "chat_template": True,
-              "system_prompt": "Answer in one short sentence.", "env": env, "env_config": env_config,
-              "max_turns": 2, "max_episode_tokens": 160, "env_timeout_seconds": 60.0},
+        task={**data, "rewards": [], "chat_template": True, "system_prompt": "Answer in one short sentence.",
+              "env": env, "env_config": env_config, "max_turns": 2, "max_episode_tokens": 160,
+              "env_timeout_seconds": 60.0},
         generation={"group_size": 4, "max_tokens": 6},
         train={"steps": 3, "eval_every": 0, "log_samples_every": 1, "checkpoint_every": 3},
         server={"lease_seconds": 60.0},
@@ -38,6 +38,20 @@ def train_three_steps(run_config: Any, spawn: Any, model_dir: Path, modules: Pat
     return Path(cfg.run_dir)
 
 
+def verifiers_dataset(modules: Path, monkeypatch: Any) -> dict[str, Any]:
+    """The environment's own dataset, exported to JSONL as the manual says (its "prompt" column is chat messages)."""
+    import verifiers as vf
+
+    monkeypatch.syspath_prepend(str(modules))
+    path = modules.parent / "vf_train.jsonl"
+    vf.load_environment("vf-once-more").get_dataset().to_json(str(path))
+    return {"name": "dataset", "dataset": str(path), "num_eval": 2}
+
+
+def capitals(modules: Path, monkeypatch: Any) -> dict[str, Any]:
+    return {"name": "jsonl", "train_path": str(DEMO / "capitals_train.jsonl")}
+
+
 def assert_trained_on_two_turn_episodes(run_dir: Path) -> None:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "event" not in line]
@@ -47,19 +61,22 @@ def assert_trained_on_two_turn_episodes(run_dir: Path) -> None:
                            for row in samples)
 
 
-ECOSYSTEMS = {  # extra -> (module name, its source, task.env, task.env_config)
-    "verifiers": ("vf_once_more", VERIFIERS_ENV, "grpo_fleet.envs.adapters.verifiers_env:DeterministicVerifiersEnv",
+ECOSYSTEMS = {  # extra -> (module name, its source, the prompts, task.env, task.env_config)
+    "verifiers": ("vf_once_more", VERIFIERS_ENV, verifiers_dataset,
+                  "grpo_fleet.envs.adapters.verifiers_env:DeterministicVerifiersEnv",
                   {"env_id": "vf-once-more", "env_args": {"max_turns": 2}}),
-    "openenv": ("oe_length_echo", OPENENV_ENV, "grpo_fleet.envs.adapters.openenv_env:DeterministicOpenEnvEnv",
+    "openenv": ("oe_length_echo", OPENENV_ENV, capitals, "grpo_fleet.envs.adapters.openenv_env:DeterministicOpenEnvEnv",
                 {"environment": "oe_length_echo:LengthEcho", "env_args": {"turns": 2}}),
 }
 
 
 @pytest.mark.parametrize("extra", sorted(ECOSYSTEMS))
 def test_an_environment_from_another_ecosystem_trains_three_steps(extra, run_config, spawn, tiny_chat_model_dir,
-                                                                    tmp_path):
+                                                                    tmp_path, monkeypatch):
     pytest.importorskip(extra, reason=f"the {extra} extra is not installed: pip install 'grpo-fleet[{extra}]'")
-    module, source, env, env_config = ECOSYSTEMS[extra]
-    write_module(tmp_path / "modules", module, source)
-    run_dir = train_three_steps(run_config, spawn, tiny_chat_model_dir, tmp_path / "modules", env, env_config)
+    module, source, prompts, env, env_config = ECOSYSTEMS[extra]
+    modules = tmp_path / "modules"
+    write_module(modules, module, source)
+    run_dir = train_three_steps(run_config, spawn, tiny_chat_model_dir, modules, prompts(modules, monkeypatch), env,
+                                env_config)
     assert_trained_on_two_turn_episodes(run_dir)

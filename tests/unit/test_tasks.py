@@ -198,7 +198,13 @@ def test_load_jsonl_prompt_and_gsm8k_keys(tmp_path: Path) -> None:
         ('{"prompt": "  ", "answer": "1"}', "'prompt' is empty"),
         ('{"prompt": "p", "answer": null}', "'answer' must be a string or a number"),
         ('{"prompt": "p", "answer": true}', "'answer' must be a string or a number"),
-        ('{"question": ["q"], "answer": "1"}', "'question' must be a string"),
+        ('{"question": ["q"], "answer": "1"}', "'question'[0] must be"),
+        ('{"prompt": {"role": "user"}, "answer": "1"}', "'prompt' must be a string or a list of messages"),
+        ('{"prompt": [], "answer": "1"}', "must end with the user's message"),
+        ('{"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "1"}',
+         "must end with the user's message"),
+        ('{"prompt": [{"role": "tool", "content": "q"}], "answer": "1"}', "'prompt'[0] must be"),
+        ('{"prompt": [{"role": "user", "content": "q", "name": "x"}], "answer": "1"}', "'prompt'[0] must be"),
     ],
 )
 def test_load_jsonl_errors_name_file_and_line(tmp_path: Path, bad_line: str, problem: str) -> None:
@@ -209,6 +215,14 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path: Path, bad_line: str, pro
     message = str(info.value)
     assert "bad.jsonl:3:" in message
     assert problem in message
+
+
+def test_a_jsonl_prompt_may_be_a_conversation_ending_with_the_users_message(tmp_path: Path) -> None:
+    shot = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "2 + 2?"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "3 + 3?"}]
+    path = write_lines(tmp_path / "chat.jsonl", [json.dumps({"prompt": shot, "answer": "6"})])
+    (example,) = load_jsonl(path)
+    assert example.prompt == tuple(shot) and example.answer == "6"
 
 
 def test_load_jsonl_accepts_byte_order_mark(tmp_path: Path) -> None:

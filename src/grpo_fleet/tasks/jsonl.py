@@ -1,8 +1,10 @@
 """Load {prompt, answer} examples from JSON Lines files.
 
 Accepts this project's own keys ({"prompt", "answer"}) and GSM8K's
-({"question", "answer"} with the answer ending in "#### N"). Errors name the
-file and line so a bad row in a large dataset is easy to find.
+({"question", "answer"} with the answer ending in "#### N"). A prompt is text,
+or a chat conversation: a list of {"role", "content"} messages ending with the
+user's (worked examples before the question, as in the tool-use recipe). Errors
+name the file and line so a bad row in a large dataset is easy to find.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from pathlib import Path
 from typing import Any, Union
 
 from grpo_fleet.tasks.examples import Example
+from grpo_fleet.tasks.prompts import Prompt
 
 PROMPT_KEYS = ("prompt", "question")
+ROLES = ("system", "user", "assistant")
 
 
 def load_jsonl(path: Union[str, Path]) -> list[Example]:
@@ -46,16 +50,30 @@ def _parse_line(line: str) -> Example:
     return Example(prompt=_prompt_of(record), answer=_answer_of(record))
 
 
-def _prompt_of(record: dict[str, Any]) -> str:
+def _prompt_of(record: dict[str, Any]) -> Prompt:
     key = next((key for key in PROMPT_KEYS if key in record), None)
     if key is None:
         raise ValueError("missing key 'prompt' (or GSM8K's 'question')")
     prompt = record[key]
+    if isinstance(prompt, list):
+        return _conversation(key, prompt)
     if not isinstance(prompt, str):
-        raise ValueError(f"'{key}' must be a string, got {type(prompt).__name__}")
+        raise ValueError(f"'{key}' must be a string or a list of messages, got {type(prompt).__name__}")
     if not prompt.strip():
         raise ValueError(f"'{key}' is empty")
     return prompt
+
+
+def _conversation(key: str, messages: list[Any]) -> tuple[dict[str, str], ...]:
+    """A chat-format prompt: {"role", "content"} messages of system, user or assistant, the last one the user's."""
+    for index, message in enumerate(messages):
+        if (not isinstance(message, dict) or set(message) != {"role", "content"} or message["role"] not in ROLES
+                or not isinstance(message["content"], str)):
+            raise ValueError(f"'{key}'[{index}] must be {{\"role\": one of {', '.join(ROLES)}, \"content\": "
+                             "text}")
+    if not messages or messages[-1]["role"] != "user":
+        raise ValueError(f"'{key}' must end with the user's message (the one the model answers)")
+    return tuple(dict(message) for message in messages)
 
 
 def _answer_of(record: dict[str, Any]) -> str:

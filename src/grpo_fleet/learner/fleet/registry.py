@@ -280,8 +280,9 @@ class Registry:
             self.trust.begin_probation(key)
         if self.bans.record(key, self.bans.max_violations if ban_now else 1):
             self.metrics.bans.inc()
-            log.warning("peer %s banned for %.0fs after %d violations (last: %s)", key,
-                        self.bans.ban_seconds, self.bans.max_violations, reason)
+            times = self.bans.times_banned(key)  # bans double: say how long this one lasts
+            log.warning("peer %s banned for %.0fs (ban %d) after violations (last: %s)", key,
+                        self.bans.length(times), times, reason)
         self.metrics.banned_peers.set(self.bans.banned_count())
 
     def is_banned(self, key: str) -> bool:

@@ -360,6 +360,6 @@ def test_a_late_lease_lets_no_one_submit_what_it_never_held(rooms, clock):
 def test_rewards_are_verified_for_the_groups_of_an_open_lease(rooms):
     check = rooms.intake.reward_check = AgreeingRewardCheck()
     msg = _rollouts(rooms)
-    indices = {t.group_id: t.prompt_index for t in rooms.state.scheduler.leases[msg.lease_id].tickets.values()}
+    indices = {t.group_id: t.prompt_index for t in rooms.state.scheduler.ledger.leases[msg.lease_id].tickets.values()}
     assert rooms.intake.take(rooms.registry.actors[b"id"], msg).status == "accepted"
     assert sorted(check.asked) == sorted(indices.items())

@@ -542,7 +542,7 @@ def test_invalid_rollouts_are_rejected_without_changing_state(learner, build, re
     lease_msg = lease(learner, ACTOR_A, max_groups=1)
     other = lease(learner, ACTOR_A, max_groups=1)
     outstanding = learner.state.scheduler.outstanding_groups
-    leases_before = set(learner.state.scheduler.leases)
+    leases_before = set(learner.state.scheduler.ledger.leases)
 
     ack = ask(learner, sender, build(learner, lease_msg, other))
 
@@ -553,7 +553,7 @@ def test_invalid_rollouts_are_rejected_without_changing_state(learner, build, re
     assert ledger(learner) == []
     assert learner.state.buffer == []
     assert learner.state.scheduler.outstanding_groups == outstanding
-    assert set(learner.state.scheduler.leases) == leases_before
+    assert set(learner.state.scheduler.ledger.leases) == leases_before
     assert learner.state.scheduler.finished == set()
     assert learner.state.step == 0 and learner.state.version == 0
     assert learner.registry.bans.violations(learner.registry.actors[sender].principal) == 1, "hostile input counts toward a ban"
@@ -824,7 +824,7 @@ def test_hello_requeues_the_leases_an_actor_no_longer_holds(learner):
     reply = ask(learner, ACTOR_A, m.Hello(actor_id="actor-a", host="h", backend="cpu", versions={},
                                             holding=[kept.lease_id]))
     assert isinstance(reply, m.Welcome)
-    assert set(learner.state.scheduler.leases) == {kept.lease_id}
+    assert set(learner.state.scheduler.ledger.leases) == {kept.lease_id}
     assert [t.group_id for t in learner.state.scheduler.queued_groups] == [p.group_id for p in lost.prompts]
 
 

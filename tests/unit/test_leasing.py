@@ -105,7 +105,7 @@ def _actor(key: str = "key") -> ActorInfo:
 def _held_after_asking(leasing: Leasing, actor: ActorInfo, times: int = 20) -> int:
     for _ in range(times):
         leasing.grant(actor, m.LeaseRequest(max_groups=4))
-    return leasing.state.scheduler.groups_held(actor.principal)
+    return leasing.state.scheduler.ledger.groups_held(actor.principal)
 
 
 def _capped(leasing: Leasing, reason: str = "actor_cap") -> float:
@@ -205,9 +205,9 @@ def test_a_lease_past_its_deadline_is_extended_while_its_actor_works_up_to_the_c
     scheduler = leasing.state.scheduler
     clock.advance(10.0)
     assert leasing.expire(lambda key: key == "working") == 1, "only the silent actor's lease goes back"
-    assert scheduler.leases[kept.lease_id].deadline == clock() + 10.0 and lost.lease_id not in scheduler.leases
+    assert scheduler.ledger.leases[kept.lease_id].deadline == clock() + 10.0 and lost.lease_id not in scheduler.ledger.leases
     clock.advance(10.0)
-    assert leasing.expire(lambda key: True) == 0 and scheduler.leases[kept.lease_id].deadline == clock() + 5.0
+    assert leasing.expire(lambda key: True) == 0 and scheduler.ledger.leases[kept.lease_id].deadline == clock() + 5.0
     clock.advance(5.0)  # 25 s after it was issued: a hoarder holds it no longer
     assert leasing.expire(lambda key: True) == 1 and scheduler.outstanding_groups == 0
 

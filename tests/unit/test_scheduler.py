@@ -36,7 +36,7 @@ def test_issue_gives_the_requested_number_of_groups_with_a_deadline(make_schedul
     assert len(lease.tickets) == 3
     assert lease.actor == "actor-a"
     assert lease.deadline == pytest.approx(clock.now + LEASE_SECONDS)
-    assert scheduler.leases[lease.lease_id] is lease
+    assert scheduler.ledger.leases[lease.lease_id] is lease
     assert all(0 <= t.prompt_index < 10 for t in lease.tickets.values())
 
 
@@ -44,7 +44,7 @@ def test_issue_of_zero_groups_returns_none_and_changes_nothing(make_scheduler):
     scheduler = make_scheduler()
     assert scheduler.issue("actor-a", 0) is None
     assert scheduler.outstanding_groups == 0
-    assert scheduler.leases == {}
+    assert scheduler.ledger.leases == {}
 
 
 def test_group_ids_are_unique_across_many_leases(make_scheduler):
@@ -88,7 +88,7 @@ def test_requeue_puts_one_group_back_and_keeps_the_rest_of_the_lease(make_schedu
     assert ticket.group_id == gid
     assert scheduler.queued_groups == [ticket]
     assert scheduler.outstanding_groups == 2
-    assert gid not in scheduler.leases[lease.lease_id].tickets
+    assert gid not in scheduler.ledger.leases[lease.lease_id].tickets
     assert scheduler.classify("actor-a", lease.lease_id, gid) is RejectReason.NOT_LEASED
 
 
@@ -97,7 +97,7 @@ def test_expire_does_nothing_before_the_deadline(make_scheduler, clock):
     lease = scheduler.issue("actor-a", 2)
     clock.advance(LEASE_SECONDS - 0.001)
     assert scheduler.expire() == []
-    assert lease.lease_id in scheduler.leases
+    assert lease.lease_id in scheduler.ledger.leases
     assert scheduler.outstanding_groups == 2
     assert scheduler.queued_groups == []
 
@@ -109,7 +109,7 @@ def test_expire_requeues_at_the_deadline(make_scheduler, clock):
     clock.advance(LEASE_SECONDS)
     expired = scheduler.expire()
     assert [e.lease_id for e in expired] == [lease.lease_id]
-    assert lease.lease_id not in scheduler.leases
+    assert lease.lease_id not in scheduler.ledger.leases
     assert scheduler.outstanding_groups == 0
     assert [t.group_id for t in scheduler.queued_groups] == gids
     # The next lease re-issues them under the same ids.
@@ -124,7 +124,7 @@ def test_expire_only_touches_leases_past_their_own_deadline(make_scheduler, cloc
     clock.advance(LEASE_SECONDS / 2)
     expired = scheduler.expire()
     assert [e.lease_id for e in expired] == [old.lease_id]
-    assert young.lease_id in scheduler.leases
+    assert young.lease_id in scheduler.ledger.leases
     assert scheduler.outstanding_groups == 1
 
 
@@ -147,7 +147,7 @@ def test_classify_duplicate_after_finish(make_scheduler):
 
 def test_classify_stale_lease_for_unknown_or_forgotten_lease(make_scheduler, clock):
     scheduler = make_scheduler()
-    scheduler.late.capacity = 1
+    scheduler.ledger.late.capacity = 1
     lease = scheduler.issue("actor-a", 1)
     gid = ids_of(lease)[0]
     assert scheduler.classify("actor-a", "no-such-lease", gid) is RejectReason.STALE_LEASE
@@ -157,7 +157,7 @@ def test_classify_stale_lease_for_unknown_or_forgotten_lease(make_scheduler, clo
     scheduler.issue("actor-b", 1)
     clock.advance(LEASE_SECONDS + 1)
     scheduler.expire()  # a newer expired lease pushes the first out of a memory of one
-    assert len(scheduler.late) == 1
+    assert len(scheduler.ledger.late) == 1
     assert scheduler.classify("actor-a", lease.lease_id, gid) is RejectReason.STALE_LEASE
 
 
@@ -168,8 +168,8 @@ def _expired(scheduler: PromptScheduler, clock, actor: str = "actor-a", groups: 
     lease = scheduler.issue(actor, groups)
     ids = ids_of(lease)
     clock.advance(LEASE_SECONDS + 1)
-    assert scheduler.expire() and scheduler.is_late(lease.lease_id)
-    return scheduler.late.get(lease.lease_id), ids
+    assert scheduler.expire() and scheduler.ledger.is_late(lease.lease_id)
+    return scheduler.ledger.late.get(lease.lease_id), ids
 
 
 def test_a_late_result_for_a_queued_group_takes_it_out_of_the_queue_once(make_scheduler, clock):
@@ -204,7 +204,7 @@ def test_the_first_result_for_a_re_leased_group_wins_the_other_is_a_duplicate(ma
     assert scheduler.classify("actor-b", again.lease_id, first) is RejectReason.DUPLICATE
     scheduler.finish(again.lease_id, second)  # here the new holder is first
     assert scheduler.classify("actor-a", late.lease_id, second) is RejectReason.DUPLICATE
-    assert again.lease_id not in scheduler.leases and len(scheduler.late) == 1
+    assert again.lease_id not in scheduler.ledger.leases and len(scheduler.ledger.late) == 1
     assert scheduler.outstanding_groups == 0 and scheduler.queued_groups == []
 
 
@@ -216,7 +216,7 @@ def test_a_late_group_refused_stays_where_it_is_and_its_ticket_is_spent(make_sch
     assert scheduler.classify("actor-a", late.lease_id, first) is RejectReason.NOT_LEASED
     assert ids_of(scheduler.issue("actor-a", 1)) == [second], "not back to the actor whose fault it was"
     scheduler.requeue(late.lease_id, second)  # out again under actor-a's new lease: it stays there
-    assert scheduler.outstanding_groups == 1 and len(scheduler.late) == 0
+    assert scheduler.outstanding_groups == 1 and len(scheduler.ledger.late) == 0
 
 
 def test_a_dropped_actors_lease_is_remembered_too(make_scheduler):
@@ -283,7 +283,7 @@ def test_finishing_every_group_of_a_lease_closes_it(make_scheduler):
     lease = scheduler.issue("actor-a", 2)
     for gid in ids_of(lease):
         scheduler.finish(lease.lease_id, gid)
-    assert lease.lease_id not in scheduler.leases
+    assert lease.lease_id not in scheduler.ledger.leases
     assert scheduler.outstanding_groups == 0
     assert scheduler.queued_groups == []
 
@@ -304,7 +304,7 @@ def test_release_actor_requeues_only_that_actors_leases(make_scheduler):
     actor_a_groups = set(ids_of(a1)) | set(ids_of(a2))  # captured: release empties the records
 
     assert scheduler.release_actor("actor-a") == 2
-    assert set(scheduler.leases) == {b1.lease_id}
+    assert set(scheduler.ledger.leases) == {b1.lease_id}
     assert {t.group_id for t in scheduler.queued_groups} == actor_a_groups
     assert scheduler.outstanding_groups == 1
     assert scheduler.classify("actor-b", b1.lease_id, ids_of(b1)[0]) is None
@@ -321,7 +321,7 @@ def test_each_epoch_covers_every_prompt_exactly_once(make_scheduler):
     for epoch in range(3):
         chunk = indices[epoch * num_prompts : (epoch + 1) * num_prompts]
         assert sorted(chunk) == list(range(num_prompts)), f"epoch {epoch}: {chunk}"
-    assert scheduler.epoch == 3
+    assert scheduler.queue.epoch == 3
 
 
 def test_epochs_are_shuffled_by_seed(make_scheduler):
@@ -350,7 +350,7 @@ def test_a_resumed_scheduler_continues_the_same_shuffled_order_mid_epoch(make_sc
     second_life = make_scheduler(num_prompts=7, seed=99)  # the seed a new life is built with does not matter
     second_life.load_state_dict(saved)
     assert before + prompts(second_life, 20) == expected
-    assert second_life.epoch == uninterrupted.epoch == 5
+    assert second_life.queue.epoch == uninterrupted.queue.epoch == 5
     assert expected[7:14] != expected[:7]  # every epoch is reshuffled
 
 
@@ -364,7 +364,7 @@ def test_requeued_groups_do_not_consume_the_fresh_epoch(make_scheduler):
     counts = Counter(t.prompt_index for t in nxt.tickets.values())
     assert sorted(counts) == list(range(num_prompts))
     assert set(counts.values()) == {1}
-    assert scheduler.epoch == 1
+    assert scheduler.queue.epoch == 1
 
 
 def test_outstanding_groups_counts_through_the_lifecycle(make_scheduler, clock):
@@ -387,7 +387,7 @@ def test_outstanding_groups_counts_through_the_lifecycle(make_scheduler, clock):
     scheduler.issue("actor-c", 4)
     assert scheduler.outstanding_groups == 4
     assert scheduler.queued_groups == []
-    assert b.lease_id not in scheduler.leases
+    assert b.lease_id not in scheduler.ledger.leases
 
 
 def _finish_all(scheduler: PromptScheduler, groups: int) -> list[str]:
@@ -487,7 +487,7 @@ def test_a_scored_group_ends_the_run_of_unscored_returns(make_scheduler):
     lease = scheduler.issue("only", 1)
     index = lease.tickets[group_id].prompt_index
     scheduler.finish(lease.lease_id, group_id)
-    retry = scheduler.retry_prompt(index)
+    retry = scheduler.queue.retry_prompt(index)
     for _ in range(UNSCORED_RETURNS - 1):  # two more returns of the prompt: three in all, not three in a row
         lease = scheduler.issue("only", 1)
         assert ids_of(lease) == [retry.group_id]

@@ -83,7 +83,7 @@ def test_rewards_are_re_scored_from_the_tokens_and_the_learners_answer(make: Cal
     task, tokenizer = learner.task, learner.policy.tokenizer
     eos = set(tokenizer.eos_token_ids)
     honest_groups = []
-    for item, group in zip(learner.state.scheduler.leases[msg.lease_id].tickets.values(), msg.groups):
+    for item, group in zip(learner.state.scheduler.ledger.leases[msg.lease_id].tickets.values(), msg.groups):
         example = task.train[item.prompt_index]
         rewards = [task.score(decode_completion(tokenizer, c.tokens.to_numpy().tolist(), c.finish_reason, eos), example)
                    for c in group.completions]
@@ -236,7 +236,7 @@ def test_rewards_scored_ahead_are_not_scored_again_under_the_lock(make: Callable
     learner = make()
     hello(learner)
     msg = generated_rollouts(learner, lease(learner))
-    indexes = [t.prompt_index for t in learner.state.scheduler.leases[msg.lease_id].tickets.values()]
+    indexes = [t.prompt_index for t in learner.state.scheduler.ledger.leases[msg.lease_id].tickets.values()]
     calls: list[int] = []
     scorer = InlineScorer(learner.task.reward_set())
 

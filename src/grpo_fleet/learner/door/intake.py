@@ -82,7 +82,7 @@ class Intake:
         if invalid is not None:
             return self._invalid(actor, msg.lease_id, invalid)
         # An open lease, or one that expired lately (its unfinished groups still count: lease_book.py).
-        known_lease = msg.lease_id in scheduler.leases or scheduler.is_late(msg.lease_id)
+        known_lease = msg.lease_id in scheduler.ledger.leases or scheduler.ledger.is_late(msg.lease_id)
         refused = {g.group_id: scheduler.classify(actor.principal, msg.lease_id, g.group_id) for g in msg.groups}
         unscored = {u.group_id: scheduler.classify(actor.principal, msg.lease_id, u.group_id) for u in msg.unscored}
         violations = sorted({r for r in (*refused.values(), *unscored.values()) if r is not None and r.is_violation})
@@ -103,7 +103,7 @@ class Intake:
         # Only answers about leases that were open are worth replaying.
         if known_lease:
             self.state.acks.put(msg.lease_id, ack)
-        self.metrics.leases_outstanding.set(len(scheduler.leases))
+        self.metrics.leases_outstanding.set(len(scheduler.ledger.leases))
         return ack
 
     def reward_jobs(self, actor: ActorInfo, msg: m.Rollouts) -> list[tuple[m.GroupResult, int]]:
@@ -162,7 +162,7 @@ class Intake:
                 requeued: dict[str, str]) -> m.Ack:
         answer: dict[str, str] = {}
         refused = {**refused, **self._reward_verdicts(msg, refused)}
-        late = self.state.scheduler.is_late(msg.lease_id)
+        late = self.state.scheduler.ledger.is_late(msg.lease_id)
         records = []
         for group in msg.groups:
             refusal = refused[group.group_id]

@@ -199,7 +199,7 @@ class Leasing:
         cap = sum(actor_cap(s.groups_per_second.value, server.lease_seconds, server.max_groups_per_lease)
                   for s in sessions)
         share = key_share(self.limit, self.keys(), server.max_groups_per_lease)
-        held = self.state.scheduler.groups_held(actor.principal)
+        held = self.state.scheduler.ledger.groups_held(actor.principal)
         return (cap - held, "actor_cap") if cap <= share else (share - held, "fair_share")
 
     def grant(self, actor: ActorInfo, request: m.LeaseRequest) -> m.Lease:
@@ -216,7 +216,7 @@ class Leasing:
                            retry_after=retry_after(self.step_interval.value, state.done))
         self.metrics.leases_issued.inc()
         self.metrics.lease_groups.observe(len(lease.tickets))
-        self.metrics.leases_outstanding.set(len(state.scheduler.leases))
+        self.metrics.leases_outstanding.set(len(state.scheduler.ledger.leases))
         prompts = [self._prompt_item(t.group_id, t.prompt_index) for t in lease.tickets.values()]
         return m.Lease(lease_id=lease.lease_id, deadline_seconds=self.server.lease_seconds,
                        policy_version=state.version, prompts=prompts)
@@ -230,7 +230,7 @@ class Leasing:
         taken, as a lease whose every group is finished is forgotten."""
         scheduler = self.state.scheduler
         # A late lease is measured too: it is the one that says the actor is slower than its leases assumed.
-        lease = scheduler.leases.get(lease_id) or scheduler.late.get(lease_id)
+        lease = scheduler.ledger.leases.get(lease_id) or scheduler.ledger.late.get(lease_id)
         return None if lease is None else lease.issued_at
 
     def measure(self, actor: ActorInfo, issued_at: Optional[float], accepted: int, returned: int) -> None:
@@ -262,13 +262,13 @@ class Leasing:
         """Extend the leases past their deadline of actors `still_working` (`extend_leases`), re-queue the rest;
         returns how many expired."""
         scheduler = self.state.scheduler
-        extended = extend_leases(scheduler.leases.values(), scheduler.clock(), self.server.lease_seconds,
+        extended = extend_leases(scheduler.ledger.leases.values(), scheduler.clock(), self.server.lease_seconds,
                                  max_lease_seconds(self.server), still_working)
         self.metrics.leases_extended.labels(kind="train").inc(extended)
         expired = scheduler.expire()
         if expired:
             self.metrics.leases_expired.inc(len(expired))
-            self.metrics.leases_outstanding.set(len(self.state.scheduler.leases))
+            self.metrics.leases_outstanding.set(len(self.state.scheduler.ledger.leases))
         return len(expired)
 
     def _prompt_item(self, group_id: str, index: int) -> m.PromptItem:

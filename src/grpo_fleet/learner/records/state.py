@@ -120,7 +120,7 @@ class BatchHandOff:
         gone = {id(group) for group in dropped}
         state.buffer = [group for group in state.buffer if id(group) not in gone]
         for group in dropped:
-            retry = state.scheduler.retry_prompt(group.prompt_index)
+            retry = state.scheduler.queue.retry_prompt(group.prompt_index)
             self.runlog.dropped(DropEntry(group_id=group.group_id, prompt_index=group.prompt_index,
                                           actor_id=group.actor_id, actor_key=group.actor_key, reason=str(reason),
                                           step=state.step, retried_as=retry.group_id))

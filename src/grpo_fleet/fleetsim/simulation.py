@@ -27,16 +27,15 @@ latency (ms against seconds of generation), reward time, and eval rounds.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from grpo_fleet.actor.rolling import may_refill
 from grpo_fleet.fleetsim.decoding import Decoding, SampledGroup
+from grpo_fleet.fleetsim.jobs import SharedJobs
 from grpo_fleet.fleetsim.specs import ActorSpec, RunSpec, SharedHost, SimResult
 from grpo_fleet.learner.fleet.leasing import (
     in_flight_limit,
@@ -46,20 +45,6 @@ from grpo_fleet.learner.fleet.leasing import (
 )
 from grpo_fleet.learner.fleet.registry import MovingAverage
 from grpo_fleet.learner.fleet.trust import Trust
-
-
-@dataclass
-class _Job:
-    """Work under way: a lease being generated (an actor's) or a step (the learner's, key -1)."""
-
-    finish: float  # at the current sharing rate
-    cores: float
-    token: int  # only the newest finish event of a job counts (its finish moves when the rate changes)
-    started: float = 0.0
-    groups: int = 0
-    version: int = 0
-    sampled: list[SampledGroup] = field(default_factory=list)  # a lease's groups' lengths
-
 
 LEARNER = -1
 
@@ -97,11 +82,7 @@ class FleetSimulation:
     def __init__(self, actors: list[ActorSpec], run: RunSpec, host: Optional[SharedHost] = None) -> None:
         self.actors, self.run, self.host = actors, run, host
         self.learner = _Learner()
-        self.now = 0.0
-        self.events: list[tuple[float, int, str, int, int, int]] = []
-        self.order = itertools.count()  # breaks time ties in insertion order
-        self.tokens = itertools.count()
-        self.jobs: dict[int, _Job] = {}
+        self.clock = SharedJobs(host)
         self.actor_versions = [0] * len(actors)
         self.actor_busy = [0.0] * len(actors)
         # Each actor's groups/s as the learner measures it from returned leases (leasing.Leasing.measure): it
@@ -121,67 +102,25 @@ class FleetSimulation:
 
     def run_to_end(self) -> SimResult:
         for index in range(len(self.actors)):
-            self._at(0.0, "ask", index)
-        while len(self.learner.step_ends) < self.run.steps and self.events:
-            self.now, _, kind, index, a, b = heapq.heappop(self.events)
+            self.clock.at(0.0, "ask", index)
+        while len(self.learner.step_ends) < self.run.steps and self.clock.events:
+            kind, index, a, b = self.clock.pop()
             if kind == "ask":
                 self._ask_idle(index)
             elif kind == "accept":
                 self._accept(index, a, b)
-            elif index in self.jobs and self.jobs[index].token == a:  # a job's newest finish
+            elif self.clock.is_newest_finish(index, a):
                 self._finish(index)
         return self._result()
 
-    def _at(self, when: float, kind: str, index: int = -1, a: int = 0, b: int = 0) -> None:
-        heapq.heappush(self.events, (when, next(self.order), kind, index, a, b))
-
-    # ------------------------------------------------------------------ jobs, shared or not
-
-    def _rate(self) -> float:
-        """How fast every job runs now: 1 on machines of their own; on a shared host, less when oversubscribed."""
-        if self.host is None:
-            return 1.0
-        wanted = sum(job.cores for job in self.jobs.values())
-        return min(1.0, self.host.cores / wanted) if wanted > 0 else 1.0
-
-    def _schedule(self, key: int, job: _Job) -> None:
-        job.token = next(self.tokens)
-        self._at(job.finish, "finish", key, job.token)
-
-    def _change_jobs(self, change: Callable[[], object], started: Optional[int] = None) -> None:
-        """Start or end a job; on a shared host every other job's finish moves with the new rate."""
-        before = self._rate()
-        change()
-        after = self._rate()
-        if after != before:
-            for key, job in self.jobs.items():
-                if key != started:
-                    job.finish = self.now + (job.finish - self.now) * before / after
-                    self._schedule(key, job)
-
-    def _begin(self, key: int, seconds: float, cores: float, groups: int = 0, version: int = 0,
-               sampled: Optional[list[SampledGroup]] = None) -> None:
-        """A job of `seconds` alone-time starts now."""
-        job = _Job(finish=self.now, cores=cores, token=0, started=self.now, groups=groups, version=version,
-                   sampled=sampled or [])
-        self._change_jobs(lambda: self.jobs.__setitem__(key, job), started=key)
-        job.finish = self.now + seconds / self._rate()
-        self._schedule(key, job)
-
-    def _extend(self, key: int, seconds: float) -> None:
-        job = self.jobs[key]
-        job.finish += seconds / self._rate()
-        self._schedule(key, job)
-
     def _finish(self, key: int) -> None:
-        job = self.jobs[key]
-        self._change_jobs(lambda: self.jobs.pop(key))
+        job = self.clock.end(key)
         if key == LEARNER:
             self.learner.step_starts.append(job.started)
             self._finish_step()
         else:
-            self.actor_busy[key] += self.now - job.started
-            self.rates[key].add(job.groups / max(self.now - job.started, 1e-3))
+            self.actor_busy[key] += self.clock.now - job.started
+            self.rates[key].add(job.groups / max(self.clock.now - job.started, 1e-3))
             self._submit(key, job.groups, job.version, job.sampled)
 
     # ------------------------------------------------------------------ actors
@@ -208,7 +147,7 @@ class FleetSimulation:
         """Room freed (a batch left the buffer, or groups were not kept): the refused actors ask again."""
         delay = retry_after(self.learner.interval.value, False)
         for index in self.waiting:
-            self._at(self.now + delay, "ask", index)
+            self.clock.at(self.clock.now + delay, "ask", index)
         self.waiting = []
 
     def _start(self, index: int, count: int) -> None:
@@ -218,7 +157,7 @@ class FleetSimulation:
         fetch, version = self._weights(index)
         cores = self.host.actor_cores if self.host is not None else 1.0
         decode, sampled = self.decoding.lease(index, count)
-        self._begin(index, fetch + actor.lease_seconds + decode, cores, count, version, sampled)
+        self.clock.begin(index, fetch + actor.lease_seconds + decode, cores, count, version, sampled)
         self.pending[index] = self._grant(index)
 
     def _weights(self, index: int) -> tuple[float, int]:
@@ -237,17 +176,17 @@ class FleetSimulation:
         """Rollouts reach the learner's verifier; the actor goes on with the lease it was already granted."""
         learner = self.learner
         cost = groups * self.run.answer_seconds_per_group
-        learner.checker_free_at = max(self.now, learner.checker_free_at) + cost
-        if LEARNER in self.jobs and cost > 0:
-            self._extend(LEARNER, cost)
-        self._at(learner.checker_free_at, "accept", index, groups, version)
+        learner.checker_free_at = max(self.clock.now, learner.checker_free_at) + cost
+        if LEARNER in self.clock.jobs and cost > 0:
+            self.clock.extend(LEARNER, cost)
+        self.clock.at(learner.checker_free_at, "accept", index, groups, version)
         self.arriving.append(sampled)  # accept events come due in the order they are scheduled
         pending, self.pending[index] = self.pending[index], None
         if pending:
             self._start(index, pending)
         else:  # the pipelined request was refused: the actor read that when this lease ended, and waits
             self.decoding.wait(index)
-            self._at(self.now + retry_after(learner.interval.value, False), "ask", index)
+            self.clock.at(self.clock.now + retry_after(learner.interval.value, False), "ask", index)
 
     # ------------------------------------------------------------------ the learner
 
@@ -259,7 +198,7 @@ class FleetSimulation:
         self.submitted += groups
         sampled = self.arriving.popleft()
         learner.arrival_staleness.extend([learner.version - version] * groups)
-        learner.arrived_tokens.append((self.now, sum(group.tokens for group in sampled)))
+        learner.arrived_tokens.append((self.clock.now, sum(group.tokens for group in sampled)))
         if learner.version - version > rules.max_staleness:
             self.rejected += groups  # re-queued on the learner: the prompts come back, the work is lost
         else:
@@ -275,26 +214,14 @@ class FleetSimulation:
 
     def _maybe_step(self) -> None:
         learner, size = self.learner, self.rules.groups_per_step
-        if LEARNER in self.jobs or len(learner.buffer) < size:
+        if LEARNER in self.clock.jobs or len(learner.buffer) < size:
             return
         batch, learner.buffer = learner.buffer[:size], learner.buffer[size:]
         learner.trained_staleness.extend(learner.version - group.version for group in batch)
         checks = self._check_seconds(batch)
         self._wake_waiting()
         cores = self.host.learner_cores if self.host is not None else 1.0
-        self._begin(LEARNER, checks + self.run.step_seconds + self._token_seconds(batch), cores)
-
-    def _token_seconds(self, batch: list[_Buffered]) -> float:
-        """The step's cost of its tokens at drawn lengths: prompt and completion rows, plus the share of the
-        padding to the batch's longest completion that the step pays (RunSpec.padding)."""
-        run = self.run
-        if run.seconds_per_token == 0.0:
-            return 0.0
-        groups = [group.sampled for group in batch]
-        real = sum(g.rows * run.prompt_tokens + g.tokens for g in groups)
-        longest = max((g.longest for g in groups), default=0)
-        padded = sum(g.rows * (run.prompt_tokens + longest) for g in groups)
-        return run.seconds_per_token * (real + run.padding * (padded - real))
+        self.clock.begin(LEARNER, checks + self.run.step_seconds + token_seconds(self.run, batch), cores)
 
     def _check_seconds(self, batch: list[_Buffered]) -> float:
         """The step's own check of `batch`: free at the version it trains from, a forward for a drawn older group,
@@ -318,15 +245,10 @@ class FleetSimulation:
     def _finish_step(self) -> None:
         learner = self.learner
         if learner.step_ends:
-            learner.interval.add(self.now - learner.step_ends[-1])
-        learner.step_ends.append(self.now)
+            learner.interval.add(self.clock.now - learner.step_ends[-1])
+        learner.step_ends.append(self.clock.now)
         learner.version += 1
         self._maybe_step()
-
-    def _learner_busy(self, start: float, end: float) -> float:
-        """Share of [start, end] the learner spent on steps and their checks (at its shared speed, if any)."""
-        busy = sum(max(0.0, min(e, end) - max(s, start)) for s, e in zip(self.learner.step_starts, self.learner.step_ends))
-        return busy / (end - start) if end > start else 1.0
 
     def _result(self) -> SimResult:
         ends, learner = self.learner.step_ends, self.learner
@@ -339,7 +261,7 @@ class FleetSimulation:
         trained = max(1, len(learner.checked) * self.rules.groups_per_step)
         return SimResult(
             steps_per_second=steps_per_second,
-            learner_busy_fraction=self._learner_busy(ends[first], ends[-1]),
+            learner_busy_fraction=busy_share(learner.step_starts, ends, ends[first], ends[-1]),
             actor_busy_fraction=sum(self.actor_busy) / (len(self.actors) * ends[-1]),
             stale_fraction=self.rejected / max(1, self.submitted),
             mean_staleness=sum(staleness) / max(1, len(staleness)),
@@ -352,6 +274,24 @@ class FleetSimulation:
             rollout_tokens_per_second=sum(t for when, t in learner.arrived_tokens if ends[first] < when <= ends[-1])
             / span if span > 0 else 0.0,
         )
+
+
+def token_seconds(run: RunSpec, batch: list[_Buffered]) -> float:
+    """A step's cost of its tokens at drawn lengths: prompt and completion rows, plus the share of the
+    padding to the batch's longest completion that the step pays (RunSpec.padding)."""
+    if run.seconds_per_token == 0.0:
+        return 0.0
+    groups = [group.sampled for group in batch]
+    real = sum(g.rows * run.prompt_tokens + g.tokens for g in groups)
+    longest = max((g.longest for g in groups), default=0)
+    padded = sum(g.rows * (run.prompt_tokens + longest) for g in groups)
+    return run.seconds_per_token * (real + run.padding * (padded - real))
+
+
+def busy_share(step_starts: list[float], step_ends: list[float], start: float, end: float) -> float:
+    """Share of [start, end] the learner spent on steps and their checks (at its shared speed, if any)."""
+    busy = sum(max(0.0, min(e, end) - max(s, start)) for s, e in zip(step_starts, step_ends))
+    return busy / (end - start) if end > start else 1.0
 
 
 def percentile(values: list[int], share: float) -> float:

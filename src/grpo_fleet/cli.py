@@ -214,7 +214,7 @@ def _stop_with_stdin(worker: ActorWorker, request_timeout: float) -> None:
 def user_file_errors() -> tuple[type[Exception], ...]:
     """A task's own files that cannot be used (its environment or reward module): the user's to fix, in one line."""
     from grpo_fleet.envs.process import EnvsRefused
-    from grpo_fleet.learner.door.env_replay import EnvNotVerifiable
+    from grpo_fleet.learner.verify.env_replay import EnvNotVerifiable
     from grpo_fleet.tasks.env_module import EnvLoadError
     from grpo_fleet.tasks.reward_module import RewardModuleError
 

@@ -178,8 +178,8 @@ def local_model_path(path: str) -> str:
 
 def prepare(options: DemoOptions) -> tuple[RunConfig, Path]:
     """The demo's config with its model resolved (the tiny one built), written where the learner reads it."""
-    from grpo_fleet.learner.door.env_replay import check_verifiable
     from grpo_fleet.learner.run.build import resolve_model_path
+    from grpo_fleet.learner.verify.env_replay import check_verifiable
     from grpo_fleet.tasks import build_task
 
     cfg = demo_config(options)

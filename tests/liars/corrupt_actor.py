@@ -10,7 +10,7 @@ tampered Mac would:
 - `version`: it never loads a snapshot (it samples from the base model it loaded from disk, version 0)
   but claims the newest version it has heard of.
 
-The learner must catch each within one lease (learner/door/actor_checks.py). The lies
+The learner must catch each within one lease (learner/verify/actor_checks.py). The lies
 live here, under tests/, so that the installed package has no switch that makes
 a production actor lie.
 """

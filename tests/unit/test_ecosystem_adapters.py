@@ -250,7 +250,7 @@ def test_an_episode_dropped_without_close_has_its_rollout_cancelled(verifiers_en
     ("openenv", "openenv_env:OpenEnvEnv", "openenv_env:DeterministicOpenEnvEnv")])
 def test_the_learner_replays_only_the_deterministic_adapters(extra, plain, deterministic):
     pytest.importorskip(extra, reason=f"the {extra} extra is not installed: pip install 'grpo-fleet[{extra}]'")
-    from grpo_fleet.learner.door.env_replay import EnvNotVerifiable, check_verifiable
+    from grpo_fleet.learner.verify.env_replay import EnvNotVerifiable, check_verifiable
     from grpo_fleet.tasks.env_module import EnvSetup
 
     def setup(spec: str) -> EnvSetup:

@@ -195,7 +195,9 @@ def test_the_package_imports_in_no_circle():
 
 # ---------------------------------------------------------------- folders: the learner's floors, and no folder loops
 
-LEARNER_FLOORS = ("run", "evals", "door", "fleet", "ranks", "records", "step")  # top to bottom
+# verify/ (what judges actors) sits under the door and the fleet, whose intake and registry call it, and over the
+# step, whose in-step math (fused_check, recheck, gap_bounds) it plans and reads.
+LEARNER_FLOORS = ("run", "evals", "door", "fleet", "verify", "ranks", "records", "step")  # top to bottom
 
 
 def room(name: str) -> str:

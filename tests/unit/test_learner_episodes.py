@@ -21,8 +21,6 @@ from grpo_fleet.demo import DemoOptions, demo_settings
 from grpo_fleet.envs.hosting import InlineEnvs
 from grpo_fleet.envs.runner import EpisodeLimits, EpisodeRunner
 from grpo_fleet.generation import SamplingSettings, TurnEnd
-from grpo_fleet.learner.door.actor_checks import LogprobCheck, WeightHistory
-from grpo_fleet.learner.door.env_replay import EnvNotVerifiable
 from grpo_fleet.learner.door.intake_rules import IntakeRules, accepted_group, inbound_limits
 from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.persistence import group_from_dict, group_to_dict
@@ -31,6 +29,8 @@ from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.learner.step.batch import LengthShaping, batch_totals, build_train_batch, split_batch
 from grpo_fleet.learner.step.fused_check import fused_check
+from grpo_fleet.learner.verify.actor_checks import LogprobCheck, WeightHistory
+from grpo_fleet.learner.verify.env_replay import EnvNotVerifiable
 from grpo_fleet.metrics import actor_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
@@ -215,7 +215,7 @@ def test_environment_tokens_weigh_nothing_in_the_loss_the_kl_or_the_check(make):
     honest = fused_check(reported, reported, mask, bounds)
     noisy = fused_check(np.where(environment, -99.0, reported), reported, mask, bounds)
     assert [(c.mean, c.worst) for c in honest] == [(c.mean, c.worst) for c in noisy] == [(0.0, 0.0)] * len(groups)
-    # The forward check (door/actor_checks.py LogprobCheck) on the learner's model: a lie at environment tokens
+    # The forward check (verify/actor_checks.py LogprobCheck) on the learner's model: a lie at environment tokens
     # (records bypass the door, which refuses nonzero logprobs there) leaves every gap as it was.
     history = WeightHistory(learner.policy.model, keep=1)
     history.record(0)

@@ -66,7 +66,7 @@ def _life(learner: RunCoordinator) -> list[str]:
 
 class OneInFive:
     """Trust's draw at check_share 0.2, made exact: every fifth group after probation is checked, so a sleeper's
-    first life trains (1 - p) / p = 4 lies, the mean of the OS's draw (learner/fleet/trust.py)."""
+    first life trains (1 - p) / p = 4 lies, the mean of the OS's draw (learner/verify/trust.py)."""
 
     def __init__(self) -> None:
         self.values = cycle([0.9, 0.9, 0.9, 0.9, 0.1])

@@ -1,4 +1,4 @@
-"""The logprob bound's calibration, measured once by whichever thread asks first (learner/door/gap_calibration.py).
+"""The logprob bound's calibration, measured once by whichever thread asks first (learner/verify/gap_calibration.py).
 
 The learner admits actors before it has measured, so start-up does not wait
 for a minute of bfloat16 sampling at long answers: these pin down who measures,
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import threading
 
-from grpo_fleet.learner.door.gap_calibration import PendingCalibration
 from grpo_fleet.learner.door.intake_rules import IntakeRules
 from grpo_fleet.learner.step.gap_bounds import GapBound, default_bound
+from grpo_fleet.learner.verify.gap_calibration import PendingCalibration
 
 MEASURED = (("bfloat16", GapBound(0.004, 0.2)),)
 

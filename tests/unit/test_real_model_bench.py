@@ -13,8 +13,8 @@ from grpo_fleet.bench.logprob_gap_real import GapDistribution
 from grpo_fleet.bench.offpolicy import OffPolicyStats, lagged_training
 from grpo_fleet.bench.offpolicy_real import RealRun, by_staleness, staleness_of
 from grpo_fleet.bench.real_task import addition_rows, first_integer, first_integer_is_answer, real_config, real_model_dir
-from grpo_fleet.learner.door.actor_checks import LogprobGap
 from grpo_fleet.learner.step.step_result import StepStats
+from grpo_fleet.learner.verify.actor_checks import LogprobGap
 from grpo_fleet.tasks import build_task
 
 

@@ -1,5 +1,5 @@
 """With several data-parallel ranks under LoRA, older flagged groups are recomputed inside the step by the ranks
-that train their rows, not by rank 0 before it (learner/run/batch_checks.py); a step's check seconds are its slowest
+that train their rows, not by rank 0 before it (learner/verify/batch_checks.py); a step's check seconds are its slowest
 rank's. Rank 0 is the in-process learner; its peers' share of the work is done in this process."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The learner's checks of what actors report (learner/door/actor_checks.py), on a real tiny
+"""The learner's checks of what actors report (learner/verify/actor_checks.py), on a real tiny
 learner; no sockets."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from test_learner_core import (
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.door.actor_checks import RewardCheck, reward_gap
 from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.learner.run.rooms import calibration_settings
 from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND, HALF_PRECISION_MEAN_FLOOR, default_bound
+from grpo_fleet.learner.verify.actor_checks import RewardCheck, reward_gap
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import load_policy
 from grpo_fleet.protocol import messages as m

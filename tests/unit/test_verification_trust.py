@@ -7,7 +7,6 @@ import random
 import numpy as np
 import pytest
 
-from grpo_fleet.learner.fleet.trust import Trust, expected_exposure, exposure_beyond
 from grpo_fleet.learner.step.fused_check import check_bounds_array, fused_check
 from grpo_fleet.learner.step.gap_bounds import (
     FLOAT32_PAIR_BOUND,
@@ -17,6 +16,7 @@ from grpo_fleet.learner.step.gap_bounds import (
     calibrated_bound,
     default_bound,
 )
+from grpo_fleet.learner.verify.trust import Trust, expected_exposure, exposure_beyond
 from grpo_fleet.protocol.messages import finish_reason_mismatch
 
 EOS = frozenset({2, 7})
@@ -105,7 +105,7 @@ def test_probation_checks_every_group_then_a_share_and_a_new_hello_starts_it_aga
 
 def test_the_trust_record_stays_bounded_whatever_keys_send(monkeypatch) -> None:
     """Issue 39 item 10: without CURVE every fresh routing id that sent garbage (a violation) grew Trust.passed."""
-    import grpo_fleet.learner.fleet.trust as trust_module
+    import grpo_fleet.learner.verify.trust as trust_module
 
     trust = Trust(probation_groups=2, share=0.25, draw=random.Random(1))
     for serial in range(10_000):

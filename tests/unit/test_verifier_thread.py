@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.door.verifier_thread: stopping takes nothing more, then the final checkpoint."""
+"""Tests for grpo_fleet.learner.verify.verifier_thread: stopping takes nothing more, then the final checkpoint."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 import time
 
 from grpo_fleet.learner.door.replies import Reply
-from grpo_fleet.learner.door.verifier_thread import RolloutsVerifier
+from grpo_fleet.learner.verify.verifier_thread import RolloutsVerifier
 from grpo_fleet.protocol import messages as m
 
 

@@ -155,7 +155,7 @@ def replay_rows(report: Report, label: str, tokenizer: Any, setup: Any, examples
     in this process, as it ran before issue 39: what killing a hung replay costs an honest group."""
     from grpo_fleet.actor.wire import to_completion
     from grpo_fleet.envs.process import EnvProcess
-    from grpo_fleet.learner.door.env_replay import EnvReplay
+    from grpo_fleet.learner.verify.env_replay import EnvReplay
 
     groups = [[to_completion(c, 0.0) for c in g] for g in episodes]  # the reward check compares rewards, not this
     child = EnvProcess(setup)

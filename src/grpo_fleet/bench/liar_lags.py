@@ -45,12 +45,12 @@ from mlx.utils import tree_map, tree_unflatten
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, batched_rollout, demo_run_config
 from grpo_fleet.config import SecurityConfig
-from grpo_fleet.learner.door.actor_checks import LogprobCheck, WeightHistory
-from grpo_fleet.learner.door.gap_calibration import calibrate
-from grpo_fleet.learner.fleet.trust import Trust, expected_exposure
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.learner.step.gap_bounds import GapBound, default_bound, logprob_gap_bound
+from grpo_fleet.learner.verify.actor_checks import LogprobCheck, WeightHistory
+from grpo_fleet.learner.verify.gap_calibration import calibrate
+from grpo_fleet.learner.verify.trust import Trust, expected_exposure
 from grpo_fleet.model import load_policy
 from grpo_fleet.protocol.messages import finish_reason_mismatch
 from grpo_fleet.tasks import build_task

@@ -23,9 +23,9 @@ import numpy as np
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.logprob_gap import group_gaps
 from grpo_fleet.bench.real_task import real_config, real_model_dir, real_task_config
-from grpo_fleet.learner.door.actor_checks import LogprobGap
 from grpo_fleet.learner.run.build import tokenize_prompts
 from grpo_fleet.learner.step.gap_bounds import logprob_gap_bound
+from grpo_fleet.learner.verify.actor_checks import LogprobGap
 from grpo_fleet.model import load_policy
 from grpo_fleet.tasks import build_task
 

@@ -37,7 +37,7 @@ class CapitalQuiz:
     """One question, up to `tries` answers; feedback with a hint after a wrong one."""
 
     # The same replies always get the same feedback and reward: the learner may replay its episodes to check them
-    # (security.verify_rewards; learner/door/env_replay.py).
+    # (security.verify_rewards; learner/verify/env_replay.py).
     deterministic = True
 
     def __init__(self, env_config: Optional[dict[str, Any]] = None, extras: Optional[dict[str, Any]] = None) -> None:

@@ -1,5 +1,5 @@
 """Environments in a child process of the actor, beside the rewards' (tasks/reward_runner.py), under timeouts; and
-of the learner, which replays deterministic environments' episodes in one (learner/door/env_replay.py).
+of the learner, which replays deterministic environments' episodes in one (learner/verify/env_replay.py).
 
 An environment is user code, like a reward: it may raise, hang, or crash its
 process. The child runs calls side by side (envs/pool.py: worker threads, an

@@ -13,7 +13,7 @@ is built once per episode and driven like this:
 
 A class attribute `deterministic = True` says the same actions always give the
 same observations and rewards: the learner then replays each submitted episode
-to check it (security.verify_rewards, learner/door/env_replay.py). A run that
+to check it (security.verify_rewards, learner/verify/env_replay.py). A run that
 verifies rewards refuses to start with an environment that does not say so.
 
 The episode's reward is the sum of its steps' rewards. Observations are chat

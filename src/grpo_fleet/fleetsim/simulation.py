@@ -7,7 +7,7 @@ a refused actor asks again after `retry_after`, and a group sampled more than
 `max_staleness` versions behind the policy it reaches is rejected (its prompt
 goes back to the queue).
 
-The logprob check is the learner's own too (`learner.fleet.trust.Trust`, with a
+The logprob check is the learner's own too (`learner.verify.trust.Trust`, with a
 seeded draw): a group sampled at the version the step trains from is checked
 inside the step's forward, for nothing; an older one is recomputed at its own
 version when drawn (every group of an actor on probation, then a random share),
@@ -44,7 +44,7 @@ from grpo_fleet.learner.fleet.leasing import (
     retry_after,
 )
 from grpo_fleet.learner.fleet.registry import MovingAverage
-from grpo_fleet.learner.fleet.trust import Trust
+from grpo_fleet.learner.verify.trust import Trust
 
 LEARNER = -1
 

@@ -27,7 +27,7 @@ class RejectReason(str, Enum):
     # An episode (mask, turns, end) in a run without an environment, or a single completion in a run with one.
     EPISODE_MISMATCH = "episode_mismatch"
     # Replaying a deterministic environment (task.env's `deterministic = True`) on the learner with the episode's
-    # actions gave other observation tokens or another reward than the actor reported (door/env_replay.py).
+    # actions gave other observation tokens or another reward than the actor reported (verify/env_replay.py).
     ENV_REPLAY_MISMATCH = "env_replay_mismatch"
     # Replaying it ran past a call's task.env_timeout_seconds or the group's security.replay_seconds once the
     # environment had the episode's actions: charged to the submitter (a violation), as a reward timeout is.
@@ -35,7 +35,7 @@ class RejectReason(str, Enum):
     # Groups the sender was never given: a violation.
     NOT_YOUR_LEASE = "not_your_lease"
     NOT_LEASED = "not_leased"
-    # What the learner recomputed disagrees with what the actor reported (door/actor_checks.py): a violation.
+    # What the learner recomputed disagrees with what the actor reported (verify/actor_checks.py): a violation.
     REWARD_MISMATCH = "reward_mismatch"
     LOGPROB_MISMATCH = "logprob_mismatch"
     # The learner's own reward check failed (a reward raised, or its process died, here): not the actor's fault,

@@ -9,11 +9,11 @@ from typing import Callable, Optional, Protocol
 from pydantic import BaseModel
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.door.actor_checks import RewardCheck
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.learner.verify.actor_checks import RewardCheck
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError

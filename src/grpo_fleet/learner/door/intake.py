@@ -22,11 +22,11 @@ from grpo_fleet.learner.door.intake_rules import (
     suspect_groups,
     unusable_version,
 )
-from grpo_fleet.learner.fleet.trust import Trust
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.lease_book import UNSCORED_RETURNS
 from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
+from grpo_fleet.learner.verify.trust import Trust
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -34,10 +34,10 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.scoring import RewardError
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.door.actor_checks import LogprobGap, RewardCheck, WeightHistory
     from grpo_fleet.learner.fleet.leasing import Leasing
     from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
     from grpo_fleet.learner.step.step_result import StepStats
+    from grpo_fleet.learner.verify.actor_checks import LogprobGap, RewardCheck, WeightHistory
 
 log = logging.getLogger("grpo_fleet.learner")
 # Refusals of the learner's reward check: the prompt goes back in the queue for someone else to do again.
@@ -185,7 +185,7 @@ class Intake:
         """Give each informative group (only those train) its actor's bounds, and flag those to be checked.
 
         Every group of an actor on probation is flagged; after it, a share drawn
-        from the OS's randomness (learner/fleet/trust.py), so an actor cannot
+        from the OS's randomness (learner/verify/trust.py), so an actor cannot
         tell which of its groups will be looked at. A group at the version the
         step trains from is checked anyway, inside the step, whatever its flag.
         """

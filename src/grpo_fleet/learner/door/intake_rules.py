@@ -16,8 +16,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.gap_bounds import (FLOAT32_PAIR_BOUND, CalibratedBounds, GapBound, actor_dtype,
-                                                default_bound)
+from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, CalibratedBounds, GapBound, actor_dtype, default_bound
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits
 from grpo_fleet.protocol.reasons import RejectReason
@@ -63,7 +62,7 @@ class IntakeRules:
     reward_names: frozenset[str] = frozenset()
     requested_dtype: Optional[str] = None  # model.dtype: what every actor is told to sample in
     learner_dtype: str = "float32"  # what the learner recomputes logprobs in
-    # Actor dtype -> the half-precision bound measured on this run's model at start (learner/door/gap_calibration.py):
+    # Actor dtype -> the half-precision bound measured on this run's model at start (learner/verify/gap_calibration.py):
     # the pairs, or what gives them once measured (PendingCalibration.bounds).
     calibrated: CalibratedBounds | Callable[[], CalibratedBounds] = ()
     # The tokens that end sampling: each single-turn completion's finish_reason is checked against them. None: not.

@@ -22,10 +22,10 @@ from grpo_fleet.learner.door.desk import Desk
 from grpo_fleet.learner.door.doorman import Doorman, check_bind_security
 from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
-from grpo_fleet.learner.door.verifier_thread import RolloutsVerifier
 from grpo_fleet.learner.door.weights_in_flight import WeightsInFlight
 from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.fleet.registry import is_silent
+from grpo_fleet.learner.verify.verifier_thread import RolloutsVerifier
 from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
@@ -76,10 +76,10 @@ class LearnerServer:
         self.closing = False
         self.told_to_stop: set[bytes] = set()
         self._last_housekeeping = 0.0
-        # Rollouts whose rewards are re-scored are answered off this thread (learner/door/verifier_thread.py).
+        # Rollouts whose rewards are re-scored are answered off this thread (learner/verify/verifier_thread.py).
         check = learner.reward_check
-        self.verifier = (RolloutsVerifier(cfg.verify_queue, interrupt=check.stop_replays) if check is not None
-                         else None)
+        self.verifier: Optional[RolloutsVerifier[Reply]] = (
+            RolloutsVerifier(cfg.verify_queue, interrupt=check.stop_replays) if check is not None else None)
         # Weight chunks queued zero-copy hold their version's blob until sent: bounded there.
         self.weights_in_flight = WeightsInFlight(learner.metrics)
 

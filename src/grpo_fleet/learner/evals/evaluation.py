@@ -47,9 +47,9 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.door.actor_checks import RewardCheck
     from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
     from grpo_fleet.learner.records.state import LearnerState
+    from grpo_fleet.learner.verify.actor_checks import RewardCheck
 
 log = logging.getLogger("grpo_fleet.learner")
 # An eval prompt unscored this many times is left out of its round (counted in the row).
@@ -163,7 +163,7 @@ class Evaluation:
     def __init__(self, cfg: RunConfig, examples: list[Example], prompt_tokens: list[np.ndarray], vocab_size: int,
                  state: LearnerState, registry: Registry, runlog: RunLog, metrics: LearnerMetrics,
                  clock: Callable[[], float] = time.monotonic, reward_check: Optional[RewardCheck] = None) -> None:
-        self.reward_check = reward_check  # eval rewards are re-scored like training ones (learner/door/actor_checks.py)
+        self.reward_check = reward_check  # eval rewards are re-scored like training ones (learner/verify/actor_checks.py)
         self.train, self.examples, self.prompt_tokens = cfg.train, examples, prompt_tokens
         self.lease_seconds, self.max_tokens = cfg.server.lease_seconds, cfg.generation.max_tokens
         self.max_lease_seconds = max_lease_seconds(cfg.server)

@@ -17,7 +17,7 @@ The ban policy, in one place:
   key lasts twice the one before (10, 20, 40, 80 minutes at the default), and a
   key that was banned before is on its last warning for the rest of the run:
   its next violation bans it again. Its count of bans lasts the whole run,
-  and the logprob check checks every group of such a key (run/batch_checks.py):
+  and the logprob check checks every group of such a key (verify/batch_checks.py):
   a liar that comes back gets no probation credit. So a liar that returns
   whenever its ban runs out trains its lies in its first life only.
 - Bans and ban counts are saved with each checkpoint (`export` / `load`, the ban's

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Optional
 
 from grpo_fleet.config import ServerConfig
 from grpo_fleet.learner.fleet.bans import Bans
-from grpo_fleet.learner.fleet.trust import Trust
 from grpo_fleet.learner.records.actor_ids import IDS_PER_SESSION, ActorIds
+from grpo_fleet.learner.verify.trust import Trust
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown

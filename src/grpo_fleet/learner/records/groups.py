@@ -52,7 +52,7 @@ class AcceptedGroup:
     actor_id: str
     actor_key: str = ""  # the peer key its violations and bans are counted under
     # Picked to be checked against the learner's own logprobs before it trains (every group of an actor on probation,
-    # a random share after: learner/fleet/trust.py), against these bounds: the honest mean and worst-token gaps of the
+    # a random share after: learner/verify/trust.py), against these bounds: the honest mean and worst-token gaps of the
     # actor's dtype on this model (learner/step/gap_bounds.py). Saved with the group: a checkpoint never unflags it.
     check_logprobs: bool = False
     logprob_bound: float = HALF_PRECISION_BOUND

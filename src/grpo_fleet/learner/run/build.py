@@ -13,12 +13,12 @@ import numpy as np
 from grpo_fleet.config import RunConfig, load_run_config
 from grpo_fleet.durable import write_atomic
 from grpo_fleet.envs.process import EnvProcess
-from grpo_fleet.learner.door.env_replay import EnvCalling
 from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.trackers import build_trackers, require_installed
 from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.learner.step.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
 from grpo_fleet.learner.step.trainer import load_trainer
+from grpo_fleet.learner.verify.env_replay import EnvCalling
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import Policy, latest_checkpoint, model_digest
 from grpo_fleet.realshape import build_realshape, is_realshape
@@ -99,7 +99,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     process of its own, which can interrupt a reward that hangs, unless the
     caller gives another (the unit tests run rewards in-process: they may start
     no process); `make_envs` likewise hosts the replay of a deterministic
-    environment (learner/door/env_replay.py).
+    environment (learner/verify/env_replay.py).
     """
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

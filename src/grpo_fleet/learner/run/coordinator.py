@@ -19,13 +19,13 @@ from pydantic import BaseModel
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.envs.process import EnvProcess
-from grpo_fleet.learner.door.env_replay import EnvCalling
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.records.runlog import StepRecord
 from grpo_fleet.learner.run.handlers import RequestHandlers
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.run.training_thread import TrainingThread
 from grpo_fleet.learner.step.trainer import Trainer
+from grpo_fleet.learner.verify.env_replay import EnvCalling
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
 from grpo_fleet.protocol import messages as m

@@ -17,9 +17,6 @@ import numpy as np
 from grpo_fleet.config import RunConfig
 from grpo_fleet.envs.process import EnvProcess
 from grpo_fleet.generation import SamplingSettings
-from grpo_fleet.learner.door.actor_checks import LogprobCheck, RewardCheck, WeightHistory
-from grpo_fleet.learner.door.env_replay import EnvCalling, EnvReplay, check_verifiable
-from grpo_fleet.learner.door.gap_calibration import PendingCalibration, calibrate
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules
 from grpo_fleet.learner.door.snapshots import SnapshotStore
@@ -27,7 +24,6 @@ from grpo_fleet.learner.door.welcome import run_card
 from grpo_fleet.learner.evals.evaluation import Evaluation
 from grpo_fleet.learner.fleet.leasing import Leasing
 from grpo_fleet.learner.fleet.registry import Registry
-from grpo_fleet.learner.fleet.trust import Trust
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.samples import SampleLog, tokenizer_decode
@@ -35,6 +31,10 @@ from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.learner.records.trackers import Trackers
 from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, CalibratedBounds, compute_dtype, default_bound
 from grpo_fleet.learner.step.trainer import Trainer
+from grpo_fleet.learner.verify.actor_checks import LogprobCheck, RewardCheck, WeightHistory
+from grpo_fleet.learner.verify.env_replay import EnvCalling, EnvReplay, check_verifiable
+from grpo_fleet.learner.verify.gap_calibration import PendingCalibration, calibrate
+from grpo_fleet.learner.verify.trust import Trust
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
 from grpo_fleet.tasks import Task
@@ -96,7 +96,7 @@ def env_replay(cfg: RunConfig, task: Task, policy: Policy,
                make_envs: Callable[[EnvSetup], EnvCalling]) -> Optional[EnvReplay]:
     """The replay of a deterministic environment's episodes (security.verify_rewards), in a process of the
     learner's own: the actions an actor reported can make the environment hang, which only a child can be killed
-    for (learner/door/env_replay.py). Unit tests, which may start no process, pass an in-process host."""
+    for (learner/verify/env_replay.py). Unit tests, which may start no process, pass an in-process host."""
     if task.env is None or not cfg.security.verify_rewards:
         return None
     return EnvReplay(task.env, policy.tokenizer, cfg.task.system_prompt, make_envs(task.env),

@@ -25,13 +25,13 @@ from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import RunLog, StepRecord
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.learner.run.episode_stats import episode_stats, turn_decoder
-from grpo_fleet.learner.run.batch_checks import BatchChecks
 from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
 from grpo_fleet.learner.step.fused_check import Recheck
 from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, LOGPROB_SCREEN, StepStats
 from grpo_fleet.learner.step.trainer import Trainer
+from grpo_fleet.learner.verify.batch_checks import BatchChecks
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.weights import Snapshot
@@ -79,7 +79,7 @@ class TrainingThread:
     def train_step(self) -> Optional[StepRecord]:
         """One optimizer batch from the oldest informative groups; publishes and checkpoints when due.
 
-        None when the logprob check (run/batch_checks.py) found a lie in the batch:
+        None when the logprob check (verify/batch_checks.py) found a lie in the batch:
         its actor is banned, everything of it dropped, the rest of the batch back
         in the buffer, and no step taken yet.
         """

@@ -1,6 +1,6 @@
 """How far an honest actor's logprobs may be from the learner's: a bound that follows both dtypes.
 
-The logprob check (learner/door/actor_checks.py) refuses a group whose mean per-token
+The logprob check (learner/verify/actor_checks.py) refuses a group whose mean per-token
 gap to the learner's recomputation is beyond a bound. One bound for every pair
 of dtypes was either loose for float32 actors (whose floor is ~1e-6 nats, so a
 proxy serving weights one or two versions stale, 0.02-0.07 nats off on the demo

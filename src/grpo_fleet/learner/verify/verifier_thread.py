@@ -1,7 +1,7 @@
 """Rollouts answered on their own thread, so that a slow reward never holds the request loop.
 
 The learner re-scores every submitted group with its own rewards
-(learner/door/actor_checks.py): one round trip to the reward process per
+(learner/verify/actor_checks.py): one round trip to the reward process per
 submission, as slow as the task's reward (a sympy check, a sandboxed test run,
 a judge). On the I/O thread, under the lock, every other actor's request waited
 that long. Here the loop hands each Rollouts to one verifier thread, which
@@ -33,10 +33,9 @@ import logging
 import queue
 import threading
 from collections import OrderedDict, deque
-from typing import Callable, Optional
+from typing import Callable, Generic, Optional, TypeVar
 
-from grpo_fleet.learner.door.replies import Reply
-
+Reply = TypeVar("Reply")  # the door's answer (learner/door/replies.py); this floor, below the door, names no type of it
 Job = tuple[bytes, Callable[[], Reply]]  # who to answer, and how to work the answer out
 
 log = logging.getLogger("grpo_fleet.learner")
@@ -45,14 +44,14 @@ log = logging.getLogger("grpo_fleet.learner")
 PER_KEY_QUEUED = 4
 
 
-class RolloutsVerifier:
+class RolloutsVerifier(Generic[Reply]):
     """Received Rollouts, answered on one thread, one actor key at a time in turn; replies wait in `answers()`."""
 
     def __init__(self, max_queued: int = 64, per_key: int = PER_KEY_QUEUED,
                  interrupt: Optional[Callable[[], None]] = None) -> None:
         self.max_queued, self.per_key = max_queued, per_key
         self.interrupt = interrupt  # ends the work in hand early when stopping (an environment replay: its child)
-        self._waiting: OrderedDict[str, deque[Job]] = OrderedDict()  # by actor key; the next to serve first
+        self._waiting: OrderedDict[str, deque[Job[Reply]]] = OrderedDict()  # by actor key; the next to serve first
         self._queued = 0
         self._ready = threading.Condition()
         self._closing = False  # set: start no other job
@@ -85,7 +84,7 @@ class RolloutsVerifier:
             except queue.Empty:
                 return ready
 
-    def _next(self) -> Optional[Job]:
+    def _next(self) -> Optional[Job[Reply]]:
         """The oldest submission of the key whose turn it is (that key then goes last); None once closing."""
         with self._ready:
             while not self._closing and not self._queued:

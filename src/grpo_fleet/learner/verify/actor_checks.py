@@ -14,9 +14,9 @@ reports besides tokens:
   versions still trainable (`WeightHistory`), before it trains. Groups at the
   version the step trains from are compared inside the step's own forward
   (learner/step/fused_check.py); older ones are recomputed here, every group of
-  an actor on probation and a random share after (learner/fleet/trust.py). A
+  an actor on probation and a random share after (learner/verify/trust.py). A
   mean or single-token gap beyond the honest bound of the actor's dtype pair on
-  this model (learner/step/gap_bounds.py, learner/door/gap_calibration.py) is
+  this model (learner/step/gap_bounds.py, learner/verify/gap_calibration.py) is
   `logprob_mismatch`: wrong weights, altered logprobs, and a lied-about or stale
   version all show up as a gap. Such an actor is banned at once and its
   buffered groups are dropped, so nothing from it is trained after that.
@@ -35,12 +35,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from grpo_fleet.learner.door.env_replay import EnvReplay
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.step.batch import build_train_batch, split_batch, unpack_completions
 from grpo_fleet.learner.step.forward import frozen_logprobs
 from grpo_fleet.learner.step.gap_bounds import GapBound, group_gap
 from grpo_fleet.learner.step.recheck import weights_of
+from grpo_fleet.learner.verify.env_replay import EnvReplay
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.reasons import RejectReason
@@ -66,7 +66,7 @@ def timed_out(score: GroupScore) -> bool:
 
 class RewardCheck:
     """Re-scores submitted groups with the learner's own rewards and answers (and, in a run with a deterministic
-    environment, the episodes' own rewards by replaying them: learner/door/env_replay.py)."""
+    environment, the episodes' own rewards by replaying them: learner/verify/env_replay.py)."""
 
     def __init__(self, task: Task, examples: list[Example], tokenizer: Any, scorer: Scorer,
                  replay: Optional[EnvReplay] = None) -> None:

@@ -24,9 +24,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.generation import SamplingSettings, generate_groups
-from grpo_fleet.learner.door.actor_checks import LogprobCheck, WeightHistory
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.gap_bounds import CalibratedBounds, GapBound, calibrated_bound
+from grpo_fleet.learner.verify.actor_checks import LogprobCheck, WeightHistory
 
 log = logging.getLogger("grpo_fleet.learner")
 

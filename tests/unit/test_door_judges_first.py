@@ -9,6 +9,7 @@ import zmq
 
 import grpo_fleet.protocol.sockets as sockets
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.door.answers import Answers
 from grpo_fleet.learner.door.doorman import Doorman
 from grpo_fleet.learner.door.server import LearnerServer
 from grpo_fleet.learner.fleet.bans import peer_key
@@ -46,8 +47,9 @@ def _server_with(router: _Router, registry: Registry) -> LearnerServer:
     cfg = RunConfig()
     desk = types.SimpleNamespace(cfg=cfg, metrics=registry.metrics, registry=registry)
     server = object.__new__(LearnerServer)
-    server.router, server.limits, server.verifier, server.closing = router, DEFAULT_LIMITS, None, False
+    server.router, server.limits, server.verifier = router, DEFAULT_LIMITS, None
     server.learner = desk
+    server.answers = Answers(desk)  # type: ignore[arg-type]
     server.door = Doorman(None, cfg, desk)  # type: ignore[arg-type]  # no keys_dir: it opens nothing
     return server
 

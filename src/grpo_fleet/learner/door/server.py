@@ -18,21 +18,18 @@ from typing import Optional
 import zmq
 from pydantic import BaseModel
 
+from grpo_fleet.learner.door.answers import Answers
 from grpo_fleet.learner.door.desk import Desk
 from grpo_fleet.learner.door.doorman import Doorman, check_bind_security
+from grpo_fleet.learner.door.housekeeping import Housekeeping
 from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.weights_in_flight import WeightsInFlight
 from grpo_fleet.learner.fleet.bans import peer_key
-from grpo_fleet.learner.fleet.registry import is_silent
 from grpo_fleet.learner.verify.verifier_thread import RolloutsVerifier
 from grpo_fleet.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
-from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.endpoints import advertised, is_wildcard_host, pub_endpoint_for
-from grpo_fleet.protocol.logsafe import shown
-from grpo_fleet.protocol.messages import BUSY
-from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.sockets import (
     bound_endpoint,
     decode_routed,
@@ -45,8 +42,6 @@ from grpo_fleet.protocol.sockets import (
 
 log = logging.getLogger("grpo_fleet.learner")
 
-# How long an actor may stay silent (in heartbeat periods) before its leases are re-queued.
-SILENT_HEARTBEATS = 10
 # After the last step, how long the learner waits for every actor to hear Shutdown.
 SHUTDOWN_GRACE_SECONDS = 10.0
 
@@ -72,16 +67,14 @@ class LearnerServer:
         learner.pub_address = advertised(bound_endpoint(self.pub), cfg.advertise_host)
         self.stopping = False
         self.training_error: Optional[BaseException] = None
-        self._announced_version = learner.state.version
-        self.closing = False
-        self.told_to_stop: set[bytes] = set()
-        self._last_housekeeping = 0.0
+        self.answers = Answers(learner)  # what to say to each message: no sockets there
         # Rollouts whose rewards are re-scored are answered off this thread (learner/verify/verifier_thread.py).
         check = learner.reward_check
         self.verifier: Optional[RolloutsVerifier[Reply]] = (
             RolloutsVerifier(cfg.verify_queue, interrupt=check.stop_replays) if check is not None else None)
         # Weight chunks queued zero-copy hold their version's blob until sent: bounded there.
         self.weights_in_flight = WeightsInFlight(learner.metrics)
+        self.chores = Housekeeping(learner, self.door, self.weights_in_flight, self._publish)
 
     def start_metrics(self) -> None:
         """Serve /metrics and the service-discovery list /sd on the metrics port."""
@@ -118,14 +111,14 @@ class LearnerServer:
         try:
             while not self.stopping and training.is_alive():
                 self._pump(timeout_ms=20)
-                self._housekeeping()
-                self._announce_new_version()
+                self.chores.run(self.metrics_target)
+                self.chores.announce_new_version()
             self.stopping = True
             training.join()
             self._stop_verifier()  # before the last checkpoint: nothing may be taken after it is written
             if self.training_error is not None:
                 raise self.training_error
-            self._announce_new_version()
+            self.chores.announce_new_version()
             if self.learner.state.done:
                 self._say_goodbye()
             else:
@@ -144,13 +137,6 @@ class LearnerServer:
         except BaseException as exc:  # surfaced by serve() on the main thread
             self.training_error = exc
 
-    def _announce_new_version(self) -> None:
-        snapshot = self.learner.snapshots.current
-        if snapshot.version != self._announced_version:
-            self._announced_version = snapshot.version
-            self._publish(m.PolicyUpdated(version=snapshot.version, digest=snapshot.digest,
-                                          incarnation=self.learner.state.incarnation))
-
     def _pump(self, timeout_ms: int) -> None:
         """Answer every message that is waiting (bounded, so lease expiry and notices still get their turn)."""
         self._send_verified()
@@ -166,14 +152,14 @@ class LearnerServer:
                 continue
             routed = decode_routed(received, self.limits)
             observer = self.door.is_observer(routed.principal)
-            if self.verifier is not None and isinstance(routed.message, m.Rollouts) and not self.closing and not observer:
-                answer = partial(self._answer_rollouts, routed.identity, routed.message, routed.principal,
+            if self.verifier is not None and isinstance(routed.message, m.Rollouts) and not self.answers.closing and not observer:
+                answer = partial(self.answers.rollouts, routed.identity, routed.message, routed.principal,
                                  routed.peer_address)
                 if self.verifier.submit(routed.identity, peer_key(routed.identity, routed.principal), answer):
                     continue
-                reply = self._busy()
+                reply = self.answers.busy()
             else:
-                reply = self._answer(routed.identity, routed.message, routed.principal, routed.peer_address,
+                reply = self.answers.answer(routed.identity, routed.message, routed.principal, routed.peer_address,
                                      observer=observer)
             self._reply(routed.identity, peer_key(routed.identity, routed.principal), reply)
         self._send_verified()
@@ -196,12 +182,6 @@ class LearnerServer:
         for identity, reply in self.verifier.answers() if self.verifier is not None else []:
             send_message(self.router, reply.message, identity=identity, raw=reply.raw)
 
-    def _busy(self) -> Reply:
-        """The answer to Rollouts the verifier has no room for: counted, and resent by the actor shortly."""
-        self.learner.metrics.fair_share_refusals.labels(reason="busy").inc()
-        return Reply(m.ErrorReply(reason=BUSY, detail="the learner's verifier queue is full (server.verify_queue); "
-                                  "resend this submission shortly"))
-
     def _stop_verifier(self) -> None:
         """Take no more Rollouts on the verifier thread (the one in hand is answered and sent; the queued ones are
         dropped unanswered, and resent by their actors); later ones are taken on this thread."""
@@ -209,52 +189,6 @@ class LearnerServer:
             self.verifier.close()
             self._send_verified()
             self.verifier = None
-
-    def _answer_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str], peer_address: str) -> Reply:
-        """On the verifier thread: `_answer`, rewards scored outside the lock (`RequestHandlers.handle_rollouts`)."""
-        try:
-            with self.learner.metrics.rollouts_answer_seconds.time():
-                return self.learner.requests.handle_rollouts(identity, msg, principal, peer_address)
-        except Exception as exc:  # a bug must not take the learner down with it
-            log.exception("error handling Rollouts")
-            self.learner.metrics.internal_errors.labels(where="handle").inc()
-            return Reply(m.ErrorReply(reason=RejectReason.INTERNAL.value, detail=type(exc).__name__))
-
-    def _answer(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
-                peer_address: str = "", *, observer: bool = False) -> Reply:
-        if self.closing:
-            if identity in self.learner.registry.actors:  # only registered actors are waited for; keeps the set bounded
-                self.told_to_stop.add(identity)
-            return Reply(m.Shutdown(reason="done"))
-        try:
-            return self.learner.requests.handle(identity, msg, principal, peer_address, observer=observer)
-        except Exception as exc:  # a bug must not take the learner down with it
-            log.exception("error handling %s", type(msg).__name__)
-            self.learner.metrics.internal_errors.labels(where="handle").inc()
-            return Reply(m.ErrorReply(reason=RejectReason.INTERNAL.value, detail=type(exc).__name__))
-
-    def _housekeeping(self) -> None:
-        now = time.monotonic()
-        period = self.learner.cfg.server.heartbeat_seconds
-        if now - self._last_housekeeping < min(0.5, period):
-            return
-        self._last_housekeeping = now
-        self.door.count_connection_events()
-        self.door.reload_allow_list()
-        self.weights_in_flight.release()
-        self.learner.requests.expire_leases()
-        self._drop_silent_actors(now, SILENT_HEARTBEATS * period)
-        self.learner.requests.refresh_service_discovery(self.metrics_target)
-        state = self.learner.state
-        self._publish(m.Heartbeat(actor_id="learner", policy_version=state.version, sent_at=time.time(),
-                                  incarnation=state.incarnation))
-
-    def _drop_silent_actors(self, now: float, silence: float) -> None:
-        load_grace = self.learner.cfg.server.model_load_seconds
-        for identity, info in list(self.learner.registry.actors.items()):
-            if is_silent(info, now, silence, load_grace):
-                released = self.learner.requests.drop_actor(identity)
-                log.info("actor %s went silent; re-queued %d leases", shown(info.actor_id), released)
 
     def _publish(self, msg: BaseModel) -> None:
         send_message(self.pub, msg)
@@ -265,12 +199,12 @@ class LearnerServer:
         PUB alone can miss an actor whose SUB was reconnecting; the direct reply
         cannot, so linger (bounded) until each registered actor has heard it.
         """
-        self.closing = True
+        self.answers.closing = True
         deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
-        while time.monotonic() < deadline and set(self.learner.registry.actors) - self.told_to_stop:
+        while time.monotonic() < deadline and set(self.learner.registry.actors) - self.answers.told_to_stop:
             self._publish(m.Shutdown(reason="done"))
             self._pump(timeout_ms=100)
-        unheard = set(self.learner.registry.actors) - self.told_to_stop
+        unheard = set(self.learner.registry.actors) - self.answers.told_to_stop
         if unheard:  # an actor that heard PUB answers it (actor/link.py answer_shutdown): these said nothing
             log.info("stopping: %d actors not heard from within %.0f s of the end; leaving without their answer",
                      len(unheard), SHUTDOWN_GRACE_SECONDS)

@@ -86,7 +86,7 @@ def test_a_liar_returning_every_ten_minutes_for_two_hours_trains_at_most_four_gr
         make: Callable[..., RunCoordinator], clock) -> None:
     learner = make(**SETTINGS)
     learner.registry.bans.clock = clock
-    learner.trust.draw = OneInFive()  # type: ignore[assignment]  # a Random's one method the check draws with
+    learner.verification.trust.draw = OneInFive()  # type: ignore[assignment]  # a Random's one method the check draws with
     lives: list[list[str]] = []
     for _ in range(12):  # an attempt every 10 minutes over 2 hours
         if not learner.registry.is_banned(LIAR_KEY):
@@ -103,7 +103,7 @@ def test_a_liar_returning_every_ten_minutes_for_two_hours_trains_at_most_four_gr
 
 def test_bans_and_ban_counts_survive_a_resume(make: Callable[..., RunCoordinator]) -> None:
     first = make(**SETTINGS)
-    first.trust.draw = OneInFive()  # type: ignore[assignment]  # caught within ROUNDS, whatever the OS draws
+    first.verification.trust.draw = OneInFive()  # type: ignore[assignment]  # caught within ROUNDS, whatever the OS draws
     lied = _life(first)
     assert lied and first.registry.is_banned(LIAR_KEY)
     first.checkpoint()

@@ -24,9 +24,9 @@ from test_learner_core import (
 from grpo_fleet.config import RunConfig
 from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.run.coordinator import RunCoordinator
-from grpo_fleet.learner.run.rooms import calibration_settings
 from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND, HALF_PRECISION_MEAN_FLOOR, default_bound
 from grpo_fleet.learner.verify.actor_checks import RewardCheck, reward_gap
+from grpo_fleet.learner.verify.verification import calibration_settings
 from grpo_fleet.metrics import learner_metrics
 from grpo_fleet.model import load_policy
 from grpo_fleet.protocol import messages as m
@@ -189,12 +189,12 @@ def test_an_actor_on_probation_has_every_group_flagged_and_a_new_hello_restarts_
     ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner)))
     assert [g.check_logprobs for g in learner.state.buffer] == [True] * GROUPS_PER_STEP, "on probation: all of them"
     key = next(iter(learner.registry.actors.values())).principal
-    learner.trust.record_pass(key, 4)
+    learner.verification.trust.record_pass(key, 4)
     learner.state.buffer.clear()
     ask(learner, ACTOR_A, generated_rollouts(learner, lease(learner)))
     assert not any(g.check_logprobs for g in learner.state.buffer), "trusted, and the share drew none"
     hello(learner)  # a restarted actor (or learner): trust is earned again
-    assert learner.trust.on_probation(key)
+    assert learner.verification.trust.on_probation(key)
 
 
 def test_an_honest_bfloat16_actor_passes_its_own_bound(make: Callable[..., RunCoordinator], tiny_model_dir: Path) -> None:
@@ -261,7 +261,7 @@ def test_groups_checked_in_one_forward_get_the_gaps_each_gets_alone(make: Callab
     learner = make(security={"verify_logprobs": True})
     hello(learner)
     ask(learner, ACTOR_A, shifted(generated_rollouts(learner, lease(learner)), -0.5, first=1))
-    check = learner.logprob_check
+    check = learner.verification.logprob_check
     assert check is not None
     groups = list(learner.state.buffer)
     together = check.gaps(groups)

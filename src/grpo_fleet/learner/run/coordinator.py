@@ -89,7 +89,6 @@ class RunCoordinator(RunRooms):
         self.training.resume(checkpoint)
 
     def close(self) -> None:
-        if self.reward_check is not None:
-            self.reward_check.close()
+        self.verification.close()
         self.trackers.close()
         self.runlog.close()

@@ -64,8 +64,8 @@ from grpo_fleet.learner.step.fused_check import CheckedGroup, Recheck, check_bou
 from grpo_fleet.learner.step.gap_bounds import GapBound
 from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.learner.verify.actor_checks import LogprobCheck, LogprobGap, WeightHistory
-from grpo_fleet.learner.verify.trust import Trust
+from grpo_fleet.learner.verify.actor_checks import LogprobGap
+from grpo_fleet.learner.verify.verification import Verification
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
 from grpo_fleet.protocol.reasons import RejectReason
@@ -103,11 +103,7 @@ class CheckedRun(Protocol):
     @property
     def lock(self) -> AbstractContextManager[Any]: ...
     @property
-    def logprob_check(self) -> Optional[LogprobCheck]: ...
-    @property
-    def weight_history(self) -> Optional[WeightHistory]: ...
-    @property
-    def trust(self) -> Trust: ...
+    def verification(self) -> Verification: ...
     @property
     def registry(self) -> Banning: ...
     @property
@@ -155,7 +151,7 @@ class BatchChecks:
 
     def plan(self, groups: list[AcceptedGroup], trained_on: int, weights_published: bool) -> CheckPlan:
         """Sort a batch's groups into fused, forward and unchecked (under the lock: flags and history are shared)."""
-        check, history = self.rooms.logprob_check, self.rooms.weight_history
+        check, history = self.rooms.verification.logprob_check, self.rooms.verification.history
         plan = CheckPlan(fused=[None] * len(groups))
         if check is None or history is None:
             plan.unchecked = [(g, VERIFICATION_OFF) for g in groups]
@@ -185,8 +181,8 @@ class BatchChecks:
     def drop_unverifiable(self, state: LearnerState) -> int:
         """Drop buffered groups of versions whose weights are not kept (under the lock), their prompts re-queued;
         returns how many. None trains unchecked for want of its version (a full fine-tuning resume's buffer)."""
-        history = self.rooms.weight_history
-        if self.rooms.logprob_check is None or history is None:
+        history = self.rooms.verification.history
+        if self.rooms.verification.logprob_check is None or history is None:
             return 0
         gone = [g for g in state.buffer if g.policy_version not in history.versions]
         if gone:
@@ -202,7 +198,7 @@ class BatchChecks:
     def _recheck(self, forward: list[AcceptedGroup], groups: list[AcceptedGroup]) -> Recheck:
         """`TrainBatch.recheck` of `forward`: each group's bound, and its picked rows (group-major) with the index of
         its version's weights."""
-        check, history = self.rooms.logprob_check, self.rooms.weight_history
+        check, history = self.rooms.verification.logprob_check, self.rooms.verification.history
         assert check is not None and history is not None, "the plan recomputes only when verifying"
         size, versions = len(groups[0].completions), sorted({g.policy_version for g in forward})
         bounds = np.full((len(groups), 2), np.inf, np.float32)
@@ -216,7 +212,7 @@ class BatchChecks:
 
     def forward(self, plan: CheckPlan, groups: list[AcceptedGroup]) -> bool:
         """Recompute the plan's older groups at their versions (no lock held while it runs); False on a lie."""
-        check = self.rooms.logprob_check
+        check = self.rooms.verification.logprob_check
         if check is None or not plan.forward or plan.recheck is not None:  # none, or the step recomputes them
             return True
         started = time.perf_counter()
@@ -269,7 +265,7 @@ class BatchChecks:
     def _recompute_suspects(self, plan: CheckPlan, suspects: list[AcceptedGroup], groups: list[AcceptedGroup]) -> bool:
         """Older groups beyond the step's screen, recomputed whole at their versions: the liars are dealt with as
         any failed check, the honest cleared for the batch's retry; the batch goes back untrained either way."""
-        check = self.rooms.logprob_check
+        check = self.rooms.verification.logprob_check
         assert check is not None, "the plan screens only when verifying"
         started = time.perf_counter()
         failures = check.failures(suspects)
@@ -300,7 +296,7 @@ class BatchChecks:
         liars = {group.actor_key for group, _ in failures}
         for group in checked:
             if group.actor_key not in liars:
-                self.rooms.trust.record_pass(group.actor_key)
+                self.rooms.verification.trust.record_pass(group.actor_key)
         if not failures:
             return True
         self.rooms.intake.blame_tampered(failures, in_hand=groups)

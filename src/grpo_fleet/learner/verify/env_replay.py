@@ -27,7 +27,7 @@ the learner kills the child, so a replay in flight ends at once.
 
 An environment that does not declare itself deterministic cannot be checked
 this way, so a run with security.verify_rewards on refuses to start with one
-(`replay_for`); with it off, episodes' rewards are trusted as reported.
+(`check_verifiable`); with it off, episodes' rewards are trusted as reported.
 """
 
 from __future__ import annotations

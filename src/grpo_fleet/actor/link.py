@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel
 
 from grpo_fleet.actor.admission import ActorRefused
+from grpo_fleet.actor.notices import Notice, Notices, StopActor
 from grpo_fleet.config import ActorConfig
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import Keypair, client_curve
@@ -35,19 +36,10 @@ POLL_SECONDS = 0.5
 # After a Shutdown heard on PUB only: how long to wait for the learner's direct answer to our last word.
 GOODBYE_SECONDS = 1.0
 Answer = Union[m.Lease, m.Ack, m.ErrorReply]  # ErrorReply: BUSY only, a submission to resend
-Notice = Union[m.PolicyUpdated, m.Heartbeat]
 
 
 class LearnerUnavailable(Exception):
     """No answer within the timeout, or the learner forgot us: register again."""
-
-
-class StopActor(Exception):
-    """The learner said Shutdown, or we were asked to stop; `notice`: said on PUB only, not yet to us directly."""
-
-    def __init__(self, reason: str, *, notice: bool = False) -> None:
-        super().__init__(reason)
-        self.notice = notice
 
 
 def load_curve(cfg: ActorConfig) -> Optional[tuple[Keypair, bytes]]:
@@ -91,13 +83,13 @@ class LearnerLink:
     ) -> None:
         self.connect, self.actor_id, self.timeout = cfg.connect, actor_id, cfg.request_timeout
         self.curve = load_curve(cfg)
-        self._on_answer, self._on_notice = on_answer, on_notice
+        self._on_answer = on_answer
         # The learner is trusted more than actors are: allow large weight blobs.
         self.limits = Limits(max_message_bytes=1 << 30, max_bin_len=1 << 30)
         self.ctx = make_context()
         # zmq sockets from protocol.sockets (zmq itself stays out of this module); None while closed.
         self._dealer: Any = None
-        self._sub: Any = None
+        self.notices = Notices(self.limits, on_notice)
         self._last_heartbeat = 0.0
 
     def open(self, hello: m.Hello, give_up: Callable[[], bool] = lambda: False) -> m.Welcome:
@@ -111,16 +103,14 @@ class LearnerLink:
 
     def listen(self, pub_address: Optional[str]) -> None:
         """Subscribe to the learner's notices (PolicyUpdated, Heartbeat, Shutdown)."""
-        if self._sub is not None:  # a session begun on a late Welcome kept the last one's sockets
-            self._sub.close(linger=0)
-        self._sub = sub_socket(self.ctx, notice_address(pub_address, self.connect), curve=self.curve)
+        self.notices.attach(sub_socket(self.ctx, notice_address(pub_address, self.connect), curve=self.curve))
 
     def close(self) -> None:
         """Close both sockets; answers still on their way are lost."""
-        for sock in (self._dealer, self._sub):
-            if sock is not None:
-                sock.close(linger=0)
-        self._dealer = self._sub = None
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+        self._dealer = None
+        self.notices.close()
 
     def shut(self) -> None:
         """Close the sockets and the context: the link is done."""
@@ -228,24 +218,6 @@ class LearnerLink:
             except ProtocolError:
                 continue
 
-    def poll_notices(self) -> None:
-        """Drain the PUB channel into `on_notice`; Shutdown stops us.
-
-        It never sends a request itself: it runs while another request waits for
-        its reply, and a nested request would swallow that reply.
-        """
-        while self._sub is not None:
-            try:
-                notice = recv_message(self._sub, timeout_s=0, limits=self.limits)
-            except ProtocolError:
-                continue
-            if notice is None:
-                break
-            if isinstance(notice, m.Shutdown):
-                raise StopActor(f"learner shut down ({notice.reason})", notice=True)
-            if isinstance(notice, (m.PolicyUpdated, m.Heartbeat)):
-                self._on_notice(notice)
-
     def _next_reply(self, deadline: float, what: str) -> Optional[object]:
         """The learner's next answer, or None if none came within POLL_SECONDS; past `deadline` it is gone."""
         remaining = deadline - time.monotonic()
@@ -274,4 +246,4 @@ class LearnerLink:
             raise ActorRefused(f"the learner refused us: {reply.detail}")
         if isinstance(reply, m.ErrorReply):
             raise LearnerUnavailable(f"learner error {reply.reason}: {reply.detail}")
-        self.poll_notices()
+        self.notices.poll()

@@ -25,6 +25,7 @@ from grpo_fleet.actor import wire
 from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit, plan_rewards
 from grpo_fleet.actor.episodes import RunEpisodes
 from grpo_fleet.actor.link import Answer, LearnerLink, LearnerUnavailable, Notice, StopActor
+from grpo_fleet.actor.one_lease import OneLeaseAtATime
 from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rewarding import RunRewards
 from grpo_fleet.actor.streaming import LeaseStream, Turn
@@ -80,6 +81,8 @@ class ActorWorker:
         self.episodes = RunEpisodes()  # the environment's own process, when the run has one (Welcome.env)
         self.stream = LeaseStream(self.link, self.inflight, self.metrics, cfg.max_groups, alone=self._rollout,
                                   score=self.rewards.score)
+        self.one_lease = OneLeaseAtATime(self.link, self.inflight, cfg.max_groups, stopping=lambda: self.stopping,
+                                         sleep=self._sleep, rollout=self._rollout)
         self.welcome: Optional[m.Welcome] = None
         self.stopping = False
         self.metrics_port = 0
@@ -227,46 +230,15 @@ class ActorWorker:
 
     def _work_once(self) -> None:
         """One turn: follow the learner's version (only while nothing decodes), then work."""
-        self.link.poll_notices()
+        self.link.notices.poll()
         if self.weights.behind and self.stream.idle:
             self._sync_weights()
         welcome, policy = self.welcome, self.policy
         assert welcome is not None and policy is not None  # _adopt set both
         if welcome.env is not None:  # episodes keep their own path: a lease at a time (actor/episodes.py)
-            self._one_lease()
+            self.one_lease.turn()
             return
         self.stream.turn(Turn(welcome, policy, self.weights.loaded, self.weights.newest, self.stopping))
-
-    def _one_lease(self) -> None:
-        """Generate one lease whole and submit it, the next one asked for meanwhile."""
-        lease = self._take_lease()
-        if lease is None:
-            return
-        if not self.stopping:
-            self._request_lease()  # answered while this lease generates
-        rollouts = self._rollout(lease)
-        self.link.await_answers(lambda: self.inflight.submitted is None)  # the previous Ack is normally long in
-        self.inflight.submitted = rollouts
-        self.link.send(rollouts)
-
-    def _request_lease(self) -> None:
-        self.link.send(m.LeaseRequest(max_groups=self.cfg.max_groups))
-        self.inflight.lease_requested = True
-
-    def _take_lease(self) -> Optional[m.Lease]:
-        """The lease to generate now: the prefetched one, or one asked for now; None if there is none."""
-        if self.inflight.next_lease is None and not self.inflight.lease_requested:
-            if self.stopping:
-                self.link.await_answers(lambda: self.inflight.submitted is None)
-                return None
-            self._request_lease()
-        self.link.await_answers(lambda: self.inflight.next_lease is not None)
-        lease = self.inflight.take_lease()
-        assert lease is not None  # await_answers returned: one is booked
-        if not lease.prompts:
-            self._sleep(lease.retry_after)
-            return None
-        return lease
 
     def _rollout(self, lease: m.Lease) -> m.Rollouts:
         """Generate the lease's groups under the loaded snapshot and score them (an episode lease, or an eval

@@ -24,18 +24,26 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 import numpy as np
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.evals.eval_checks import EvalChecks
+from grpo_fleet.learner.evals.rounds import (
+    EvalLease,
+    EvalRound,
+    eval_group_id,
+    eval_lease_size,
+    eval_sampling,
+    eval_summary,
+    names_eval_groups,
+    submitted_ids,
+)
 from grpo_fleet.learner.fleet.leasing import (
     DEADLINE_SHARE,
     conversation_of,
     extend_leases,
-    lease_size,
     max_lease_seconds,
     prompt_item,
     record_speed,
@@ -52,109 +60,6 @@ if TYPE_CHECKING:
     from grpo_fleet.learner.verify.actor_checks import RewardCheck
 
 log = logging.getLogger("grpo_fleet.learner")
-# An eval prompt unscored this many times is left out of its round (counted in the row).
-MAX_EVAL_ATTEMPTS = 3
-
-
-def eval_summary(rewards: Sequence[Sequence[float]], pass_reward: float) -> tuple[Optional[float], Optional[float]]:
-    """avg@k and pass@k of a round: each prompt's k sample rewards, in any order.
-
-    avg@k is the mean over prompts of the mean of their k samples. pass@k is the
-    share of prompts where at least one of the k samples reaches `pass_reward`:
-    with n = k samples, the unbiased estimator 1 - C(n-c, k) / C(n, k) is exactly
-    that (1 when c > 0, else 0).
-    """
-    if not rewards:
-        return None, None
-    avg = float(np.mean([np.mean(samples) for samples in rewards]))
-    passed = float(np.mean([any(r >= pass_reward for r in samples) for samples in rewards]))
-    return avg, passed
-
-
-def submitted_ids(msg: m.Rollouts) -> list[str]:
-    """Every group id a submission names, scored or not."""
-    return [g.group_id for g in msg.groups] + [u.group_id for u in msg.unscored]
-
-
-def eval_group_id(serial: int) -> str:
-    return f"e{serial:08d}"
-
-
-def names_eval_groups(msg: m.Rollouts) -> bool:
-    """Whether every group a submission names is an eval group (`eval_group_id`; training ids start with `g`)."""
-    return all(group_id[:1] == "e" and group_id[1:].isdigit() for group_id in submitted_ids(msg))
-
-
-def eval_lease_size(requested: int, limit: int, groups_per_second: Optional[float], group_size: int, samples: int,
-                    target_seconds: float) -> int:
-    """Eval prompts to lease: what the actor samples in `target_seconds` at its measured training speed.
-
-    The speed is in training groups of `group_size` completions; an eval prompt is
-    `samples` completions, so the actor does group_size / samples of them in a
-    group's time. At least one; an actor not measured yet gets what it asked for.
-    """
-    rate = None if groups_per_second is None else groups_per_second * group_size / samples
-    return lease_size(requested, limit, rate, target_seconds)
-
-
-@dataclass
-class EvalLease:
-    lease_id: str
-    actor: str
-    deadline: float
-    tickets: dict[str, int]  # group id -> eval prompt index
-    issued_at: float = 0.0
-
-
-@dataclass
-class EvalRound:
-    """One evaluation of the held-out prompts at one step."""
-
-    step: int
-    version: int
-    started: float
-    pending: deque[int]  # eval prompt indices not yet leased
-    leases: dict[str, EvalLease] = field(default_factory=dict)
-    # Leases that expired in this round (their prompts went back): a late result still scores what is unscored.
-    late: dict[str, EvalLease] = field(default_factory=dict)
-    rewards: dict[int, list[float]] = field(default_factory=dict)
-    versions: list[int] = field(default_factory=list)
-    attempts: dict[int, int] = field(default_factory=dict)
-    dropped: int = 0
-    on_learner: int = 0  # prompts the learner evaluated itself
-
-    @property
-    def complete(self) -> bool:
-        return not self.pending and not self.leases
-
-    def lease(self, lease_id: str) -> Optional[EvalLease]:
-        """An open lease of this round, or one that expired in it."""
-        return self.leases.get(lease_id) or self.late.get(lease_id)
-
-    def give_back(self, lease_id: str) -> None:
-        """An open lease's prompts back in the round (it expired, or its actor went away); the lease is kept in
-        `late`, so its result still scores what nobody has scored meanwhile."""
-        lease = self.late[lease_id] = self.leases.pop(lease_id)
-        self.put_back(lease.tickets.values())
-
-    def put_back(self, indices: Iterable[int]) -> None:
-        """Prompts to lease again, less those scored meanwhile (by a late result) and those waiting already."""
-        waiting = set(self.pending)
-        self.pending.extend(i for i in indices if i not in self.rewards and i not in waiting)
-
-    def score(self, index: int, rewards: list[float], version: int, *, late: bool) -> bool:
-        """One prompt's samples; False (nothing kept) when it is scored already, or, from a `late` lease, when it
-        no longer waits (it was left out of the round meanwhile)."""
-        if index in self.rewards:
-            return False
-        if late and index not in self.pending and not any(index in lease.tickets.values()
-                                                          for lease in self.leases.values()):
-            return False
-        if index in self.pending:
-            self.pending.remove(index)
-        self.rewards[index] = rewards
-        self.versions.append(version)
-        return True
 
 
 class Evaluation:
@@ -164,14 +69,13 @@ class Evaluation:
                  state: LearnerState, registry: Registry, runlog: RunLog, metrics: LearnerMetrics,
                  clock: Callable[[], float] = time.monotonic, reward_check: Optional[RewardCheck] = None) -> None:
         self.reward_check = reward_check  # eval rewards are re-scored like training ones (learner/verify/actor_checks.py)
+        self.checks = EvalChecks(cfg, vocab_size, reward_check)
         self.train, self.examples, self.prompt_tokens = cfg.train, examples, prompt_tokens
-        self.lease_seconds, self.max_tokens = cfg.server.lease_seconds, cfg.generation.max_tokens
+        self.lease_seconds = cfg.server.lease_seconds
         self.max_lease_seconds = max_lease_seconds(cfg.server)
         self.max_groups_per_lease, self.group_size = cfg.server.max_groups_per_lease, cfg.generation.group_size
         # An eval lease should come back well inside its deadline (its figures are for one version: no staleness).
         self.target_seconds = min(cfg.server.lease_target_seconds or float("inf"), DEADLINE_SHARE * self.lease_seconds)
-        self.vocab_size, self.reward_bound = vocab_size, cfg.task.reward_bound
-        self.episode_tokens = cfg.task.max_episode_tokens if cfg.task.env else None  # every sample an episode
         self.state, self.registry, self.runlog, self.metrics, self.clock = state, registry, runlog, metrics, clock
         self.current: Optional[EvalRound] = None
         self.waiting: Optional[int] = None  # a step whose round is due while another runs
@@ -184,9 +88,7 @@ class Evaluation:
         return self.train.eval_every > 0 and bool(self.examples) and len(self.prompt_tokens) == len(self.examples)
 
     def sampling(self) -> m.EvalSampling:
-        greedy = self.train.eval_mode == "greedy"
-        return m.EvalSampling(samples=1 if greedy else self.train.eval_samples,
-                              temperature=0.0 if greedy else self.train.eval_temperature)
+        return eval_sampling(self.train)
 
     def due(self, step: int, final: bool) -> bool:
         return self.enabled and (step % self.train.eval_every == 0 or final)
@@ -236,7 +138,7 @@ class Evaluation:
             self.metrics.rejections.labels(reason=RejectReason.EVAL_ROUND_DONE).inc(len(msg.groups))
             return m.Ack(lease_id=msg.lease_id, status="stale", reason=RejectReason.EVAL_ROUND_DONE,
                          groups={g: "stale" for g in submitted_ids(msg)})
-        invalid = self._invalid(lease, actor, msg)
+        invalid = self.checks.invalid(lease, actor, msg)
         if invalid is not None:
             self.metrics.rejections.labels(reason=invalid).inc()
             self.registry.record_violation(actor.principal, invalid)
@@ -253,7 +155,7 @@ class Evaluation:
             self.metrics.late_groups.labels(kind="eval").inc(sum(v == "eval" for v in answer.values()))
         else:
             for unscored in msg.unscored:
-                self._retry(round_, lease.tickets[unscored.group_id])
+                round_.retry(lease.tickets[unscored.group_id])
             # Untouched tickets (an actor that returned less than it was given) go back too.
             round_.put_back(index for group_id, index in lease.tickets.items() if group_id not in submitted_ids(msg))
         self.finish()
@@ -266,36 +168,9 @@ class Evaluation:
         lease = self.current.lease(msg.lease_id) if self.current is not None else None
         if self.reward_check is None or lease is None or lease.actor != actor.principal:
             return []
-        if any(group_id not in lease.tickets for group_id in submitted_ids(msg)) or m.validate_rollouts(
-                msg, group_size=self.sampling().samples, vocab_size=self.vocab_size, max_tokens=self.max_tokens,
-                reward_bound=self.reward_bound, episode_tokens=self.episode_tokens) is not None:
+        if any(group_id not in lease.tickets for group_id in submitted_ids(msg)) or self.checks.shape(msg) is not None:
             return []
         return [(g, lease.tickets[g.group_id]) for g in msg.groups]
-
-    def _invalid(self, lease: EvalLease, actor: ActorInfo, msg: m.Rollouts) -> Optional[RejectReason]:
-        if lease.actor != actor.principal:
-            return RejectReason.NOT_YOUR_LEASE
-        invalid = m.validate_rollouts(msg, group_size=self.sampling().samples, vocab_size=self.vocab_size,
-                                      max_tokens=self.max_tokens, reward_bound=self.reward_bound,
-                                      episode_tokens=self.episode_tokens)
-        if invalid is None and any(group_id not in lease.tickets for group_id in submitted_ids(msg)):
-            return RejectReason.NOT_LEASED
-        if invalid is None and self.reward_check is not None:
-            verdicts = self.reward_check.verdicts([(g, lease.tickets[g.group_id]) for g in msg.groups])
-            # A replay the episodes held past its time is charged as a lie: the reported rewards would count.
-            for lie in (RejectReason.REWARD_MISMATCH, RejectReason.ENV_REPLAY_MISMATCH, RejectReason.ENV_REPLAY_TIMEOUT):
-                if lie in verdicts.values():
-                    return lie  # the whole lease: its prompts go back in the round
-        return invalid
-
-    def _retry(self, round_: EvalRound, index: int) -> None:
-        if index in round_.rewards:  # a late result scored it meanwhile
-            return
-        round_.attempts[index] = round_.attempts.get(index, 0) + 1
-        if round_.attempts[index] >= MAX_EVAL_ATTEMPTS:
-            round_.dropped += 1
-        else:
-            round_.put_back([index])
 
     def expire(self, still_working: Callable[[str], bool] = lambda key: False) -> None:
         """Extend the eval leases past their deadline of actors `still_working` (leasing.extend_leases); put the

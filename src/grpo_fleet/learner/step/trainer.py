@@ -14,9 +14,7 @@ the trainer; the default (objective.py) wraps `grpo.grpo_loss`.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, cast
@@ -30,7 +28,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
 from grpo_fleet.learner.step.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
-from grpo_fleet.learner.step.forward import enable_grad_checkpoint, frozen_logprobs
+from grpo_fleet.learner.step.forward import enable_grad_checkpoint
+from grpo_fleet.learner.step.frozen_forwards import FrozenForwards
 from grpo_fleet.learner.step.fused_check import CheckedGroup, fused_check
 from grpo_fleet.learner.step.memory import trim_cache
 from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, LossFn, behaviour_correction, default_loss, offpolicy_summary
@@ -45,7 +44,7 @@ from grpo_fleet.learner.step.step_result import (
     global_norm,
     skip_reason,
 )
-from grpo_fleet.model import Policy, adapters_disabled, load_policy
+from grpo_fleet.model import Policy, load_policy
 from grpo_fleet.trees import scalar
 
 _TRAIN_DEFAULTS = TrainConfig()
@@ -71,6 +70,8 @@ class Trainer:
             # Process-wide: MLX throttles evaluation past it, so chained chunks really run one at a time.
             mx.set_memory_limit(memory_limit_bytes)
         self.loss_returns_logprobs = loss_fn is None or loss_fn is default_loss
+        self.frozen = FrozenForwards(policy, grpo, ref_model, temperature=temperature,
+                                     chunk_tokens=logprob_chunk_tokens, loss_returns_logprobs=self.loss_returns_logprobs)
         bound = partial(loss_fn or default_loss, grpo=grpo, temperature=temperature, max_tokens=max_tokens,
                         chunk_tokens=logprob_chunk_tokens)
         self._value_and_grad = nn.value_and_grad(policy.model, bound)
@@ -139,38 +140,9 @@ class Trainer:
         mx.eval(self.policy.model.trainable_parameters(), self.optimizer.state)
         return norm_value, None
 
-    def _reference_context(self) -> tuple[nn.Module, contextlib.AbstractContextManager]:
-        """pi_ref: the base with adapters off under LoRA, a frozen copy otherwise."""
-        if self.policy.lora is not None:
-            return self.policy.model, adapters_disabled(self.policy.model)
-        if self.ref_model is not None:
-            return self.ref_model, contextlib.nullcontext()
-        raise ValueError("beta > 0 with full fine-tuning needs a reference model")
-
     def references(self, micro_batches: list[MicroBatch]) -> list[Optional[mx.array]]:
         """pi_ref logprobs `[n, T]` per micro-batch (None each when beta = 0), evaluated one at a time."""
-        if self.grpo.beta == 0:
-            return [None] * len(micro_batches)
-        model, context = self._reference_context()
-        with context:
-            return [*frozen_logprobs(model, micro_batches, temperature=self.temperature, chunk_tokens=self.chunk_tokens)]
-
-    def _proximal(self, micro_batches: list[MicroBatch], checked: bool) -> list[MicroBatch]:
-        """The micro-batches with pi_prox attached, where the step needs a forward of its own for it.
-
-        Decoupled at ppo_epochs > 1 the weights move after the first epoch, so
-        pi_prox (the weights before the step) is one no-grad forward per
-        micro-batch, made first. So is it for a `checked` batch (`TrainBatch.check`)
-        when a custom loss_fn returns no policy logprobs of its own: the logprob
-        check and screen compare against it. Otherwise they come back as they are:
-        with one epoch the loss takes pi_prox from its own forward, and coupled needs none.
-        """
-        decoupled = self.grpo.objective == "decoupled" and self.grpo.ppo_epochs > 1
-        if not decoupled and not (checked and not self.loss_returns_logprobs):
-            return micro_batches
-        logprobs = frozen_logprobs(self.policy.model, micro_batches, temperature=self.temperature,
-                                   chunk_tokens=self.chunk_tokens)
-        return [replace(micro, proximal_logprobs=lp) for micro, lp in zip(micro_batches, logprobs)]
+        return self.frozen.references(micro_batches)
 
     def reference_logprobs(self, batch: TrainBatch) -> Optional[mx.array]:
         """pi_ref logprobs on the batch's `[N, L]` grid: completion positions, 0 elsewhere."""
@@ -191,7 +163,7 @@ class Trainer:
         totals = batch_totals(batch)  # the whole batch's: every rank's share is normalised by the same totals
         refs = self.references(micro)
         ref_seconds = time.perf_counter() - start
-        with_proximal = self._proximal(micro, checked=batch.check is not None)
+        with_proximal = self.frozen.proximal(micro, checked=batch.check is not None)
         proximal_seconds = 0.0 if with_proximal is micro else time.perf_counter() - start - ref_seconds
         micro = with_proximal
         proximal = [m.proximal_logprobs for m in micro if m.proximal_logprobs is not None]
@@ -207,7 +179,7 @@ class Trainer:
                 # and what an honest actor sampling those weights reported.
                 grid = self.sharding.combine_proximal(batch, own, micro, proximal or gradients.policy_logprobs)
                 check_started = time.perf_counter()
-                checked = self._fused_check(batch, grid)
+                checked = check_fused(batch, grid)
                 check_seconds += time.perf_counter() - check_started
             broke = [c.broke for c in (*checked, *rechecked) if c.broke is not None]
             if broke:  # a lie, or a group to recompute, never trains: drop these gradients
@@ -234,13 +206,6 @@ class Trainer:
                          proximal_logprobs=grid, checked=tuple(checked), rechecked=tuple(rechecked),
                          recomputed_rows=recomputed, check_seconds=slowest_check(self.sharding, batch, check_seconds))
 
-    def _fused_check(self, batch: TrainBatch, grid: Optional[np.ndarray]) -> list[CheckedGroup]:
-        if batch.check is None:
-            return []
-        if grid is None:
-            raise ValueError("TrainBatch.check found no policy logprobs to compare with (Trainer._proximal makes them)")
-        return fused_check(grid, np.array(batch.old_logprobs), np.array(batch.mask), batch.check)
-
     def save_optimizer(self, path: Path) -> None:
         """Optimizer moments and step, for an exact resume."""
         flat = dict(tree_flatten(self.optimizer.state))
@@ -258,6 +223,15 @@ class Trainer:
         if self.compiled:
             # The compiled update captured the old state tree; trace again against the new one.
             self.compiled_update = self._compile()
+
+
+def check_fused(batch: TrainBatch, grid: Optional[np.ndarray]) -> list[CheckedGroup]:
+    """The fused logprob check of a checked batch against the step's own pi_prox `grid` (none unchecked)."""
+    if batch.check is None:
+        return []
+    if grid is None:
+        raise ValueError("TrainBatch.check found no policy logprobs to compare with (FrozenForwards.proximal makes them)")
+    return fused_check(grid, np.array(batch.old_logprobs), np.array(batch.mask), batch.check)
 
 
 def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.Module] = None) -> Trainer:

@@ -6,7 +6,7 @@ Every group of a batch goes one of three ways (`plan`):
   are that version's: checked inside the step against its own first forward
   (learner/step/fused_check.py), for the price of a comparison. Always. A
   custom loss_fn that returns no policy logprobs costs the step one no-grad
-  forward for it (Trainer._proximal), so a custom loss never turns it off.
+  forward for it (FrozenForwards.proximal), so a custom loss never turns it off.
 - **forward**: an older version, flagged at intake (probation, or drawn:
   learner/verify/trust.py), or sent by a key that was banned before (it earns no
   probation credit back: learner/fleet/bans.py): recomputed at its version before anything is

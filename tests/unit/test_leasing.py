@@ -23,7 +23,8 @@ from grpo_fleet.learner.fleet.leasing import (
     speed_sample,
     unmeasured_speed,
 )
-from grpo_fleet.learner.fleet.registry import ActorInfo, MovingAverage
+from grpo_fleet.learner.fleet.rates import MovingAverage
+from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.metrics import learner_metrics

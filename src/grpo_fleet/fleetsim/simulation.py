@@ -43,7 +43,7 @@ from grpo_fleet.learner.fleet.leasing import (
     lease_target_seconds,
     retry_after,
 )
-from grpo_fleet.learner.fleet.registry import MovingAverage
+from grpo_fleet.learner.fleet.rates import MovingAverage
 from grpo_fleet.learner.verify.trust import Trust
 
 LEARNER = -1

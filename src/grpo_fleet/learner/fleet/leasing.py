@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import numpy as np
 
 from grpo_fleet.config import RunConfig, ServerConfig
-from grpo_fleet.learner.fleet.registry import ActorInfo, MovingAverage
+from grpo_fleet.learner.fleet.rates import MovingAverage
+from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Example, prompt_text, reward_kwargs

@@ -2,20 +2,19 @@
 
 Plain bookkeeping (no sockets). It feeds leases (who owns what), Prometheus
 service discovery (`/sd`) and `grpo-fleet status`; the ban policy is in bans.py.
-`MovingAverage` is how the learner follows each actor's speed (here) and its own
-step interval (leasing.py).
+The speed measures (`MovingAverage`, `TokenRate`) are in rates.py.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from grpo_fleet.config import ServerConfig
 from grpo_fleet.learner.fleet.bans import Bans
+from grpo_fleet.learner.fleet.rates import MovingAverage, TokenRate
 from grpo_fleet.learner.records.actor_ids import IDS_PER_SESSION, ActorIds
 from grpo_fleet.learner.verify.trust import Trust
 from grpo_fleet.metrics import LearnerMetrics
@@ -26,54 +25,6 @@ if TYPE_CHECKING:
     from grpo_fleet.learner.records.state import LearnerState
 
 log = logging.getLogger("grpo_fleet.learner")
-
-# Weight of the newest sample in the moving averages: recent enough to follow an
-# actor that slows down (thermal throttling, a user on the Mac), smooth enough to
-# ignore one slow lease.
-EMA_WEIGHT = 0.3
-
-
-@dataclass
-class MovingAverage:
-    """Exponential moving average; `value` is None until the first sample."""
-
-    weight: float = EMA_WEIGHT
-    value: Optional[float] = None
-
-    def add(self, sample: float) -> float:
-        self.value = sample if self.value is None else self.weight * sample + (1 - self.weight) * self.value
-        return self.value
-
-
-# Throughput is averaged over this window, so `status` shows current speed, not lifetime speed.
-RATE_WINDOW_SECONDS = 60.0
-
-
-@dataclass
-class TokenRate:
-    """Tokens per second over the last RATE_WINDOW_SECONDS."""
-
-    events: deque = field(default_factory=deque)
-
-    def add(self, tokens: int, now: Optional[float] = None) -> None:
-        now = time.monotonic() if now is None else now
-        self.events.append((now, tokens))
-        # Pruned here too, not only when `status` asks: without it a run nobody
-        # watches keeps one event per accepted group for its whole life.
-        self._forget_before(now - RATE_WINDOW_SECONDS)
-
-    def _forget_before(self, cutoff: float) -> None:
-        while self.events and self.events[0][0] < cutoff:
-            self.events.popleft()
-
-    def per_second(self, now: Optional[float] = None) -> float:
-        now = time.monotonic() if now is None else now
-        self._forget_before(now - RATE_WINDOW_SECONDS)
-        if not self.events:
-            return 0.0
-        span = max(now - self.events[0][0], 1.0)
-        return sum(tokens for _, tokens in self.events) / span
-
 
 @dataclass
 class ActorInfo:

@@ -61,12 +61,12 @@ def test_the_learner_re_scores_in_a_process_of_its_own_unless_given_a_scorer(
     inline = InlineScorer(parts.task.reward_set())
     given = RunCoordinator(cfg, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
                     learner_metrics(), tmp_path, make_scorer=lambda rewards: inline)
-    assert given.reward_check is not None and given.reward_check.scorer is inline
+    assert given.verification.reward_check is not None and given.verification.reward_check.scorer is inline
     off = cfg.model_copy(update={"security": cfg.security.model_copy(update={"verify_rewards": False})})
     (tmp_path / "off").mkdir()
     unchecked = RunCoordinator(off, parts.policy, parts.trainer, parts.task, parts.prompt_tokens, parts.model_digest,
                         learner_metrics(), tmp_path / "off", make_scorer=lambda rewards: inline)
-    assert unchecked.reward_check is None, "no re-scoring, no scorer"
+    assert unchecked.verification.reward_check is None, "no re-scoring, no scorer"
     for learner in (given, unchecked):
         learner.close()
 
@@ -363,7 +363,7 @@ def test_a_resumed_learner_checks_older_versions_or_refuses_them(make: Callable[
             assert ack.reason == RejectReason.VERSION_GONE and resumed.state.buffer == []
             return
         assert ack.status == "accepted"
-        assert sorted(resumed.weight_history.versions) == [0, 1, 2]  # type: ignore[union-attr]
+        assert sorted(resumed.verification.history.versions) == [0, 1, 2]  # type: ignore[union-attr]
         assert resumed.train_step() is None and rejections(resumed, RejectReason.LOGPROB_MISMATCH) == GROUPS_PER_STEP
 
 
@@ -380,12 +380,12 @@ def resumed_from(first: RunCoordinator) -> Iterator[RunCoordinator]:
 
 def test_the_learner_calibrates_the_half_precision_bound_on_its_own_model(make: Callable[..., RunCoordinator]) -> None:
     learner = make(security={"verify_logprobs": True})
-    ((dtype, bound),) = learner.calibration.bounds()  # no training thread here: the first to ask measures
+    ((dtype, bound),) = learner.verification.calibration.bounds()  # no training thread here: the first to ask measures
     # The tiny model's honest bf16 gaps are about 0.0015 nats: the bound sits near the floor, far under 0.15.
     assert dtype == "bfloat16" and HALF_PRECISION_MEAN_FLOOR <= bound.mean < HALF_PRECISION_BOUND / 10
     assert learner.intake.rules.logprob_bound("Device(gpu, 0)") == bound, "an actor of unknown dtype: bf16's"
     assert learner.intake.rules.logprob_bound("cpu") == default_bound("float32", "float32"), "fp32 keeps its own"
-    assert make(security={"verify_logprobs": True, "calibration_prompts": 0}).calibration.bounds() == ()
+    assert make(security={"verify_logprobs": True, "calibration_prompts": 0}).verification.calibration.bounds() == ()
 
 
 def test_calibration_samples_at_most_calibration_tokens_whatever_max_tokens() -> None:
@@ -485,9 +485,9 @@ def test_a_reward_timeout_is_charged_to_the_submitter_and_its_prompts_go_to_anot
     from grpo_fleet.tasks.scoring import GroupScore, RewardError, RewardFailure
 
     learner = make(security={"verify_rewards": True})
-    assert learner.reward_check is not None
+    assert learner.verification.reward_check is not None
 
-    real = learner.reward_check.scorer
+    real = learner.verification.reward_check.scorer
 
     scored: list[int] = []
 
@@ -499,7 +499,7 @@ def test_a_reward_timeout_is_charged_to_the_submitter_and_its_prompts_go_to_anot
         def close(self) -> None:
             real.close()
 
-    learner.reward_check.scorer = TimesOut()  # type: ignore[assignment]
+    learner.verification.reward_check.scorer = TimesOut()  # type: ignore[assignment]
     hello(learner)
     hello(learner, ACTOR_B, "actor-b")
     lease_msg = lease(learner)

@@ -13,7 +13,7 @@ from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.verify.actor_checks import RewardCheck
+from grpo_fleet.learner.verify.verification import Verification
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
@@ -51,7 +51,7 @@ class Desk(Protocol):
     state: LearnerState
     registry: Registry
     snapshots: SnapshotStore
-    reward_check: Optional[RewardCheck]
+    verification: Verification
     pub_address: Optional[str]
 
     @property

@@ -26,7 +26,7 @@ from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.lease_book import UNSCORED_RETURNS
 from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
-from grpo_fleet.learner.verify.trust import Trust
+from grpo_fleet.learner.verify.verification import Verification
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from grpo_fleet.learner.fleet.leasing import Leasing
     from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
     from grpo_fleet.learner.step.step_result import StepStats
-    from grpo_fleet.learner.verify.actor_checks import LogprobGap, RewardCheck, WeightHistory
+    from grpo_fleet.learner.verify.actor_checks import LogprobGap
 
 log = logging.getLogger("grpo_fleet.learner")
 # Refusals of the learner's reward check: the prompt goes back in the queue for someone else to do again.
@@ -56,16 +56,16 @@ class Intake:
 
     def __init__(self, rules: IntakeRules, state: LearnerState, registry: Registry, leasing: Leasing,
                  runlog: RunLog, metrics: LearnerMetrics, prompt_tokens: list[np.ndarray],
-                 handoff: BatchHandOff, reward_check: Optional[RewardCheck] = None, trust: Optional[Trust] = None,
-                 history: Optional[WeightHistory] = None) -> None:
+                 handoff: BatchHandOff, verification: Optional[Verification] = None) -> None:
         self.rules, self.state, self.registry, self.leasing = rules, state, registry, leasing
         self.runlog, self.metrics, self.prompt_tokens = runlog, metrics, prompt_tokens
-        self.handoff, self.reward_check = handoff, reward_check
-        self.trust = trust or Trust(probation_groups=0, share=1.0)  # no record of anyone: check everything
-        self.history = history  # the versions the logprob check can still recompute (None: it is off)
+        # What judges actors (learner/verify/): the re-scoring, the trust's flags, the versions the logprob check
+        # can still recompute. None: every check off, every group flagged.
+        self.verification = verification or Verification()
+        self.handoff, self.reward_check = handoff, self.verification.reward_check
 
     def _kept(self) -> Optional[Collection[int]]:
-        return None if self.history is None else self.history.versions.keys()
+        return self.verification.kept_versions()
 
     def take(self, actor: ActorInfo, msg: m.Rollouts) -> m.Ack:
         """The answer to one Rollouts from `actor`; a replay gets the stored answer and changes nothing."""
@@ -193,7 +193,7 @@ class Intake:
         for record in records:
             if record.is_informative:
                 record.logprob_bound, record.token_bound = bound.mean, bound.token
-                record.check_logprobs = self.trust.wants_check(actor.principal)
+                record.check_logprobs = self.verification.trust.wants_check(actor.principal)
 
     def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
         """The learner's own rewards for every group it would accept (security.verify_rewards)."""

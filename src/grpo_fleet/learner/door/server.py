@@ -69,7 +69,7 @@ class LearnerServer:
         self.training_error: Optional[BaseException] = None
         self.answers = Answers(learner)  # what to say to each message: no sockets there
         # Rollouts whose rewards are re-scored are answered off this thread (learner/verify/verifier_thread.py).
-        check = learner.reward_check
+        check = learner.verification.reward_check
         self.verifier: Optional[RolloutsVerifier[Reply]] = (
             RolloutsVerifier(cfg.verify_queue, interrupt=check.stop_replays) if check is not None else None)
         # Weight chunks queued zero-copy hold their version's blob until sent: bounded there.

@@ -30,9 +30,7 @@ from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.learner.records.trackers import Trackers
 from grpo_fleet.learner.step.gap_bounds import compute_dtype
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.learner.verify.actor_checks import RewardCheck, WeightHistory
 from grpo_fleet.learner.verify.env_replay import EnvCalling
-from grpo_fleet.learner.verify.gap_calibration import PendingCalibration
 from grpo_fleet.learner.verify.verification import Verification
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
@@ -71,25 +69,11 @@ class RunRooms:
         rules = IntakeRules.from_config(cfg, policy.vocab_size, learner_dtype, verification.calibration.bounds,
                                         stop_token_ids=frozenset(int(t) for t in policy.tokenizer.eos_token_ids))
         self.intake = Intake(rules, self.state, self.registry, self.leasing, self.runlog, metrics, prompt_tokens,
-                             self.handoff, verification.reward_check, verification.trust, verification.history)
+                             self.handoff, verification)
         self.evaluation = Evaluation(cfg, task.eval, eval_prompt_tokens or [], policy.vocab_size, self.state,
                                      self.registry, self.runlog, metrics, reward_check=verification.eval_check)
         if self.evaluation.due(0, final=False):
             self.evaluation.start(0, 0)  # the baseline: held-out reward before any training
         self.samples = SampleLog(cfg, tokenizer_decode(policy.tokenizer), self.runlog)
         self.trackers = Trackers([], metrics.tracker_errors)  # setup opens logging.report_to's once the step is known
-
-    # The parts of `verification` that the training thread (learner/run/training_thread.py) and the door's loop
-    # (learner/door/desk.py: Desk) read by name.
-    @property
-    def calibration(self) -> PendingCalibration:
-        return self.verification.calibration
-
-    @property
-    def weight_history(self) -> Optional[WeightHistory]:
-        return self.verification.history
-
-    @property
-    def reward_check(self) -> Optional[RewardCheck]:
-        return self.verification.reward_check
 

@@ -53,7 +53,7 @@ class TrainingThread:
         rooms = self.rooms
         local = LocalEvaluator(rooms, rooms.make_scorer)
         try:
-            rooms.calibration.run()  # before anything else uses the model on this thread (gap_calibration.py)
+            rooms.verification.calibration.run()  # before anything else uses the model on this thread (gap_calibration.py)
             while not should_stop() and not rooms.state.done:
                 local.run_if_needed()
                 if self.wait_for_batch(timeout=0.1):
@@ -65,7 +65,7 @@ class TrainingThread:
                 if not local.run_if_needed():
                     time.sleep(0.05)
         finally:
-            rooms.calibration.abandon()  # stopped before it measured: intake must not wait for it
+            rooms.verification.calibration.abandon()  # stopped before it measured: intake must not wait for it
             local.close()
 
     def ready(self) -> bool:
@@ -114,8 +114,8 @@ class TrainingThread:
             if rooms.evaluation.due(state.step, final=state.done):
                 rooms.evaluation.start(state.step, state.version)
             saved = self._capture() if self.cycle.checkpoint_due(state) else None
-        if trained.snapshot is not None and rooms.weight_history is not None:
-            rooms.weight_history.record(trained.snapshot.version)
+        if trained.snapshot is not None and rooms.verification.history is not None:
+            rooms.verification.history.record(trained.snapshot.version)
         rooms.trackers.log_record(record)  # outside the lock: a slow tracker holds up no request
         if saved is not None:
             started = time.perf_counter()
@@ -144,7 +144,7 @@ class TrainingThread:
     def _kept_versions(self) -> Optional[persistence.KeptVersions]:
         """The logprob check's kept versions, saved with a checkpoint under LoRA (adapters only: small); a full
         fine-tuning resume refuses groups of versions it no longer holds instead (version_gone)."""
-        history = self.rooms.weight_history
+        history = self.rooms.verification.history
         if history is None or self.rooms.policy.lora is None:
             return None
         return dict(history.versions)
@@ -163,12 +163,12 @@ class TrainingThread:
             # their leases, so the ledger must forget them too to stay exactly-once.
             rooms.runlog.truncate(saved.logs)
             rooms.snapshots.install(rooms.snapshots.serialize(state.version))
-            if rooms.weight_history is not None:
+            if rooms.verification.history is not None:
                 # Every version intake may still accept, as the life that saved the checkpoint held them (under
                 # LoRA); the live weights are the current one's.
-                rooms.weight_history.versions.clear()
-                rooms.weight_history.versions.update(persistence.load_history(checkpoint))
-                rooms.weight_history.record(state.version)
+                rooms.verification.history.versions.clear()
+                rooms.verification.history.versions.update(persistence.load_history(checkpoint))
+                rooms.verification.history.record(state.version)
             rooms.metrics.policy_version.set(state.version)
         log.info("resumed run %s at step %d (policy v%d) from %s as incarnation %s",
                  state.run_id, state.step, state.version, checkpoint, state.incarnation)

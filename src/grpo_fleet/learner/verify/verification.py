@@ -12,7 +12,7 @@ bound, and the trust that says which groups are checked. The learner's rooms
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 import numpy as np
@@ -33,10 +33,13 @@ from grpo_fleet.tasks.reward_runner import RewardSet, Scorer
 
 @dataclass
 class Verification:
-    """Everything that judges actors in one run; a part is None when its check is off."""
+    """Everything that judges actors in one run; a part is None when its check is off (`Verification()`: all off,
+    and a trust with no record of anyone, which flags every group)."""
 
-    trust: Trust  # which groups the logprob check looks at: probation, then a random share
-    calibration: PendingCalibration  # the half-precision bound, measured on this model by the training thread
+    # Which groups the logprob check looks at: probation, then a random share.
+    trust: Trust = field(default_factory=lambda: Trust(probation_groups=0, share=1.0))
+    # The half-precision bound, measured on this model by the training thread (none measured: the fixed ceilings).
+    calibration: PendingCalibration = field(default_factory=lambda: PendingCalibration(lambda: ()))
     reward_check: Optional[RewardCheck] = None  # training groups re-scored (security.verify_rewards)
     eval_check: Optional[RewardCheck] = None  # eval rounds' groups, by the same scorer and replay
     history: Optional[WeightHistory] = None  # the versions a group may claim (security.verify_logprobs)

@@ -17,7 +17,7 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import RunLog, SampleRow
 from grpo_fleet.learner.step.advantages import group_advantages
-from grpo_fleet.learner.step.batch import NO_LENGTH_SHAPING, LengthShaping
+from grpo_fleet.learner.step.length_shaping import NO_LENGTH_SHAPING, LengthShaping
 
 Decode = Callable[[np.ndarray], str]
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
+from grpo_fleet.learner.door.group_keeper import GroupKeeper
 from grpo_fleet.learner.door.intake_rules import (
     IntakeRules,
     accepted_group,
@@ -24,7 +25,7 @@ from grpo_fleet.learner.door.intake_rules import (
 )
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.lease_book import UNSCORED_RETURNS
-from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
+from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.learner.verify.verification import Verification
 from grpo_fleet.metrics import LearnerMetrics
@@ -63,6 +64,7 @@ class Intake:
         # can still recompute. None: every check off, every group flagged.
         self.verification = verification or Verification()
         self.handoff, self.reward_check = handoff, self.verification.reward_check
+        self.keeper = GroupKeeper(state, registry, runlog, metrics, handoff)
 
     def _kept(self) -> Optional[Collection[int]]:
         return self.verification.kept_versions()
@@ -176,7 +178,7 @@ class Intake:
         if late and records:
             self.metrics.late_groups.labels(kind="train").inc(len(records))
         for record in records:
-            self._keep(actor, record)
+            self.keeper.keep(actor, record)
             answer[record.group_id] = "accepted"
         overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
         return m.Ack(lease_id=msg.lease_id, status=overall, groups={**answer, **requeued})  # type: ignore[arg-type]  # one of Ack's statuses
@@ -261,28 +263,6 @@ class Intake:
                         group.policy_version, gap.mean, gap.max, gap.bound, gap.token_bound, gap.broke,
                         self.state.step, len(dropped), released)
 
-    def _keep(self, actor: ActorInfo, record: AcceptedGroup) -> None:
-        """Ledger, count and buffer one accepted group (zero-variance ones are counted, never trained)."""
-        state, mt = self.state, self.metrics
-        informative = record.is_informative
-        self.runlog.ledger(LedgerEntry(group_id=record.group_id, prompt_index=record.prompt_index,
-                                       actor_id=record.actor_id, actor_key=record.actor_key,
-                                       policy_version=record.policy_version, step=state.step,
-                                       zero_variance=not informative))
-        mt.groups_accepted.inc()
-        mt.tokens_accepted.inc(record.num_tokens)
-        mt.accepted_group_tokens.observe(record.num_tokens / max(1, len(record.completions)))
-        observe_episodes(record, mt)
-        self.registry.credit(actor, record.num_tokens, record.policy_version)
-        mt.staleness.observe(state.version - record.policy_version)
-        mt.group_reward.observe(float(record.rewards.mean()))
-        state.accepted_since_step += 1
-        if informative:
-            self.handoff.put(record)
-        else:
-            state.zero_variance_since_step += 1
-            mt.groups_zero_variance.inc()
-
     def blame_poisoned(self, groups: list[AcceptedGroup], stats: StepStats, step: int) -> None:
         """A non-finite loss or gradient applied no update; count it and charge the groups that caused it.
 
@@ -301,15 +281,3 @@ class Intake:
         for group in groups:
             if group.group_id in suspects and group.actor_key:
                 self.registry.record_violation(group.actor_key, f"poisoned_{suspects[group.group_id]}")
-
-
-def observe_episodes(record: AcceptedGroup, mt: LearnerMetrics) -> None:
-    """An accepted group's episodes (task.env): tokens of each kind, turns, and why each ended."""
-    for completion in record.completions:
-        if completion.mask is None:
-            continue
-        sampled = int(completion.sampled.sum())
-        mt.episode_tokens.labels(kind="sampled").inc(sampled)
-        mt.episode_tokens.labels(kind="environment").inc(len(completion.tokens) - sampled)
-        mt.episode_turns.observe(len(completion.turns or []))
-        mt.episodes_ended.labels(end=completion.end).inc()

@@ -114,7 +114,7 @@ def payload_tag(secret: bytes, purpose: str, counter: int, rank: int, arrays: It
         array = np.ascontiguousarray(array)
         kind = f"{array.dtype}:{array.shape}".encode()
         mac.update(len(kind).to_bytes(8, "little") + kind + array.nbytes.to_bytes(8, "little"))
-        mac.update(memoryview(array.reshape(-1)).cast("B"))
+        mac.update(array.reshape(-1).view(np.uint8).data)
     return mac.digest()
 
 

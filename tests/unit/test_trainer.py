@@ -16,7 +16,7 @@ from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch, split_b
 from grpo_fleet.learner.step.fused_check import check_bounds_array
 from grpo_fleet.learner.step.gap_bounds import GapBound
 from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
-from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, behaviour_correction, default_loss, policy_logprobs
+from grpo_fleet.learner.step.objective import Loss, LossOutput, behaviour_correction, default_loss, policy_logprobs
 from grpo_fleet.learner.step.schedule import learning_rate_schedule
 from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH
 from grpo_fleet.learner.step.trainer import Trainer
@@ -590,15 +590,15 @@ def test_a_lie_the_step_sees_in_its_own_forward_drops_the_step(tiny_model_dir, c
 
 
 def test_a_loss_without_the_policy_logprobs_is_still_checked_in_the_step(tiny_model_dir, contrast_completions):
-    """A custom loss_fn that returns no POLICY_LOGPROBS costs a checked step one no-grad forward, not its check."""
+    """A loss that gives no policy logprobs costs a checked step one no-grad forward, not its check."""
     policy = make_policy(tiny_model_dir, "lora")
 
-    def plain_loss(model, micro, ref, totals, **kwargs):
-        loss, stats = default_loss(model, micro, ref, totals, **kwargs)
-        return loss, {k: v for k, v in stats.items() if k != POLICY_LOGPROBS}
+    def plain_loss(model, micro, ref, totals, /, **kwargs):
+        out = default_loss(model, micro, ref, totals, **kwargs)
+        return LossOutput(out.loss, out.statistics)
 
     trainer = Trainer(policy, GRPOConfig(beta=0.0, groups_per_step=1), OptimConfig(lr=1e-3), temperature=TEMPERATURE,
-                      max_tokens=MAX_TOKENS, loss_fn=plain_loss)
+                      max_tokens=MAX_TOKENS, loss=Loss("plain", plain_loss, gives_policy_logprobs=False))
     bound = check_bounds_array([GapBound(0.001, 0.05)])
     honest = on_policy_batch(policy, *contrast_completions)
     honest.check = bound

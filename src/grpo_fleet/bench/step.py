@@ -73,9 +73,9 @@ def _phases(trainer: Trainer, groups: list[AcceptedGroup], repeats: int) -> dict
 
     def forward() -> None:
         for part, ref in zip(micro, refs):
-            loss, _ = default_loss(model, part, ref, totals, grpo=cfg, temperature=1.0, max_tokens=64,
-                                   chunk_tokens=trainer.chunk_tokens)
-            mx.eval(loss)
+            out = default_loss(model, part, ref, totals, grpo=cfg, temperature=1.0, max_tokens=64,
+                               chunk_tokens=trainer.chunk_tokens)
+            mx.eval(out.loss)
 
     gradients = trainer.accumulate(micro, refs, totals)
 

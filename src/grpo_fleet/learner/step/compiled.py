@@ -12,7 +12,8 @@ from grpo_fleet.learner.step.batch import MicroBatch
 
 # Compiled traces kept per Trainer; each holds a graph, not activations.
 MAX_COMPILED_SHAPES = 32
-GradsFn = Callable[[MicroBatch, Optional[mx.array], mx.array], tuple[mx.array, dict, dict]]
+# (loss, statistics, the loss's policy logprobs as a list of none or one, gradients)
+GradsFn = Callable[[MicroBatch, Optional[mx.array], mx.array], tuple[mx.array, dict, list[mx.array], dict]]
 
 
 def micro_arrays(micro: MicroBatch) -> tuple[mx.array, ...]:

@@ -51,7 +51,7 @@ class FrozenForwards:
         Decoupled at ppo_epochs > 1 the weights move after the first epoch, so
         pi_prox (the weights before the step) is one no-grad forward per
         micro-batch, made first. So is it for a `checked` batch (`TrainBatch.check`)
-        when a custom loss_fn returns no policy logprobs of its own: the logprob
+        when the loss gives no policy logprobs of its own (Loss.gives_policy_logprobs): the logprob
         check and screen compare against it. Otherwise they come back as they are:
         with one epoch the loss takes pi_prox from its own forward, and coupled needs none.
         """

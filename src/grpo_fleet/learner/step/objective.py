@@ -1,12 +1,16 @@
 """The loss a `Trainer` differentiates: the default GRPO objective on one micro-batch, and pi_prox on the batch's grid.
 
-The loss is a parameter of the trainer (`LossFn`), so a new objective plugs in
-without forking it; `default_loss` wraps `grpo.grpo_loss`.
+The loss is a parameter of the trainer (`Loss`), so a new objective plugs in
+without forking it; `GRPO_LOSS` (`default_loss`) wraps `grpo.grpo_loss`. A loss
+returns a declared record, `LossOutput`: its share of the batch's loss, the
+statistics it computes (only those), and the policy logprobs it saw, which the
+step's own logprob check compares with what actors reported.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,10 +23,37 @@ from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
 from grpo_fleet.learner.step.logprobs import head_logprobs
 from grpo_fleet.learner.step.offpolicy import offpolicy_stats
 
-LossFn = Callable[..., tuple[mx.array, dict]]
-# A loss's stats are scalars summed over micro-batches, except this per-token `[n, T]` entry: the
-# detached logprobs the loss saw, kept per micro-batch (the first epoch's are pi_prox).
-POLICY_LOGPROBS = "policy_logprobs"
+
+@dataclass(frozen=True)
+class LossOutput:
+    """What a loss returns for one micro-batch."""
+
+    loss: mx.array  # its share of the batch's loss: the shares of a batch's micro-batches sum to the batch's
+    statistics: dict[str, mx.array] = field(default_factory=dict)  # scalars summed over micro-batches, as computed
+    # The detached per-token logprobs `[n, T]` the loss saw (the first epoch's are pi_prox), or None: then a
+    # checked step makes them with one no-grad forward of its own.
+    policy_logprobs: Optional[mx.array] = None
+
+
+class LossFn(Protocol):
+    """A loss: this micro-batch's `LossOutput` under the model's current weights (pi_ref's logprobs when beta > 0,
+    and the batch's token and sequence totals, for a batch-global normaliser)."""
+
+    def __call__(self, model: nn.Module, micro: MicroBatch, ref_logprobs: Optional[mx.array], totals: mx.array, /,
+                 *, grpo: GRPOConfig, temperature: float, max_tokens: int, chunk_tokens: int) -> LossOutput: ...
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A loss as the trainer takes it: the function, and whether its output carries the policy logprobs.
+
+    Every loss gets the step's logprob check: one that gives no policy logprobs
+    costs a checked step one no-grad forward for them (FrozenForwards.proximal).
+    """
+
+    name: str
+    fn: LossFn
+    gives_policy_logprobs: bool
 
 
 def policy_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, temperature: float) -> mx.array:
@@ -42,9 +73,9 @@ def behaviour_correction(grpo: GRPOConfig) -> Optional[BehaviourCorrection]:
 
 
 def default_loss(
-    model: nn.Module, micro: MicroBatch, ref_logprobs: Optional[mx.array], totals: mx.array,
+    model: nn.Module, micro: MicroBatch, ref_logprobs: Optional[mx.array], totals: mx.array, /,
     *, grpo: GRPOConfig, temperature: float, max_tokens: int, chunk_tokens: int,
-) -> tuple[mx.array, dict]:
+) -> LossOutput:
     """This micro-batch's share of the batch's GRPO objective under the current weights.
 
     Decoupled, pi_prox is `micro.proximal_logprobs` when the trainer made the extra
@@ -64,7 +95,10 @@ def default_loss(
         loss_type=grpo.loss_type, max_tokens=max_tokens, total_tokens=totals[0], total_sequences=totals[1],
         proximal_logprobs=proximal, correction=correction or BehaviourCorrection(), dual_clip=grpo.dual_clip,
     )
-    return loss, {**stats, POLICY_LOGPROBS: current}
+    return LossOutput(loss, stats, policy_logprobs=current)
+
+
+GRPO_LOSS = Loss("grpo", default_loss, gives_policy_logprobs=True)
 
 
 def offpolicy_summary(
@@ -72,7 +106,7 @@ def offpolicy_summary(
 ) -> tuple[Optional[np.ndarray], dict[str, float]]:
     """The step's `offpolicy_stats` of pi_prox on the batch's `[N, L]` grid (none without a grid)."""
     if grid is None:
-        return None, {}  # a custom loss_fn that returns no POLICY_LOGPROBS, and no extra forward
+        return None, {}  # a loss that gives no policy logprobs, and no extra forward
     stats = offpolicy_stats(mx.array(grid), batch.old_logprobs, batch.mask, correction)
     return grid, {key: float(value) for key, value in stats.items()}
 

@@ -26,7 +26,7 @@ class Gradients:
     loss: mx.array
     stats: dict[str, mx.array]
     grads: dict
-    policy_logprobs: list[mx.array] = field(default_factory=list)  # POLICY_LOGPROBS per micro-batch, if any
+    policy_logprobs: list[mx.array] = field(default_factory=list)  # LossOutput.policy_logprobs per micro-batch, if any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,10 +39,10 @@ class StepStats(UpdateStats):
     train_seconds: float
     micro_batches: int
     epochs: int  # epochs attempted, the skipped one included
-    extra: dict[str, float] = field(default_factory=dict)  # stats a custom loss_fn adds
+    extra: dict[str, float] = field(default_factory=dict)  # statistics the loss computes beyond these
     proximal_seconds: float = 0.0  # the no-grad pi_prox forward (decoupled, ppo_epochs > 1); else 0
     # pi_prox at the batch's completion positions, [N, L] like TrainBatch.old_logprobs (0 elsewhere), for
-    # comparing what the learner computes with what each actor reported; None if the loss_fn returned none.
+    # comparing what the learner computes with what each actor reported; None if the loss gave none and no forward made them.
     proximal_logprobs: Optional[np.ndarray] = field(default=None, repr=False)
     # The groups the step checked or screened against its own first forward (TrainBatch.check), with their gaps;
     # when one broke its bound, `skipped` is LOGPROB_MISMATCH (or LOGPROB_SCREEN) and nothing was applied.

@@ -8,8 +8,8 @@ the loss's batch-global normaliser, so the sum equals the one-batch gradient. Gr
 and the update are separate: a non-finite loss or gradient norm skips the update
 and leaves weights and optimizer state exactly as they were.
 
-The loss is a parameter (`loss_fn`) so a new objective plugs in without forking
-the trainer; the default (objective.py) wraps `grpo.grpo_loss`.
+The loss is a parameter (`loss`, objective.py's `Loss`) so a new objective plugs in
+without forking the trainer; the default (`GRPO_LOSS`) wraps `grpo.grpo_loss`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from grpo_fleet.learner.step.forward import enable_grad_checkpoint
 from grpo_fleet.learner.step.frozen_forwards import FrozenForwards
 from grpo_fleet.learner.step.fused_check import CheckedGroup, fused_check
 from grpo_fleet.learner.step.memory import trim_cache
-from grpo_fleet.learner.step.objective import POLICY_LOGPROBS, LossFn, behaviour_correction, default_loss, offpolicy_summary
+from grpo_fleet.learner.step.objective import GRPO_LOSS, Loss, LossOutput, behaviour_correction, offpolicy_summary
 from grpo_fleet.learner.step.recheck import check_older, slowest_check
 from grpo_fleet.learner.step.rows import Sharding, SingleProcess
 from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
@@ -55,7 +55,7 @@ class Trainer:
 
     def __init__(
         self, policy: Policy, grpo: GRPOConfig, optim_cfg: OptimConfig, *, temperature: float, max_tokens: int,
-        ref_model: Optional[nn.Module] = None, loss_fn: Optional[LossFn] = None, compile: bool = False,
+        ref_model: Optional[nn.Module] = None, loss: Loss = GRPO_LOSS, compile: bool = False,
         micro_batch_tokens: int = _TRAIN_DEFAULTS.micro_batch_tokens,
         logprob_chunk_tokens: int = _TRAIN_DEFAULTS.logprob_chunk_tokens,
         grad_checkpoint: bool = _TRAIN_DEFAULTS.grad_checkpoint,
@@ -69,12 +69,19 @@ class Trainer:
         if memory_limit_bytes is not None:
             # Process-wide: MLX throttles evaluation past it, so chained chunks really run one at a time.
             mx.set_memory_limit(memory_limit_bytes)
-        self.loss_returns_logprobs = loss_fn is None or loss_fn is default_loss
+        self.loss = loss
         self.frozen = FrozenForwards(policy, grpo, ref_model, temperature=temperature,
-                                     chunk_tokens=logprob_chunk_tokens, loss_returns_logprobs=self.loss_returns_logprobs)
-        bound = partial(loss_fn or default_loss, grpo=grpo, temperature=temperature, max_tokens=max_tokens,
+                                     chunk_tokens=logprob_chunk_tokens, loss_returns_logprobs=loss.gives_policy_logprobs)
+        bound = partial(loss.fn, grpo=grpo, temperature=temperature, max_tokens=max_tokens,
                         chunk_tokens=logprob_chunk_tokens)
-        self._value_and_grad = nn.value_and_grad(policy.model, bound)
+
+        def differentiated(model: nn.Module, micro: MicroBatch, ref: Optional[mx.array],
+                           totals: mx.array) -> tuple[mx.array, dict[str, mx.array], list[mx.array]]:
+            # value_and_grad differentiates the first output; the others must be trees of arrays, not a record.
+            out: LossOutput = bound(model, micro, ref, totals)
+            return out.loss, out.statistics, [] if out.policy_logprobs is None else [out.policy_logprobs]
+
+        self._value_and_grad = nn.value_and_grad(policy.model, differentiated)
         self.optimizer = optim.AdamW(
             learning_rate=learning_rate_schedule(optim_cfg), betas=list(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
         )
@@ -90,9 +97,10 @@ class Trainer:
         return CompiledUpdate(self.policy.model, self.optimizer, self._grads, self._apply_update,
                               self.max_compiled_shapes)
 
-    def _grads(self, micro: MicroBatch, ref: Optional[mx.array], totals: mx.array) -> tuple[mx.array, dict, dict]:
-        (loss, stats), grads = self._value_and_grad(self.policy.model, micro, ref, totals)
-        return loss, stats, grads
+    def _grads(self, micro: MicroBatch, ref: Optional[mx.array],
+               totals: mx.array) -> tuple[mx.array, dict, list[mx.array], dict]:
+        (loss, stats, policy_logprobs), grads = self._value_and_grad(self.policy.model, micro, ref, totals)
+        return loss, stats, policy_logprobs, grads
 
     def _apply_update(self, grads: dict, scale: mx.array) -> mx.array:
         self.optimizer.update(self.policy.model, tree_map(lambda g: g * scale, grads))
@@ -104,15 +112,14 @@ class Trainer:
         per_token: list[mx.array] = []
         for micro, ref in zip(micro_batches, refs):
             compiled = None if self.compiled_update is None else self.compiled_update.grads(micro, ref, totals)
-            loss, stats, grads = self._grads(micro, ref, totals) if compiled is None else compiled
-            token_values = stats.pop(POLICY_LOGPROBS, None)
+            loss, stats, token_values, grads = self._grads(micro, ref, totals) if compiled is None else compiled
             part = (loss, stats, grads)
             acc = part if acc is None else tree_map(mx.add, acc, part)
             # Evaluate per micro-batch: a lazy graph over all of them would hold every activation at once.
             mx.eval(acc)
-            if token_values is not None:
+            if token_values:  # the loss's own policy logprobs (one array), kept per micro-batch
                 mx.eval(token_values)
-                per_token.append(token_values)
+                per_token.extend(token_values)
         loss, stats, grads = acc
         return Gradients(loss=loss, stats=stats, grads=grads, policy_logprobs=per_token)
 

@@ -5,7 +5,7 @@ Every group of a batch goes one of three ways (`plan`):
 - **fused**: sampled at the version the step trains from, while the live weights
   are that version's: checked inside the step against its own first forward
   (learner/step/fused_check.py), for the price of a comparison. Always. A
-  custom loss_fn that returns no policy logprobs costs the step one no-grad
+  loss that gives no policy logprobs (objective.py: Loss) costs the step one no-grad
   forward for it (FrozenForwards.proximal), so a custom loss never turns it off.
 - **forward**: an older version, flagged at intake (probation, or drawn:
   learner/verify/trust.py), or sent by a key that was banned before (it earns no

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import threading
 
-from grpo_fleet.learner.door.intake_rules import IntakeRules
 from grpo_fleet.learner.step.gap_bounds import GapBound, default_bound
-from grpo_fleet.learner.verify.gap_calibration import PendingCalibration
+from grpo_fleet.learner.verify.gap_calibration import HonestBounds, PendingCalibration
 
 MEASURED = (("bfloat16", GapBound(0.004, 0.2)),)
 
 
-def rules(calibrated: object) -> IntakeRules:
-    return IntakeRules(group_size=2, vocab_size=16, max_tokens=8, reward_bound=1.0, max_staleness=1,
-                       groups_per_step=1, requested_dtype="bfloat16", calibrated=calibrated)  # type: ignore[arg-type]
+def bounds(calibrated: object) -> HonestBounds:
+    return HonestBounds(requested_dtype="bfloat16", calibrated=calibrated)  # type: ignore[arg-type]
 
 
 def measuring_on_another_thread() -> tuple[PendingCalibration, threading.Thread, threading.Event]:
@@ -48,7 +46,7 @@ def test_the_first_caller_measures_once_and_later_ones_get_the_same_bounds() -> 
 def test_intake_waits_for_the_training_thread_that_is_measuring() -> None:
     pending, trainer, release = measuring_on_another_thread()
     got: list = []
-    waiter = threading.Thread(target=lambda: got.append(rules(pending.bounds).logprob_bound("Device(gpu, 0)")))
+    waiter = threading.Thread(target=lambda: got.append(bounds(pending.bounds).of("Device(gpu, 0)")))
     waiter.start()
     waiter.join(0.3)
     assert waiter.is_alive() and not got, "intake must not judge a group before the bound is measured"
@@ -65,7 +63,7 @@ def test_a_failed_measurement_leaves_the_fixed_ceilings() -> None:
     pending = PendingCalibration(broken)
     pending.run()
     assert pending.bounds() == ()
-    assert rules(pending.bounds).logprob_bound("Device(gpu, 0)") == default_bound("bfloat16", "float32")
+    assert bounds(pending.bounds).of("Device(gpu, 0)") == default_bound("bfloat16", "float32")
 
 
 def test_a_run_that_stops_before_measuring_releases_the_waiters_without_measuring() -> None:

@@ -383,8 +383,8 @@ def test_the_learner_calibrates_the_half_precision_bound_on_its_own_model(make: 
     ((dtype, bound),) = learner.verification.calibration.bounds()  # no training thread here: the first to ask measures
     # The tiny model's honest bf16 gaps are about 0.0015 nats: the bound sits near the floor, far under 0.15.
     assert dtype == "bfloat16" and HALF_PRECISION_MEAN_FLOOR <= bound.mean < HALF_PRECISION_BOUND / 10
-    assert learner.intake.rules.logprob_bound("Device(gpu, 0)") == bound, "an actor of unknown dtype: bf16's"
-    assert learner.intake.rules.logprob_bound("cpu") == default_bound("float32", "float32"), "fp32 keeps its own"
+    assert learner.verification.bounds.of("Device(gpu, 0)") == bound, "an actor of unknown dtype: bf16's"
+    assert learner.verification.bounds.of("cpu") == default_bound("float32", "float32"), "fp32 keeps its own"
     assert make(security={"verify_logprobs": True, "calibration_prompts": 0}).verification.calibration.bounds() == ()
 
 

@@ -174,7 +174,7 @@ class Intake:
             ticket = self.state.scheduler.finish(msg.lease_id, group.group_id)
             index = ticket.prompt_index
             records.append(accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
-        self._pick_for_logprob_checks(actor, records)
+        self.verification.mark(records, actor.principal, actor.backend)  # bounds, and who the logprob check sees
         if late and records:
             self.metrics.late_groups.labels(kind="train").inc(len(records))
         for record in records:
@@ -182,20 +182,6 @@ class Intake:
             answer[record.group_id] = "accepted"
         overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
         return m.Ack(lease_id=msg.lease_id, status=overall, groups={**answer, **requeued})  # type: ignore[arg-type]  # one of Ack's statuses
-
-    def _pick_for_logprob_checks(self, actor: ActorInfo, records: list[AcceptedGroup]) -> None:
-        """Give each informative group (only those train) its actor's bounds, and flag those to be checked.
-
-        Every group of an actor on probation is flagged; after it, a share drawn
-        from the OS's randomness (learner/verify/trust.py), so an actor cannot
-        tell which of its groups will be looked at. A group at the version the
-        step trains from is checked anyway, inside the step, whatever its flag.
-        """
-        bound = self.rules.logprob_bound(actor.backend)
-        for record in records:
-            if record.is_informative:
-                record.logprob_bound, record.token_bound = bound.mean, bound.token
-                record.check_logprobs = self.verification.trust.wants_check(actor.principal)
 
     def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
         """The learner's own rewards for every group it would accept (security.verify_rewards)."""

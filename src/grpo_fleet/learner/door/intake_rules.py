@@ -6,7 +6,7 @@ each Rollouts, and `suspect_groups` finds whom to blame for a non-finite step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,7 +16,6 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, CalibratedBounds, GapBound, actor_dtype, default_bound
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import Limits
 from grpo_fleet.protocol.reasons import RejectReason
@@ -60,25 +59,18 @@ class IntakeRules:
     max_staleness: int
     groups_per_step: int
     reward_names: frozenset[str] = frozenset()
-    requested_dtype: Optional[str] = None  # model.dtype: what every actor is told to sample in
-    learner_dtype: str = "float32"  # what the learner recomputes logprobs in
-    # Actor dtype -> the half-precision bound measured on this run's model at start (learner/verify/gap_calibration.py):
-    # the pairs, or what gives them once measured (PendingCalibration.bounds).
-    calibrated: CalibratedBounds | Callable[[], CalibratedBounds] = ()
     # The tokens that end sampling: each single-turn completion's finish_reason is checked against them. None: not.
     stop_token_ids: Optional[frozenset[int]] = None
     # task.max_episode_tokens in a run with an environment (every completion an episode, up to that long); else None.
     episode_tokens: Optional[int] = None
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, vocab_size: int, learner_dtype: str = "float32",
-                    calibrated: CalibratedBounds | Callable[[], CalibratedBounds] = (),
+    def from_config(cls, cfg: RunConfig, vocab_size: int,
                     stop_token_ids: Optional[frozenset[int]] = None) -> "IntakeRules":
         gen = cfg.generation
         return cls(group_size=gen.group_size, vocab_size=vocab_size, max_tokens=gen.max_tokens,
                    reward_bound=cfg.task.reward_bound, max_staleness=cfg.grpo.max_staleness,
                    groups_per_step=cfg.grpo.groups_per_step, reward_names=frozenset(cfg.task.rewards),
-                   requested_dtype=cfg.model.dtype, learner_dtype=learner_dtype, calibrated=calibrated,
                    stop_token_ids=stop_token_ids,
                    episode_tokens=cfg.task.max_episode_tokens if cfg.task.env else None)
 
@@ -87,20 +79,6 @@ class IntakeRules:
         return m.validate_rollouts(msg, group_size=self.group_size, vocab_size=self.vocab_size,
                                    max_tokens=self.max_tokens, reward_bound=self.reward_bound,
                                    stop_token_ids=self.stop_token_ids, episode_tokens=self.episode_tokens)
-
-    def logprob_bound(self, backend: str) -> GapBound:
-        """The honest gaps of an actor on `backend` (its Hello's) from this learner (learner/step/gap_bounds.py).
-
-        A half-precision pair takes the bound calibrated on this model: for the
-        actor's own dtype, else bfloat16's, which rounds coarsest (an actor of
-        unknown dtype is held to it too).
-        """
-        dtype = actor_dtype(self.requested_dtype, backend)
-        ceiling = default_bound(dtype, self.learner_dtype)
-        if ceiling.mean <= FLOAT32_PAIR_BOUND:
-            return ceiling
-        measured = dict(self.calibrated() if callable(self.calibrated) else self.calibrated)
-        return measured.get(dtype or "bfloat16", measured.get("bfloat16", ceiling))
 
 
 def unusable_version(msg: m.Rollouts, state: LearnerState, max_staleness: int,

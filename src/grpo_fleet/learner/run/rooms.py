@@ -66,8 +66,8 @@ class RunRooms:
                                self.registry.key_count)
         self.snapshots = SnapshotStore(policy, cfg.server.weight_chunk_bytes, metrics)
         self.make_scorer = make_scorer  # the local evaluator's rewards run in one of these too
-        rules = IntakeRules.from_config(cfg, policy.vocab_size, learner_dtype, verification.calibration.bounds,
-                                        stop_token_ids=frozenset(int(t) for t in policy.tokenizer.eos_token_ids))
+        stop = frozenset(int(t) for t in policy.tokenizer.eos_token_ids)
+        rules = IntakeRules.from_config(cfg, policy.vocab_size, stop_token_ids=stop)
         self.intake = Intake(rules, self.state, self.registry, self.leasing, self.runlog, metrics, prompt_tokens,
                              self.handoff, verification)
         self.evaluation = Evaluation(cfg, task.eval, eval_prompt_tokens or [], policy.vocab_size, self.state,

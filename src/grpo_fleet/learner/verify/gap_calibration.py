@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,10 +25,38 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
-from grpo_fleet.learner.step.gap_bounds import CalibratedBounds, GapBound, calibrated_bound
+from grpo_fleet.learner.step.gap_bounds import (
+    FLOAT32_PAIR_BOUND,
+    CalibratedBounds,
+    GapBound,
+    actor_dtype,
+    calibrated_bound,
+    default_bound,
+)
 from grpo_fleet.learner.verify.actor_checks import LogprobCheck, WeightHistory
 
 log = logging.getLogger("grpo_fleet.learner")
+
+
+@dataclass(frozen=True)
+class HonestBounds:
+    """The honest gaps an actor is held to, by the backend its Hello names (learner/step/gap_bounds.py)."""
+
+    requested_dtype: Optional[str] = None  # model.dtype: what every actor is told to sample in
+    learner_dtype: str = "float32"  # what the learner recomputes logprobs in
+    # Actor dtype -> the half-precision bound measured on this run's model at start: the pairs, or what gives them
+    # once measured (PendingCalibration.bounds).
+    calibrated: CalibratedBounds | Callable[[], CalibratedBounds] = ()
+
+    def of(self, backend: str) -> GapBound:
+        """An actor on `backend`'s bound. A half-precision pair takes the bound calibrated on this model: for the
+        actor's own dtype, else bfloat16's, which rounds coarsest (an actor of unknown dtype is held to it too)."""
+        dtype = actor_dtype(self.requested_dtype, backend)
+        ceiling = default_bound(dtype, self.learner_dtype)
+        if ceiling.mean <= FLOAT32_PAIR_BOUND:
+            return ceiling
+        measured = dict(self.calibrated() if callable(self.calibrated) else self.calibrated)
+        return measured.get(dtype or "bfloat16", measured.get("bfloat16", ceiling))
 
 
 @dataclass(frozen=True)

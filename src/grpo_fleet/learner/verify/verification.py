@@ -19,10 +19,11 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.generation import SamplingSettings
+from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, CalibratedBounds, default_bound
 from grpo_fleet.learner.verify.actor_checks import LogprobCheck, RewardCheck, WeightHistory
 from grpo_fleet.learner.verify.env_replay import EnvCalling, EnvReplay, check_verifiable
-from grpo_fleet.learner.verify.gap_calibration import PendingCalibration, calibrate
+from grpo_fleet.learner.verify.gap_calibration import HonestBounds, PendingCalibration, calibrate
 from grpo_fleet.learner.verify.trust import Trust
 from grpo_fleet.metrics import LearnerMetrics
 from grpo_fleet.model import Policy
@@ -40,6 +41,7 @@ class Verification:
     trust: Trust = field(default_factory=lambda: Trust(probation_groups=0, share=1.0))
     # The half-precision bound, measured on this model by the training thread (none measured: the fixed ceilings).
     calibration: PendingCalibration = field(default_factory=lambda: PendingCalibration(lambda: ()))
+    bounds: HonestBounds = field(default_factory=HonestBounds)  # the honest gap each actor is held to
     reward_check: Optional[RewardCheck] = None  # training groups re-scored (security.verify_rewards)
     eval_check: Optional[RewardCheck] = None  # eval rounds' groups, by the same scorer and replay
     history: Optional[WeightHistory] = None  # the versions a group may claim (security.verify_logprobs)
@@ -63,7 +65,24 @@ class Verification:
         # Measured by the training thread as it starts, not here: actors are admitted meanwhile (gap_calibration.py).
         calibration = PendingCalibration(
             lambda: calibrate_bounds(cfg, policy, prompt_tokens, learner_dtype) if check is not None else ())
-        return cls(trust, calibration, reward_check, eval_check, history, check)
+        bounds = HonestBounds(requested_dtype=cfg.model.dtype, learner_dtype=learner_dtype,
+                              calibrated=calibration.bounds)
+        return cls(trust, calibration, bounds, reward_check, eval_check, history, check)
+
+    def mark(self, records: list[AcceptedGroup], key: str, backend: str) -> None:
+        """Give each informative group of actor key `key` (only those train) its honest bound, and flag those the
+        logprob check will recompute (intake, under the lock).
+
+        Every group of an actor on probation is flagged; after it, a share drawn
+        from the OS's randomness (trust.py), so an actor cannot tell which of its
+        groups will be looked at. A group at the version the step trains from is
+        checked anyway, inside the step, whatever its flag.
+        """
+        bound = self.bounds.of(backend)
+        for record in records:
+            if record.is_informative:
+                record.logprob_bound, record.token_bound = bound.mean, bound.token
+                record.check_logprobs = self.trust.wants_check(key)
 
     def kept_versions(self) -> Optional[Collection[int]]:
         """The versions whose weights the logprob check still holds; None when it is off."""

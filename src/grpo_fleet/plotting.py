@@ -1,7 +1,7 @@
 """Training curves of a run directory as one PNG: reward, KL, throughput, staleness, off-policy gap, lengths.
 
 Reads only files the learner writes: RUN_DIR/metrics.jsonl (one line per optimizer
-step, see `learner/run/training_thread.py: BatchCycle._step_record`, and one per eval round, `"event": "eval"`)
+step, see `learner/run/batch_cycle.py: BatchCycle._step_record`, and one per eval round, `"event": "eval"`)
 and RUN_DIR/config.json (`grpo.max_staleness`, `grpo.objective`).
 Works on a run that is still going: an incomplete last line is skipped.
 """

@@ -70,8 +70,12 @@ def test_an_unknown_or_repeated_tracker_is_refused(report_to):
 
 def test_a_step_reports_its_numbers_and_leaves_out_step_null_and_text():
     scalars = scalars_of(step_record(3))
+    episodes_only = {"episode_turns_mean", "tool_calls_per_episode", "tool_call_episode_fraction",
+                     "tool_call_malformed_fraction"}  # null in a run of single replies: left out, as skipped is
     numeric = {f.name for f in dataclasses.fields(StepRecord)} - {"step", "skipped"}
-    assert set(scalars) == numeric
+    assert set(scalars) == numeric - episodes_only
+    with_episodes = scalars_of(step_record(3, **{name: 0.5 for name in episodes_only}))
+    assert set(with_episodes) == numeric
     assert scalars["reward_mean"] == 0.75 and scalars["tokens"] == 27.0 and isinstance(scalars["tokens"], float)
     assert "skipped" not in scalars_of(step_record(3, skipped="nonfinite_loss", loss=float("nan")))
     assert np.isnan(scalars_of(step_record(3, skipped="nonfinite_loss", loss=float("nan")))["loss"])

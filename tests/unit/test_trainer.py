@@ -617,3 +617,22 @@ def test_a_loss_without_the_policy_logprobs_is_still_checked_in_the_step(tiny_mo
     assert trainer.step(lying).proximal_seconds == 0.0, "unchecked, the loss's own forward is the only one"
 
 
+
+
+def test_statistics_a_loss_leaves_out_are_absent_not_zero(tiny_model_dir, contrast_completions):
+    """A loss that computes no kl, clip fraction, ratio or objective leaves them None in the step's stats (and in
+    metrics.jsonl), never 0.0; a statistic of its own goes to `extra`."""
+    policy = make_policy(tiny_model_dir, "lora")
+
+    def bare_loss(model, micro, ref, totals, /, **kwargs):
+        out = default_loss(model, micro, ref, totals, **kwargs)
+        return LossOutput(out.loss, {"entropy_proxy": out.statistics["kl"]}, out.policy_logprobs)
+
+    trainer = Trainer(policy, GRPOConfig(beta=0.0, groups_per_step=1), OptimConfig(lr=1e-3), temperature=TEMPERATURE,
+                      max_tokens=MAX_TOKENS, loss=Loss("bare", bare_loss, gives_policy_logprobs=True))
+    stats = trainer.step(on_policy_batch(policy, *contrast_completions))
+    assert (stats.kl, stats.clip_fraction, stats.ratio_mean, stats.policy_objective) == (None, None, None, None)
+    assert set(stats.extra) == {"entropy_proxy"} and stats.skipped is None and np.isfinite(stats.loss)
+    default = Trainer(policy, GRPOConfig(beta=0.0, groups_per_step=1), OptimConfig(lr=1e-3), temperature=TEMPERATURE,
+                      max_tokens=MAX_TOKENS).step(on_policy_batch(policy, *contrast_completions))
+    assert None not in (default.kl, default.clip_fraction, default.ratio_mean, default.policy_objective)

@@ -49,8 +49,9 @@ class OffPolicyStats:
     def of(cls, steps: Sequence[StepStats]) -> "OffPolicyStats":
         if not steps:
             return cls(float("nan"), float("nan"), float("nan"), float("nan"))
+        clipped = [float("nan") if s.clip_fraction is None else s.clip_fraction for s in steps]  # none: no such stat
         return cls(statistics.fmean(s.offpolicy_gap_mean for s in steps), max(s.offpolicy_gap_max for s in steps),
-                   statistics.fmean(s.clip_fraction for s in steps), statistics.fmean(s.is_capped_fraction for s in steps))
+                   statistics.fmean(clipped), statistics.fmean(s.is_capped_fraction for s in steps))
 
 
 @dataclass

@@ -112,8 +112,9 @@ def compare(model_dir: str, config_path: Optional[str], *, steps: int, seeds: Se
 
 
 def _row(staleness: int, stats: StepStats) -> tuple:
+    clipped = None if stats.clip_fraction is None else round(stats.clip_fraction, 4)  # None: the loss computes none
     return (staleness, round(stats.offpolicy_gap_mean, 4), round(stats.offpolicy_gap_max, 3),
-            round(stats.clip_fraction, 4), round(stats.is_capped_fraction, 4), round(stats.train_seconds, 1))
+            clipped, round(stats.is_capped_fraction, 4), round(stats.train_seconds, 1))
 
 
 def run(report: Report, scale: Scale) -> None:

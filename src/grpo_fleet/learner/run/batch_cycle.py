@@ -162,9 +162,10 @@ class BatchCycle:
         mt.policy_version.set(record.policy_version)
         mt.reward.set(record.reward_mean)
         mt.loss.set(record.loss)
-        mt.kl.set(record.kl)
-        mt.clip_fraction.set(record.clip_fraction)
-        mt.ratio_mean.set(record.ratio_mean)
+        for gauge, value in ((mt.kl, record.kl), (mt.clip_fraction, record.clip_fraction),
+                             (mt.ratio_mean, record.ratio_mean)):
+            if value is not None:  # a statistic the loss does not compute is not reported as 0
+                gauge.set(value)
         mt.offpolicy_gap_mean.set(record.offpolicy_gap_mean)
         mt.offpolicy_gap_max.set(record.offpolicy_gap_max)
         mt.is_capped_fraction.set(record.is_capped_fraction)

@@ -33,7 +33,7 @@ class Gradients:
 class StepStats(UpdateStats):
     """What one `Trainer.step` did; loss and stats are means over the epochs that ran."""
 
-    policy_objective: float
+    policy_objective: Optional[float] = None  # the loss's statistic (None: it computes none)
     ref_seconds: float
     update_seconds: float
     train_seconds: float

@@ -203,8 +203,10 @@ class Trainer:
         peak = int(mx.get_peak_memory())
         trim_cache(peak)
         means = {key: value / epochs for key, value in sums.items()}
-        known = {name: means.pop(name, 0.0) for name in
-                 ("loss", "kl", "clip_fraction", "grad_norm", "policy_objective", "ratio_mean")}
+        # The loss's statistics that StepStats names; one the loss leaves out stays None, not 0.0.
+        known: dict[str, float] = {"loss": means.pop("loss"), "grad_norm": means.pop("grad_norm"),
+                 **{name: means.pop(name) for name in ("kl", "clip_fraction", "policy_objective", "ratio_mean")
+                    if name in means}}
         self.sharding.end(self.policy.model)
         return StepStats(**known, **offpolicy, ref_seconds=ref_seconds, proximal_seconds=proximal_seconds,
                          update_seconds=train_seconds - ref_seconds - proximal_seconds, train_seconds=train_seconds,

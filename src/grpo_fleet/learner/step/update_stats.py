@@ -17,12 +17,13 @@ class UpdateStats:
     """
 
     loss: float
-    kl: float
-    clip_fraction: float
     grad_norm: float
+    # The loss's own statistics: None when the loss computes none such (a custom loss), never a made-up 0.
+    kl: Optional[float] = None
+    clip_fraction: Optional[float] = None
     # Mean importance ratio over the step's tokens: pi_theta / pi_behav (coupled) or pi_theta / pi_prox
     # (decoupled; 1 at ppo_epochs = 1).
-    ratio_mean: float
+    ratio_mean: Optional[float] = None
     # offpolicy.offpolicy_stats of pi_prox (the weights before this step) against the actors' pi_behav:
     # |log pi_prox - log pi_behav| over the step's tokens (staleness and numerical mismatch together), and the
     # share of tokens whose behaviour weight grpo.is_cap truncated or masked (0 under the coupled objective).

@@ -8,7 +8,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # this CPU can run (src/grpo_fleet/blas.py: LD_PRELOAD and OPENBLAS_CORETYPE, as the CLI sets them for itself).
 BLAS_ENV = $$($(PY) -m grpo_fleet.blas)
 
-.PHONY: demo demo-real test test-fast test-deps lint docs reference bench bench-full doctor system-deps clean readme
+.PHONY: demo demo-real test test-fast test-deps llamacpp lint docs reference bench bench-full doctor system-deps clean readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,23 @@ docs: $(VENV)/.installed
 reference: $(VENV)/.installed
 	$(PY) -m grpo_fleet.docs_reference
 
+# llama.cpp itself, the reader the export tests check GGUFs with (and `export --gguf q4_k_m`'s quantizer).
+# llama-cpp-python is built from source (37 minutes measured, one job at low priority on a busy 2-core VM), so its
+# wheel is built once into WHEEL_CACHE, outside the venv, and every later venv installs it from there in seconds.
+# A failed build only skips those tests.
+WHEEL_CACHE ?= $(HOME)/.cache/grpo-fleet/wheels
+LLAMACPP_VERSION := 0.3.36
+llamacpp: $(VENV)/.installed
+	@if ! $(PY) -c "import llama_cpp" 2>/dev/null; then \
+	  if ! ls $(WHEEL_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1; then \
+	    echo "building llama-cpp-python $(LLAMACPP_VERSION) once into $(WHEEL_CACHE) (up to about 40 minutes on 2 cores)"; \
+	    CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip wheel --quiet --no-deps -w $(WHEEL_CACHE) \
+	      llama-cpp-python==$(LLAMACPP_VERSION) || echo "warning: llama-cpp-python did not build; the llama.cpp tests will be skipped"; \
+	  fi; \
+	  $(PY) -m pip install --quiet --only-binary llama-cpp-python --find-links $(WHEEL_CACHE) llama-cpp-python==$(LLAMACPP_VERSION) \
+	    || echo "warning: could not install llama-cpp-python; the llama.cpp tests will be skipped"; \
+	fi
+
 # pytest-xdist: most integration tests wait on their processes, so four workers keep two cores busy
 # (measured on 2 cores: 3 workers 650 s at 188% CPU, 4 workers 613 s at 193%).
 # One BLAS thread per process: the workers and their children already fill the cores, and OpenBLAS's
@@ -75,7 +92,7 @@ reference: $(VENV)/.installed
 # hundred learner and actor processes, and each would otherwise compile grpo_fleet anew (and every
 # worker rewrite every test module's asserts).
 TEST_WORKERS ?= 4
-test: test-deps $(VENV)/.installed lint docs
+test: test-deps $(VENV)/.installed llamacpp lint docs
 	env -u PYTHONDONTWRITEBYTECODE $(BLAS_ENV) OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=0 --durations-min=1 $(PYTEST_ARGS)
 
 test-fast: test-deps $(VENV)/.installed

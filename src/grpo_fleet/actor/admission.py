@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, get_args
 
-from grpo_fleet.config import LoraConfig, ModelConfig
 from grpo_fleet.app_stores import is_app_path
+from grpo_fleet.config import LoraConfig, ModelConfig
 from grpo_fleet.generation import TruncatedSamplingError, refuse_truncated_sampling
 from grpo_fleet.gguf import GGUFError
 from grpo_fleet.model import model_digest

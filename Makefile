@@ -111,5 +111,5 @@ doctor: system-deps $(VENV)/.installed
 clean:
 	rm -rf $(VENV) runs site .pytest_cache .hypothesis .mypy_cache .ruff_cache
 
-readme: $(VENV)/.installed
-	$(PY) -c "from grpo_fleet.config import refresh_readme; refresh_readme('README.md')"
+# The README's configuration table and metrics moved to docs/reference/: `make readme` regenerates those.
+readme: reference

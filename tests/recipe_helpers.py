@@ -1,4 +1,4 @@
-"""The README's GSM8K recipe (configs/qwen2.5-0.5b-gsm8k-mac.toml) made to run on the self-built tiny model.
+"""The GSM8K recipe of docs/several-macs.md (configs/qwen2.5-0.5b-gsm8k-mac.toml) made to run on the self-built tiny model.
 
 Shared by the recipe test and the test that launches the shipped deploy/fleet.toml,
 which runs that recipe.

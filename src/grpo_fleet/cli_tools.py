@@ -195,7 +195,7 @@ def _simulate(args: argparse.Namespace) -> int:
                         **{k: v for k, v in given.items() if v is not None})
     shape = PlanShape(group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                       completion_tokens=args.completion_tokens, rules=FleetRules(groups_per_step=args.groups_per_step))
-    if args.lengths:  # drawn lengths: refilled rows or not, at the first --ranks (Markdown, the README's)
+    if args.lengths:  # drawn lengths: refilled rows or not, at the first --ranks (Markdown, docs/simulator.md's)
         try:
             shape = replace(shape, lengths=parse_lengths(args.lengths, args.completion_tokens))
         except ValueError as exc:
@@ -204,7 +204,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print(render_lengths(plan_lengths(inputs, shape, args.actors, args.ranks[0]), inputs, shape, args.ranks[0]))
         return 0
     result = plan(inputs, shape, args.actors, args.ranks)
-    if args.on_off:  # the same fleet with verification on and off, as a Markdown table (the README's)
+    if args.on_off:  # the same fleet with verification on and off, as a Markdown table (docs/simulator.md's)
         print(render_on_off(result, plan(replace(inputs, logprob_check=False), shape, args.actors, args.ranks)))
         return 0
     print(render(result, inputs, shape))

@@ -230,7 +230,7 @@ class GRPOConfig(_Section):
         "without it (dr_grpo with true is refused).",
     )
     objective: Literal["coupled", "decoupled"] = Field(
-        "coupled",  # measured ahead of decoupled on the real model at staleness 1 and 4 (README, bench/RESULTS.md)
+        "coupled",  # measured ahead of decoupled on the real model at staleness 1 and 4 (docs/learner-step.md, bench/RESULTS.md)
         description="'coupled': clip pi_theta / pi_behav, the actor's logprobs (PPO as if on-policy). 'decoupled' "
         "(AReaL): clip pi_theta / pi_prox, the learner's policy before this step's update, and weight each token by "
         "pi_prox / pi_behav (detached, capped by is_cap), so stale groups neither lose their gradient to the clip nor "
@@ -427,8 +427,8 @@ class ServerConfig(_Section):
         description="Longest a lease is held: one past its deadline whose actor is still at work (heard from "
         "within 3 heartbeats: actors heartbeat between decoding steps) gets another lease_seconds, up to this long "
         "after it was issued, so long answers are not done twice; then it is re-queued. Default: 3 x "
-        "lease_seconds; set it to lease_seconds to never extend a lease. A late result still counts (README: "
-        "Faults).",
+        "lease_seconds; set it to lease_seconds to never extend a lease. A late result still counts (docs/faults.md: "
+        "Leases).",
     )
     max_groups_per_lease: int = Field(4, ge=1, description="Upper bound on prompts in one lease.")
     in_flight_steps: int = Field(
@@ -645,7 +645,8 @@ class DistributedConfig(_Section):
         False,
         description="The network between the ranks is yours alone: allow ring hostfile addresses that are not "
         "loopback, RFC 1918, ULA or link-local, and a ring beyond this machine without keys. MLX's ring carries "
-        "the config, weights and batches in clear and accepts whoever connects first (README, 'Who may join the ring').",
+        "the config, weights and batches in clear and accepts whoever connects first (docs/data-parallel.md, "
+        "'Who may join the ring').",
     )
     door_port: int = Field(
         32322, ge=1, le=65535,
@@ -734,7 +735,7 @@ class ConfigError(ValueError):
 
 
 # What pydantic says about a field, made to say what to do about it.
-_HINTS = {"extra_forbidden": "not a known key (a typo? README's configuration reference lists every key)"}
+_HINTS = {"extra_forbidden": "not a known key (a typo? docs/reference/configuration.md lists every key)"}
 
 
 def describe_errors(exc: ValidationError) -> str:
@@ -812,7 +813,8 @@ def _default_text(field_info: Any) -> str:
 
 
 def config_reference(root: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every leaf field, from the docstrings in this file."""
+    """(dotted key, default, description) for every leaf field, from the docstrings in this file: the rows of
+    docs/reference/configuration.md (grpo_fleet.docs_reference, `make reference`)."""
     rows: list[tuple[str, str, str]] = []
     for name, info in root.model_fields.items():
         annotation = info.annotation
@@ -822,21 +824,3 @@ def config_reference(root: type[BaseModel] = RunConfig, prefix: str = "") -> lis
         else:
             rows.append((key, _default_text(info), info.description or ""))
     return rows
-
-
-def config_reference_markdown() -> str:
-    """The README's configuration table."""
-    lines = ["| key | default | meaning |", "|---|---|---|"]
-    lines += [f"| `{key}` | {default} | {text} |" for key, default, text in config_reference()]
-    return "\n".join(lines)
-
-
-def refresh_readme(path: str | Path) -> bool:
-    """Rewrite the config table between the README's markers; True when it changed."""
-    start, end = "<!-- config-reference:start (regenerate: make readme) -->\n", "\n<!-- config-reference:end -->"
-    text = Path(path).read_text()
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    updated = head + start + config_reference_markdown() + end + tail
-    Path(path).write_text(updated)
-    return updated != text

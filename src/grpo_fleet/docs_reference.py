@@ -1,7 +1,7 @@
 """The manual's generated references (docs/reference/): the configuration and the metrics, written from the code.
 
 Each page keeps its prose by hand and its tables between markers; `make reference`
-(`python -m grpo_fleet.docs_reference`) rewrites the tables, and `--check`, run by
+(or `make readme`, its older name; `python -m grpo_fleet.docs_reference`) rewrites the tables, and `--check`, run by
 `make docs` and `make test`, fails when a page no longer says what the code does:
 a config field or a metric added, renamed, or described anew.
 """
@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Optional, cast
 
 from prometheus_client import CollectorRegistry
 
-from grpo_fleet.config import config_reference_markdown
+from grpo_fleet.config import config_reference
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -49,6 +49,13 @@ def metric_docs(registry: CollectorRegistry) -> list[MetricDoc]:
             docs.append(MetricDoc(name, family.type, tuple(label for label in labels if label != "le"),
                                   family.documentation))
     return docs
+
+
+def config_table() -> str:
+    """Every config key with its default and meaning, from the field descriptions in config.py."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{key}` | {default} | {text} |" for key, default, text in config_reference()]
+    return "\n".join(lines)
 
 
 def metrics_table(docs: Iterable[MetricDoc]) -> str:
@@ -100,7 +107,7 @@ METRIC_SECTIONS: dict[str, Callable[[], CollectorRegistry]] = {
 def generated_sections() -> dict[str, dict[str, str]]:
     """Page (relative to docs/) -> section name -> the text between that section's markers."""
     return {
-        "reference/configuration.md": {"config": config_reference_markdown()},
+        "reference/configuration.md": {"config": config_table()},
         "reference/metrics.md": {name: metrics_table(metric_docs(make())) for name, make in METRIC_SECTIONS.items()},
     }
 

@@ -147,7 +147,7 @@ def test_demo_stops_with_the_reason_when_a_process_exits(
 
 
 def users_episode_config(folder: Path, env_source: str) -> None:
-    """What the README's episode section has a user write: an environment file beside their config."""
+    """What docs/environments.md has a user write: an environment file beside their config."""
     folder.mkdir()
     (folder / "lengths.py").write_text(env_source)
     demos = Path(__file__).resolve().parents[2] / "src/grpo_fleet/demos/smollm2-135m-instruct"

@@ -1,4 +1,4 @@
-"""The README's GSM8K recipe (configs/qwen2.5-0.5b-gsm8k-mac.toml) end to end on the self-built tiny model.
+"""The GSM8K recipe of docs/several-macs.md (configs/qwen2.5-0.5b-gsm8k-mac.toml) end to end on the self-built tiny model.
 
 A local `datasets` dataset in GSM8K's shape, a user reward file, eval leases and
 samples, real processes; an actor with a different copy of the reward file is refused.

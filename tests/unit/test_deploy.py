@@ -1,4 +1,5 @@
-"""The deploy/ templates parse and say what the README promises: restart on crash, the right flags, SD."""
+"""The deploy/ templates parse and say what the manual promises (docs/several-macs.md, docs/metrics.md): restart on
+crash, the right flags, SD."""
 
 from __future__ import annotations
 

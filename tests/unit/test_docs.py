@@ -67,6 +67,15 @@ def test_every_module_the_manual_names_exists():
     assert missing == []
 
 
+def test_the_architecture_page_names_every_folder_of_the_package():
+    """The map a newcomer reads first leaves no room out: every package folder and every floor of learner/."""
+    text = (DOCS / "architecture.md").read_text()
+    package = ROOT / "src" / "grpo_fleet"
+    folders = [path.relative_to(package).as_posix() for path in [*package.iterdir(), *(package / "learner").iterdir()]
+               if path.is_dir() and (path / "__init__.py").exists()]
+    assert [folder for folder in folders if f"{folder}/" not in text and f"{folder.split('/')[-1]}/" not in text] == []
+
+
 def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page():
     config = _mkdocs_config()
     assert config["strict"] is True

@@ -1,6 +1,6 @@
 """The house's layering rules, read from the source with `ast`: who may import zmq, and who may import whom.
 
-The rules (the README's "Layout" section says the same for a newcomer):
+The rules (docs/architecture.md, "Where things live", says the same for a newcomer):
 - networking lives only in protocol/ and the two event loops;
 - the learner's folders are floors, top to bottom LEARNER_FLOORS: an import points down (or stays in its
   folder) only, type-level (`if TYPE_CHECKING:`) and lazy (inside a function) imports included. The step

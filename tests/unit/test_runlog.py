@@ -11,7 +11,7 @@ from grpo_fleet.learner.records.runlog import LedgerEntry, LogSizes, RunLog, Ste
 from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.learner.step.update_stats import UpdateStats
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+RUN_FILES = Path(__file__).resolve().parents[2] / "docs" / "reference" / "run-files.md"
 
 
 def _record(step: int) -> StepRecord:
@@ -72,8 +72,8 @@ def test_a_step_line_keeps_every_stat_of_the_update_and_the_trainer_hands_each_o
     assert {name: getattr(record, name) for name in update} == {name: getattr(stats, name) for name in update}
 
 
-def test_the_readme_lists_every_step_record_key():
-    text = README.read_text()
+def test_the_run_files_reference_lists_every_step_record_key():
+    text = RUN_FILES.read_text()
     listed = text[text.index("Each step appends one JSON line"):text.index("Every accepted group appends")]
     assert set(re.findall(r"`(\w+)`", listed)) >= {f.name for f in fields(StepRecord)}
 

@@ -19,7 +19,7 @@ from grpo_fleet.learner.records.samples import SampleLog, extremes_first, pick_s
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
 from grpo_fleet.samples_view import SamplesRead, format_row, format_samples, read_last_rows, row_from_json, wrapped
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+RUN_FILES = Path(__file__).resolve().parents[2] / "docs" / "reference" / "run-files.md"
 HOSTILE = "\x1b[2J\x1b[31mred\rforged\x00 line\nsecond \\ line"
 
 
@@ -205,7 +205,7 @@ def test_the_cli_refuses_a_missing_run_or_file_with_exit_2(tmp_path, capsys):
     assert exc.value.code == 2
 
 
-def test_the_readme_lists_every_sample_row_key():
-    text = README.read_text()
-    listed = text[text.index("appends a few lines to `RUN_DIR/samples.jsonl`"):text.index("## Metrics")]
+def test_the_run_files_reference_lists_every_sample_row_key():
+    text = RUN_FILES.read_text()
+    listed = text[text.index("appends a few lines to `RUN_DIR/samples.jsonl`"):]  # the page's last section
     assert set(re.findall(r"`(\w+)`", listed)) >= {f.name for f in fields(SampleRow)}

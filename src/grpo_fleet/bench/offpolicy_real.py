@@ -14,7 +14,7 @@ the cap fraction.
 NATURAL_LAG is what the demo's fleet sees: two actors keep `in_flight_steps`
 batches out, and with the real model the learner waits on generation, so a
 group trains about one version after the one that sampled it (the tiny demo,
-whose learner is the slower side, averages about 2: README).
+whose learner is the slower side, averages about 2: docs/learner-step.md).
 """
 
 from __future__ import annotations

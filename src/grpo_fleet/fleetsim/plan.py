@@ -130,7 +130,7 @@ def render(result: Plan, inputs: PlanInputs, shape: PlanShape) -> str:
         lines.append(f"{count:>6} | " + " | ".join(f"{3600 * c.steps_per_second:>14.1f}" for c in cells))
     lines.append("one learner saturates at: " + ", ".join(
         f"{result.saturating_actors[r]} actors ({r} rank{'s' if r > 1 else ''})" for r in ranks))
-    lines.append("A model, not a measurement: see README 'When one learner Mac is not enough'.")
+    lines.append("A model, not a measurement: see docs/simulator.md.")
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@
 Decode speeds are batch-1 tokens/s of 4-bit models from lablup/mlxcel's
 benchmark tables (docs/benchmark_results/model_tests.md, "Decode Speed
 Summary", mlxcel 0.2.1 on MLX 0.32-dev, 2026-06-15; mlxcel's decode is 96-99%
-of mlx-lm's on the same hosts, README "Decode"). Where the issue that asked for
+of mlx-lm's on the same hosts, docs/simulator.md, "Actor speeds"). Where the issue that asked for
 this simulator quoted mlx-lm 0.31 itself (Qwen2.5-0.5B-Instruct 4-bit: 315 on
 an M1 Ultra, 637 on an M5 Max; 7B: 111 and 124), those figures are used.
 An actor decodes a group's G completions as one batch; on Apple GPUs a small

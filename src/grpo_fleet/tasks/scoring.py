@@ -1,6 +1,6 @@
 """How a group's completions become rewards, and what happens when a reward misbehaves.
 
-The policy, in one place (the README's "Your own rewards" says the same):
+The policy, in one place (docs/tasks.md, "Your own rewards", says the same):
 
 - A completion's reward is the weighted sum of the rewards that scored it. A
   reward that returns None has no opinion on that completion and adds nothing

@@ -6,7 +6,7 @@ length and reward: some stop after two lines, some repeat "China" until the
 budget runs out, some list twenty real countries. SmolLM2-135M-Instruct at
 temperature 0.7 held reward variance in every group probed, which is what GRPO
 needs; reasoning tasks give a model this small no signal at all (see the
-README's long-answer section).
+docs/getting-started.md, "Long answers").
 
 A country counts once under any of its common names ("USA", "United States of
 America"), with or without a list marker ("3. Peru", "- Peru").

@@ -155,7 +155,7 @@ class Intake:
             if refusal is None:
                 self.state.scheduler.requeue(msg.lease_id, group_id)
         self.metrics.rejections.labels(reason=reason).inc(len(msg.groups))
-        for group in msg.groups:  # do long completions come back too late more often? (README: staleness)
+        for group in msg.groups:  # do long completions come back too late more often? (docs/learner-step.md: Staleness)
             self.metrics.stale_group_tokens.observe(mean_completion_tokens(group))
         return m.Ack(lease_id=msg.lease_id, status="stale", reason=reason,
                      groups={**{g: "stale" for g in refused}, **requeued})

@@ -101,7 +101,7 @@ def admit_ranks(ranks: RankGroup, cfg: RunConfig) -> None:
         except (OSError, ValueError) as exc:  # no learner key in keys_dir, or not a key
             raise RingRefused(f"rank 0: cannot open the ring door: {exc}") from None
     else:
-        log.warning("rank 0: the ranks are not authenticated (%s); see the README's 'Who may join the ring'",
+        log.warning("rank 0: the ranks are not authenticated (%s); see docs/data-parallel.md, 'Who may join the ring'",
                     "no security.keys_dir" if endpoint else "the ring door covers the ring backend only")
     failed = prove_ring(ranks)
     if failed:

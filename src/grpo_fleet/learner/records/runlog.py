@@ -28,7 +28,8 @@ SAMPLES_FILE = "samples.jsonl"
 
 @dataclass(frozen=True, kw_only=True)
 class StepRecord(UpdateStats):
-    """One learner step, as its metrics.jsonl line (the README lists these keys): the update's stats and the batch's."""
+    """One learner step, as its metrics.jsonl line (docs/reference/run-files.md lists these keys): the update's stats
+    and the batch's."""
 
     step: int
     policy_version: int

@@ -61,11 +61,11 @@ lint: $(VENV)/.installed
 # generated reference (docs/reference/) that no longer says what the code does (`make reference` rewrites them).
 # Not --quiet: it hides the warnings that strict mode counts, and the build would pass.
 docs: $(VENV)/.installed
-	$(PY) -m grpo_fleet.docs_reference --check
+	$(PY) -m grpo_fleet.docs_reference --check --docs docs
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 reference: $(VENV)/.installed
-	$(PY) -m grpo_fleet.docs_reference
+	$(PY) -m grpo_fleet.docs_reference --docs docs
 
 # llama.cpp itself, the reader the export tests check GGUFs with (and `export --gguf q4_k_m`'s quantizer).
 # llama-cpp-python is built from source (37 minutes measured, one job at low priority on a busy 2-core VM), so its

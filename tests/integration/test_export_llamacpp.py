@@ -73,9 +73,11 @@ def test_smollm2_with_adapters_continues_in_llamacpp_as_in_mlx_lm(smollm2_gguf: 
     from grpo_fleet.bench.export_gguf import trained_run
 
     run = trained_run(tmp_path / "run")
-    # 16 prompts each keeps the test near 2.5 minutes on 2 cores. Q8_0: measured 9/16 (23/32 over all 32); a GGUF read
-    # wrongly would agree on none.
-    for quant, least in (("f16", 16), ("q8_0", 8)):
+    # 16 prompts each keeps the test near 2.5 minutes on 2 cores. f16: measured 16/16 alone and 14/16 in a fresh
+    # clone's make test (238 of 256 tokens before the first difference): greedy decoding parts at near-ties, so a
+    # near-tie's side is no bound; the per-family test above holds the logits to 0.1. Q8_0: measured 9/16 (23/32
+    # over all 32). A GGUF read wrongly agrees on none.
+    for quant, least in (("f16", 12), ("q8_0", 6)):
         result = export_run(ExportRequest(path=str(run), out=str(tmp_path / quant), gguf=quant))
         assert result.gguf is not None
         tokenizer = load(str(result.mlx_dir))[1]

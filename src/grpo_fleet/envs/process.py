@@ -157,9 +157,6 @@ class EnvProcess:
             answered, self._answered = self._answered, []
             return answered
 
-    def pending(self) -> int:
-        return sum(len(calls) for calls in self._pending.values())
-
     def run_envs(self, calls: EnvCalls, max_seconds: Optional[float] = None) -> list[EnvAnswer]:
         """One answer per call, in order; if the child hangs or dies, every call still waiting fails.
 

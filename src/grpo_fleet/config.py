@@ -384,6 +384,15 @@ class TrainConfig(_Section):
         "recomputed in the backward pass, and chunks run one after another, so logits never exist for the "
         "whole batch (256 x 151,936 fp32 logits are 156 MB; a chunk's backward holds about two such buffers).",
     )
+    attention_chunk_tokens: int = Field(
+        0, ge=0,
+        description="Queries per chunk of the learner's causal attention on rows longer than this: each chunk "
+        "meets only the keys up to its own end (the masked half is never computed), and the backward pass "
+        "recomputes a chunk's probabilities instead of keeping them, so attention's memory grows linearly with a "
+        "row's length, not quadratically (learner/step/attention.py). Off (0, mlx-lm's own attention) by default: on this "
+        "CPU at 572-token rows it cut a step's peak memory by 20% and the pi_ref forward by 6%, but the step as a "
+        "whole was not faster (bench/RESULTS.md).",
+    )
     memory_limit_gb: Optional[float] = Field(
         None, gt=0,
         description="mx.set_memory_limit for the learner process, in GiB: past it, MLX waits for queued work to finish "

@@ -26,6 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
+from grpo_fleet.learner.step.attention import use_chunked_attention
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
 from grpo_fleet.learner.step.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
 from grpo_fleet.learner.step.forward import enable_grad_checkpoint
@@ -59,6 +60,7 @@ class Trainer:
         micro_batch_tokens: int = _TRAIN_DEFAULTS.micro_batch_tokens,
         logprob_chunk_tokens: int = _TRAIN_DEFAULTS.logprob_chunk_tokens,
         grad_checkpoint: bool = _TRAIN_DEFAULTS.grad_checkpoint,
+        attention_chunk_tokens: int = _TRAIN_DEFAULTS.attention_chunk_tokens,
         memory_limit_bytes: Optional[int] = None, max_compiled_shapes: int = MAX_COMPILED_SHAPES,
     ) -> None:
         self.policy, self.grpo, self.optim_cfg = policy, grpo, optim_cfg
@@ -66,6 +68,7 @@ class Trainer:
         self.micro_batch_tokens, self.chunk_tokens = micro_batch_tokens, logprob_chunk_tokens
         if grad_checkpoint:
             enable_grad_checkpoint(policy.model)
+        use_chunked_attention(policy.model, attention_chunk_tokens)
         if memory_limit_bytes is not None:
             # Process-wide: MLX throttles evaluation past it, so chained chunks really run one at a time.
             mx.set_memory_limit(memory_limit_bytes)
@@ -250,7 +253,7 @@ def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.M
         policy, cfg.grpo, with_decay_steps(cfg), temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
         ref_model=ref_model, compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
         logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
-        memory_limit_bytes=train.memory_limit_bytes,
+        attention_chunk_tokens=train.attention_chunk_tokens, memory_limit_bytes=train.memory_limit_bytes,
     )
 
 

@@ -88,7 +88,7 @@ def test_a_deadline_kills_a_hang_and_close_from_another_thread_ends_a_batch_at_o
         assert not worker.is_alive() and time.monotonic() - stopping < 5
         assert in_flight[0][1].failure == "crashed" and "closed" in in_flight[0][1].detail
         (after,) = process.run_envs(EnvCalls([EnvCall(3, "init", ({}, PROMPT))]))
-        assert after.failure == "crashed" and "closed" in after.detail and process.child is None  # none restarted
+        assert after.failure == "crashed" and "closed" in after.detail and process.child.pid is None  # none restarted
     finally:
         process.close()
 

@@ -128,12 +128,12 @@ class EnvProcess:
     def run_envs(self, calls: EnvCalls, max_seconds: Optional[float] = None) -> list[EnvAnswer]:
         """One answer per call, in order; if the child hangs or dies, every call still waiting fails.
 
-        `max_seconds`: the most to wait for the batch (its calls' summed timeouts by default); past it the
-        child is killed, as for a hang."""
+        `max_seconds`: the most to wait for the batch (its calls' summed timeouts by default), from when the
+        child has it (a fresh child's start is not the calls' time); past it the child is killed, as for a hang."""
         wait = batch_deadline(calls, self.setup.timeout_seconds)
         limit = wait if max_seconds is None else min(wait, max_seconds)
-        deadline = time.monotonic() + limit
         self.submit(calls)
+        deadline = time.monotonic() + limit
         found: dict[int, deque[EnvAnswer]] = {}
         expected = Counter(call.episode for call in calls.calls)
         outstanding = len(calls.calls)

@@ -111,12 +111,13 @@ def call_deadline(seconds: float) -> Iterator[None]:
     """Interrupt the Python code inside after `seconds` with CallTimedOut (a SIGALRM timer: the main thread only).
 
     Code that blocks the signal, or waits in C, is left to the parent's deadline, which kills the child."""
-    signal.signal(signal.SIGALRM, _ring)
+    previous = signal.signal(signal.SIGALRM, _ring)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # ---------------------------------------------------------------------- in the parent

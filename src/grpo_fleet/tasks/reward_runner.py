@@ -45,7 +45,7 @@ class RewardsRefused(ChildRefused):
     """The rewards cannot be loaded here: a missing module, an import error, an unknown name."""
 
 
-def load_functions(rewards: RewardSet) -> list[RewardFn]:
+def _load_functions(rewards: RewardSet) -> list[RewardFn]:
     """The rewards' functions, here; RewardsRefused when they cannot be loaded."""
     try:
         return load_rewards(rewards.names, rewards.module)
@@ -103,7 +103,7 @@ class InlineScorer:
 
     def __init__(self, rewards: RewardSet) -> None:
         self.rewards = rewards
-        self.functions = load_functions(rewards)
+        self.functions = _load_functions(rewards)
 
     def score(self, jobs: Sequence[ScoringJob]) -> list[GroupScore]:
         return [score_job(self.rewards, self.functions, job, plain_call) for job in jobs]
@@ -116,7 +116,7 @@ class InlineScorer:
 
 
 def _load(rewards: RewardSet) -> tuple[RewardSet, list[RewardFn]]:
-    return rewards, load_functions(rewards)
+    return rewards, _load_functions(rewards)
 
 
 def _serve(conn: Connection, loaded: tuple[RewardSet, list[RewardFn]]) -> None:
@@ -160,7 +160,7 @@ class ScoringProcess:
             if refusal is not None:  # no child would start: every job left is unscorable, none crashes us
                 return results + [GroupScore(failure=RewardFailure("*", RewardError.CRASHED, refusal))
                                   for _ in pending]
-            while pending and self.child.pid is not None:
+            while pending and self.child.pid is not None:  # none held once it was killed or found dead
                 answer = self._receive(pending[0])
                 if answer is None and not retried:
                     retried = True  # the child is gone: the outer loop hands the rest to a fresh one

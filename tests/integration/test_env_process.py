@@ -88,7 +88,7 @@ def test_a_deadline_kills_a_hang_and_close_from_another_thread_ends_a_batch_at_o
         assert not worker.is_alive() and time.monotonic() - stopping < 5
         assert in_flight[0][1].failure == "crashed" and "closed" in in_flight[0][1].detail
         (after,) = process.run_envs(EnvCalls([EnvCall(3, "init", ({}, PROMPT))]))
-        assert after.failure == "crashed" and "closed" in after.detail and process.child is None  # none restarted
+        assert after.failure == "crashed" and "closed" in after.detail and process.child.pid is None  # none restarted
     finally:
         process.close()
 
@@ -148,3 +148,41 @@ def test_a_call_stuck_in_c_times_out_alone_and_the_others_go_on(tmp_path: Path) 
         assert stuck.failure == "timeout" and "1s" in stuck.detail and fine.step is not None
         (later,) = process.run_envs(_inits(range(5, 6)))
         assert later.failure is None and process.restarts == 0  # its thread was written off, the process kept
+
+
+SLOW_LOADING_ENV = '''
+import os, time
+if os.path.exists(os.environ["GRPO_FLEET_TEST_MARKER"]):  # from the second child on: a slow import
+    time.sleep(2.5)
+''' + ENV
+
+
+def test_a_batch_deadline_runs_from_when_the_child_has_the_batch(tmp_path: Path, monkeypatch) -> None:
+    """A fresh child's start is not the calls' time: a restart slower than the batch's deadline (a loaded machine,
+    a heavy import) once failed the batch that started it as a timeout."""
+    path, marker = tmp_path / "slow_moody.py", tmp_path / "slow"
+    path.write_text(SLOW_LOADING_ENV)
+    monkeypatch.setenv("GRPO_FLEET_TEST_MARKER", str(marker))  # the spawned children inherit it
+    process = EnvProcess(EnvSetup(module=str(path), class_name="Moody", timeout_seconds=0.5))
+    try:
+        assert [a.failure for a in process.run_envs(_calls(1, "die"))] == ["crashed", "crashed"]
+        marker.touch()
+        init, step = process.run_envs(_calls(2, "ok"), max_seconds=2.0)  # the restart alone takes over 2.5 s
+        assert init.failure is None and step.step is not None and process.restarts == 1
+    finally:
+        process.close()
+
+
+def test_the_calls_a_dead_child_held_fail_when_the_next_batch_restarts_it(tmp_path: Path) -> None:
+    """A child that died while its calls waited, found dead by the next submit: those calls fail at once, and the
+    fresh child is kept (they once waited out the silence deadline, which then killed the fresh child too)."""
+    with _moody(tmp_path, timeout_seconds=5.0) as process:
+        assert process.run_envs(_inits(range(1, 2)))[0].failure is None
+        process.submit(EnvCalls([EnvCall(1, "step", "die")]))
+        deadline = time.monotonic() + 10
+        while process.child.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        process.submit(_inits(range(2, 3)))
+        answers = {a.episode: a for a in _collected(process, 2, within=5.0)}
+        assert answers[1].failure == "crashed" and "died" in answers[1].detail and answers[2].failure is None
+        assert process.restarts == 1 and process.child.running

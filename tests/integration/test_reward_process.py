@@ -119,8 +119,8 @@ def test_a_reward_that_kills_its_process_fails_only_its_group(module: str, tmp_p
 
 
 def child_pid(scorer: ScoringProcess) -> int:
-    assert scorer._process is not None and scorer._process.pid is not None
-    return scorer._process.pid
+    assert scorer.child.pid is not None
+    return scorer.child.pid
 
 
 def _kill_and_wait(pid: int, signum: int) -> None:
@@ -226,7 +226,7 @@ def main():
     job = ScoringJob(prompt="p", columns={"answer": "42"}, completions=("42",))
     scorer.score([job])  # the reward process is up and serving, as an actor's is when Ctrl-C comes
     try:  # entered before the line goes out: the test's Ctrl-C may land before print() returns
-        print("child", scorer._process.pid, flush=True)
+        print("child", scorer.child.pid, flush=True)
         # The Ctrl-C lands here, in C code that checks no signal (a scan: about 0.3 s). Python runs the
         # handler only at its next check, so a wait must check again soon: one sleep(60) here waited out
         # its 60 s (the test timed out after 30 s, once in a fresh-clone make test, when the Ctrl-C fell
@@ -236,7 +236,7 @@ def main():
             time.sleep(0.05)
     except KeyboardInterrupt:
         # What an actor does on Ctrl-C: finish in order, which still needs its reward process.
-        print("scored", scorer.score([job])[0].rewards, "by", scorer._process.pid, flush=True)
+        print("scored", scorer.score([job])[0].rewards, "by", scorer.child.pid, flush=True)
         scorer.close()
 
 if __name__ == "__main__":  # spawn re-imports this file in the child
@@ -306,7 +306,7 @@ def test_a_reward_process_killed_while_loading_is_replaced_not_refused(tmp_path:
     killer.join()
     try:
         assert scorer.score([ScoringJob(prompt="p", columns={}, completions=("x",))])[0].rewards == [1.0]
-        assert scorer._process is not None and scorer._process.pid != int(marker.read_text())
+        assert scorer.child.pid is not None and scorer.child.pid != int(marker.read_text())
     finally:
         scorer.close()
 

@@ -16,12 +16,14 @@ state must not be copied.
 A caller may also cap how long it waits for one batch (`run_envs`' max_seconds):
 the learner's replay does, so the actor whose episodes it replays can hold it
 no longer than security.replay_seconds.
+
+The child itself (spawning, the ready handshake, kill and restart, Ctrl-C left
+to the parent) is runtime/child.py's guarded child, which the rewards' process
+shares.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import signal
 import threading
 import time
 from collections import Counter, deque
@@ -30,14 +32,14 @@ from typing import Optional
 
 from grpo_fleet.envs.hosting import BATCH_SLACK_SECONDS, EnvAnswer, EnvCall, EnvCalls, EnvHost, batch_deadline, lost
 from grpo_fleet.envs.pool import ConcurrentHost
+from grpo_fleet.runtime.child import ChildDied, ChildRefused, ChildSpec, GuardedChild
 from grpo_fleet.tasks.env_module import EnvLoadError, EnvSetup
-from grpo_fleet.tasks.reward_runner import sigint_ignored
 
-STARTUP_SECONDS = 120.0  # importing the environment's module (and what it imports)
 CLOSED = "the environment process is closed (the learner or actor is stopping)"
+DIED = "the environment process died (an environment crashed it); it was restarted"
 
 
-class EnvsRefused(RuntimeError):
+class EnvsRefused(ChildRefused):
     """The environment cannot be loaded here: a missing module, an import error, no such class."""
 
 
@@ -46,27 +48,24 @@ CHILD_TICK_SECONDS = 0.01
 STUCK_EXIT_CODE = 3
 
 
-def _serve(conn: Connection, setup: EnvSetup) -> None:
-    """The child's loop: load the class, then take calls as they come and send each answer as it is ready."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops this process; Ctrl-C is the parent's to handle
+def _load(setup: EnvSetup) -> ConcurrentHost:
     try:
-        host = ConcurrentHost(EnvHost(setup), setup.concurrency, setup.timeout_seconds)
+        return ConcurrentHost(EnvHost(setup), setup.concurrency, setup.timeout_seconds)
     except EnvLoadError as exc:
-        conn.send(("refused", str(exc)))
-        return
-    conn.send(("ready", ""))
-    try:
-        while True:
-            if conn.poll(CHILD_TICK_SECONDS):
-                calls: EnvCalls = conn.recv()
-                host.submit(calls.calls)
-            if not host.expire():  # too many calls stuck in C: a fresh process is the only way out
-                raise SystemExit(STUCK_EXIT_CODE)
-            answers = _drain(host)
-            if answers:
-                conn.send(answers)
-    except (EOFError, OSError):  # the parent went away
-        return
+        raise EnvsRefused(str(exc)) from exc
+
+
+def _serve(conn: Connection, host: ConcurrentHost) -> None:
+    """The child's loop: take calls as they come and send each answer as it is ready."""
+    while True:
+        if conn.poll(CHILD_TICK_SECONDS):
+            calls: EnvCalls = conn.recv()
+            host.submit(calls.calls)
+        if not host.expire():  # too many calls stuck in C: a fresh process is the only way out
+            raise SystemExit(STUCK_EXIT_CODE)
+        answers = _drain(host)
+        if answers:
+            conn.send(answers)
 
 
 def _drain(host: ConcurrentHost) -> list[EnvAnswer]:
@@ -76,41 +75,9 @@ def _drain(host: ConcurrentHost) -> list[EnvAnswer]:
     return answers
 
 
-Child = tuple[multiprocessing.process.BaseProcess, Connection]
-
-
-def _start(setup: EnvSetup) -> Child:
-    """A child starting to serve `setup` (it says "ready" once it has loaded the environment class)."""
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe()
-    process = context.Process(target=_serve, args=(child, setup), daemon=True, name="grpo-fleet-envs")
-    with sigint_ignored():  # as the rewards' process: a Ctrl-C is the parent's to handle
-        process.start()
-    child.close()
-    return process, parent
-
-
-def _await_ready(child: Child) -> None:
-    """Wait for a started child to load the environment class; EnvsRefused (the child stopped) if it cannot."""
-    try:
-        status, detail = child[1].recv() if child[1].poll(STARTUP_SECONDS) else ("refused", "no answer at startup")
-    except (EOFError, OSError):
-        status, detail = "refused", "the environment process died while loading the environment"
-    if status != "ready":
-        _stop(child)
-        raise EnvsRefused(detail)
-
-
-def _stop(child: Child) -> None:
-    process, conn = child
-    conn.close()
-    if process.is_alive():
-        process.kill()
-        process.join(timeout=5)
-
-
 class EnvProcess:
-    """The environment host in a child process; a dead or hung child is replaced at the next call.
+    """The environment host in a guarded child process (runtime/child.py); a dead or hung child is replaced at the
+    next call.
 
     Calls are submitted and their answers collected as they come (`submit`,
     `collect`), or a batch is run to its end (`run_envs`). `close` may come from
@@ -121,51 +88,52 @@ class EnvProcess:
 
     def __init__(self, setup: EnvSetup) -> None:
         self.setup = setup
-        self.restarts = 0
-        self.closed = False
         self._lock = threading.Lock()  # `close` cleans up after a caller in flight
         self._pending: dict[int, deque[EnvCall]] = {}  # calls sent and not answered, by episode
         self._answered: list[EnvAnswer] = []  # answers not collected yet
         self._heard = time.monotonic()  # when the child last answered (or was sent work while idle)
-        self.child: Optional[Child] = _start(setup)
-        _await_ready(self.child)
+        self.child = GuardedChild(ChildSpec("grpo-fleet-envs", "the environment process", "the environment", _load,
+                                            _serve, setup, refused=EnvsRefused))
+
+    @property
+    def restarts(self) -> int:
+        return self.child.restarts
 
     def submit(self, calls: EnvCalls) -> None:
         """Send calls to the child without waiting; their answers come from `collect` (a failed start's at once)."""
         with self._lock:
-            if self.child is None or not self.child[0].is_alive():
+            if not self.child.running:
                 refused = self._restart()
                 if refused:
                     self._answered += lost(calls, refused)
                     return
-            assert self.child is not None
             if not self._pending:
                 self._heard = time.monotonic()
             for call in calls.calls:
                 self._pending.setdefault(call.episode, deque()).append(call)
             try:
-                self.child[1].send(calls)
-            except (EOFError, OSError):
-                self._fail_pending(CLOSED if self.closed else "the environment process died; it was restarted")
+                self.child.send(calls)
+            except ChildDied:
+                self._fail_pending(CLOSED if self.child.closed else "the environment process died; it was restarted")
 
     def collect(self, wait_seconds: float = 0.0) -> list[EnvAnswer]:
         """The answers ready now, waiting up to `wait_seconds` for a first one; a child silent past a call's timeout
         while calls wait is killed, and those calls fail."""
         with self._lock:
-            if self.child is not None and self._pending:
-                self._receive(self.child[1], wait_seconds)
+            if self._pending:
+                self._receive(wait_seconds)
             answered, self._answered = self._answered, []
             return answered
 
     def run_envs(self, calls: EnvCalls, max_seconds: Optional[float] = None) -> list[EnvAnswer]:
         """One answer per call, in order; if the child hangs or dies, every call still waiting fails.
 
-        `max_seconds`: the most to wait for the batch (its calls' summed timeouts by default); past it the
-        child is killed, as for a hang."""
+        `max_seconds`: the most to wait for the batch (its calls' summed timeouts by default), from when the
+        child has it (a fresh child's start is not the calls' time); past it the child is killed, as for a hang."""
         wait = batch_deadline(calls, self.setup.timeout_seconds)
         limit = wait if max_seconds is None else min(wait, max_seconds)
-        deadline = time.monotonic() + limit
         self.submit(calls)
+        deadline = time.monotonic() + limit
         found: dict[int, deque[EnvAnswer]] = {}
         expected = Counter(call.episode for call in calls.calls)
         outstanding = len(calls.calls)
@@ -173,7 +141,7 @@ class EnvProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 with self._lock:
-                    self._drop()
+                    self.child.kill()
                     self._fail_pending(f"no answer within {limit:g}s (an environment blocked its own timeout, or "
                                        "the batch ran past its deadline); the process was killed", "timeout")
             for answer in self.collect(min(max(left, 0.0), 0.1)):
@@ -183,23 +151,21 @@ class EnvProcess:
                     outstanding -= 1
         return [found[call.episode].popleft() for call in calls.calls]
 
-    def _receive(self, conn: Connection, wait_seconds: float) -> None:
+    def _receive(self, wait_seconds: float) -> None:
         try:
-            if conn.poll(wait_seconds):
-                while True:
-                    for answer in conn.recv():
-                        self._settle(answer)
-                    self._heard = time.monotonic()
-                    if not conn.poll(0):
-                        return
-            if time.monotonic() - self._heard > self.setup.timeout_seconds + BATCH_SLACK_SECONDS:
-                self._drop()
-                self._fail_pending(f"no answer within {self.setup.timeout_seconds:g}s (an environment blocked its "
-                                   "own timeout); the process was killed", "timeout")
-        except (EOFError, OSError):
-            self._drop()
-            self._fail_pending(CLOSED if self.closed else
-                               "the environment process died (an environment crashed it); it was restarted")
+            answers = self.child.answers(wait_seconds)
+        except ChildDied:
+            self._fail_pending(CLOSED if self.child.closed else DIED)
+            return
+        for batch in answers:
+            for answer in batch:
+                self._settle(answer)
+        if answers:
+            self._heard = time.monotonic()
+        elif time.monotonic() - self._heard > self.setup.timeout_seconds + BATCH_SLACK_SECONDS:
+            self.child.kill()
+            self._fail_pending(f"no answer within {self.setup.timeout_seconds:g}s (an environment blocked its "
+                               "own timeout); the process was killed", "timeout")
 
     def _settle(self, answer: EnvAnswer) -> None:
         calls = self._pending.get(answer.episode)
@@ -215,33 +181,19 @@ class EnvProcess:
         self._answered += lost(EnvCalls(waiting), detail, kind)  # type: ignore[arg-type]  # a FailureKind
 
     def _restart(self) -> str:
-        """A fresh child for the next calls; why not, when it cannot have one."""
-        self._drop()
-        if self.closed:
-            return CLOSED
-        self.child = _start(self.setup)
+        """A fresh child for the next calls, once the dead one's answers are in and its other calls failed; why
+        not, when it cannot have one."""
+        if self._pending:
+            self._receive(0.0)  # what it answered before it died
+            self._fail_pending(CLOSED if self.child.closed else DIED)
         try:
-            _await_ready(self.child)
+            self.child.restart()
         except EnvsRefused as exc:
-            self.child = None
-            return CLOSED if self.closed else f"the environment process could not be restarted: {exc}"
-        if self.closed:  # closed while it started: `close` may have missed it
-            self._drop()
-            return CLOSED
-        self.restarts += 1
+            return CLOSED if self.child.closed else f"the environment process could not be restarted: {exc}"
         return ""
-
-    def _drop(self) -> None:
-        if self.child is not None:
-            _stop(self.child)
-        self.child = None
 
     def close(self) -> None:
         """Stop the child for good (from any thread: calls in flight fail at once, as its child is killed)."""
-        self.closed = True
-        child = self.child
-        if child is not None and child[0].is_alive():
-            child[0].kill()
+        self.child.close()
         with self._lock:  # a caller in flight, if any, ends now: its child is gone
-            self._drop()
             self._fail_pending(CLOSED)

@@ -1,10 +1,10 @@
 """Running rewards: in a child process with timeouts (actors, the learner's checks), or inline (tests, offline eval).
 
 A reward is user code: it may raise, hang, or never return from a C call. The
-child process gives every call `timeout_seconds` by a SIGALRM timer, which
-interrupts Python code (sympy included); a call that blocks the timer too is
-caught by the parent's hard deadline, which kills the child and starts a new
-one. Either way the group is unscorable and the caller goes on: a reward never
+child process (runtime/child.py's guarded child) gives every call `timeout_seconds`
+by a SIGALRM timer, which interrupts Python code (sympy included); a call that
+blocks the timer too is caught by the parent's hard deadline, which kills the
+child and starts a new one. Either way the group is unscorable and the caller goes on: a reward never
 crashes the process that asked for it. The policy for what a failure means is
 tasks/scoring.py's.
 """
@@ -12,34 +12,22 @@ tasks/scoring.py's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import inspect
-import logging
-import multiprocessing
-import signal
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional, Union
 
+from grpo_fleet.runtime.child import CallTimedOut, ChildDied, ChildRefused, ChildSilent, ChildSpec, GuardedChild, call_deadline
 from grpo_fleet.tasks.reward_module import RewardModuleError, load_rewards
 from grpo_fleet.tasks.rewards import RewardFn, UnknownRewardError
 from grpo_fleet.tasks.scoring import GroupScore, RewardError, RewardFailure, ScoringJob, checked_value, group_score
 
-log = logging.getLogger("grpo_fleet.rewards")
-# How long a new child may take to import the rewards (math-verify brings sympy).
-STARTUP_SECONDS = 120.0
 # Added to a group's summed timeouts before the parent kills the child: pickling and scheduling.
 HARD_DEADLINE_SLACK_SECONDS = 2.0
 DETAIL_CHARS = 300
-# A child that died of one of these was stopped from outside (a stop sent to its process group, a hangup),
-# not by the job it held: that job is not charged, it goes to a fresh child.
-STOPPED_FROM_OUTSIDE = (-signal.SIGTERM, -signal.SIGHUP)
-STOP_REAP_SECONDS = 1.0
-# Starts tried when a reward process is killed while it loads the rewards, before the rewards are refused.
-START_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -53,16 +41,16 @@ class RewardSet:
     bound: float = 1e4
 
 
-class RewardsRefused(RuntimeError):
+class RewardsRefused(ChildRefused):
     """The rewards cannot be loaded here: a missing module, an import error, an unknown name."""
 
 
-class _KilledWhileLoading(Exception):
-    """The reward process died of a signal before it was ready: not the rewards' fault."""
-
-
-class _RewardTimeout(BaseException):
-    """Raised by the timer; a BaseException so a reward's own `except Exception` cannot swallow it."""
+def _load_functions(rewards: RewardSet) -> list[RewardFn]:
+    """The rewards' functions, here; RewardsRefused when they cannot be loaded."""
+    try:
+        return load_rewards(rewards.names, rewards.module)
+    except (RewardModuleError, UnknownRewardError) as exc:
+        raise RewardsRefused(str(exc)) from exc
 
 
 Outcome = Union[Optional[float], RewardFailure]
@@ -89,7 +77,7 @@ def _outcome(name: str, fn: RewardFn, completion: str, job: ScoringJob, call: Ca
     started = time.perf_counter()
     try:
         value = call(fn, completion, job)
-    except _RewardTimeout:
+    except CallTimedOut:
         return RewardFailure(name, RewardError.TIMEOUT, f"ran past {rewards.timeout_seconds:g}s (task.reward_timeout_seconds)")
     except Exception as exc:  # the user's code: every error is counted and reported, none crashes us
         return RewardFailure(name, RewardError.EXCEPTION, f"{type(exc).__name__}: {exc}"[:DETAIL_CHARS])
@@ -115,10 +103,7 @@ class InlineScorer:
 
     def __init__(self, rewards: RewardSet) -> None:
         self.rewards = rewards
-        try:
-            self.functions = load_rewards(rewards.names, rewards.module)
-        except (RewardModuleError, UnknownRewardError) as exc:
-            raise RewardsRefused(str(exc)) from exc
+        self.functions = _load_functions(rewards)
 
     def score(self, jobs: Sequence[ScoringJob]) -> list[GroupScore]:
         return [score_job(self.rewards, self.functions, job, plain_call) for job in jobs]
@@ -127,110 +112,38 @@ class InlineScorer:
         """Nothing to release (the same interface as ScoringProcess)."""
 
 
-# ---------------------------------------------------------------------- the child process
+# ---------------------------------------------------------------------- the child process (runtime/child.py)
 
 
-def _alarm(_signum: int, _frame: Any) -> None:
-    raise _RewardTimeout()
+def _load(rewards: RewardSet) -> tuple[RewardSet, list[RewardFn]]:
+    return rewards, _load_functions(rewards)
 
 
-@contextlib.contextmanager
-def sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored while the child starts, so it inherits SIG_IGN from its first instruction on.
-
-    Ctrl-C reaches the whole foreground process group: the reward process must not die of it
-    before its parent (the actor or the learner) has shut down in order and stopped it. A spawned
-    Python that starts with SIGINT ignored installs no KeyboardInterrupt handler of its own.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal dispositions can only change in the main thread; _serve ignores SIGINT itself
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-
-
-def _serve(conn: Connection, rewards: RewardSet) -> None:
-    """The child's loop: load the rewards, then score each batch of jobs, one answer per job."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops this process; Ctrl-C is the parent's to handle
-    try:
-        functions = load_rewards(rewards.names, rewards.module)
-    except (RewardModuleError, UnknownRewardError) as exc:
-        conn.send(("refused", str(exc)))
-        return
-    signal.signal(signal.SIGALRM, _alarm)
-
-    def timed_call(fn: RewardFn, completion: str, job: ScoringJob) -> Any:
-        signal.setitimer(signal.ITIMER_REAL, rewards.timeout_seconds)
-        try:
-            return plain_call(fn, completion, job)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-
-    conn.send(("ready", ""))
+def _serve(conn: Connection, loaded: tuple[RewardSet, list[RewardFn]]) -> None:
+    """The child's loop: score each batch of jobs, one answer per job, each call under the timer."""
+    rewards, functions = loaded
+    timed = functools.partial(_timed_call, rewards.timeout_seconds)
     while True:
-        try:
-            jobs = conn.recv()
-        except (EOFError, OSError):  # the parent went away
-            return
-        try:
-            for job in jobs:
-                conn.send(score_job(rewards, functions, job, timed_call))
-        except OSError:  # the parent went away while we scored: nobody to answer, and no traceback for its log
-            return
+        for job in conn.recv():
+            conn.send(score_job(rewards, functions, job, timed))
+
+
+def _timed_call(seconds: float, fn: RewardFn, completion: str, job: ScoringJob) -> Any:
+    with call_deadline(seconds):
+        return plain_call(fn, completion, job)
 
 
 class ScoringProcess:
-    """Rewards in a child process (spawned: MLX and ZeroMQ state must not be forked), restarted after a hard kill."""
+    """Rewards in a guarded child process (runtime/child.py), restarted after a hard kill or a death."""
 
     def __init__(self, rewards: RewardSet) -> None:
         self.rewards = rewards
-        self._context = multiprocessing.get_context("spawn")
-        self._process: Optional[multiprocessing.process.BaseProcess] = None
-        self._conn: Optional[Connection] = None
-        self.restarts = 0
-        self._start()
+        self.child = GuardedChild(ChildSpec("grpo-fleet-rewards", "the reward process", "the rewards", _load, _serve,
+                                            rewards, refused=RewardsRefused))
 
-    def _start(self) -> None:
-        """A child serving the rewards; RewardsRefused when the rewards themselves cannot be loaded.
-
-        A child killed by a signal while it loads (the OOM killer, a stop to its process group) says
-        nothing of the rewards: a fresh one is tried, up to START_ATTEMPTS in all.
-        """
-        for attempt in range(1, START_ATTEMPTS + 1):
-            try:
-                self._start_once()
-                return
-            except _KilledWhileLoading as exc:
-                log.warning("the reward process was killed while loading the rewards (%s); attempt %d of %d",
-                            exc, attempt, START_ATTEMPTS)
-        raise RewardsRefused(f"the reward process was killed while loading the rewards, {START_ATTEMPTS} times")
-
-    def _start_once(self) -> None:
-        parent, child = self._context.Pipe()
-        process = self._context.Process(target=_serve, args=(child, self.rewards), daemon=True,
-                                        name="grpo-fleet-rewards")
-        with sigint_ignored():
-            process.start()
-        child.close()
-        self._process, self._conn = process, parent
-        if not parent.poll(STARTUP_SECONDS):
-            self._kill()
-            raise RewardsRefused(f"the reward process did not start within {STARTUP_SECONDS:g}s")
-        try:
-            status, detail = parent.recv()
-        except EOFError:
-            process.join(timeout=STOP_REAP_SECONDS)  # the pipe closes as it dies: reap it for its exit code
-            code = process.exitcode
-            self._kill()
-            if code is not None and code < 0:
-                raise _KilledWhileLoading(f"signal {-code}") from None
-            raise RewardsRefused(f"the reward process died while loading the rewards (exit code {code})") from None
-        if status != "ready":
-            self._kill()
-            raise RewardsRefused(detail)
+    @property
+    def restarts(self) -> int:
+        return self.child.restarts
 
     def score(self, jobs: Sequence[ScoringJob]) -> list[GroupScore]:
         """One GroupScore per job, in order; a child that hangs or crashes on a job costs that job, then is replaced.
@@ -247,7 +160,7 @@ class ScoringProcess:
             if refusal is not None:  # no child would start: every job left is unscorable, none crashes us
                 return results + [GroupScore(failure=RewardFailure("*", RewardError.CRASHED, refusal))
                                   for _ in pending]
-            while pending and self._conn is not None:
+            while pending and self.child.pid is not None:  # none held once it was killed or found dead
                 answer = self._receive(pending[0])
                 if answer is None and not retried:
                     retried = True  # the child is gone: the outer loop hands the rest to a fresh one
@@ -261,60 +174,35 @@ class ScoringProcess:
     def _hand_over(self, jobs: list[ScoringJob]) -> Optional[str]:
         """Send `jobs` to a live child, starting a fresh one when there is none; why none took them, or None."""
         for _ in range(2):  # a child that dies between the check and the send gets one successor
-            if self._conn is None or self._process is None or not self._process.is_alive():
-                if self._process is not None:  # it died since its last answer: say how, stopped or killed
-                    code = self._process.exitcode
-                    log.log(logging.INFO if code in STOPPED_FROM_OUTSIDE else logging.WARNING,
-                            "the reward process had died (exit code %s); starting a fresh one", code)
-                self._kill()
-                try:
-                    self._start()
-                except RewardsRefused as exc:
-                    return f"the reward process could not be restarted: {exc}"[:DETAIL_CHARS]
-                self.restarts += 1
-            assert self._conn is not None
             try:
-                self._conn.send(jobs)
+                if not self.child.running:
+                    self.child.restart()
+                self.child.send(jobs)
                 return None
-            except OSError:  # BrokenPipeError, ConnectionResetError: it died just now
-                self._kill()
+            except RewardsRefused as exc:
+                return f"the reward process could not be restarted: {exc}"[:DETAIL_CHARS]
+            except ChildDied:
+                continue
         return "the reward process died as soon as it was started, twice"
 
     def _receive(self, job: ScoringJob) -> Optional[GroupScore]:
         """The child's answer for `job`, a failure charged to it, or None: stopped from outside, not by the job."""
-        assert self._conn is not None
         calls = max(1, len(job.completions) * len(self.rewards.names))
         deadline = calls * self.rewards.timeout_seconds + HARD_DEADLINE_SLACK_SECONDS
         try:
-            if self._conn.poll(deadline):
-                answer: GroupScore = self._conn.recv()
-                return answer
+            answer: GroupScore = self.child.receive(deadline)
+            return answer
+        except ChildSilent:
             detail = f"no answer within {deadline:g}s (a reward blocked its own timeout); the process was restarted"
             error = RewardError.TIMEOUT
-        except (EOFError, OSError):
-            if self._stopped_from_outside():
-                self._kill()
+        except ChildDied as died:
+            if died.stopped_from_outside:
                 return None
             detail, error = "the reward process died (a reward crashed it); it was restarted", RewardError.CRASHED
-        self._kill()
         return GroupScore(failure=RewardFailure("*", error, detail))
 
-    def _stopped_from_outside(self) -> bool:
-        """Whether the child that just closed its pipe died of a stop signal rather than of the job it held."""
-        assert self._process is not None
-        self._process.join(timeout=STOP_REAP_SECONDS)  # the pipe closes as it dies: reap it for its exit code
-        return self._process.exitcode in STOPPED_FROM_OUTSIDE
-
-    def _kill(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
-            self._process.join(timeout=5)
-        self._process, self._conn = None, None
-
     def close(self) -> None:
-        self._kill()
+        self.child.close()
 
 
 Scorer = Union[InlineScorer, ScoringProcess]

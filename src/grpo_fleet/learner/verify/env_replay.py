@@ -10,8 +10,8 @@ tokens the episode holds and its reward. Any difference is the actor's lie (or
 a non-deterministic environment that claimed otherwise): `env_replay_mismatch`.
 
 What a replay may cost, and who pays. The environment runs in a child process
-of the learner (envs/process.py), never in the learner's own, so a hang or a
-crash costs a killed child, not the learner. Once the environment has the
+of the learner (envs/process.py, on runtime/child.py's guarded child), never in
+the learner's own, so a hang or a crash costs a killed child, not the learner. Once the environment has the
 actor's turns, the replay has security.replay_seconds for the group (every
 episode, every turn, the comparison included; rendering each turn's history
 makes that grow with the square of the turns): past it, or past a call's

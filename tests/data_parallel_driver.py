@@ -32,8 +32,8 @@ from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch
 from grpo_fleet.learner.step.fused_check import Recheck
 from grpo_fleet.learner.step.objective import policy_logprobs
 from grpo_fleet.learner.step.trainer import Trainer, load_trainer
-from grpo_fleet.model import model_digest
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.models.loading import model_digest
+from grpo_fleet.runtime.trees import flat_leaves
 
 VARIANTS = {  # name: (loss_type, objective, ppo_epochs)
     "grpo": ("grpo", "coupled", 1), "dapo": ("dapo", "coupled", 1), "dr_grpo": ("dr_grpo", "coupled", 1),

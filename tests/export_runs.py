@@ -11,10 +11,10 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from grpo_fleet.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, point_latest
 from grpo_fleet.config import LoraConfig
-from grpo_fleet.gguf import import_gguf
-from grpo_fleet.model import Policy, load_policy, save_checkpoint
+from grpo_fleet.models.gguf.importer import import_gguf
+from grpo_fleet.models.loading import Policy, load_policy, save_checkpoint
+from grpo_fleet.runtime.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, point_latest
 
 
 def _placeholders(staging: Path) -> None:

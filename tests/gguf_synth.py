@@ -1,6 +1,6 @@
 """Tiny GGUF files written the way llama.cpp's converter writes them, for the importer's unit tests.
 
-Everything here is an independent reference for `grpo_fleet.gguf`: the files are written with the `gguf`
+Everything here is an independent reference for `grpo_fleet.models.gguf.importer`: the files are written with the `gguf`
 package's own GGUFWriter, tensor-name map and quantizers; the q/k permutation, Gemma's norm shift and Llama 3's
 rope factors are llama.cpp's (`convert_hf_to_gguf.py`: `LlamaModel.permute`, `Gemma3Model.modify_tensors`,
 `LlamaModel.generate_extra_tensors`); the byte alphabet is GPT-2's `bytes_to_unicode`.

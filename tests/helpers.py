@@ -208,7 +208,7 @@ def learner_side_policy(checkpoint: Path, dtype: str) -> Any:
     """A checkpoint loaded the way the learner resumes it: its own model build (LoRA added by grpo-fleet, a
     quantized base kept quantized, weights in `dtype`, as mlx_lm keeps them) with the checkpoint's weights."""
     from grpo_fleet.config import LoraConfig
-    from grpo_fleet.model import load_checkpoint_weights, load_policy
+    from grpo_fleet.models.loading import load_checkpoint_weights, load_policy
 
     adapter_config = checkpoint / "adapter_config.json"
     if not adapter_config.exists():
@@ -236,8 +236,8 @@ def assert_checkpoint_generates_like_the_learner(checkpoint: Path, prompt: str, 
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from grpo_fleet.generation import SamplingSettings, completion_text, generate_groups
-    from grpo_fleet.model import load_checkpoint
+    from grpo_fleet.models.generation import SamplingSettings, completion_text, generate_groups
+    from grpo_fleet.models.loading import load_checkpoint
 
     model, tokenizer = load_checkpoint(checkpoint)
     prompt_ids = tokenizer.encode(prompt)

@@ -2,7 +2,7 @@
 
 llama.cpp's converter writes a SentencePiece model's pieces, scores and types into the GGUF; this puts them back
 into a SentencePiece ModelProto (BPE, byte fallback, no normalization rules) so that the library the vocabulary
-came from tokenizes text with it, independently of `grpo_fleet.gguf_spm`.
+came from tokenizes text with it, independently of `grpo_fleet.models.gguf.spm`.
 """
 
 from __future__ import annotations

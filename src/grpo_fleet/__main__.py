@@ -2,6 +2,6 @@
 
 import sys
 
-from grpo_fleet.cli import main
+from grpo_fleet.cli.main import main
 
 sys.exit(main())

@@ -768,7 +768,7 @@ def config_error_message(exc: BaseException) -> Optional[str]:
 
 
 def _config_models() -> set[str]:
-    """Names of the configuration models: this module's, and the fleet file's (fleet_file.py)."""
+    """Names of the configuration models: this module's, and the fleet file's (launch/fleet_file.py)."""
     names = {name for name, value in globals().items() if isinstance(value, type) and issubclass(value, BaseModel)}
     return names | {"FleetConfig"}
 
@@ -823,7 +823,7 @@ def _default_text(field_info: Any) -> str:
 
 def config_reference(root: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, default, description) for every leaf field, from the docstrings in this file: the rows of
-    docs/reference/configuration.md (grpo_fleet.docs_reference, `make reference`)."""
+    docs/reference/configuration.md (grpo_fleet.cli.docs_reference, `make reference`)."""
     rows: list[tuple[str, str, str]] = []
     for name, info in root.model_fields.items():
         annotation = info.annotation

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from grpo_fleet.blas import child_env
+from grpo_fleet.runtime.blas import child_env
 from helpers import jsonl, reward_children, wait_for
 
 

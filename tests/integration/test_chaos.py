@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from grpo_fleet.learner.records.persistence import read_state
-from grpo_fleet.model import latest_checkpoint
+from grpo_fleet.models.loading import latest_checkpoint
 from helpers import (
     assert_checkpoint_generates_like_the_learner,
     audit_ledger,

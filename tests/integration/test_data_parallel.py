@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from grpo_fleet.blas import child_env
-from grpo_fleet.exit_codes import RANKS_FAILED
 from grpo_fleet.learner.records.persistence import read_state
-from grpo_fleet.model import latest_checkpoint
+from grpo_fleet.models.loading import latest_checkpoint
+from grpo_fleet.runtime.blas import child_env
+from grpo_fleet.runtime.exit_codes import RANKS_FAILED
 from helpers import audit_ledger, finished_in_checkpoint, free_port_pair, jsonl, scrape, wait_steps
 
 DRIVER = Path(__file__).parents[1] / "data_parallel_driver.py"

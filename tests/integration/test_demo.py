@@ -21,7 +21,7 @@ from typing import Optional
 
 import pytest
 
-from grpo_fleet.blas import child_env
+from grpo_fleet.runtime.blas import child_env
 from helpers import LENGTHS_ENV
 
 # Measured on 2 cores: a failing demo ends 1.7 s after its first child exits, and

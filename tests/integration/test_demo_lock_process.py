@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpo_fleet.blas import child_env
+from grpo_fleet.runtime.blas import child_env
 
 # Holds the run directory's lock as a running learner does, until its stdin closes.
-HOLDER = "import sys; from grpo_fleet.run_lock import RunDirLock; l = RunDirLock(sys.argv[1]); l.acquire(); " \
+HOLDER = "import sys; from grpo_fleet.runtime.run_lock import RunDirLock; l = RunDirLock(sys.argv[1]); l.acquire(); " \
          "print('held', flush=True); sys.stdin.read()"
 
 

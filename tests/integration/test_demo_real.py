@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.blas import child_env
+from grpo_fleet.runtime.blas import child_env
 
 STEPS = 2
 EVAL_PROMPTS = 2

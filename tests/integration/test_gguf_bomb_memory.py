@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 from gguf_synth import k_quant_args, padded_spm_vocab, staircase_spm_vocab, tiny_model, write_model_gguf
-from grpo_fleet.blas import child_env
+from grpo_fleet.runtime.blas import child_env
 
 PIECES = 800  # ~170 M characters of merges: several GB before the bound
 # Runs import-gguf, then prints the process's peak RSS in MiB (ru_maxrss: KiB on Linux, bytes on macOS).
-MEASURE = ("import resource, sys; from grpo_fleet.cli import main; code = main(['import-gguf', *sys.argv[1:]]); "
+MEASURE = ("import resource, sys; from grpo_fleet.cli.main import main; code = main(['import-gguf', *sys.argv[1:]]); "
            "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
            "print(code, peak / (1 << 20 if sys.platform == 'darwin' else 1 << 10))")
 

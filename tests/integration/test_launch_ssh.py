@@ -25,10 +25,10 @@ from typing import Iterator, Optional
 
 import pytest
 
-from grpo_fleet.blas import child_env
+from grpo_fleet.runtime.blas import child_env
 from helpers import free_port
 
-LAUNCHER = ("import sys; from grpo_fleet.fleet_file import load_fleet; from grpo_fleet.launch import run_fleet; "
+LAUNCHER = ("import sys; from grpo_fleet.launch.fleet_file import load_fleet; from grpo_fleet.launch.launcher import run_fleet; "
             "sys.exit(run_fleet(load_fleet(sys.argv[1])))")
 PRIVSEP_DIR = Path("/run/sshd")  # Debian's sshd, started as root, wants it (systemd makes it; we may have none)
 

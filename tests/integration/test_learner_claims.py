@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpo_fleet.blas import child_env
+from grpo_fleet.runtime.blas import child_env
 from helpers import wait_for
 
 

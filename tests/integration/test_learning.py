@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.blas import child_env
+from grpo_fleet.runtime.blas import child_env
 
 # The demo reaches ~0.8 held-out in 1,500 steps from ~0.04 at its lr of 1e-4; 400 steps gave
 # 0.04 -> 0.30 (+0.27), too close to the bar for an asynchronous run. At 2.5e-4 (5e-4 collapses

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from grpo_fleet.actor.worker import ActorWorker, serve_actor_metrics
-from grpo_fleet.blas import child_env
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.learner.door.server import LearnerServer
 from grpo_fleet.learner.run.build import build_learner
-from grpo_fleet.metrics import learner_metrics
-from grpo_fleet.metrics_http import serve_metrics
+from grpo_fleet.observe.metrics import learner_metrics
+from grpo_fleet.observe.metrics_http import serve_metrics
+from grpo_fleet.runtime.blas import child_env
 from helpers import wait_for
 
 PROMETHEUS = shutil.which("prometheus")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from grpo_fleet.model import latest_checkpoint
+from grpo_fleet.models.loading import latest_checkpoint
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import decode, encode
 from grpo_fleet.protocol.reasons import RejectReason

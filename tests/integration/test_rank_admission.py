@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.exit_codes import RANKS_FAILED, REFUSED
 from grpo_fleet.learner.records.persistence import read_state
-from grpo_fleet.model import latest_checkpoint
+from grpo_fleet.models.loading import latest_checkpoint
 from grpo_fleet.protocol.auth import add_actor, add_rank, init_keys
 from grpo_fleet.protocol.ring_door import DoorClosed, knock, open_door
+from grpo_fleet.runtime.exit_codes import RANKS_FAILED, REFUSED
 from helpers import audit_ledger, finished_in_checkpoint, jsonl, wait_steps
 
 INTRUDER = Path(__file__).parents[1] / "liars" / "ring_intruder.py"

@@ -12,7 +12,7 @@ from datasets import Dataset, DatasetDict
 
 from grpo_fleet.config import OptimConfig, RunConfig
 from grpo_fleet.learner.step.schedule import learning_rate_schedule
-from grpo_fleet.model import latest_checkpoint
+from grpo_fleet.models.loading import latest_checkpoint
 from grpo_fleet.tasks import data_path
 from helpers import assert_checkpoint_generates_like_the_learner
 from recipe_helpers import BREVITY_REWARD

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.model import latest_checkpoint, model_digest
+from grpo_fleet.models.loading import latest_checkpoint, model_digest
 from grpo_fleet.protocol.client import request_status
 from helpers import assert_checkpoint_generates_like_the_learner
 

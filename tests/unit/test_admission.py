@@ -9,7 +9,7 @@ import pytest
 from grpo_fleet.actor import admission
 from grpo_fleet.actor.admission import ActorRefused, admit, model_key, model_path_allowed
 from grpo_fleet.config import LoraConfig
-from grpo_fleet.gguf import GGUFError
+from grpo_fleet.models.gguf.importer import GGUFError
 from grpo_fleet.protocol import messages as m
 
 DIGEST = "ab" * 32
@@ -106,7 +106,7 @@ def test_a_local_copy_with_another_digest_is_refused(model_dir: Path) -> None:
 def test_the_digest_is_computed_over_the_real_files(model_dir: Path) -> None:
     (model_dir / "config.json").write_text("{}")
     (model_dir / "model.safetensors").write_bytes(b"weights")
-    from grpo_fleet.model import model_digest
+    from grpo_fleet.models.loading import model_digest
 
     plan = admit(_welcome(str(model_dir), digest=model_digest(str(model_dir))), [str(model_dir.parent)])
     assert plan is not None and plan.path == str(model_dir)

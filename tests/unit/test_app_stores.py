@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.app_stores import MODEL_LAYER, AppModelError, app_gguf, is_app_path, modelfile
-from grpo_fleet.zoo import gguf_file, is_gguf_source
+from grpo_fleet.models.app_stores import MODEL_LAYER, AppModelError, app_gguf, is_app_path, modelfile
+from grpo_fleet.models.zoo import gguf_file, is_gguf_source
 
 GGUF_BYTES = b"GGUF" + bytes(range(60))  # what the store holds; resolving never parses it
 
@@ -133,7 +133,7 @@ def _tiny_gguf(path: Path) -> bytes:
 def test_an_ollama_model_trains_like_a_gguf_file_on_the_learner_and_on_actors(
         tmp_path: Path, ollama_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from grpo_fleet.actor import admission
-    from grpo_fleet.zoo import import_source, model_reference
+    from grpo_fleet.models.zoo import import_source, model_reference
 
     blob = _ollama_store(ollama_root, ("registry.ollama.ai", "library", "tiny"), "latest", blob=_tiny_gguf(tmp_path / "t.gguf"))
     imported = import_source("ollama:tiny", tmp_path / "learner-cache")

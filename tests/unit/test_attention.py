@@ -84,7 +84,7 @@ def test_only_full_causal_rows_longer_than_a_chunk_leave_mlx_lms_function():
 
 
 def test_a_model_routes_its_attention_and_zero_restores_mlx_lms(tiny_model_dir):
-    from grpo_fleet.model import load_policy
+    from grpo_fleet.models.loading import load_policy
 
     policy = load_policy(str(tiny_model_dir))
     model = policy.model

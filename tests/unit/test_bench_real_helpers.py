@@ -82,7 +82,7 @@ def _learner_page(rejections: dict[str, int], gaps: list[float]):
     from prometheus_client import generate_latest
 
     from grpo_fleet.bench.scraping import parse
-    from grpo_fleet.metrics import learner_metrics
+    from grpo_fleet.observe.metrics import learner_metrics
 
     metrics = learner_metrics()
     for reason, count in rejections.items():

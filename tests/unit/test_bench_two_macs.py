@@ -8,7 +8,7 @@ import math
 import pytest
 
 from grpo_fleet.bench.two_macs import Mark, cpu_seconds_from_stat, per_step, split_bound, window_tokens
-from grpo_fleet.local_fleet import core_of_each
+from grpo_fleet.launch.local_fleet import core_of_each
 
 
 def test_equal_halves_allow_twice_the_speed():

@@ -1,10 +1,10 @@
-"""blas.py: children run on the system OpenBLAS unless GRPO_FLEET_NO_OPENBLAS opts out."""
+"""runtime/blas.py: children run on the system OpenBLAS unless GRPO_FLEET_NO_OPENBLAS opts out."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo_fleet import blas
+from grpo_fleet.runtime import blas
 
 FAKE_OPENBLAS = "/usr/lib/test-linux-gnu/libopenblas.so.0"
 

@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.checkpoint_dirs: which checkpoint a resume takes, new names for a step written again,
+"""Tests for grpo_fleet.runtime.checkpoint_dirs: which checkpoint a resume takes, new names for a step written again,
 what a prune removes; and for the runlog's refusal of a log shorter than a checkpoint records."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, fresh_checkpoint_path, point_latest, prune
 from grpo_fleet.learner.records.runlog import LEDGER_FILE, METRICS_FILE, LedgerEntry, LogSizes, RunLog, ShortLog
-from grpo_fleet.model import latest_checkpoint
+from grpo_fleet.models.loading import latest_checkpoint
+from grpo_fleet.runtime.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, fresh_checkpoint_path, point_latest, prune
 
 
 def _checkpoint(root: Path, name: str, *, skip: str = "") -> Path:

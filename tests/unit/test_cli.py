@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_fleet.cli import actor_config, build_parser, main
+from grpo_fleet.cli.main import actor_config, build_parser, main
 from grpo_fleet.config import ActorConfig
 
 

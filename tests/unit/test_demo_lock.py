@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet import cli, demo
-from grpo_fleet.run_lock import RunDirLock
+from grpo_fleet.cli import main as cli
+from grpo_fleet.launch import demo
+from grpo_fleet.runtime.run_lock import RunDirLock
 
 
 def _a_running_learners_files(run_dir: Path) -> dict[str, bytes]:

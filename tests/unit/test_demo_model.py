@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DemoOptions, demo_run_dir, demo_settings, packaged_demo
-from grpo_fleet.zoo import ZooError
+from grpo_fleet.launch.demo import DemoOptions, demo_run_dir, demo_settings, packaged_demo
+from grpo_fleet.models.zoo import ZooError
 
 
 def test_the_packaged_demo_runs_the_zoo_model_on_files_beside_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

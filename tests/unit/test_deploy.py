@@ -62,7 +62,7 @@ def test_systemd_unit() -> None:
     service = dict(sections["Service"])
     assert service["Restart"] == "on-failure"
     # A permanent refusal (exit_codes.PERMANENT) is not restarted, as grpo-fleet launch does not restart it.
-    from grpo_fleet.exit_codes import PERMANENT
+    from grpo_fleet.runtime.exit_codes import PERMANENT
 
     assert {int(code) for code in service["RestartPreventExitStatus"].split()} == PERMANENT
     assert int(service["RestartSec"]) > 0
@@ -89,7 +89,7 @@ def test_prometheus_config() -> None:
 
 
 def test_fleet_file_loads_as_the_launcher_reads_it() -> None:
-    from grpo_fleet.fleet_file import actor_command, learner_connect, load_fleet
+    from grpo_fleet.launch.fleet_file import actor_command, learner_connect, load_fleet
 
     fleet = load_fleet(DEPLOY / "fleet.toml")
     assert "{host}" in fleet.ssh and "{command}" in fleet.ssh
@@ -103,7 +103,7 @@ def test_fleet_file_loads_as_the_launcher_reads_it() -> None:
 
 def test_every_actor_of_the_shipped_fleet_file_has_what_its_run_requires() -> None:
     """The recipe's reward file needs --reward-module on every actor (or a workdir holding it); keys need keys."""
-    from grpo_fleet.fleet_file import actor_gaps, learner_run_config, load_fleet
+    from grpo_fleet.launch.fleet_file import actor_gaps, learner_run_config, load_fleet
 
     fleet = load_fleet(DEPLOY / "fleet.toml")
     run = learner_run_config(fleet.learner)
@@ -117,7 +117,7 @@ def test_every_actor_of_the_shipped_fleet_file_has_what_its_run_requires() -> No
 
 
 def test_an_actor_without_the_reward_file_is_a_gap_named_before_launch() -> None:
-    from grpo_fleet.fleet_file import actor_gaps, learner_run_config, load_fleet
+    from grpo_fleet.launch.fleet_file import actor_gaps, learner_run_config, load_fleet
 
     fleet = load_fleet(DEPLOY / "fleet.toml")
     bare = [actor.model_copy(update={"args": [], "workdir": None}) for actor in fleet.actors]

@@ -10,9 +10,9 @@ from pathlib import Path
 import yaml
 from markdown.extensions.toc import slugify
 
+from grpo_fleet.cli.docs_reference import metric_docs, stale_pages
 from grpo_fleet.config import config_reference
-from grpo_fleet.docs_reference import metric_docs, stale_pages
-from grpo_fleet.metrics import actor_metrics, learner_metrics
+from grpo_fleet.observe.metrics import actor_metrics, learner_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

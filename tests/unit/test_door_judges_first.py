@@ -14,7 +14,7 @@ from grpo_fleet.learner.door.doorman import Doorman
 from grpo_fleet.learner.door.server import LearnerServer
 from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.fleet.registry import Registry
-from grpo_fleet.metrics import learner_metrics
+from grpo_fleet.observe.metrics import learner_metrics
 from grpo_fleet.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, decode, encode
 from grpo_fleet.protocol import messages as m
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_fleet.metrics_http import exposure_warning
+from grpo_fleet.observe.metrics_http import exposure_warning
 from grpo_fleet.protocol.endpoints import (
     advertised,
     dialable,

@@ -15,7 +15,7 @@ from grpo_fleet.config import TaskConfig
 from grpo_fleet.envs.hosting import EnvCall, EnvCalls, InlineEnvs
 from grpo_fleet.envs.template import ObservationEncoder, TemplateError
 from grpo_fleet.envs.tools import ToolCall, ToolCallError, ToolEnv, parse_tool_call
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.loading import load_policy
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import build_task
 from grpo_fleet.tasks.env_module import EnvLoadError, EnvSetup, split_env_spec

@@ -16,10 +16,10 @@ from grpo_fleet.envs.hosting import EnvAnswer, EnvCalls, InlineEnvs
 from grpo_fleet.envs.protocol import env_extras
 from grpo_fleet.envs.runner import EpisodeLimits, EpisodeOutcome, EpisodeRunner, EpisodeStart
 from grpo_fleet.envs.template import ObservationEncoder
-from grpo_fleet.generation import SamplingSettings, encode_prompt
 from grpo_fleet.learner.step.objective import policy_logprobs
-from grpo_fleet.metrics import actor_metrics
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.generation import SamplingSettings, encode_prompt
+from grpo_fleet.models.loading import load_policy
+from grpo_fleet.observe.metrics import actor_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import decode, encode
 from grpo_fleet.tasks.env_module import EnvSetup

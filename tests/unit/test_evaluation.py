@@ -16,8 +16,8 @@ from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.metrics import LearnerMetrics, learner_metrics
-from grpo_fleet.plotting import load_eval_records, load_step_records
+from grpo_fleet.observe.metrics import LearnerMetrics, learner_metrics
+from grpo_fleet.observe.plotting import load_eval_records, load_step_records
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example
@@ -269,7 +269,7 @@ def test_a_round_due_while_one_runs_starts_when_it_finishes(desk: Desk) -> None:
 @pytest.mark.parametrize("mode, samples, temperature", [("greedy", 1, 0.0), ("sampled", 4, 0.7)])
 def test_in_process_evaluate_scores_as_the_learners_rounds_do(monkeypatch, mode, samples, temperature) -> None:
     """Baselines (bench) are scored by `evaluate`: the same mode, k and temperature as the fleet's eval rounds."""
-    import grpo_fleet.evaluate as evaluate_module
+    import grpo_fleet.models.evaluate as evaluate_module
     from grpo_fleet.tasks import build_task
 
     cfg = RunConfig.model_validate({"train": {"eval_mode": mode, "eval_samples": 4, "eval_temperature": 0.7},

@@ -20,9 +20,9 @@ from grpo_fleet.export.gguf_writer import WRITTEN, permute_rope_rows
 from grpo_fleet.export.kquant import K_QUANTS
 from grpo_fleet.export.names import GGUF_TYPES, K_QUANT_TYPES, WRITTEN_TYPES
 from grpo_fleet.export.run import ExportError, ExportRequest, export_run
-from grpo_fleet.gguf import import_gguf
-from grpo_fleet.gguf_file import GGUFFile, TensorInfo, read_gguf
-from grpo_fleet.gguf_weights import dequantized, unpermute_rope_rows
+from grpo_fleet.models.gguf.header import GGUFFile, TensorInfo, read_gguf
+from grpo_fleet.models.gguf.importer import import_gguf
+from grpo_fleet.models.gguf.weights import dequantized, unpermute_rope_rows
 
 Q = GGMLQuantizationType
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
@@ -210,7 +210,7 @@ def test_a_run_ends_saying_how_to_export_it() -> None:
 
 
 def test_the_cli_exports_and_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from grpo_fleet.cli import main
+    from grpo_fleet.cli.main import main
 
     run, _ = run_from_gguf(tmp_path, _source(tmp_path, "llama", Q.Q8_0), step=3)
     assert main(["export", str(run), "--out", str(tmp_path / "out"), "--gguf", "q5_0", "--ollama", "mine"]) == 0

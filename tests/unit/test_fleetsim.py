@@ -165,7 +165,7 @@ def test_the_sampled_check_keeps_most_of_a_trusted_fleets_steps():
 
 
 def test_the_simulate_command_prints_the_plan_and_refuses_unknown_sizes(capsys):
-    from grpo_fleet.cli import main
+    from grpo_fleet.cli.main import main
 
     assert main(["simulate", "--actors", "1,8", "--ranks", "1,2", "--learner-tok-s", "2000"]) == 0
     out = capsys.readouterr().out

@@ -140,7 +140,7 @@ def test_the_reasoning_plan_has_a_row_per_fleet_with_refill_and_without():
 
 
 def test_the_simulate_command_prints_the_lengths_table_and_refuses_a_bad_distribution(capsys):
-    from grpo_fleet.cli import main
+    from grpo_fleet.cli.main import main
 
     argv = ["simulate", "--actors", "1,2", "--ranks", "1", "--learner-tok-s", "2000", "--completion-tokens", "512"]
     assert main(argv + ["--lengths", "lognormal:300:0.6:16"]) == 0

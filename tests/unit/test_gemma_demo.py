@@ -9,8 +9,8 @@ import pytest
 
 from gguf_synth import spm_vocab, tiny_args, tiny_model, write_model_gguf
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DemoOptions, demo_settings, packaged_demo
-from grpo_fleet.gguf import import_gguf
+from grpo_fleet.launch.demo import DemoOptions, demo_settings, packaged_demo
+from grpo_fleet.models.gguf.importer import import_gguf
 from grpo_fleet.tasks import reward_module as reward_module_mod
 from grpo_fleet.tasks import rewards as registry
 from grpo_fleet.tasks.prompts import encode_prompt

@@ -1,6 +1,6 @@
 """The GGUF importer on tiny files written with the `gguf` package, the way llama.cpp's converter writes them.
 
-Each check has a reference that does not go through `grpo_fleet.gguf`: the model the file was written
+Each check has a reference that does not go through `grpo_fleet.models.gguf.importer`: the model the file was written
 from, the `gguf` package's own dequantisation and tensor names, llama.cpp's permutation, norm shift and
 rope factors, GPT-2's byte alphabet.
 """
@@ -31,8 +31,8 @@ from gguf_synth import (
     write_minimal_gguf,
     write_model_gguf,
 )
-from grpo_fleet import gguf_weights
-from grpo_fleet.gguf import GGUFError, import_gguf, unpermute_rope_rows
+from grpo_fleet.models.gguf import weights as gguf_weights
+from grpo_fleet.models.gguf.importer import GGUFError, import_gguf, unpermute_rope_rows
 
 Q = GGMLQuantizationType
 PROMPT = [5, 77, 265, 12, 140, 261, 9, 200]

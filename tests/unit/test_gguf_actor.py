@@ -8,9 +8,9 @@ import pytest
 
 from gguf_synth import K_TYPES, k_quant_args, spm_vocab, tiny_model, write_model_gguf
 from grpo_fleet.actor.admission import ActorRefused, plan_model
-from grpo_fleet.model import model_digest
+from grpo_fleet.models.loading import model_digest
+from grpo_fleet.models.zoo import import_source, model_reference
 from grpo_fleet.protocol import messages as m
-from grpo_fleet.zoo import import_source, model_reference
 
 
 def test_an_actor_imports_a_k_quant_file_to_the_learners_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

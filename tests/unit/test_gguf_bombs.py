@@ -22,9 +22,9 @@ from gguf_synth import (
     tiny_model,
     write_model_gguf,
 )
-from grpo_fleet import gguf
-from grpo_fleet.gguf import GGUFError, import_gguf
-from grpo_fleet.gguf_file import read_gguf
+from grpo_fleet.models.gguf import importer as gguf
+from grpo_fleet.models.gguf.header import read_gguf
+from grpo_fleet.models.gguf.importer import GGUFError, import_gguf
 
 V = GGUFValueType
 WRONG_TYPES: dict[str, tuple[Any, GGUFValueType]] = {
@@ -112,7 +112,7 @@ def test_a_vocabulary_of_pieces_that_extend_each_other_is_refused_before_its_mer
 
 
 def test_the_bounds_leave_room_for_real_vocabularies_and_refuse_pieces_that_extend_each_other() -> None:
-    from grpo_fleet.gguf_spm import spm_merges
+    from grpo_fleet.models.gguf.spm import spm_merges
 
     def merges(tokens: list[str]) -> list[tuple[str, str]]:
         return spm_merges(tokens, [1] * len(tokens), np.zeros(len(tokens), dtype=np.float32))
@@ -131,7 +131,7 @@ def test_the_bounds_leave_room_for_real_vocabularies_and_refuse_pieces_that_exte
 
 def test_the_metadata_holds_a_bounded_number_of_strings_in_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A short string costs ~6x its bytes as a Python object: a 50 MB file of 5 M of them took 426 MB to read."""
-    from grpo_fleet import gguf_file
+    from grpo_fleet.models.gguf import header as gguf_file
 
     vocab = byte_level_vocab()
     args = tiny_args("llama", len(vocab.tokens))

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gguf_synth import MIXED_TYPES, byte_level_vocab, tiny_args, tiny_model, write_model_gguf
-from grpo_fleet.gguf import GGUFError, import_gguf
+from grpo_fleet.models.gguf.importer import GGUFError, import_gguf
 
 V = GGUFValueType
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -109,7 +109,7 @@ def test_hostile_metadata_is_one_line_naming_the_file(case: str, tmp_path: Path)
 
 def test_the_cli_answers_a_corrupt_file_with_one_line_and_status_2(good_file: bytes, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from grpo_fleet.cli import main
+    from grpo_fleet.cli.main import main
 
     source = tmp_path / "cut.gguf"
     source.write_bytes(good_file[: len(good_file) // 3])
@@ -121,7 +121,7 @@ def test_the_cli_answers_a_corrupt_file_with_one_line_and_status_2(good_file: by
 
 def test_an_actor_refuses_a_corrupt_gguf_for_good(good_file: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from grpo_fleet.actor.admission import ActorRefused, local_model_path
-    from grpo_fleet.exit_codes import REFUSED, is_permanent
+    from grpo_fleet.runtime.exit_codes import REFUSED, is_permanent
 
     monkeypatch.setenv("GRPO_FLEET_MODEL_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "models" / "flipped.gguf"

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gguf_synth import byte_level_vocab, spm_vocab, tiny_args, tiny_model, write_model_gguf
-from grpo_fleet.gguf import import_gguf
+from grpo_fleet.models.gguf.importer import import_gguf
 from spm_reference import sentencepiece_processor
 
 # Letters with pieces, whitespace runs (Gemma's user-defined tokens), and characters with no piece (byte fallback).

@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from gguf_synth import K_LAYOUT, finish, k_blocks
-from grpo_fleet.gguf_file import read_gguf
-from grpo_fleet.gguf_weights import SUPPORTED_TENSOR_TYPES, dequantized
+from grpo_fleet.models.gguf.header import read_gguf
+from grpo_fleet.models.gguf.weights import SUPPORTED_TENSOR_TYPES, dequantized
 
 Q = GGMLQuantizationType
 ROWS, COLUMNS = 12, 512  # two 256-value K blocks per row

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from grpo_fleet.metrics import actor_metrics, learner_metrics
+from grpo_fleet.observe.metrics import actor_metrics, learner_metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "grpo-fleet.json"
 INPUT = "${DS_PROMETHEUS}"

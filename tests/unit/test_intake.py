@@ -20,7 +20,7 @@ from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.state import AckCache, BatchHandOff, LearnerState
-from grpo_fleet.metrics import LearnerMetrics, learner_metrics
+from grpo_fleet.observe.metrics import LearnerMetrics, learner_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example

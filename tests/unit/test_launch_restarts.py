@@ -1,4 +1,4 @@
-"""launch_policy.py: the launcher's restart decision and the learner's stop wait (pure), and its record of actors it
+"""launch/policy.py: the launcher's restart decision and the learner's stop wait (pure), and its record of actors it
 stopped for good."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.exit_codes import DONE, FAILED, NOT_FOUND, REFUSED, is_permanent
-from grpo_fleet.launch_policy import (
+from grpo_fleet.launch.policy import (
     BACKOFF_RESET_SECONDS,
     STOP_SAFETY,
     STOP_SLACK_SECONDS,
@@ -22,6 +21,7 @@ from grpo_fleet.launch_policy import (
     recent_records,
     record_refusals,
 )
+from grpo_fleet.runtime.exit_codes import DONE, FAILED, NOT_FOUND, REFUSED, is_permanent
 
 
 @pytest.mark.parametrize("code", [REFUSED, NOT_FOUND, 126])
@@ -60,7 +60,7 @@ def test_refusals_are_recorded_in_the_run_dir_for_status(tmp_path: Path) -> None
 
 
 def test_status_with_a_run_dir_lists_the_actors_launch_stopped(tmp_path: Path, monkeypatch, capsys) -> None:
-    from grpo_fleet.cli import main
+    from grpo_fleet.cli.main import main
     from grpo_fleet.protocol import client
     from grpo_fleet.protocol import messages as m
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.run.coordinator import RunCoordinator
-from grpo_fleet.model import model_digest
+from grpo_fleet.models.generation import SamplingSettings, generate_groups
+from grpo_fleet.models.loading import model_digest
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from helpers import assert_checkpoint_generates_like_the_learner
@@ -947,8 +947,8 @@ def test_requests_are_answered_while_a_step_writes_its_checkpoint(make_learner, 
 
 
 def test_kill_between_staging_and_rename_leaves_previous_checkpoint(make_learner, monkeypatch):
-    import grpo_fleet.model as model_module
-    from grpo_fleet.model import latest_checkpoint
+    import grpo_fleet.models.loading as model_module
+    from grpo_fleet.models.loading import latest_checkpoint
 
     learner = make_learner(train={"steps": 5, "checkpoint_every": 100})
     good = learner.checkpoint()

@@ -17,10 +17,9 @@ from test_learner_core import ask, hello, lease, rejections
 from grpo_fleet.actor.episodes import episode_starts, score_episodes
 from grpo_fleet.actor.rewarding import RunRewards
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DemoOptions, demo_settings
 from grpo_fleet.envs.hosting import InlineEnvs
 from grpo_fleet.envs.runner import EpisodeLimits, EpisodeRunner
-from grpo_fleet.generation import SamplingSettings, TurnEnd
+from grpo_fleet.launch.demo import DemoOptions, demo_settings
 from grpo_fleet.learner.door.intake_rules import IntakeRules, accepted_group, inbound_limits
 from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.persistence import group_from_dict, group_to_dict
@@ -31,14 +30,15 @@ from grpo_fleet.learner.step.batch import LengthShaping, batch_totals, build_tra
 from grpo_fleet.learner.step.fused_check import fused_check
 from grpo_fleet.learner.verify.actor_checks import LogprobCheck, WeightHistory
 from grpo_fleet.learner.verify.env_replay import EnvNotVerifiable
-from grpo_fleet.metrics import actor_metrics
+from grpo_fleet.models.generation import SamplingSettings, TurnEnd
+from grpo_fleet.models.zoo import ZooError
+from grpo_fleet.observe.metrics import actor_metrics
+from grpo_fleet.observe.samples_view import format_row, row_from_json
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
-from grpo_fleet.samples_view import format_row, row_from_json
 from grpo_fleet.tasks.env_module import env_digest
 from grpo_fleet.tasks.prompts import chat_messages, encode_prompt
 from grpo_fleet.tasks.reward_runner import InlineScorer
-from grpo_fleet.zoo import ZooError
 from in_process import build_learner
 
 DEMO = Path(__file__).resolve().parents[2] / "src/grpo_fleet/demos/smollm2-135m-instruct"

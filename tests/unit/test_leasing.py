@@ -27,7 +27,7 @@ from grpo_fleet.learner.fleet.rates import MovingAverage
 from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.metrics import learner_metrics
+from grpo_fleet.observe.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Example
 

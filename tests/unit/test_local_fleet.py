@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import local_model_path
-from grpo_fleet.local_fleet import (
+from grpo_fleet.launch.demo import local_model_path
+from grpo_fleet.launch.local_fleet import (
     TAIL_BYTES,
     TAIL_LINE_CHARS,
     FleetStop,

@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DemoOptions, demo_settings, packaged_demo
+from grpo_fleet.launch.demo import DemoOptions, demo_settings, packaged_demo
 
 FOLDER = packaged_demo("smollm2-135m-instruct").parent
 

@@ -29,7 +29,7 @@ def _qwen_block_policy(vocab: int):
     """One block at Qwen2.5-0.5B's widths with a smaller vocabulary, so the test stays quick."""
     from mlx_lm.models import qwen2
 
-    from grpo_fleet.model import Policy, apply_lora
+    from grpo_fleet.models.loading import Policy, apply_lora
 
     args = qwen2.ModelArgs(model_type="qwen2", hidden_size=896, num_hidden_layers=1, intermediate_size=4864,
                            num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=vocab,
@@ -65,7 +65,7 @@ def _llama_policy(adapted_blocks: int):
     """4 narrow blocks with many heads (8 x 16 wide): at long rows attention's [rows, heads, W, W] dominates."""
     from mlx_lm.models import llama
 
-    from grpo_fleet.model import Policy, apply_lora
+    from grpo_fleet.models.loading import Policy, apply_lora
 
     args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
                            num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
@@ -152,7 +152,7 @@ def test_the_learner_refuses_to_start_a_step_this_machine_cannot_hold(tiny_model
 
 
 def test_full_fine_tuning_counts_the_frozen_reference_copy(tiny_model_dir):
-    from grpo_fleet.model import load_policy
+    from grpo_fleet.models.loading import load_policy
 
     model = load_policy(str(tiny_model_dir)).model
     plain = estimate_step_memory(model, _run_config())

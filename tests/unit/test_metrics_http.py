@@ -7,7 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from grpo_fleet.metrics_http import _ThreadingWSGIServer, refusal_counter
+from grpo_fleet.observe.metrics_http import _ThreadingWSGIServer, refusal_counter
 
 
 class _HeldServer(_ThreadingWSGIServer):

@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from grpo_fleet.config import LoraConfig, TinyModelConfig
-from grpo_fleet.model import (
+from grpo_fleet.models.loading import (
     adapters_disabled,
     digest_bytes,
     load_checkpoint,
@@ -21,7 +21,7 @@ from grpo_fleet.model import (
     trainable_weights,
     weights_to_bytes,
 )
-from grpo_fleet.tiny_model import build_tiny_model
+from grpo_fleet.models.tiny_model import build_tiny_model
 from helpers import assert_checkpoint_generates_like_the_learner
 
 CORPUS = ["123=321", "45=54", "9=9", "<think> </think> <answer> </answer>"]
@@ -123,7 +123,7 @@ def test_checkpoint_loads_with_mlx_lm_and_generates(tiny_model_dir, tmp_path, us
 def test_the_generation_check_fails_when_mlx_lm_loads_other_weights(tiny_model_dir, tmp_path, monkeypatch):
     """Positive control for assert_checkpoint_generates_like_the_learner: mlx_lm handed the base model
     instead of the checkpoint's moved weights is caught, not waved through as a near-tie."""
-    import grpo_fleet.model
+    import grpo_fleet.models.loading
 
     policy = load_policy(str(tiny_model_dir))
     for index, (name, value) in enumerate(trainable_weights(policy.model).items()):
@@ -135,7 +135,7 @@ def test_the_generation_check_fails_when_mlx_lm_loads_other_weights(tiny_model_d
     prompt = "123="
     assert mlx_lm.generate(base_model, base_tokenizer, prompt, max_tokens=4) != mlx_lm.generate(
         moved_model, base_tokenizer, prompt, max_tokens=4), "the control needs weights that change the text"
-    monkeypatch.setattr(grpo_fleet.model, "load_checkpoint", lambda _path: (base_model, base_tokenizer))
+    monkeypatch.setattr(grpo_fleet.models.loading, "load_checkpoint", lambda _path: (base_model, base_tokenizer))
     with pytest.raises(AssertionError, match="not a near-tie|tokens"):
         assert_checkpoint_generates_like_the_learner(out, prompt, max_tokens=4)
 

@@ -1,4 +1,4 @@
-"""grpo_fleet.plotting.plot_run: curves of a run directory as a PNG."""
+"""grpo_fleet.observe.plotting.plot_run: curves of a run directory as a PNG."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.plotting import RunDataError, plot_run, read_step_records, throughput
+from grpo_fleet.observe.plotting import RunDataError, plot_run, read_step_records, throughput
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

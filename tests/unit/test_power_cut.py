@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pytest
 from test_learner_core import run_config
 
-import grpo_fleet.durable as durable
+import grpo_fleet.runtime.durable as durable
 from grpo_fleet.learner.records import persistence
 from grpo_fleet.learner.records.runlog import (
     LEDGER_FILE,
@@ -28,7 +28,7 @@ from grpo_fleet.learner.records.runlog import (
     ShortLog,
 )
 from grpo_fleet.learner.run.build import build_learner
-from grpo_fleet.model import latest_checkpoint
+from grpo_fleet.models.loading import latest_checkpoint
 
 
 class PowerCut(BaseException):

@@ -15,7 +15,7 @@ import pytest
 
 from grpo_fleet.config import LoraConfig, RunConfig
 from grpo_fleet.learner.run.build import resolve_model_path
-from grpo_fleet.model import (
+from grpo_fleet.models.loading import (
     Policy,
     digest_bytes,
     load_policy,
@@ -24,8 +24,8 @@ from grpo_fleet.model import (
     trainable_weights,
     weights_to_bytes,
 )
-from grpo_fleet.quant import cast_floating, is_quantized
-from grpo_fleet.realshape import (
+from grpo_fleet.models.quant import cast_floating, is_quantized
+from grpo_fleet.models.realshape import (
     RealShapeSpec,
     build_realshape,
     init_model,
@@ -33,7 +33,7 @@ from grpo_fleet.realshape import (
     parse_spec,
     spec_from_key,
 )
-from grpo_fleet.synthetic_tokenizer import QWEN_SPECIALS
+from grpo_fleet.models.synthetic_tokenizer import QWEN_SPECIALS
 from grpo_fleet.tasks import build_task
 from grpo_fleet.tasks.prompts import encode_prompt
 
@@ -169,21 +169,21 @@ def test_adapters_from_a_dequantised_learner_fit_a_4bit_actor(realshape_q4_model
 
 
 def test_doctor_says_cpu_dequantises_with_both_speeds():
-    from grpo_fleet.doctor import quantized_description
+    from grpo_fleet.runtime.doctor import quantized_description
 
     line = quantized_description()
     assert line.startswith("dequantised to float32 on load") and "4-bit matmul" in line and "fp32" in line
 
 
 def test_build_model_cli_refuses_an_unknown_shape(capsys):
-    from grpo_fleet.cli import main
+    from grpo_fleet.cli.main import main
 
     assert main(["build-model", "realshape:llama-7b?layers=1"]) == 2
     assert "unknown real shape" in capsys.readouterr().err
 
 
 def test_actor_samples_and_learner_rescores_at_the_real_vocabulary(cpu_learner):
-    from grpo_fleet.generation import SamplingSettings, generate_groups
+    from grpo_fleet.models.generation import SamplingSettings, generate_groups
 
     tokenizer, model = cpu_learner.tokenizer, cpu_learner.model
     prompt = encode_prompt(tokenizer, "Reverse 123.", chat_template=True)

@@ -14,7 +14,7 @@ from grpo_fleet.learner.ranks.sharding import scatter_rows, shard_rows
 from grpo_fleet.learner.step.batch import take_rows
 from grpo_fleet.learner.step.recheck import judge, recompute
 from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.runtime.trees import flat_leaves
 
 
 def test_two_ranks_recomputing_their_own_rows_judge_as_one_process(tiny_model_dir: Path):

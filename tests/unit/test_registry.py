@@ -12,7 +12,7 @@ from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.persistence import capture, restore, state_from_dict, state_to_dict
 from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.metrics import learner_metrics
+from grpo_fleet.observe.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from grpo_fleet.actor.rolling import RollingGenerator, SlotUsage, WeightsInFlight, may_refill, run_leases
-from grpo_fleet.generation import SamplingSettings, encode_prompt, generate_groups
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.generation import SamplingSettings, encode_prompt, generate_groups
+from grpo_fleet.models.loading import load_policy
 
 
 @pytest.fixture(scope="module")

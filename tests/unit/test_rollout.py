@@ -6,11 +6,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from grpo_fleet.generation import SHARED_PREFIX_MIN_TOKENS, SamplingSettings, completion_text, encode_prompt, generate_groups
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.batch import build_train_batch
 from grpo_fleet.learner.step.objective import policy_logprobs
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.generation import (
+    SHARED_PREFIX_MIN_TOKENS,
+    SamplingSettings,
+    completion_text,
+    encode_prompt,
+    generate_groups,
+)
+from grpo_fleet.models.loading import load_policy
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +153,7 @@ def test_bf16_actor_logprobs_are_float32_and_match_learner(peaky_bf16_policy, te
 
 def test_truncated_sampling_is_refused(policy):
     from grpo_fleet.config import GenerationConfig
-    from grpo_fleet.generation import TruncatedSamplingError
+    from grpo_fleet.models.generation import TruncatedSamplingError
 
     settings = SamplingSettings(group_size=2, max_tokens=2, top_p=0.9)
     with pytest.raises(TruncatedSamplingError, match="top_p"):

@@ -1,4 +1,4 @@
-"""run_lock.py: one learner per run directory (flock conflicts between two opens, in one process too)."""
+"""runtime/run_lock.py: one learner per run directory (flock conflicts between two opens, in one process too)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fleet.run_lock import LOCK_FILE, RunDirLock, RunDirLocked
+from grpo_fleet.runtime.run_lock import LOCK_FILE, RunDirLock, RunDirLocked
 
 
 def test_a_second_holder_is_refused_with_the_pid_of_the_first_until_it_lets_go(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Tests for samples.jsonl: which completions a step logs (learner/records/samples.py), the file's resume cut-back,
-and how `grpo-fleet samples` prints it (samples_view.py, through cli.main)."""
+and how `grpo-fleet samples` prints it (observe/samples_view.py, through cli.main)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo_fleet import cli
+from grpo_fleet.cli import main as cli
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.runlog import SAMPLES_FILE, RunLog, SampleRow
 from grpo_fleet.learner.records.samples import SampleLog, extremes_first, pick_samples, sample_rows, samples_due
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
-from grpo_fleet.samples_view import SamplesRead, format_row, format_samples, read_last_rows, row_from_json, wrapped
+from grpo_fleet.observe.samples_view import SamplesRead, format_row, format_samples, read_last_rows, row_from_json, wrapped
 
 RUN_FILES = Path(__file__).resolve().parents[2] / "docs" / "reference" / "run-files.md"
 HOSTILE = "\x1b[2J\x1b[31mred\rforged\x00 line\nsecond \\ line"

@@ -29,7 +29,7 @@ from grpo_fleet.learner.step.batch import batch_totals, split_batch, take_rows
 from grpo_fleet.learner.step.fused_check import Recheck
 from grpo_fleet.learner.step.objective import proximal_grid
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.loading import load_policy
 
 
 @pytest.mark.parametrize("total,size", [(8, 2), (7, 2), (9, 4), (3, 3), (5, 1)])

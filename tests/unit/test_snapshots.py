@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from grpo_fleet.learner.door.snapshots import SnapshotStore
-from grpo_fleet.metrics import learner_metrics
+from grpo_fleet.observe.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
 
 

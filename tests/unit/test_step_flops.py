@@ -10,7 +10,7 @@ from grpo_fleet.bench.flops import forward_flops, model_shape, step_flops
 from grpo_fleet.config import LoraConfig
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.batch import LENGTH_BUCKET, build_train_batch, split_batch
-from grpo_fleet.model import apply_lora
+from grpo_fleet.models.loading import apply_lora
 
 HIDDEN, MLP, HEADS, KV_HEADS, VOCAB, BLOCKS = 64, 128, 4, 2, 300, 3
 

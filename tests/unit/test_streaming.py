@@ -13,8 +13,8 @@ from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rewarding import score_lease
 from grpo_fleet.actor.streaming import LeaseStream, Turn
 from grpo_fleet.config import TaskConfig
-from grpo_fleet.metrics import actor_metrics
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.loading import load_policy
+from grpo_fleet.observe.metrics import actor_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import build_task
 from grpo_fleet.tasks.reward_runner import InlineScorer

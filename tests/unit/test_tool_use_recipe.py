@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DemoOptions, demo_settings
 from grpo_fleet.envs.calculator import evaluate, shown
 from grpo_fleet.envs.tools import parse_tool_call
+from grpo_fleet.launch.demo import DemoOptions, demo_settings
 from grpo_fleet.tasks import build_task
 
 

@@ -20,7 +20,7 @@ from grpo_fleet.learner.step.objective import Loss, LossOutput, behaviour_correc
 from grpo_fleet.learner.step.schedule import learning_rate_schedule
 from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.model import Policy, adapters_disabled, load_policy, trainable_weights
+from grpo_fleet.models.loading import Policy, adapters_disabled, load_policy, trainable_weights
 
 TEMPERATURE = 1.0
 MAX_TOKENS = 4

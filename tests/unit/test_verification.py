@@ -22,13 +22,13 @@ from test_learner_core import (
 )
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND, HALF_PRECISION_MEAN_FLOOR, default_bound
 from grpo_fleet.learner.verify.actor_checks import RewardCheck, reward_gap
 from grpo_fleet.learner.verify.verification import calibration_settings
-from grpo_fleet.metrics import learner_metrics
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.generation import SamplingSettings, generate_groups
+from grpo_fleet.models.loading import load_policy
+from grpo_fleet.observe.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.prompts import decode_completion

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpo_fleet.learner.door.weights_in_flight import WeightsInFlight
-from grpo_fleet.metrics import learner_metrics
+from grpo_fleet.observe.metrics import learner_metrics
 from grpo_fleet.protocol import messages as m
 
 BLOB = 1 << 20

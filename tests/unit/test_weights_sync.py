@@ -9,8 +9,8 @@ import mlx.nn as nn
 import pytest
 
 from grpo_fleet.actor.weights_sync import CREDIT_WINDOW, WeightsSync, fetch_weights
-from grpo_fleet.metrics import actor_metrics
-from grpo_fleet.model import trainable_weights, weights_to_bytes
+from grpo_fleet.models.loading import trainable_weights, weights_to_bytes
+from grpo_fleet.observe.metrics import actor_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.weights import Snapshot, VersionGone, WeightsMismatch
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from grpo_fleet import zoo
-from grpo_fleet.gguf import file_digest
-from grpo_fleet.zoo import (
+from grpo_fleet.models import zoo
+from grpo_fleet.models.gguf.importer import file_digest
+from grpo_fleet.models.zoo import (
     MODELS,
     WheelPart,
     ZooError,

@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, get_args
 
-from grpo_fleet.app_stores import is_app_path
 from grpo_fleet.config import LoraConfig, ModelConfig
-from grpo_fleet.generation import TruncatedSamplingError, refuse_truncated_sampling
-from grpo_fleet.gguf import GGUFError
-from grpo_fleet.model import model_digest
+from grpo_fleet.models.app_stores import is_app_path
+from grpo_fleet.models.generation import TruncatedSamplingError, refuse_truncated_sampling
+from grpo_fleet.models.gguf.importer import GGUFError
+from grpo_fleet.models.loading import model_digest
+from grpo_fleet.models.realshape import default_cache_dir, local_copy
+from grpo_fleet.models.zoo import ZooError, import_source, is_gguf_source, is_zoo_path
 from grpo_fleet.protocol import messages as m
-from grpo_fleet.realshape import default_cache_dir, local_copy
 from grpo_fleet.tasks import UnknownRewardError, validate_rewards
 from grpo_fleet.tasks.reward_module import RewardModuleError, is_module_name, module_digest
 from grpo_fleet.tasks.reward_runner import RewardSet
-from grpo_fleet.zoo import ZooError, import_source, is_gguf_source, is_zoo_path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # The dtypes a learner's config can name ([model] dtype); anything else is not a cast we agree to.

@@ -20,9 +20,9 @@ from grpo_fleet.actor.rewarding import RunRewards, scoring_jobs
 from grpo_fleet.envs.process import EnvProcess, EnvsRefused
 from grpo_fleet.envs.protocol import env_extras
 from grpo_fleet.envs.runner import EpisodeLimits, EpisodeOutcome, EpisodeRunner, EpisodeStart
-from grpo_fleet.generation import SamplingSettings
-from grpo_fleet.metrics import ActorMetrics
-from grpo_fleet.model import Policy
+from grpo_fleet.models.generation import SamplingSettings
+from grpo_fleet.models.loading import Policy
+from grpo_fleet.observe.metrics import ActorMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.tasks.env_module import EnvLoadError, EnvSetup, env_digest

@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 from grpo_fleet.actor import wire
 from grpo_fleet.actor.admission import ActorRefused
-from grpo_fleet.generation import GeneratedCompletion, completion_text
-from grpo_fleet.metrics import ActorMetrics
+from grpo_fleet.models.generation import GeneratedCompletion, completion_text
+from grpo_fleet.observe.metrics import ActorMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.tasks.reward_runner import RewardSet, RewardsRefused, Scorer, ScoringProcess

@@ -5,7 +5,7 @@ together and the batch idles as the short ones finish, until the longest is
 done. With answers of 16 to 512 tokens most of the slot time is idle. Here the
 generator lives across leases: a lease's groups are queued as soon as nothing
 else waits (the G completions of a prompt still share one prefill, through
-generation.py's own helpers), mlx-lm admits a queued sequence into a slot the
+models/generation.py's own helpers), mlx-lm admits a queued sequence into a slot the
 step after one frees, and a lease whose groups have all finished is handed
 back at once while its neighbours keep decoding.
 
@@ -23,7 +23,7 @@ from typing import Callable, Generic, Optional, Sequence, TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from grpo_fleet.generation import (
+from grpo_fleet.models.generation import (
     PREFILL_STEP_TOKENS,
     SHARED_PREFIX_MIN_TOKENS,
     GeneratedCompletion,

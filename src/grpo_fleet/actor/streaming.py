@@ -28,9 +28,9 @@ from pydantic import BaseModel
 from grpo_fleet.actor import wire
 from grpo_fleet.actor.pipeline import InFlight
 from grpo_fleet.actor.rolling import FinishedLease, RollingGenerator, may_refill
-from grpo_fleet.generation import GeneratedCompletion
-from grpo_fleet.metrics import ActorMetrics
-from grpo_fleet.model import Policy
+from grpo_fleet.models.generation import GeneratedCompletion
+from grpo_fleet.models.loading import Policy
+from grpo_fleet.observe.metrics import ActorMetrics
 from grpo_fleet.protocol import messages as m
 
 # mlx-lm's own default: more rows than this per decoding step gain little and hold more KV cache.

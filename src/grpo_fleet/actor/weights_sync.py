@@ -13,8 +13,8 @@ from typing import NamedTuple, Protocol
 import mlx.nn as nn
 from pydantic import BaseModel
 
-from grpo_fleet.metrics import ActorMetrics
-from grpo_fleet.model import load_weight_blob
+from grpo_fleet.models.loading import load_weight_blob
+from grpo_fleet.observe.metrics import ActorMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.weights import ChunkAssembler, VersionGone, WeightsMismatch

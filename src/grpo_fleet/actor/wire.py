@@ -6,7 +6,7 @@ from typing import Literal, Optional, Sequence, cast
 
 import numpy as np
 
-from grpo_fleet.generation import GeneratedCompletion, SamplingSettings
+from grpo_fleet.models.generation import GeneratedCompletion, SamplingSettings
 from grpo_fleet.protocol import messages as m
 
 

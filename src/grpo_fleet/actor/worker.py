@@ -31,13 +31,13 @@ from grpo_fleet.actor.rewarding import RunRewards
 from grpo_fleet.actor.streaming import LeaseStream, Turn
 from grpo_fleet.actor.weights_sync import WeightsSync
 from grpo_fleet.config import ActorConfig, MetricsConfig
-from grpo_fleet.doctor import mlx_version
-from grpo_fleet.generation import generate_groups
-from grpo_fleet.metrics import ActorMetrics, actor_metrics
-from grpo_fleet.metrics_http import MetricsServer, serve_metrics
-from grpo_fleet.model import Policy, load_policy
+from grpo_fleet.models.generation import generate_groups
+from grpo_fleet.models.loading import Policy, load_policy
+from grpo_fleet.observe.metrics import ActorMetrics, actor_metrics
+from grpo_fleet.observe.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.runtime.doctor import mlx_version
 
 __all__ = ["ActorRefused", "ActorWorker", "default_actor_id", "serve_actor_metrics"]
 

@@ -85,7 +85,7 @@ def machine_description() -> dict:
     """What the figures were measured on."""
     import mlx.core as mx
 
-    from grpo_fleet.doctor import blas_description, mlx_version
+    from grpo_fleet.runtime.doctor import blas_description, mlx_version
 
     return {
         "platform": platform.platform(),

@@ -36,14 +36,14 @@ from typing import Any, Callable
 import numpy as np
 
 from grpo_fleet.config import RunConfig, load_run_config
-from grpo_fleet.generation import SamplingSettings, generate_groups
+from grpo_fleet.launch.local_fleet import fleet_env
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.run.build import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.step.batch import build_train_batch
 from grpo_fleet.learner.step.trainer import Trainer, load_trainer
 from grpo_fleet.learner.verify.actor_checks import LogprobCheck, WeightHistory
-from grpo_fleet.local_fleet import fleet_env
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.generation import SamplingSettings, generate_groups
+from grpo_fleet.models.loading import load_policy
 from grpo_fleet.tasks import build_task
 
 LEASES = 6

@@ -28,7 +28,7 @@ from grpo_fleet.config import DistributedConfig, GRPOConfig, LoraConfig, OptimCo
 from grpo_fleet.learner.ranks.collectives import launched_rank
 from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.loading import load_policy
 
 SHAPE = (4, 8, 32, 64)  # groups, group size, prompt tokens, completion tokens
 GRADIENTS = "gradient all-sum"
@@ -92,8 +92,8 @@ def _gradient_totals(totals: dict[str, list[float]]) -> list[float]:
 
 
 def two_ranks(path: str, mode: str, repeats: int, root: Path) -> dict[str, float]:
-    from grpo_fleet.blas import child_env
     from grpo_fleet.protocol.endpoints import free_port
+    from grpo_fleet.runtime.blas import child_env
 
     out = root / f"ranks-{mode}.json"
     command = [str(Path(sys.executable).parent / "mlx.launch"), "--hosts", "127.0.0.1", "-n", "2",

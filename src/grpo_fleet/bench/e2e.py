@@ -33,17 +33,17 @@ import numpy as np
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.rollout import naive_completion
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DemoOptions, demo_config, held_out_reward
-from grpo_fleet.evaluate import evaluate
-from grpo_fleet.generation import GeneratedCompletion, SamplingSettings, completion_text, generate_groups
+from grpo_fleet.launch.demo import DemoOptions, demo_config, held_out_reward
+from grpo_fleet.launch.local_fleet import running
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.run.build import resolve_model_path, tokenize_prompts
 from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
 from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.learner.step.trainer import Trainer, trainer_from_config
-from grpo_fleet.local_fleet import running
-from grpo_fleet.model import Policy, load_policy
+from grpo_fleet.models.evaluate import evaluate
+from grpo_fleet.models.generation import GeneratedCompletion, SamplingSettings, completion_text, generate_groups
+from grpo_fleet.models.loading import Policy, load_policy
 from grpo_fleet.tasks import Task, build_task
 
 EVAL_EVERY = 50

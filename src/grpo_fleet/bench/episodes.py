@@ -26,8 +26,8 @@ import numpy as np
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.real_decode import real_model_dir
 from grpo_fleet.envs.hosting import EnvAnswer, EnvCalls, InlineEnvs
-from grpo_fleet.generation import GeneratedCompletion
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
+from grpo_fleet.models.generation import GeneratedCompletion
 
 DEMO = Path(__file__).resolve().parents[1] / "demos" / "smollm2-135m-instruct"
 SYSTEM = "Answer in one short sentence."
@@ -79,10 +79,10 @@ def measure(report: Report, model_dir: Path, prompts: int, group_size: int, max_
     from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
     from grpo_fleet.envs.protocol import env_extras
     from grpo_fleet.envs.runner import EpisodeLimits, EpisodeRunner, EpisodeStart
-    from grpo_fleet.generation import SamplingSettings, generate_groups
     from grpo_fleet.learner.step.batch import build_train_batch
     from grpo_fleet.learner.step.trainer import Trainer
-    from grpo_fleet.model import load_policy
+    from grpo_fleet.models.generation import SamplingSettings, generate_groups
+    from grpo_fleet.models.loading import load_policy
     from grpo_fleet.tasks.env_module import EnvSetup
     from grpo_fleet.tasks.prompts import chat_messages, encode_prompt
 
@@ -183,8 +183,8 @@ def tool_delay_rows(report: Report, model_dir: Path, prompts: int, group_size: i
     from grpo_fleet.envs.process import EnvProcess
     from grpo_fleet.envs.protocol import env_extras
     from grpo_fleet.envs.runner import EpisodeLimits, EpisodeRunner, EpisodeStart
-    from grpo_fleet.generation import SamplingSettings
-    from grpo_fleet.model import load_policy
+    from grpo_fleet.models.generation import SamplingSettings
+    from grpo_fleet.models.loading import load_policy
     from grpo_fleet.tasks.env_module import EnvSetup
     from grpo_fleet.tasks.prompts import chat_messages, encode_prompt
 

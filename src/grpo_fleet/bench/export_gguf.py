@@ -21,11 +21,11 @@ from mlx.utils import tree_flatten
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.peak import measured
-from grpo_fleet.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, point_latest
 from grpo_fleet.config import LoraConfig
-from grpo_fleet.model import load_policy, save_checkpoint
-from grpo_fleet.realshape import default_cache_dir
-from grpo_fleet.zoo import import_source
+from grpo_fleet.models.loading import load_policy, save_checkpoint
+from grpo_fleet.models.realshape import default_cache_dir
+from grpo_fleet.models.zoo import import_source
+from grpo_fleet.runtime.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, point_latest
 
 MODEL = "zoo:smollm2-135m-instruct"
 # lora_b's spread: a weight change of about a tenth of SmolLM's own at lora.scale 20, as some training makes (0.01
@@ -96,7 +96,7 @@ def _agreement(report: Report, run_dir: Path, tmp: Path) -> None:
 
     from grpo_fleet.export.llamacpp_check import compare
     from grpo_fleet.export.run import ExportRequest, export_run
-    from grpo_fleet.gguf import import_gguf
+    from grpo_fleet.models.gguf.importer import import_gguf
 
     for quant in ("f16", "q8_0", "q4_0", "q4_k_m"):
         result = export_run(ExportRequest(path=str(run_dir), out=str(tmp / quant), gguf=quant))

@@ -43,8 +43,8 @@ from grpo_fleet.fleetsim.plan import Plan, PlanInputs, PlanShape, plan, render
 from grpo_fleet.fleetsim.published import LOGPROB_CHECK_SHARE
 from grpo_fleet.fleetsim.simulation import simulate
 from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, SharedHost
-from grpo_fleet.local_fleet import running
-from grpo_fleet.plotting import load_step_records
+from grpo_fleet.launch.local_fleet import running
+from grpo_fleet.observe.plotting import load_step_records
 
 ACTOR = "grpo_fleet_actor"
 LEARNER = "grpo_fleet_learner"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.peak import measured
-from grpo_fleet.zoo import fetch_gguf
+from grpo_fleet.models.zoo import fetch_gguf
 
 MODEL = "gemma3-270m"
 _PRELOAD = ["mlx.core", "mlx_lm.models.gemma3_text", "tokenizers", "gguf.quants"]
@@ -25,7 +25,7 @@ _PRELOAD = ["mlx.core", "mlx_lm.models.gemma3_text", "tokenizers", "gguf.quants"
 def _child(*args: str) -> dict:
     """import_gguf(source, out, dtype) measured in a fresh process; no arguments: the baseline, importing nothing."""
     kwargs = None if not args else {"source": args[0], "out_dir": args[1], "dtype": args[2]}
-    return measured("grpo_fleet.gguf:import_gguf", _PRELOAD, kwargs)
+    return measured("grpo_fleet.models.gguf.importer:import_gguf", _PRELOAD, kwargs)
 
 
 def _model_bytes(folder: Path) -> int:

@@ -63,7 +63,7 @@ def learner_config(run_dir: Path, keys: Optional[Path]) -> dict[str, Any]:
 
 def start_learner(root: Path, name: str, keys: Optional[Path] = None, overrides: Optional[dict] = None) -> LearnerProcess:
     """A real learner process; `overrides` replaces keys of the ingest config's sections."""
-    from grpo_fleet.blas import child_env
+    from grpo_fleet.runtime.blas import child_env
 
     data = learner_config(root / name, keys)
     for section, values in (overrides or {}).items():

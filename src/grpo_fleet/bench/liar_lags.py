@@ -51,7 +51,7 @@ from grpo_fleet.learner.step.gap_bounds import GapBound, default_bound, logprob_
 from grpo_fleet.learner.verify.actor_checks import LogprobCheck, WeightHistory
 from grpo_fleet.learner.verify.gap_calibration import calibrate
 from grpo_fleet.learner.verify.trust import Trust, expected_exposure
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.loading import load_policy
 from grpo_fleet.protocol.messages import finish_reason_mismatch
 from grpo_fleet.tasks import build_task
 

@@ -20,12 +20,12 @@ import numpy as np
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.config import RunConfig
-from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.learner.verify.actor_checks import LogprobCheck, LogprobGap, WeightHistory
-from grpo_fleet.model import Policy, load_policy
-from grpo_fleet.realshape import build_realshape
+from grpo_fleet.models.generation import SamplingSettings, generate_groups
+from grpo_fleet.models.loading import Policy, load_policy
+from grpo_fleet.models.realshape import build_realshape
 from grpo_fleet.tasks import build_task
 
 

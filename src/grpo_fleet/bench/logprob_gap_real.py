@@ -26,7 +26,7 @@ from grpo_fleet.bench.real_task import real_config, real_model_dir, real_task_co
 from grpo_fleet.learner.run.build import tokenize_prompts
 from grpo_fleet.learner.step.gap_bounds import logprob_gap_bound
 from grpo_fleet.learner.verify.actor_checks import LogprobGap
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.loading import load_policy
 from grpo_fleet.tasks import build_task
 
 PROMPTS = 16  # groups per actor dtype

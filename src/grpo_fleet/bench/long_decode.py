@@ -80,7 +80,7 @@ def rolling_stream(model: Any, leases: Sequence[list[list[int]]], shape: LeaseSh
                    eos: Sequence[int]) -> tuple[Window, Window]:
     """(while work waited, whole stream) for every lease through one rolling generator of one lease's slots."""
     from grpo_fleet.actor.rolling import RollingGenerator
-    from grpo_fleet.generation import SamplingSettings
+    from grpo_fleet.models.generation import SamplingSettings
 
     settings = SamplingSettings(group_size=shape.group_size, max_tokens=shape.max_tokens,
                                 temperature=shape.temperature, stop_token_ids=tuple(eos))
@@ -113,7 +113,7 @@ def measure(report: Report, model_dir: Path, stream: StreamShape) -> None:
     """The static side, then the rolling side, on the same leases (each after a short warm-up)."""
     import mlx.core as mx
 
-    from grpo_fleet.model import load_policy
+    from grpo_fleet.models.loading import load_policy
 
     policy = load_policy(str(model_dir))
     shape = stream.lease

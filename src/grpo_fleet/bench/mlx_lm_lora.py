@@ -284,7 +284,7 @@ def write_train_rows(cfg: RunConfig, task: Any, path: Path) -> None:
 
 
 def _run_runner(python: Path, job_path: Path, out_dir: Path, timeout_seconds: float, *, one_thread: bool = False) -> None:
-    from grpo_fleet.blas import child_env
+    from grpo_fleet.runtime.blas import child_env
 
     env = child_env()
     env.pop("PYTHONPATH", None)  # the runner puts only grpo_fleet's src on its path, after its own packages
@@ -303,8 +303,8 @@ def evaluate_snapshots(cfg: RunConfig, task: Any, snapshots: list[Snapshot]) -> 
     """grpo-fleet's held-out reward (train.eval_mode, as the fleet's rounds) of each saved adapter file."""
     import mlx.core as mx
 
-    from grpo_fleet.evaluate import evaluate
-    from grpo_fleet.model import load_policy
+    from grpo_fleet.models.evaluate import evaluate
+    from grpo_fleet.models.loading import load_policy
 
     policy = load_policy(cfg.model.path, lora=cfg.lora, dtype=cfg.model.dtype)
     points = []

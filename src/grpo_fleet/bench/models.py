@@ -6,8 +6,8 @@ from pathlib import Path
 
 from grpo_fleet.config import TaskConfig, TinyModelConfig
 from grpo_fleet.learner.run.build import tokenizer_corpus
+from grpo_fleet.models.tiny_model import build_tiny_model
 from grpo_fleet.tasks import build_task
-from grpo_fleet.tiny_model import build_tiny_model
 
 # ~50M parameters: 10 blocks of width 640 (attention 1.6M + MLP 3.3M each).
 MODEL_50M = TinyModelConfig(seed=0, hidden_size=640, num_layers=10, num_heads=10, intermediate_size=1728, vocab_size=512)

@@ -36,7 +36,7 @@ from grpo_fleet.bench.offpolicy import OffPolicyStats, lagged_training
 from grpo_fleet.bench.real_task import real_config, real_model_dir, real_task_config
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.step.step_result import StepStats
-from grpo_fleet.model import Policy, load_policy
+from grpo_fleet.models.loading import Policy, load_policy
 
 NATURAL_LAG = 1
 LAGS = (NATURAL_LAG, 4)

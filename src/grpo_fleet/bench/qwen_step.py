@@ -31,11 +31,11 @@ import numpy as np
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.step import one_shot_step, synthetic_groups
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
-from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.model import Policy, load_policy
-from grpo_fleet.realshape import build_realshape
+from grpo_fleet.models.generation import SamplingSettings, generate_groups
+from grpo_fleet.models.loading import Policy, load_policy
+from grpo_fleet.models.realshape import build_realshape
 
 GIB = float(1 << 30)
 

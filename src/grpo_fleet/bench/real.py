@@ -13,7 +13,7 @@ same B x G, token budget, LoRA rank and learning rate for every contender.
 
 Every contender is scored the way the fleet's eval rounds score it (the
 config's train.eval_mode: sampled avg@4 at T = 1 for demo-real), through
-grpo_fleet.evaluate.
+grpo_fleet.models.evaluate.
 * mlx-lm-lora: its GRPO trainer in its own venv (bench/mlx_lm_lora.py).
 
 Reported: time to a target held-out reward (the fleet's ratio to each
@@ -34,9 +34,9 @@ from grpo_fleet.bench.e2e import TrainLoop, batched_rollout
 from grpo_fleet.bench.mlx_lm_lora import BaselineUnavailable
 from grpo_fleet.bench.scraping import Scraped, scrape
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DemoOptions, demo_config
-from grpo_fleet.local_fleet import Fleet, running
-from grpo_fleet.plotting import load_eval_records, load_step_records
+from grpo_fleet.launch.demo import DemoOptions, demo_config
+from grpo_fleet.launch.local_fleet import Fleet, running
+from grpo_fleet.observe.plotting import load_eval_records, load_step_records
 
 MODEL = "smollm2-135m-instruct"
 # Rejections that accuse the sender of lying or of sending garbage: every actor in the fleet run is honest,
@@ -85,7 +85,7 @@ def fleet_run(cfg: RunConfig, actors: int = 2, *, cores: Optional[Sequence[int]]
               on_poll: Optional[Callable[[Fleet], None]] = None) -> RealCurve:
     """Run the fleet to cfg.train.steps; its eval rounds, each stamped when it appeared, less eval time so far.
 
-    `cores` pins its processes (local_fleet.start_fleet); `on_poll` sees the running fleet every poll.
+    `cores` pins its processes (launch/local_fleet.py: start_fleet); `on_poll` sees the running fleet every poll.
     """
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from grpo_fleet.bench import Figure, Report, Scale
-from grpo_fleet.realshape import default_cache_dir
-from grpo_fleet.zoo import import_source
+from grpo_fleet.models.realshape import default_cache_dir
+from grpo_fleet.models.zoo import import_source
 
 REAL_MODEL = "zoo:smollm2-135m-instruct"
 REAL_MODEL_ENV = "GRPO_FLEET_REAL_MODEL"
@@ -107,7 +107,7 @@ class DecodeRun:
 
 def actor_lease(model: Any, prompts: list[list[int]], shape: LeaseShape, eos: Sequence[int]) -> DecodeRun:
     """The actor's path: `generate_groups`, logprobs recorded, EOS kept."""
-    from grpo_fleet.generation import SamplingSettings, generate_groups
+    from grpo_fleet.models.generation import SamplingSettings, generate_groups
 
     settings = SamplingSettings(group_size=shape.group_size, max_tokens=shape.max_tokens,
                                 temperature=shape.temperature, stop_token_ids=tuple(eos))
@@ -136,7 +136,7 @@ def measure(report: Report, model_dir: Path, shape: LeaseShape, repeats: int) ->
     """Best of `repeats` alternating runs of each side, after a warm-up of each; returns the actor's best run."""
     import mlx.core as mx
 
-    from grpo_fleet.model import load_policy
+    from grpo_fleet.models.loading import load_policy
 
     policy = load_policy(str(model_dir))
     tokenizer = policy.tokenizer

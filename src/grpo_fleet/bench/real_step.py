@@ -48,7 +48,7 @@ def batch_padding(batch: TrainBatch) -> float:
 
 def real_groups(model: Any, tokenizer: Any, shape: LeaseShape) -> list[AcceptedGroup]:
     """One lease sampled by the actor's path, as the learner accepts it; rewards spread 0..1 within each group."""
-    from grpo_fleet.generation import SamplingSettings, generate_groups
+    from grpo_fleet.models.generation import SamplingSettings, generate_groups
 
     prompts = lease_prompts(tokenizer, shape.prompts)
     eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
@@ -70,7 +70,7 @@ def measure(report: Report, model_dir: Path, shape: LeaseShape) -> None:
     from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
     from grpo_fleet.learner.step.batch import build_train_batch, split_batch
     from grpo_fleet.learner.step.trainer import Trainer
-    from grpo_fleet.model import load_policy
+    from grpo_fleet.models.loading import load_policy
 
     policy = load_policy(str(model_dir), lora=LoraConfig(enabled=True, rank=8))
     groups = real_groups(policy.model, policy.tokenizer, shape)

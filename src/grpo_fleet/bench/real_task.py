@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from grpo_fleet.config import RunConfig, apply_overrides, load_run_config
-from grpo_fleet.demo import DemoOptions, demo_settings
+from grpo_fleet.launch.demo import DemoOptions, demo_settings
 
 REAL_TASK_CONFIG_ENV = "GRPO_FLEET_REAL_TASK_CONFIG"
 # The demo-real task's config (relative to where `make bench` runs) once it lands; None means the stand-in.

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.config import TaskConfig, TinyModelConfig
-from grpo_fleet.generation import (
+from grpo_fleet.models.generation import (
     SHARED_PREFIX_MIN_TOKENS,
     GeneratedCompletion,
     SamplingSettings,
@@ -40,8 +40,8 @@ from grpo_fleet.generation import (
     generate_groups,
     sampler_and_processors,
 )
-from grpo_fleet.model import Policy, load_policy, parameter_count
-from grpo_fleet.tiny_model import build_tiny_model
+from grpo_fleet.models.loading import Policy, load_policy, parameter_count
+from grpo_fleet.models.tiny_model import build_tiny_model
 
 GROUP_SIZE = 8
 NAIVE_NAME = "naive mlx_lm.generate loop"

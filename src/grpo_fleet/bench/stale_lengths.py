@@ -20,8 +20,8 @@ from typing import Optional
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import demo_run_config
 from grpo_fleet.bench.scraping import scrape as scrape_page
+from grpo_fleet.launch.local_fleet import running
 from grpo_fleet.learner.run.build import resolve_model_path
-from grpo_fleet.local_fleet import running
 from grpo_fleet.tasks import build_task
 
 FAMILIES = ("grpo_fleet_learner_stale_group_tokens", "grpo_fleet_learner_accepted_group_tokens")

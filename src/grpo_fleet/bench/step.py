@@ -28,7 +28,7 @@ from grpo_fleet.learner.step.batch import TrainBatch, batch_totals, build_train_
 from grpo_fleet.learner.step.grpo import grpo_loss
 from grpo_fleet.learner.step.objective import default_loss, policy_logprobs
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.model import Policy, adapters_disabled, apply_lora, load_policy
+from grpo_fleet.models.loading import Policy, adapters_disabled, apply_lora, load_policy
 
 
 def synthetic_groups(groups: int, group_size: int, prompt_len: int, completion_len: int, vocab: int) -> list[AcceptedGroup]:

@@ -43,11 +43,11 @@ from grpo_fleet.bench.real_decode import LeaseShape, real_model_dir
 from grpo_fleet.bench.real_step import real_groups
 from grpo_fleet.bench.step import synthetic_groups
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig, TrainConfig
-from grpo_fleet.doctor import matmul_gflops
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.batch import build_train_batch, row_lengths, split_batch
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.loading import load_policy
+from grpo_fleet.runtime.doctor import matmul_gflops
 
 BENCH = "step_flops"
 TIGHT_MICRO_BATCH_TOKENS = 1024  # the SmolLM2 lease again, split into more micro-batches of closer lengths

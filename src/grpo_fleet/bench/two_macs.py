@@ -43,9 +43,9 @@ from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.mlx_lm_lora import BaselineUnavailable
 from grpo_fleet.bench.real import MODEL, RealCurve, fleet_run, target_reward
 from grpo_fleet.config import RunConfig
-from grpo_fleet.demo import DEMOS_DIR, DemoOptions, demo_config
-from grpo_fleet.local_fleet import Fleet
-from grpo_fleet.plotting import load_step_records
+from grpo_fleet.launch.demo import DEMOS_DIR, DemoOptions, demo_config
+from grpo_fleet.launch.local_fleet import Fleet
+from grpo_fleet.observe.plotting import load_step_records
 
 # The task: the packaged long-answer recipe when it is there; else demo.toml asked for long replies.
 # Switching tasks is this one line (a variant name under grpo_fleet/demos/smollm2-135m-instruct/).

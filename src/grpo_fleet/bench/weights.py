@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.models import model_50m
-from grpo_fleet.blas import child_env
 from grpo_fleet.protocol.endpoints import loopback_endpoint
+from grpo_fleet.runtime.blas import child_env
 
 CTX = mp.get_context("spawn")
 # The learner's message cap and the raw baseline's, above the 50M model's full weights in fp32.

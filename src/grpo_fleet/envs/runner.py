@@ -29,7 +29,7 @@ import mlx.nn as nn
 
 from grpo_fleet.envs.hosting import EnvAnswer, EnvCall, EnvCalls
 from grpo_fleet.envs.template import ObservationEncoder, TemplateError
-from grpo_fleet.generation import EpisodeMarks, GeneratedCompletion, SamplingSettings, TurnEnd, TurnGenerator
+from grpo_fleet.models.generation import EpisodeMarks, GeneratedCompletion, SamplingSettings, TurnEnd, TurnGenerator
 from grpo_fleet.tasks.prompts import decode_completion
 
 

@@ -1,6 +1,6 @@
 """A GGUF's metadata with each value's exact GGUF type, so an export can write the source's keys back byte for byte.
 
-grpo_fleet.gguf_file reads the values (checked); a scalar's type (uint32 or int32, float32 or float64) is not in the
+grpo_fleet.models.gguf.header reads the values (checked); a scalar's type (uint32 or int32, float32 or float64) is not in the
 value, so this walks the same key/value section once more and records each key's type and, for an array, its
 element type. The file was already read strictly by read_gguf, so this walk trusts the lengths.
 """
@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from grpo_fleet.gguf_file import read_gguf
+from grpo_fleet.models.gguf.header import read_gguf
 
 V = GGUFValueType
 _WIDTHS = {V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4, V.FLOAT32: 4,

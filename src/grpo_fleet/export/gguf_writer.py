@@ -26,9 +26,9 @@ from gguf.quants import quantize
 
 from grpo_fleet.export.gguf_kv import add_entry, source_metadata
 from grpo_fleet.export.source import ExportError
-from grpo_fleet.gguf_file import read_gguf
-from grpo_fleet.gguf_metadata import Family, family_of
-from grpo_fleet.gguf_weights import hf_name
+from grpo_fleet.models.gguf.header import read_gguf
+from grpo_fleet.models.gguf.metadata import Family, family_of
+from grpo_fleet.models.gguf.weights import hf_name
 
 Q = GGMLQuantizationType
 # --gguf values this module writes itself, with the type of each quantized weight and the file type that says so.
@@ -58,7 +58,7 @@ def permute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def as_llamacpp(weight: np.ndarray, name: str, family: Family, heads: int, kv_heads: int) -> np.ndarray:
-    """Redo what the importer undoes for `name` (gguf_weights.plan_weights)."""
+    """Redo what the importer undoes for `name` (models/gguf/weights.py: plan_weights)."""
     if family.permuted_qk and name.endswith("attn_q.weight"):
         return permute_rope_rows(weight, heads)
     if family.permuted_qk and name.endswith("attn_k.weight"):
@@ -139,7 +139,7 @@ def _order(name: str) -> tuple[int, int, str]:
 
 def _kept_tensors(source: Path) -> Iterator[tuple[str, np.ndarray]]:
     """Tensors of the source that are not weights (llama 3's rope_freqs), copied as they were (F32)."""
-    from grpo_fleet.gguf_weights import dequantized
+    from grpo_fleet.models.gguf.weights import dequantized
 
     parsed = read_gguf(source)
     for info in parsed.tensors:

@@ -2,7 +2,7 @@
 
 read the source (export/source.py) -> fuse the adapters with mlx-lm (export/fuse.py) -> write the mlx-lm directory
 -> write the GGUF (export/gguf_writer.py; K-quants through llama.cpp, export/kquant.py) -> for `--ollama NAME`, a
-Modelfile beside it and the `ollama create` command (app_stores.py).
+Modelfile beside it and the `ollama create` command (models/app_stores.py).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from grpo_fleet.app_stores import write_modelfile
 from grpo_fleet.export.fuse import Fused, fuse_checkpoint, write_mlx_dir
 from grpo_fleet.export.gguf_writer import WRITTEN, write_gguf
 from grpo_fleet.export.kquant import HOW_TO_GET, k_quantize, quantizer
 from grpo_fleet.export.names import DEFAULT_GGUF, GGUF_TYPES, K_QUANT_TYPES
 from grpo_fleet.export.source import ExportError, ExportSource, read_source
+from grpo_fleet.models.app_stores import write_modelfile
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo_fleet.checkpoint_dirs import checkpoint_key, checkpoints, latest_checkpoint
+from grpo_fleet.runtime.checkpoint_dirs import checkpoint_key, checkpoints, latest_checkpoint
 
 RUN_CONFIG = "config.json"  # RUN_DIR/config.json, the run's resolved config
-CHECKPOINT_META = "grpo_fleet.json"  # model.save_checkpoint: base_model, step
+CHECKPOINT_META = "grpo_fleet.json"  # models/loading.py: save_checkpoint writes base_model, step
 IMPORT_MARKER = "gguf_source.json"  # gguf.import_gguf: the file an imported directory came from, and its digest
 
 
@@ -94,8 +94,8 @@ def _json(path: Path) -> dict[str, Any]:
 def origin_gguf(base_model: str, model_path: str) -> Optional[Path]:
     """The GGUF the base directory was imported from, when the run's model.path names it and its digest is the one
     the import recorded (so the metadata copied is that of the weights trained); None for a model from elsewhere."""
-    from grpo_fleet.gguf import file_digest
-    from grpo_fleet.zoo import gguf_file, is_gguf_source
+    from grpo_fleet.models.gguf.importer import file_digest
+    from grpo_fleet.models.zoo import gguf_file, is_gguf_source
 
     marker = Path(base_model) / IMPORT_MARKER
     if not marker.is_file() or not is_gguf_source(model_path):

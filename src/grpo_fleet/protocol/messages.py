@@ -19,8 +19,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.fields import FieldInfo
 
-from grpo_fleet.digest import blob_digest as blob_digest  # re-exported: part of the wire vocabulary
 from grpo_fleet.protocol.reasons import RejectReason
+from grpo_fleet.runtime.digest import blob_digest as blob_digest  # re-exported: part of the wire vocabulary
 
 # 2: Ack carries lease_id; WeightsGone answers a GetWeights for a version no longer kept.
 # 3: user reward modules (RewardSpec.module/digest), every dataset column to rewards, unscored groups,

@@ -1,1 +1,2 @@
-"""Process-wide helpers: what any part of the package may use, itself importing no other part of it."""
+"""Process-wide helpers: the BLAS switch, the doctor, durable writes, digests, exit codes, the run lock, checkpoint
+directories, typed parameter trees, and the guarded child process that rewards and environments run in."""

@@ -14,7 +14,7 @@ from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.learner.verify.verification import Verification
-from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import LedgerEntry, RunLog
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
-from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.observe.metrics import LearnerMetrics
 
 if TYPE_CHECKING:
     from grpo_fleet.learner.fleet.registry import ActorInfo, Registry

@@ -28,7 +28,7 @@ from grpo_fleet.learner.records.lease_book import UNSCORED_RETURNS
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.learner.verify.verification import Verification
-from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.protocol.reasons import RejectReason

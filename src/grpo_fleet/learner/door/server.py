@@ -27,7 +27,7 @@ from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.weights_in_flight import WeightsInFlight
 from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.verify.verifier_thread import RolloutsVerifier
-from grpo_fleet.metrics_http import MetricsServer, serve_metrics
+from grpo_fleet.observe.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.endpoints import advertised, is_wildcard_host, pub_endpoint_for
 from grpo_fleet.protocol.sockets import (

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from grpo_fleet.learner.door.replies import Reply
-from grpo_fleet.metrics import LearnerMetrics
-from grpo_fleet.model import Policy, trainable_weights, weights_to_bytes
+from grpo_fleet.models.loading import Policy, trainable_weights, weights_to_bytes
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.weights import Snapshot
 

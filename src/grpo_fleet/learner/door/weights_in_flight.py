@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 
 # Distinct versions that queued chunks may hold, all peers together: the current one, the one before it (an

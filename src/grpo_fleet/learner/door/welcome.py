@@ -6,10 +6,10 @@ from typing import Optional
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.fleet.registry import RunCard
-from grpo_fleet.model import Policy
+from grpo_fleet.models.loading import Policy
+from grpo_fleet.models.zoo import model_reference
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Task
-from grpo_fleet.zoo import model_reference
 
 
 def run_card(cfg: RunConfig, policy: Policy, task: Task, model_digest: str) -> RunCard:

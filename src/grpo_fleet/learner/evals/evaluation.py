@@ -49,7 +49,7 @@ from grpo_fleet.learner.fleet.leasing import (
     record_speed,
 )
 from grpo_fleet.learner.records.runlog import EvalRecord, RunLog
-from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example

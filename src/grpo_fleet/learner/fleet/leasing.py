@@ -30,7 +30,7 @@ import numpy as np
 from grpo_fleet.config import RunConfig, ServerConfig
 from grpo_fleet.learner.fleet.rates import MovingAverage
 from grpo_fleet.learner.fleet.registry import ActorInfo
-from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Example, prompt_text, reward_kwargs
 from grpo_fleet.tasks.prompts import chat_messages

@@ -17,7 +17,7 @@ from grpo_fleet.learner.fleet.bans import Bans
 from grpo_fleet.learner.fleet.rates import MovingAverage, TokenRate
 from grpo_fleet.learner.records.actor_ids import IDS_PER_SESSION, ActorIds
 from grpo_fleet.learner.verify.trust import Trust
-from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
 

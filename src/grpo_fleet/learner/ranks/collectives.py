@@ -27,10 +27,10 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from grpo_fleet.config import DistributedConfig
-from grpo_fleet.exit_codes import RANKS_FAILED
 from grpo_fleet.learner.ranks.ring_trust import RingRefused, hostfile_addresses
 from grpo_fleet.learner.ranks.sharding import DIGEST_WORDS, buckets, weights_digest
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.runtime.exit_codes import RANKS_FAILED
+from grpo_fleet.runtime.trees import flat_leaves
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 # Gradients travel in flat buckets of at most this many bytes (mlx.nn.average_gradients uses 32 MiB).

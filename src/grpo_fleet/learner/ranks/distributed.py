@@ -36,7 +36,7 @@ from grpo_fleet.learner.ranks.ring_guard import (
 )
 from grpo_fleet.learner.ranks.sharding import Command, Header, check_rows_cover_ranks
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.runtime.trees import flat_leaves
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 

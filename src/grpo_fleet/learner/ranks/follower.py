@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.exit_codes import DONE, REFUSED
 from grpo_fleet.learner.ranks.collectives import RankGroup
 from grpo_fleet.learner.ranks.distributed import DataParallel, share_state, state_layout
 from grpo_fleet.learner.ranks.rank_metrics import FollowerMetrics, follower_metrics, serve_follower_metrics
@@ -23,8 +22,9 @@ from grpo_fleet.learner.ranks.ring_guard import check_state, enter_ring, receive
 from grpo_fleet.learner.ranks.ring_trust import RingRefused
 from grpo_fleet.learner.ranks.sharding import Command
 from grpo_fleet.learner.step.trainer import Trainer, load_trainer
-from grpo_fleet.model import model_digest
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.models.loading import model_digest
+from grpo_fleet.runtime.exit_codes import DONE, REFUSED
+from grpo_fleet.runtime.trees import flat_leaves
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 IDLE_SLEEP_SHARE = 0.8  # of distributed.keepalive_seconds, slept after each keepalive

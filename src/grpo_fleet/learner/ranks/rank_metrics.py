@@ -20,8 +20,8 @@ from prometheus_client.registry import Collector
 
 from grpo_fleet.config import MetricsConfig
 from grpo_fleet.learner.ranks.collectives import RankGroup
-from grpo_fleet.metrics import PREFIX
-from grpo_fleet.metrics_http import MetricsServer, serve_metrics
+from grpo_fleet.observe.metrics import PREFIX
+from grpo_fleet.observe.metrics_http import MetricsServer, serve_metrics
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 LEARNER = PREFIX + "_learner"

@@ -48,7 +48,7 @@ from grpo_fleet.learner.ranks.ring_trust import (
     tag,
 )
 from grpo_fleet.learner.ranks.sharding import weights_digest
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.runtime.trees import flat_leaves
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
 SECRET_BYTES = 32

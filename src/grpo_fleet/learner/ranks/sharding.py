@@ -13,7 +13,7 @@ from enum import IntEnum
 import mlx.core as mx
 import numpy as np
 
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.runtime.trees import flat_leaves
 
 HEADER_SIZE = 13  # int32 slots of the command rank 0 broadcasts before each step: 5 fields, 2 tags of 4
 DIGEST_WORDS = 4  # int32 words of the weights' digest the ranks compare

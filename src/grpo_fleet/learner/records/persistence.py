@@ -17,16 +17,16 @@ import mlx.core as mx
 import msgpack
 import numpy as np
 
-from grpo_fleet.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, fresh_checkpoint_path, point_latest, prune
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.runlog import LogSizes, check_log_lengths, sync_logs
 from grpo_fleet.learner.records.state import AckCache, LearnerState
 from grpo_fleet.learner.step.gap_bounds import HALF_PRECISION_BOUND, HALF_PRECISION_TOKEN_BOUND
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.model import Policy, load_checkpoint_weights, save_checkpoint
+from grpo_fleet.models.loading import Policy, load_checkpoint_weights, save_checkpoint
 from grpo_fleet.protocol import messages as m
+from grpo_fleet.runtime.checkpoint_dirs import OPTIMIZER_FILE, STATE_FILE, fresh_checkpoint_path, point_latest, prune
 
-__all__ = ["OPTIMIZER_FILE", "STATE_FILE"]  # named here since checkpoints began; checkpoint_dirs.py holds them
+__all__ = ["OPTIMIZER_FILE", "STATE_FILE"]  # named here since checkpoints began; runtime/checkpoint_dirs.py holds them
 HISTORY_FILE = "weight_history.safetensors"
 # version -> the trainable weights of that version, as (name, array) pairs (the logprob check's WeightHistory).
 KeptVersions = dict[int, list[tuple[str, mx.array]]]
@@ -248,7 +248,7 @@ def group_from_dict(data: dict[str, Any]) -> AcceptedGroup:
 
 
 def write_state(directory: Path, data: dict[str, Any]) -> Path:
-    """Write the state file into a checkpoint staging directory (model.save_checkpoint fsyncs the whole directory)."""
+    """Write the state file into a checkpoint staging directory (save_checkpoint, models/loading.py, fsyncs it all)."""
     path = directory / STATE_FILE
     path.write_bytes(msgpack.packb(data, use_bin_type=True))
     return path

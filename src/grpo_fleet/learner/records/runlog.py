@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Optional
 
-from grpo_fleet.durable import sync_path
 from grpo_fleet.learner.step.update_stats import UpdateStats
+from grpo_fleet.runtime.durable import sync_path
 
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "ledger.jsonl"

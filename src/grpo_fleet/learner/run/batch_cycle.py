@@ -23,7 +23,7 @@ from grpo_fleet.learner.step.batch import LengthShaping, build_train_batch
 from grpo_fleet.learner.step.fused_check import Recheck
 from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, LOGPROB_SCREEN, StepStats
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.metrics import LearnerMetrics
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.protocol.weights import Snapshot
 

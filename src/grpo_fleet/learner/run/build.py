@@ -11,7 +11,6 @@ from typing import Callable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig, load_run_config
-from grpo_fleet.durable import write_atomic
 from grpo_fleet.envs.process import EnvProcess
 from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.trackers import build_trackers, require_installed
@@ -19,15 +18,16 @@ from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.learner.step.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
 from grpo_fleet.learner.step.trainer import load_trainer
 from grpo_fleet.learner.verify.env_replay import EnvCalling
-from grpo_fleet.metrics import learner_metrics
-from grpo_fleet.model import Policy, latest_checkpoint, model_digest
-from grpo_fleet.realshape import build_realshape, is_realshape
+from grpo_fleet.models.loading import Policy, latest_checkpoint, model_digest
+from grpo_fleet.models.realshape import build_realshape, is_realshape
+from grpo_fleet.models.tiny_model import build_tiny_model
+from grpo_fleet.models.zoo import import_source, is_gguf_source
+from grpo_fleet.observe.metrics import learner_metrics
+from grpo_fleet.runtime.durable import write_atomic
 from grpo_fleet.tasks import Task, build_task
 from grpo_fleet.tasks.env_module import EnvSetup
 from grpo_fleet.tasks.prompts import check_prompt_lengths, context_length, encode_prompt
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess
-from grpo_fleet.tiny_model import build_tiny_model
-from grpo_fleet.zoo import import_source, is_gguf_source
 
 log = logging.getLogger("grpo_fleet.learner")
 

@@ -26,8 +26,8 @@ from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.run.training_thread import TrainingThread
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.learner.verify.env_replay import EnvCalling
-from grpo_fleet.metrics import LearnerMetrics
-from grpo_fleet.model import Policy
+from grpo_fleet.models.loading import Policy
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.tasks import Task

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 
 from grpo_fleet.envs.protocol import env_extras
 from grpo_fleet.envs.runner import EnvRunner, EpisodeLimits, EpisodeRunner, EpisodeStart
-from grpo_fleet.generation import SamplingSettings
 from grpo_fleet.learner.run.rooms import RunRooms
+from grpo_fleet.models.generation import SamplingSettings
 from grpo_fleet.tasks import Example, reward_kwargs
 from grpo_fleet.tasks.env_module import EnvSetup
 from grpo_fleet.tasks.prompts import chat_messages, decode_completion, encode_prompt
@@ -61,7 +61,7 @@ class LocalEvaluator:
         return True
 
     def _evaluate(self, indices: list[int]) -> dict[int, list[float] | None]:
-        from grpo_fleet.evaluate import sample_and_score  # generation code: only the fallback needs it
+        from grpo_fleet.models.evaluate import sample_and_score  # generation code: only the fallback needs it
 
         learner = self.learner
         if self._scorer is None:

@@ -32,8 +32,8 @@ from grpo_fleet.learner.step.gap_bounds import compute_dtype
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.learner.verify.env_replay import EnvCalling
 from grpo_fleet.learner.verify.verification import Verification
-from grpo_fleet.metrics import LearnerMetrics
-from grpo_fleet.model import Policy
+from grpo_fleet.models.loading import Policy
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.tasks import Task
 from grpo_fleet.tasks.env_module import EnvSetup
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer, ScoringProcess

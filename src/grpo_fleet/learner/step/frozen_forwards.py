@@ -16,7 +16,7 @@ import mlx.nn as nn
 from grpo_fleet.config import GRPOConfig
 from grpo_fleet.learner.step.batch import MicroBatch
 from grpo_fleet.learner.step.forward import frozen_logprobs
-from grpo_fleet.model import Policy, adapters_disabled
+from grpo_fleet.models.loading import Policy, adapters_disabled
 
 
 class FrozenForwards:

@@ -106,7 +106,7 @@ def actor_dtype(requested: Optional[str], backend: str) -> Optional[str]:
     """The dtype an actor samples in: what the learner's Welcome asks for (model.dtype), else its default.
 
     Without a requested dtype an actor casts to float32 on the CPU backend and
-    keeps the checkpoint's own dtype on a GPU (model.default_dtype), which the
+    keeps the checkpoint's own dtype on a GPU (models/loading.py: default_dtype), which the
     learner does not know: None. `backend` is what the actor's Hello says
     (str(mx.default_device())); claiming "cpu" falsely only tightens its own bound.
     """

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, cast
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.runtime.trees import flat_leaves
 
 
 def token_logprobs(logits: mx.array, targets: mx.array) -> mx.array:

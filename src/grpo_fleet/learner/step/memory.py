@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.runtime.trees import flat_leaves
 
 GIB = float(1 << 30)
 # Activations kept for the backward pass, per token and transformer block, in

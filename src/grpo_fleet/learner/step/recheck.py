@@ -25,7 +25,7 @@ from grpo_fleet.learner.step.batch import TrainBatch, split_batch, take_rows, un
 from grpo_fleet.learner.step.forward import frozen_logprobs
 from grpo_fleet.learner.step.fused_check import CheckedGroup, Recheck, fused_check
 from grpo_fleet.learner.step.rows import Sharding
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.runtime.trees import flat_leaves
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import numpy as np
 
 from grpo_fleet.learner.step.fused_check import CheckedGroup
 from grpo_fleet.learner.step.update_stats import UpdateStats
-from grpo_fleet.trees import flat_leaves
+from grpo_fleet.runtime.trees import flat_leaves
 
 # StepStats.skipped when the step's own check found a lie: the gradients were dropped, not applied.
 LOGPROB_MISMATCH = "logprob_mismatch"

@@ -45,8 +45,8 @@ from grpo_fleet.learner.step.step_result import (
     global_norm,
     skip_reason,
 )
-from grpo_fleet.model import Policy, load_policy
-from grpo_fleet.trees import scalar
+from grpo_fleet.models.loading import Policy, load_policy
+from grpo_fleet.runtime.trees import scalar
 
 _TRAIN_DEFAULTS = TrainConfig()
 

@@ -17,8 +17,8 @@ from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.learner.verify.actor_checks import LogprobGap
 from grpo_fleet.learner.verify.verification import Verification
-from grpo_fleet.metrics import LearnerMetrics
-from grpo_fleet.model import Policy
+from grpo_fleet.models.loading import Policy
+from grpo_fleet.observe.metrics import LearnerMetrics
 
 
 class BanCount(Protocol):

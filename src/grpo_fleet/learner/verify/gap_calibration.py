@@ -23,7 +23,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from grpo_fleet.generation import SamplingSettings, generate_groups
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.gap_bounds import (
     FLOAT32_PAIR_BOUND,
@@ -34,6 +33,7 @@ from grpo_fleet.learner.step.gap_bounds import (
     default_bound,
 )
 from grpo_fleet.learner.verify.actor_checks import LogprobCheck, WeightHistory
+from grpo_fleet.models.generation import SamplingSettings, generate_groups
 
 log = logging.getLogger("grpo_fleet.learner")
 

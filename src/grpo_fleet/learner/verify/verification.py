@@ -18,15 +18,15 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.generation import SamplingSettings
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, CalibratedBounds, default_bound
 from grpo_fleet.learner.verify.actor_checks import LogprobCheck, RewardCheck, WeightHistory
 from grpo_fleet.learner.verify.env_replay import EnvCalling, EnvReplay, check_verifiable
 from grpo_fleet.learner.verify.gap_calibration import HonestBounds, PendingCalibration, calibrate
 from grpo_fleet.learner.verify.trust import Trust
-from grpo_fleet.metrics import LearnerMetrics
-from grpo_fleet.model import Policy
+from grpo_fleet.models.generation import SamplingSettings
+from grpo_fleet.models.loading import Policy
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.tasks import Task
 from grpo_fleet.tasks.env_module import EnvSetup
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer

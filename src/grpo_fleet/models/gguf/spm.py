@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from grpo_fleet.gguf_metadata import GGUFError
+from grpo_fleet.models.gguf.metadata import GGUFError
 
 SPACE = "\u2581"
 _NORMAL = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL: the only pieces BPE joins into

@@ -23,8 +23,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from grpo_fleet.gguf_file import GGUFFile, TensorInfo
-from grpo_fleet.gguf_metadata import Family, GGUFError, Hyper
+from grpo_fleet.models.gguf.header import GGUFFile, TensorInfo
+from grpo_fleet.models.gguf.metadata import Family, GGUFError, Hyper
 
 Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")

@@ -4,16 +4,16 @@ A GGUF (llama.cpp's format) holds the weights, the hyperparameters and the
 tokenizer in one file. `import_gguf` turns one into a directory that
 `mlx_lm.load` reads, the path every model in this project takes:
 
-- the header is read strictly (gguf_file.py): a truncated, damaged or hostile
+- the header is read strictly (header.py): a truncated, damaged or hostile
   file is one GGUFError naming the file, and nothing is written;
 - the family (llama incl. Llama 3.x's rope scaling, qwen2, qwen3, gemma3) and its
-  hyperparameters come from the checked metadata (gguf_metadata.py), and the
+  hyperparameters come from the checked metadata (metadata.py), and the
   tensors must be exactly the parameters of mlx-lm's own model class for it;
 - tensors of every common type are dequantized by the `gguf` package's
-  dequantizers and streamed into model.safetensors (gguf_weights.py);
+  dequantizers and streamed into model.safetensors (weights.py);
 - the tokenizer is built with `tokenizers` from the vocabulary in the metadata;
   `tokenizer_config.json` carries the chat template and the special tokens
-  (gguf_tokenizer.py, gguf_spm.py).
+  (tokenizer.py, spm.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 import blake3
 
-from grpo_fleet.gguf_file import GGUFFile, read_gguf
-from grpo_fleet.gguf_metadata import (
+from grpo_fleet.models.gguf.header import GGUFFile, read_gguf
+from grpo_fleet.models.gguf.metadata import (
     GGUFError,
     Hyper,
     check_architecture,
@@ -39,8 +39,16 @@ from grpo_fleet.gguf_metadata import (
     model_config,
     read_hyper,
 )
-from grpo_fleet.gguf_tokenizer import Specials, Vocab, build_tokenizer, read_specials, read_vocab, tokenizer_config, with_bos
-from grpo_fleet.gguf_weights import (
+from grpo_fleet.models.gguf.tokenizer import (
+    Specials,
+    Vocab,
+    build_tokenizer,
+    read_specials,
+    read_vocab,
+    tokenizer_config,
+    with_bos,
+)
+from grpo_fleet.models.gguf.weights import (
     SUPPORTED_TENSOR_TYPES,
     Planned,
     check_against_model,

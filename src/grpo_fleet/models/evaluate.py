@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.generation import SamplingSettings, completion_text, generate_groups
+from grpo_fleet.models.generation import SamplingSettings, completion_text, generate_groups
 from grpo_fleet.tasks import Example, Task
 from grpo_fleet.tasks.prompts import encode_prompt
 from grpo_fleet.tasks.reward_runner import InlineScorer, Scorer

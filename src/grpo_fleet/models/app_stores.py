@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from grpo_fleet.gguf_metadata import GGUFError
+from grpo_fleet.models.gguf.metadata import GGUFError
 
 OLLAMA_PREFIX, LMSTUDIO_PREFIX = "ollama:", "lmstudio:"
 OLLAMA_ENV = "OLLAMA_MODELS"

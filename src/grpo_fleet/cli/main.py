@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from grpo_fleet.cli_tools import add_tool_commands
+from grpo_fleet.cli.tools import add_tool_commands
 
 if TYPE_CHECKING:
     from grpo_fleet.actor.worker import ActorWorker
@@ -26,10 +26,10 @@ def _setup_logging(verbose: bool) -> None:
 
 def _learner(args: argparse.Namespace) -> int:
     from grpo_fleet.config import load_run_config, toml_string
-    from grpo_fleet.exit_codes import REFUSED
     from grpo_fleet.learner.door.doorman import InsecureBindError, check_bind_security
     from grpo_fleet.learner.ranks.collectives import launched_rank
     from grpo_fleet.learner.run.build import load_resume_config
+    from grpo_fleet.runtime.exit_codes import REFUSED
     overrides = list(args.set or [])
     rank = launched_rank()  # under mlx.launch (a data-parallel learner); None for a plain process
     if rank is not None and rank > 0:
@@ -73,11 +73,11 @@ def _learner(args: argparse.Namespace) -> int:
 
 
 def _serve_learner(cfg: "RunConfig", *, resume: bool, ready: Optional[Callable[["RunCoordinator"], None]] = None) -> int:
-    """Hold the run directory (one learner each: run_lock.py) while the learner is built and serves; a run
+    """Hold the run directory (one learner each: runtime/run_lock.py) while the learner is built and serves; a run
     directory or an address another process holds is refused in one line."""
     from grpo_fleet.protocol.endpoints import pub_endpoint_for
     from grpo_fleet.protocol.sockets import AddressInUse, check_bindable
-    from grpo_fleet.run_lock import RunDirLock, RunDirLocked
+    from grpo_fleet.runtime.run_lock import RunDirLock, RunDirLocked
 
     try:
         with RunDirLock(cfg.run_dir):
@@ -124,10 +124,10 @@ def _learner_follower(rank: int, args: argparse.Namespace, overrides: list[str])
     from pathlib import Path
 
     from grpo_fleet.config import load_run_config
-    from grpo_fleet.exit_codes import REFUSED
     from grpo_fleet.learner.ranks.distributed import connect
     from grpo_fleet.learner.ranks.follower import run_follower
     from grpo_fleet.learner.ranks.ring_trust import RingRefused
+    from grpo_fleet.runtime.exit_codes import REFUSED
 
     path = args.config or (args.resume and str(Path(args.resume) / "config.json"))
     cfg = load_run_config(path if path and Path(path).is_file() else None, overrides).distributed
@@ -178,9 +178,9 @@ def actor_config(args: argparse.Namespace) -> "ActorConfig":
 
 
 def _actor(args: argparse.Namespace) -> int:
-    """Exit codes (exit_codes.py): 0 the run is over, 2 refused for good (a launcher does not restart it)."""
+    """Exit codes (runtime/exit_codes.py): 0 the run is over, 2 refused for good (a launcher does not restart it)."""
     from grpo_fleet.actor.worker import ActorRefused, ActorWorker
-    from grpo_fleet.exit_codes import DONE, REFUSED
+    from grpo_fleet.runtime.exit_codes import DONE, REFUSED
 
     cfg = actor_config(args)
     try:
@@ -222,9 +222,9 @@ def user_file_errors() -> tuple[type[Exception], ...]:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from grpo_fleet.demo import DemoOptions, run_demo
-    from grpo_fleet.run_lock import RunDirLocked
-    from grpo_fleet.zoo import ZooError
+    from grpo_fleet.launch.demo import DemoOptions, run_demo
+    from grpo_fleet.models.zoo import ZooError
+    from grpo_fleet.runtime.run_lock import RunDirLocked
 
     options = DemoOptions(
         actors=args.actors, steps=args.steps, run_dir=args.run_dir,
@@ -237,7 +237,7 @@ def _demo(args: argparse.Namespace) -> int:
     except refusals as exc:  # a learner already running in the run directory: nothing was deleted
         print(f"grpo-fleet demo: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # the fleet was stopped in order on the way out (local_fleet.running)
+    except KeyboardInterrupt:  # the fleet was stopped in order on the way out (launch/local_fleet.py: running)
         print("grpo-fleet demo: interrupted; the learner and actors were stopped", file=sys.stderr)
         return 130
     return 0 if summary.get("ok", False) else 1
@@ -245,8 +245,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from grpo_fleet.config import config_error_message
-    from grpo_fleet.fleet_file import learner_run_config, load_fleet
-    from grpo_fleet.launch import run_fleet
+    from grpo_fleet.launch.fleet_file import learner_run_config, load_fleet
+    from grpo_fleet.launch.launcher import run_fleet
 
     try:
         fleet = load_fleet(args.fleet)
@@ -321,7 +321,7 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from grpo_fleet.blas import reexec_with_openblas
+    from grpo_fleet.runtime.blas import reexec_with_openblas
 
     if argv is None:
         reexec_with_openblas()

@@ -1,4 +1,4 @@
-"""Prometheus metrics for the learner and the actors, one registry per process (served by metrics_http.py).
+"""Prometheus metrics for the learner and the actors, one registry per process (served by observe/metrics_http.py).
 
 Names follow Prometheus conventions: the `grpo_fleet_` prefix, base units in the
 name, `_total` on counters, low-cardinality labels only.
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-log = logging.getLogger("grpo_fleet.metrics")
+log = logging.getLogger("grpo_fleet.observe.metrics")
 
 PREFIX = "grpo_fleet"
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)

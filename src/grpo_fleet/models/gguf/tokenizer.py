@@ -5,7 +5,7 @@ Two kinds of `tokenizer.ggml.model`, each as llama.cpp runs it:
 - "gpt2": byte-level BPE with the file's merges, split first by the pre-tokenizer the file names
   (Llama 3, Qwen2/3, SmolLM);
 - "llama": SentencePiece BPE (Gemma, Llama 2), built as Gemma's own tokenizer.json is: spaces as "▁", no
-  pre-split, byte fallback, merges ranked by the merged piece's score (gguf_spm.py).
+  pre-split, byte fallback, merges ranked by the merged piece's score (spm.py).
 Any other kind, or pre-tokenizer, is refused by name.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from grpo_fleet.gguf_metadata import GGUFError, Hyper, meta_bool, meta_int, meta_str
-from grpo_fleet.gguf_spm import sentencepiece_tokenizer
+from grpo_fleet.models.gguf.metadata import GGUFError, Hyper, meta_bool, meta_int, meta_str
+from grpo_fleet.models.gguf.spm import sentencepiece_tokenizer
 
 TOKENIZER_KINDS = ("gpt2", "llama")
 # llama.cpp's `tokenizer.ggml.pre` names -> how text is split before BPE (the regexes of each model's tokenizer.json).

@@ -19,10 +19,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Callable, Iterator, Optional, Sequence
 
-from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig
 from grpo_fleet.protocol.endpoints import free_port
 from grpo_fleet.protocol.logsafe import shown
+from grpo_fleet.runtime.blas import child_env
 
 # Enough for a refusal message or the end of a traceback (the exception and its last frames).
 TAIL_LINES = 12

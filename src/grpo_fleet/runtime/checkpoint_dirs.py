@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from grpo_fleet.durable import write_atomic
+from grpo_fleet.runtime.durable import write_atomic
 
 STATE_FILE = "learner_state.msgpack"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -84,7 +84,7 @@ def prune(root: Path, keep_name: str, keep: int) -> None:
     """Remove what a resume no longer needs, once `latest.json` names `keep_name`: staging leftovers, checkpoints
     of a future a resume abandoned (written after the one it resumed from) and the same step's earlier writes,
     and all but the newest `keep` - 1 older ones."""
-    # Hidden staging directories (and a model.save_checkpoint swap's .old) are what a kill mid-write leaves.
+    # Hidden staging directories (and a models/loading.py: save_checkpoint swap's .old) are what a kill mid-write leaves.
     for leftover in root.glob(".step_*"):
         shutil.rmtree(leftover, ignore_errors=True)
     kept = checkpoint_key(keep_name)

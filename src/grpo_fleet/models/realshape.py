@@ -29,9 +29,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from grpo_fleet.synthetic_tokenizer import write_tokenizer
+from grpo_fleet.models.synthetic_tokenizer import write_tokenizer
 
-log = logging.getLogger("grpo_fleet.realshape")
+log = logging.getLogger("grpo_fleet.models.realshape")
 
 PREFIX = "realshape:"
 CACHE_ENV = "GRPO_FLEET_MODEL_CACHE"

@@ -2,7 +2,7 @@
 
 Every value used is checked for its type and range before anything is built from it, so a hostile file
 (head_count = 0, a bos id past the vocabulary, a string where a number belongs) is one GGUFError naming
-the key. Shared by the importer (gguf.py), its weights (gguf_weights.py) and its tokenizer (gguf_tokenizer.py).
+the key. Shared by the importer (importer.py), its weights (weights.py) and its tokenizer (tokenizer.py).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ import os
 import platform
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
-from grpo_fleet.blas import CORETYPE_ENV, find_openblas
+from grpo_fleet.runtime.blas import CORETYPE_ENV, find_openblas
 
 
 def loaded_blas_libraries() -> list[str]:
@@ -53,11 +53,16 @@ def quantized_matmul_gflops(tokens: int = 64, width: int = 896, out: int = 4864)
     return quantized, rate(lambda: x @ w.T)
 
 
+def wants_dequantize(dequantize: Optional[bool]) -> bool:
+    """An explicit choice, else: dequantise on the CPU backend only (models/quant.py says why)."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu if dequantize is None else dequantize
+
+
 def quantized_description() -> str:
     """What loading a quantized model does on this backend, and the speeds that decided it."""
     import mlx.core as mx
-
-    from grpo_fleet.quant import wants_dequantize
 
     quantized, dense = quantized_matmul_gflops()
     speeds = f"4-bit matmul {quantized:.1f} GF/s vs fp32 {dense:.1f} GF/s"

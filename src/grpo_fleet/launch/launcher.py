@@ -1,10 +1,10 @@
 """`grpo-fleet launch FLEET.toml`: the learner on this machine, every actor over ssh, kept alive.
 
-The fleet file (fleet_file.py) names the learner's run config and one `[[actors]]`
+The fleet file (launch/fleet_file.py) names the learner's run config and one `[[actors]]`
 entry per actor. The launcher starts the learner here, then each actor through an ssh
 command template, copies every process's output to its own stdout with a
 `[learner]` / `[ACTOR]` prefix, restarts actors that exit while the learner runs
-(exponential backoff) unless their exit is permanent (exit_codes.py: a refusal
+(exponential backoff) unless their exit is permanent (runtime/exit_codes.py: a refusal
 fails the same way on every start; it is stopped with its reason, recorded in
 RUN_DIR/launch.json for `grpo-fleet status --run-dir`), and stops everything
 cleanly on Ctrl-C or SIGTERM.
@@ -41,10 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from grpo_fleet.blas import child_env
 from grpo_fleet.config import RunConfig
-from grpo_fleet.exit_codes import DONE, NOT_FOUND
-from grpo_fleet.fleet_file import (
+from grpo_fleet.launch.fleet_file import (
     ActorSpec,
     FleetConfig,
     actor_command,
@@ -54,7 +52,7 @@ from grpo_fleet.fleet_file import (
     learner_run_config,
     ssh_argv,
 )
-from grpo_fleet.launch_policy import (
+from grpo_fleet.launch.policy import (
     FIRST_BACKOFF_SECONDS,
     LearnerStopWait,
     Refusal,
@@ -64,8 +62,10 @@ from grpo_fleet.launch_policy import (
     recent_records,
     record_refusals,
 )
-from grpo_fleet.launch_processes import Child, Printer, kill_late, wait_all
+from grpo_fleet.launch.processes import Child, Printer, kill_late, wait_all
 from grpo_fleet.learner.records.runlog import METRICS_FILE
+from grpo_fleet.runtime.blas import child_env
+from grpo_fleet.runtime.exit_codes import DONE, NOT_FOUND
 
 # When the learner exits after its last step, every actor has heard Shutdown (each answers it,
 # and the learner waits up to 10 s for that), so the actors are on their way out: give them the
@@ -234,9 +234,9 @@ def run_fleet(cfg: FleetConfig, *, stop_event: Optional[threading.Event] = None,
 
 def _say_how_to_export(run: RunConfig, printer: Printer) -> None:
     """The run's last line, once it has a checkpoint: how to take it back to a chat app."""
-    from grpo_fleet.checkpoint_dirs import latest_checkpoint
     from grpo_fleet.export.hint import export_hint
-    from grpo_fleet.zoo import is_gguf_source  # imports MLX: only now, at the end
+    from grpo_fleet.models.zoo import is_gguf_source  # imports MLX: only now, at the end
+    from grpo_fleet.runtime.checkpoint_dirs import latest_checkpoint
 
     if latest_checkpoint(run.run_dir) is not None:
         printer.say(export_hint(run.run_dir, is_gguf_source(run.model.path)))

@@ -1,5 +1,5 @@
 """Models: load through mlx_lm, LoRA or full fine-tuning, weight blobs, checkpoints
-(the self-built tiny model used by the tests and the demo is in tiny_model.py).
+(the self-built tiny model used by the tests and the demo is in models/tiny_model.py).
 
 Everything goes through `mlx_lm.load`, so a real mlx-community model (quantized or
 not) takes exactly the same path as the tiny one.
@@ -22,11 +22,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_reduce
 
-from grpo_fleet.checkpoint_dirs import latest_checkpoint as latest_checkpoint  # where callers have found it
 from grpo_fleet.config import LoraConfig
-from grpo_fleet.digest import blob_digest
-from grpo_fleet.durable import sync_path, sync_tree
-from grpo_fleet.quant import is_quantized, prepare_weights, wants_dequantize
+from grpo_fleet.models.quant import is_quantized, prepare_weights
+from grpo_fleet.runtime.checkpoint_dirs import latest_checkpoint as latest_checkpoint  # where callers have found it
+from grpo_fleet.runtime.digest import blob_digest
+from grpo_fleet.runtime.doctor import wants_dequantize
+from grpo_fleet.runtime.durable import sync_path, sync_tree
 
 
 @dataclass
@@ -58,7 +59,7 @@ def load_policy(
     With LoRA the base stays frozen and adapters are added; otherwise every weight
     is trainable (which a quantized model cannot be). A quantized model is
     dequantised for compute when `dequantize` is on (default: on the CPU backend,
-    see `grpo_fleet.quant`); the weights on disk, and so the digest, are unchanged.
+    see `grpo_fleet.models.quant`); the weights on disk, and so the digest, are unchanged.
     """
     model, tokenizer = _mlx_lm_load(path)
     lora = lora if lora is not None and lora.enabled else None
@@ -182,7 +183,7 @@ def atomic_dir(final: Path) -> Path:
 def _commit_dir(staging: Path, final: Path) -> None:
     """Put the fsynced `staging` at `final`, the rename itself made durable (the parent directory fsynced).
 
-    Over an existing `final` (an export written twice; a run's checkpoints never are: checkpoint_dirs.py) the old
+    Over an existing `final` (an export written twice; a run's checkpoints never are: runtime/checkpoint_dirs.py) the old
     one is moved aside first: a kill between the two renames leaves it as `.NAME.old`.
     """
     if final.exists():

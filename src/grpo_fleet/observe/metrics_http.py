@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 
 from grpo_fleet.protocol.endpoints import is_loopback_host
 
-log = logging.getLogger("grpo_fleet.metrics")
+log = logging.getLogger("grpo_fleet.observe.metrics")
 
 # Connections answered at once, by default: Prometheus scrapes with one, a person's curl is another.
 MAX_CONNECTIONS = 8

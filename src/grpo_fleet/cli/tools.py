@@ -1,5 +1,5 @@
 """grpo-fleet's tools around a run (status, keys, doctor, build-model, import-gguf, bench, plot, samples): their
-arguments and what each runs. Like cli.py, it imports the heavy parts lazily."""
+arguments and what each runs. Like cli/main.py, it imports the heavy parts lazily."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _doctor(_args: argparse.Namespace) -> int:
-    from grpo_fleet.doctor import report
+    from grpo_fleet.runtime.doctor import report
 
     print(report())
     return 0
@@ -45,7 +45,7 @@ def _doctor(_args: argparse.Namespace) -> int:
 def _build_model(args: argparse.Namespace) -> int:
     import time
 
-    from grpo_fleet.realshape import build_realshape
+    from grpo_fleet.models.realshape import build_realshape
 
     start = time.perf_counter()
     try:
@@ -68,8 +68,8 @@ def _built(path: Path, started: float) -> str:
 def _import_gguf(args: argparse.Namespace) -> int:
     import time
 
-    from grpo_fleet.gguf import GGUFError, import_gguf
-    from grpo_fleet.zoo import ZooError, gguf_file
+    from grpo_fleet.models.gguf.importer import GGUFError, import_gguf
+    from grpo_fleet.models.zoo import ZooError, gguf_file
 
     start = time.perf_counter()
     try:
@@ -83,7 +83,7 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from grpo_fleet.export.run import ExportError, ExportRequest, export_run
-    from grpo_fleet.gguf import GGUFError
+    from grpo_fleet.models.gguf.importer import GGUFError
 
     request = ExportRequest(path=args.run, out=args.out, step=args.step, gguf=args.gguf, ollama=args.ollama)
     try:
@@ -124,7 +124,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grpo_fleet.plotting import RunDataError, plot_run
+    from grpo_fleet.observe.plotting import RunDataError, plot_run
 
     try:
         out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
@@ -139,7 +139,7 @@ def _samples(args: argparse.Namespace) -> int:
     import shutil
     from pathlib import Path
 
-    from grpo_fleet.samples_view import SamplesError, format_samples, read_last_rows
+    from grpo_fleet.observe.samples_view import SamplesError, format_samples, read_last_rows
 
     try:
         read = read_last_rows(Path(args.run_dir), args.last)
@@ -162,7 +162,7 @@ def _at_least_one(text: str) -> int:
 def _status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grpo_fleet.launch_policy import format_refusals, read_refusals
+    from grpo_fleet.launch.policy import format_refusals, read_refusals
     from grpo_fleet.protocol.client import format_status, request_status
 
     try:

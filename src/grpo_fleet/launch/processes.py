@@ -1,4 +1,4 @@
-"""The processes `grpo-fleet launch` runs (launch.py): each in a session of its own, its output copied to ours
+"""The processes `grpo-fleet launch` runs (launch/launcher.py): each in a session of its own, its output copied to ours
 line by line with a prefix, and signalled as a group."""
 
 from __future__ import annotations

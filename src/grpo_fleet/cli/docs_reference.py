@@ -1,7 +1,7 @@
 """The manual's generated references (docs/reference/): the configuration and the metrics, written from the code.
 
 Each page keeps its prose by hand and its tables between markers; `make reference`
-(or `make readme`, its older name; `python -m grpo_fleet.docs_reference`) rewrites the tables, and `--check`, run by
+(or `make readme`, its older name; `python -m grpo_fleet.cli.docs_reference`) rewrites the tables, and `--check`, run by
 `make docs` and `make test`, fails when a page no longer says what the code does:
 a config field or a metric added, renamed, or described anew.
 """
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from grpo_fleet.config import config_reference
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,13 @@ def metrics_table(docs: Iterable[MetricDoc]) -> str:
 
 
 def _learner_registry() -> CollectorRegistry:
-    from grpo_fleet.metrics import learner_metrics
+    from grpo_fleet.observe.metrics import learner_metrics
 
     return learner_metrics().registry
 
 
 def _actor_registry() -> CollectorRegistry:
-    from grpo_fleet.metrics import actor_metrics
+    from grpo_fleet.observe.metrics import actor_metrics
 
     return actor_metrics().registry
 
@@ -88,7 +88,7 @@ def _rank_registry() -> CollectorRegistry:
 
 
 def _server_registry() -> CollectorRegistry:
-    from grpo_fleet.metrics_http import refusal_counter
+    from grpo_fleet.observe.metrics_http import refusal_counter
 
     registry = CollectorRegistry()
     refusal_counter(registry)
@@ -148,7 +148,7 @@ def refresh(docs: Path = DOCS) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo_fleet.docs_reference", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m grpo_fleet.cli.docs_reference", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a generated page is stale")
     parser.add_argument("--docs", type=Path, default=DOCS, help="the docs folder (default: the checkout's)")
     args = parser.parse_args(argv)

@@ -101,7 +101,7 @@ def reexec_with_openblas() -> None:
 
 
 if __name__ == "__main__":
-    # `python -m grpo_fleet.blas`: the variables a child gets, for the Makefile (`env $(...) command`).
+    # `python -m grpo_fleet.runtime.blas`: the variables a child gets, for the Makefile (`env $(...) command`).
     given = {key: os.environ[key] for key in (DISABLE_ENV, CORETYPE_ENV) if key in os.environ}
     added = child_env(given)
     print(" ".join(f"{key}={added[key]}" for key in ("LD_PRELOAD", CORETYPE_ENV) if key in added))

@@ -7,7 +7,7 @@ tokens) and fails deep inside itself on a damaged file. Here a numeric array is
 one numpy read, the tensors stay in a read-only memory map until asked for, and
 a truncated, flipped or hostile file is one `GGUFError` that names the file and
 the byte where reading stopped. The tensor bytes themselves are dequantized with
-the `gguf` package's own dequantizers (gguf_weights.py).
+the `gguf` package's own dequantizers (weights.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from grpo_fleet.gguf_metadata import GGUFError
+from grpo_fleet.models.gguf.metadata import GGUFError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # v1 counted in 32 bits; llama.cpp has not written it since 2023

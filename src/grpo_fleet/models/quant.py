@@ -18,18 +18,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_reduce
 
-log = logging.getLogger("grpo_fleet.model")
+log = logging.getLogger("grpo_fleet.models.loading")
 
 
 def cast_floating(model: nn.Module, dtype_name: str) -> None:
     """Cast floating-point weights (quantized integer weights stay as they are)."""
     dtype = getattr(mx, dtype_name)
     model.set_dtype(dtype, predicate=lambda current: mx.issubdtype(current, mx.floating))
-
-
-def wants_dequantize(dequantize: Optional[bool]) -> bool:
-    """An explicit choice, else: dequantise on the CPU backend only."""
-    return mx.default_device() == mx.cpu if dequantize is None else dequantize
 
 
 def is_quantized(model: nn.Module) -> bool:

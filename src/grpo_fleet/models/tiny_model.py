@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from grpo_fleet.config import TinyModelConfig
-from grpo_fleet.model import atomic_dir
+from grpo_fleet.models.loading import atomic_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|pad|>", "<unk>"

@@ -1,7 +1,7 @@
 """What `grpo-fleet launch` does about an actor that exited and how long a stopping learner gets (pure), and its
 record of actors it stopped for good.
 
-An exit is done, permanent or transient by its code (exit_codes.py). A transient
+An exit is done, permanent or transient by its code (runtime/exit_codes.py). A transient
 one is restarted with an exponential backoff. A done one (the learner said
 Shutdown, or someone stopped the actor on its host) is not: the run is over for
 it. A permanent one (a refusal) is not restarted either, and is written to
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo_fleet.exit_codes import DONE, is_permanent
+from grpo_fleet.runtime.exit_codes import DONE, is_permanent
 
 FIRST_BACKOFF_SECONDS = 1.0
 # An actor that stayed up this long was healthy: its next failure starts the backoff afresh.

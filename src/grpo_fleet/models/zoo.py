@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from grpo_fleet.app_stores import app_gguf, is_app_path
-from grpo_fleet.gguf import cached_import, file_digest, is_gguf_path
+from grpo_fleet.models.app_stores import app_gguf, is_app_path
+from grpo_fleet.models.gguf.importer import cached_import, file_digest, is_gguf_path
 
 CACHE_ENV = "GRPO_FLEET_DOWNLOAD_CACHE"
 ZOO_PREFIX = "zoo:"
@@ -43,7 +43,7 @@ DEFAULT_INDEX = "https://pypi.org/simple"
 MAX_INDEX_PAGE = 16 << 20  # a project's simple page is a few KB; a mirror that sends more is cut off
 DOWNLOAD_SECONDS = 1800.0  # one wheel, all of it: a mirror that trickles is cut off too
 CHUNK = 1 << 20
-log = logging.getLogger("grpo_fleet.zoo")
+log = logging.getLogger("grpo_fleet.models.zoo")
 
 
 @dataclass(frozen=True)

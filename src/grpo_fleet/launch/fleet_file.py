@@ -1,4 +1,4 @@
-"""The fleet file of `grpo-fleet launch` (see launch.py and deploy/fleet.toml), and the command lines it makes:
+"""The fleet file of `grpo-fleet launch` (see launch/launcher.py and deploy/fleet.toml), and the command lines it makes:
 the learner's here, each actor's over ssh."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from grpo_fleet.config import RunConfig, load_run_config, toml_string
-from grpo_fleet.launch_policy import FIRST_BACKOFF_SECONDS
+from grpo_fleet.launch.policy import FIRST_BACKOFF_SECONDS
 from grpo_fleet.protocol.endpoints import dialable
 from grpo_fleet.tasks.reward_module import is_module_name
 

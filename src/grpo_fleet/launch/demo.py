@@ -16,11 +16,11 @@ from typing import Any, Optional
 
 from grpo_fleet.config import RunConfig, apply_overrides, load_run_config, toml_string
 from grpo_fleet.export.hint import export_hint
-from grpo_fleet.local_fleet import Fleet, FleetStop, early_stop, running
-from grpo_fleet.plotting import load_eval_records
+from grpo_fleet.launch.local_fleet import Fleet, FleetStop, early_stop, running
+from grpo_fleet.models.zoo import ZOO_PREFIX, ZooError, is_gguf_source, lookup, model_reference
+from grpo_fleet.observe.plotting import load_eval_records
 from grpo_fleet.protocol.endpoints import free_port, loopback_endpoint
-from grpo_fleet.run_lock import RunDirLock
-from grpo_fleet.zoo import ZOO_PREFIX, ZooError, is_gguf_source, lookup, model_reference
+from grpo_fleet.runtime.run_lock import RunDirLock
 
 # The demo's defaults: small enough for 2 CPU cores, tuned so learning is visible
 # within a few minutes (lr >= 5e-4 collapsed the tiny model; beta 0.04 keeps groups informative).
@@ -46,7 +46,7 @@ class DemoOptions:
     model: Optional[str] = None  # a zoo model: its packaged demo (task, data, rewards) unless `config` is given
 
 
-DEMOS_DIR = Path(__file__).parent / "demos"
+DEMOS_DIR = Path(__file__).parents[1] / "demos"
 
 
 def packaged_demo(model: str, variant: str = "demo") -> Path:
@@ -123,10 +123,10 @@ def _packaged_variant(options: DemoOptions) -> Optional[str]:
 
 def follow(fleet: Fleet, cfg: RunConfig, progress: bool) -> tuple[list[dict], Optional[FleetStop]]:
     """Wait for the learner to finish, showing a progress bar fed by metrics.jsonl; the step records,
-    and why the fleet stopped early if a child's exit ended the run (see local_fleet.early_stop)."""
+    and why the fleet stopped early if a child's exit ended the run (see launch/local_fleet.py: early_stop)."""
     from tqdm import tqdm
 
-    from grpo_fleet.plotting import load_step_records
+    from grpo_fleet.observe.plotting import load_step_records
 
     path = Path(cfg.run_dir) / "metrics.jsonl"
 
@@ -157,9 +157,9 @@ def _show_progress(bar: Any, records: list[dict], seen: int) -> int:
 
 def held_out_reward(model_or_checkpoint: str, cfg: RunConfig) -> float:
     """Greedy held-out reward of a model directory or a checkpoint."""
-    from grpo_fleet.evaluate import evaluate
-    from grpo_fleet.model import default_dtype, load_checkpoint
-    from grpo_fleet.quant import cast_floating
+    from grpo_fleet.models.evaluate import evaluate
+    from grpo_fleet.models.loading import default_dtype, load_checkpoint
+    from grpo_fleet.models.quant import cast_floating
     from grpo_fleet.tasks import build_task
 
     model, tokenizer = load_checkpoint(model_or_checkpoint)
@@ -208,7 +208,7 @@ def _resolved(cfg: RunConfig, run_dir: Path, resolved: str) -> tuple[RunConfig, 
 
 def run_demo(options: DemoOptions) -> dict:
     """Build the tiny model, measure, train with a real fleet, measure again, summarise."""
-    from grpo_fleet.model import latest_checkpoint
+    from grpo_fleet.models.loading import latest_checkpoint
     from grpo_fleet.tasks import build_task
 
     started = time.monotonic()
@@ -237,7 +237,7 @@ def run_demo(options: DemoOptions) -> dict:
 
 def summarise(cfg: RunConfig, records: list[dict], rounds: list[dict], wall: float, checkpoint: Path) -> dict:
     """summary.json from the step records and the eval rounds (the first is before training, the last after)."""
-    from grpo_fleet.plotting import plot_run
+    from grpo_fleet.observe.plotting import plot_run
 
     run_dir = Path(cfg.run_dir)
     plot = run_dir / "curves.png"

@@ -25,14 +25,14 @@ def test_actor_asks_for_its_next_lease_while_generating_the_current_one(run_conf
     server = LearnerServer(learner)
     # Rollouts are verified on their own thread and handled when the verdict is in, so their order among the
     # handled requests is not their order of arrival: record each as the I/O thread hands it to the verifier.
-    assert server.verifier is not None
-    submit = server.verifier.submit
+    assert server.dispatch.verifier is not None
+    submit = server.dispatch.verifier.submit
 
     def arriving(*args, **kwargs):
         requests.append("Rollouts")
         return submit(*args, **kwargs)
 
-    server.verifier.submit = arriving
+    server.dispatch.verifier.submit = arriving
     serving = threading.Thread(target=server.serve, daemon=True)
     serving.start()
     actor = spawn("actor", "--connect", cfg.server.bind, "--model-dir", str(Path(cfg.run_dir)), name="actor")

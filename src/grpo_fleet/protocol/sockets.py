@@ -254,7 +254,7 @@ class RoutedFrames:
     identity: bytes
     principal: Optional[str]
     peer_address: str
-    frames: Sequence[zmq.Frame]  # the payload frames, after the routing id
+    frames: Sequence[memoryview]  # the payload frames' bytes, after the routing id (zero-copy views)
 
 
 def recv_routed_frames(sock: zmq.Socket) -> RoutedFrames:
@@ -266,7 +266,7 @@ def recv_routed_frames(sock: zmq.Socket) -> RoutedFrames:
     """
     frames = sock.recv_multipart(copy=False)
     principal, address = _metadata(frames[-1])
-    return RoutedFrames(frames[0].bytes, principal, address, frames[1:])
+    return RoutedFrames(frames[0].bytes, principal, address, [frame.buffer for frame in frames[1:]])
 
 
 def decode_routed(received: RoutedFrames, limits: Limits = DEFAULT_LIMITS) -> Routed:
@@ -277,7 +277,7 @@ def decode_routed(received: RoutedFrames, limits: Limits = DEFAULT_LIMITS) -> Ro
         error = ProtocolError("bad_frames", f"expected [identity, payload], got {len(received.frames) + 1} frames")
         return Routed(identity, principal, address, error)
     try:
-        return Routed(identity, principal, address, decode(received.frames[0].buffer, limits))
+        return Routed(identity, principal, address, decode(received.frames[0], limits))
     except ProtocolError as exc:
         return Routed(identity, principal, address, exc)
 

@@ -1,6 +1,8 @@
-"""Who may talk to the learner: the bind's security check, CURVE's allow-list, failed handshakes, bans.
+"""Who may talk to the learner, on the ZeroMQ side: the bind's security check, CURVE's authenticator, failed
+handshakes.
 
-Part of the learner's event loop (server.py), which owns the sockets it watches.
+Part of the learner's event loop (server.py), which owns the sockets it watches; the judgement of each message
+(bans, revoked and observer keys) is admission.py's, which needs no socket.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.door.desk import Desk
-from grpo_fleet.learner.fleet.bans import peer_key
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol.auth import Keypair, KeyRing, load_keypair, start_authenticator
 from grpo_fleet.protocol.endpoints import is_loopback_endpoint, pub_endpoint_for
 from grpo_fleet.protocol.logsafe import shown
@@ -49,15 +50,15 @@ def check_bind_security(cfg: RunConfig) -> None:
 
 
 class Doorman:
-    """Who may talk to the learner: CURVE's allow-list (reloaded live), failed handshakes, banned and revoked keys."""
+    """The ZeroMQ side of who may talk to the learner: CURVE's authenticator over the allow-list, and the router's
+    failed handshakes and dropped connections. The judgement of each message is admission.py's."""
 
-    def __init__(self, ctx: zmq.Context, cfg: RunConfig, learner: Desk) -> None:
-        self.learner = learner
+    def __init__(self, ctx: zmq.Context, cfg: RunConfig, metrics: LearnerMetrics) -> None:
+        self.metrics = metrics
         self.keyring: Optional[KeyRing] = None
         self.keypair: Optional[Keypair] = None
         self.auth: Optional[ThreadAuthenticator] = None
         self.monitor: Optional[zmq.Socket] = None
-        self.reload_requested = False
         if cfg.security.keys_dir:
             keys = Path(cfg.security.keys_dir)
             self.keypair = load_keypair(keys / "learner.key_secret")
@@ -74,47 +75,16 @@ class Doorman:
         """
         self.monitor = router.get_monitor_socket(sum(HANDSHAKE_FAILURES) | zmq.EVENT_DISCONNECTED)
 
-    def request_reload(self, *_args: object) -> None:
-        self.reload_requested = True
-
-    def admits(self, identity: bytes, principal: Optional[str]) -> bool:
-        """Drop messages from banned peers and from keys revoked after their handshake."""
-        if self.learner.registry.is_banned(peer_key(identity, principal)):
-            self.learner.metrics.protocol_errors.labels(reason="banned").inc()
-            return False
-        if self.keyring is not None and not (principal and self.keyring.allows(principal.encode())):
-            self.learner.metrics.auth_failures.labels(reason="revoked").inc()
-            self.learner.requests.drop_actor(identity)
-            return False
-        return True
-
-    def is_observer(self, principal: Optional[str]) -> bool:
-        """Whether this CURVE key may only ask for the run's status (`keys add-observer`)."""
-        return self.keyring is not None and principal is not None and self.keyring.is_observer(principal.encode())
-
     def count_connection_events(self) -> None:
         while self.monitor is not None and self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                self.learner.metrics.connections_dropped.inc()
+                self.metrics.connections_dropped.inc()
                 continue
             reason = HANDSHAKE_FAILURES.get(event["event"])
             if reason is not None:
-                self.learner.metrics.auth_failures.labels(reason=reason).inc()
+                self.metrics.auth_failures.labels(reason=reason).inc()
                 log.warning("handshake failed on %s (%s)", shown(event["endpoint"].decode(errors="replace")), reason)
-
-    def reload_allow_list(self) -> None:
-        """SIGHUP or a change in the authorized/ directory: re-read keys, cut off revoked actors."""
-        if self.keyring is None:
-            return
-        changed = self.keyring.reload() if self.reload_requested else self.keyring.reload_if_changed()
-        self.reload_requested = False
-        if not changed:
-            return
-        for identity, info in list(self.learner.registry.actors.items()):
-            if not self.keyring.allows(info.principal.encode()):
-                released = self.learner.requests.drop_actor(identity)
-                log.warning("actor %s (%s) revoked; re-queued %d leases", shown(info.actor_id), shown(info.principal), released)
 
     def close(self, router: zmq.Socket) -> None:
         if self.monitor is not None:

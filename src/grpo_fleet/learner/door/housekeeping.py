@@ -1,7 +1,7 @@
 """The learner loop's periodic chores, between its polls: a few times a second at most.
 
-Kept apart from the loop (server.py), which only moves bytes: each chore here is a call into the doorman, the
-weights in flight or the coordinator, and the notices go out through the `publish` the loop hands in.
+Kept apart from the loop (server.py), which only moves bytes: each chore here is a call into the doorman,
+admission, the weights in flight or the coordinator, and the notices go out through the `publish` the loop hands in.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel
 
+from grpo_fleet.learner.door.admission import Admission
 from grpo_fleet.learner.door.desk import Desk
 from grpo_fleet.learner.door.doorman import Doorman
 from grpo_fleet.learner.door.weights_in_flight import WeightsInFlight
@@ -29,9 +30,10 @@ class Housekeeping:
     """Connection events counted, the allow-list reloaded, sent weight blobs let go, leases expired, silent actors
     dropped, service discovery refreshed, the heartbeat and each new policy version announced."""
 
-    def __init__(self, learner: Desk, door: Doorman, weights_in_flight: WeightsInFlight,
+    def __init__(self, learner: Desk, door: Doorman, admission: Admission, weights_in_flight: WeightsInFlight,
                  publish: Callable[[BaseModel], None]) -> None:
-        self.learner, self.door, self.weights_in_flight, self.publish = learner, door, weights_in_flight, publish
+        self.learner, self.door, self.admission = learner, door, admission
+        self.weights_in_flight, self.publish = weights_in_flight, publish
         self._announced_version = learner.state.version
         self._last = 0.0
 
@@ -43,7 +45,7 @@ class Housekeeping:
             return
         self._last = now
         self.door.count_connection_events()
-        self.door.reload_allow_list()
+        self.admission.reload_allow_list()
         self.weights_in_flight.release()
         self.learner.requests.expire_leases()
         self._drop_silent_actors(now, SILENT_HEARTBEATS * period)

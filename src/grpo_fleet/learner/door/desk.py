@@ -25,6 +25,7 @@ class RequestDesk(Protocol):
     def handle(self, identity: bytes, msg: BaseModel | ProtocolError, principal: Optional[str] = None,
                peer_address: str = "", *, observer: bool = False) -> Reply: ...
 
+    # Declared here, defined once: learner/run/handlers.py (the verifier thread's way in, rewards scored first).
     def handle_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str] = None,
                         peer_address: str = "") -> Reply: ...
 

@@ -28,7 +28,6 @@ from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.learner.verify.env_replay import EnvCalling
 from grpo_fleet.models.loading import Policy
 from grpo_fleet.observe.metrics import LearnerMetrics
-from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.tasks import Task
 from grpo_fleet.tasks.env_module import EnvSetup
@@ -55,10 +54,6 @@ class RunCoordinator(RunRooms):
                peer_address: str = "", *, observer: bool = False) -> Reply:
         return self.requests.handle(identity, msg, principal, peer_address, observer=observer)
 
-    def handle_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str] = None,
-                        peer_address: str = "") -> Reply:
-        return self.requests.handle_rollouts(identity, msg, principal, peer_address)
-
     def drop_actor(self, identity: bytes) -> int:
         return self.requests.drop_actor(identity)
 
@@ -69,10 +64,6 @@ class RunCoordinator(RunRooms):
 
     def ready_to_train(self) -> bool:
         return self.training.ready()
-
-    def wait_for_batch(self, timeout: float) -> bool:
-        """Block the training thread until a batch is buffered (or `timeout` passes)."""
-        return self.training.wait_for_batch(timeout)
 
     def train_step(self) -> Optional[StepRecord]:
         """One optimizer batch; see TrainingThread.train_step."""

@@ -5,7 +5,7 @@ The learner re-scores every submitted group with its own rewards
 submission, as slow as the task's reward (a sympy check, a sandboxed test run,
 a judge). On the I/O thread, under the lock, every other actor's request waited
 that long. Here the loop hands each Rollouts to one verifier thread, which
-scores it outside the lock, takes it (`Learner.handle_rollouts`), and leaves the
+scores it outside the lock, takes it (`RequestHandlers.handle_rollouts`, learner/run/handlers.py), and leaves the
 answer in an outbox the loop sends from: the Ack goes out once the verdict is
 in. No socket is touched on this thread. One thread keeps the reward process
 to one caller.

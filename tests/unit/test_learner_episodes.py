@@ -352,7 +352,9 @@ def test_a_run_that_verifies_rewards_refuses_an_environment_not_declared_determi
 
 def test_the_learner_evaluates_held_out_episodes_itself_when_no_actor_is_connected(make):
     learner = make(train={"eval_every": 10, "eval_mode": "sampled", "eval_samples": 2})
-    evaluator = LocalEvaluator(learner, InlineScorer, wait_seconds=0.0, make_envs=InlineEnvs)
+    evaluator = LocalEvaluator(learner.cfg, learner.task, learner.policy, learner.lock, learner.state, learner.registry,
+                               learner.evaluation, learner.trackers, InlineScorer, wait_seconds=0.0,
+                               make_envs=InlineEnvs)
     try:
         assert learner.evaluation.current is not None  # the baseline round, waiting for an actor
         assert evaluator.run_if_needed()

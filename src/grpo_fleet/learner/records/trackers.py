@@ -129,6 +129,10 @@ class Trackers:
             except Exception as exc:  # whatever a tracker raises, training goes on
                 self._failed(tracker, "log", exc)
 
+    def adopt(self, opened: Trackers) -> None:
+        """Report to `opened`'s trackers too, from now on (they are opened once the run's first step is known)."""
+        self.trackers.extend(opened.trackers)
+
     def log_record(self, record: Any) -> None:
         """A step record (a dataclass with `step`), as its numeric fields at global step = record.step."""
         self.log(record.step, scalars_of(record))

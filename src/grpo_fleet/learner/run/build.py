@@ -82,8 +82,8 @@ def _check_memory(cfg: RunConfig, policy: Policy, reference_copy: bool) -> None:
 def _open_trackers(learner: RunCoordinator, cfg: RunConfig, run_dir: Path) -> None:
     """logging.report_to's trackers, opened at the step the run continues from; a failure closes the run's files."""
     try:
-        learner.trackers = build_trackers(cfg, run_dir, learner.metrics.tracker_errors, run_id=learner.state.run_id,
-                                          first_step=learner.state.step + 1)
+        learner.trackers.adopt(build_trackers(cfg, run_dir, learner.metrics.tracker_errors,
+                                              run_id=learner.state.run_id, first_step=learner.state.step + 1))
     except BaseException:
         learner.close()
         raise

@@ -21,10 +21,14 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.envs.process import EnvProcess
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.records.runlog import StepRecord
+from grpo_fleet.learner.run.batch_cycle import BatchCycle
+from grpo_fleet.learner.run.checkpoints import Checkpoints
 from grpo_fleet.learner.run.handlers import RequestHandlers
+from grpo_fleet.learner.run.local_eval import LocalEvaluator
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.learner.run.training_thread import TrainingThread
 from grpo_fleet.learner.step.trainer import Trainer
+from grpo_fleet.learner.verify.batch_checks import BatchChecks
 from grpo_fleet.learner.verify.env_replay import EnvCalling
 from grpo_fleet.models.loading import Policy
 from grpo_fleet.observe.metrics import LearnerMetrics
@@ -43,10 +47,32 @@ class RunCoordinator(RunRooms):
                  make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess,
                  make_envs: Callable[[EnvSetup], EnvCalling] = EnvProcess) -> None:
         super().__init__(cfg, policy, trainer, task, prompt_tokens, model_digest, metrics, run_dir,
-                         pub_address=pub_address, eval_prompt_tokens=eval_prompt_tokens, make_scorer=make_scorer,
-                         make_envs=make_envs)
-        self.requests = RequestHandlers(self)
-        self.training = TrainingThread(self)
+                         eval_prompt_tokens=eval_prompt_tokens, make_scorer=make_scorer, make_envs=make_envs)
+        self.requests = RequestHandlers(self.lock, self.state, self.registry, self.leasing, self.evaluation,
+                                        self.intake, self.snapshots, self.card, metrics, cfg.server.heartbeat_seconds,
+                                        pub_address)
+        self.checkpoints = Checkpoints(self.lock, self.state, policy, trainer, run_dir, cfg.train.keep_checkpoints,
+                                       self.runlog, self.registry, self.evaluation, self.snapshots,
+                                       self.verification.history, metrics)
+        self.training = self._training_thread()
+
+    def _training_thread(self) -> TrainingThread:
+        cycle = BatchCycle(self.cfg, self.trainer, self.handoff, self.snapshots, self.runlog, self.metrics)
+        local = LocalEvaluator(self.cfg, self.task, self.policy, self.lock, self.state, self.registry, self.evaluation,
+                               self.trackers, self.make_scorer)
+        return TrainingThread(self.lock, self.state, self.handoff, cycle, BatchChecks(self), local, self.checkpoints,
+                              verification=self.verification, samples=self.samples, intake=self.intake,
+                              registry=self.registry, leasing=self.leasing, evaluation=self.evaluation,
+                              trackers=self.trackers)
+
+    @property
+    def pub_address(self) -> Optional[str]:
+        """Where actors hear notices, as Welcome names it: set by the loop once its PUB is bound."""
+        return self.requests.pub_address
+
+    @pub_address.setter
+    def pub_address(self, address: Optional[str]) -> None:
+        self.requests.pub_address = address
 
     # ------------------------------------------------------------------ requests (I/O thread): RequestHandlers
 
@@ -73,11 +99,11 @@ class RunCoordinator(RunRooms):
 
     def checkpoint(self) -> Path:
         """Write weights, optimizer and learner state as one checkpoint."""
-        return self.training.checkpoint()
+        return self.checkpoints.checkpoint()
 
     def resume(self, checkpoint: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, leases, finished groups, logs cut back to match."""
-        self.training.resume(checkpoint)
+        self.checkpoints.resume(checkpoint)
 
     def close(self) -> None:
         self.verification.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional
 
 from pydantic import BaseModel
@@ -16,9 +17,13 @@ from pydantic import BaseModel
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.requests import OBSERVER_REQUESTS, Request, refuse_observer, undecodable
 from grpo_fleet.learner.door.rollouts_taker import RolloutsTaker
+from grpo_fleet.learner.door.snapshots import SnapshotStore
+from grpo_fleet.learner.evals.evaluation import Evaluation
 from grpo_fleet.learner.fleet.bans import peer_key
-from grpo_fleet.learner.fleet.registry import ActorInfo
-from grpo_fleet.learner.run.rooms import RunRooms
+from grpo_fleet.learner.fleet.leasing import Leasing
+from grpo_fleet.learner.fleet.registry import ActorInfo, Registry, RunCard
+from grpo_fleet.learner.records.state import LearnerState
+from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError
 from grpo_fleet.protocol.logsafe import shown
@@ -34,10 +39,18 @@ WORKING_HEARTBEATS = 3
 
 
 class RequestHandlers:
-    """Answers each decoded request (on the I/O thread, or Rollouts on the verifier thread) under `rooms.lock`."""
+    """Answers each decoded request (on the I/O thread, or Rollouts on the verifier thread) under the run's `lock`.
 
-    def __init__(self, rooms: RunRooms) -> None:
-        self.rooms = rooms
+    Rollouts go to `evaluation` when it claims their lease, else to `intake`; `pub_address` is what Welcome
+    names for notices (set once the loop has bound its PUB).
+    """
+
+    def __init__(self, lock: AbstractContextManager[Any], state: LearnerState, registry: Registry, leasing: Leasing,
+                 evaluation: Evaluation, intake: RolloutsTaker, snapshots: SnapshotStore, card: RunCard,
+                 metrics: LearnerMetrics, heartbeat_seconds: float, pub_address: Optional[str] = None) -> None:
+        self.lock, self.state, self.registry, self.leasing = lock, state, registry, leasing
+        self.evaluation, self.intake, self.snapshots, self.card = evaluation, intake, snapshots, card
+        self.metrics, self.heartbeat_seconds, self.pub_address = metrics, heartbeat_seconds, pub_address
         # Answered for anyone; every other request needs a Hello from this identity first.
         self.open: dict[type, OpenHandler] = {m.Hello: self.hello, m.StatusRequest: self.status}
         self.registered: dict[type, ActorHandler] = {
@@ -55,12 +68,12 @@ class RequestHandlers:
         peer reusing another actor's routing id cannot act for it. An `observer`
         key (`keys add-observer`) may ask Status and nothing else.
         """
-        rooms, owner = self.rooms, peer_key(identity, principal)
-        with rooms.lock:
+        owner = peer_key(identity, principal)
+        with self.lock:
             if isinstance(msg, ProtocolError):
-                return Reply(undecodable(owner, msg, rooms.metrics, rooms.registry))
+                return Reply(undecodable(owner, msg, self.metrics, self.registry))
             if observer and not isinstance(msg, OBSERVER_REQUESTS):
-                return Reply(refuse_observer(owner, msg, rooms.metrics))
+                return Reply(refuse_observer(owner, msg, self.metrics))
             return self._dispatch(Request(identity, owner, peer_address), msg)
 
     def handle_rollouts(self, identity: bytes, msg: m.Rollouts, principal: Optional[str] = None,
@@ -72,10 +85,9 @@ class RequestHandlers:
         What is scored is what `take` will accept; if the state moved meanwhile,
         `take` scores the rest itself.
         """
-        rooms = self.rooms
-        with rooms.lock:
+        with self.lock:
             # Not `known`: that counts an unregistered sender, and `handle` below does so once already.
-            actor = rooms.registry.peek(identity, peer_key(identity, principal))
+            actor = self.registry.peek(identity, peer_key(identity, principal))
             owner = self.rollouts_owner(msg)
             jobs = owner.reward_jobs(actor, msg) if actor is not None else []
             check = owner.reward_check
@@ -89,81 +101,76 @@ class RequestHandlers:
 
     def drop_actor(self, identity: bytes) -> int:
         """Forget an actor (silent or revoked) and re-queue its leases; returns the lease count."""
-        rooms = self.rooms
-        with rooms.lock:
-            info = rooms.registry.drop(identity)
+        with self.lock:
+            info = self.registry.drop(identity)
             if info is None:
                 return 0
-            rooms.evaluation.release_actor(info.principal)
-            return rooms.state.scheduler.release_actor(info.principal)
+            self.evaluation.release_actor(info.principal)
+            return self.state.scheduler.release_actor(info.principal)
 
     def expire_leases(self) -> int:
         """Re-queue leases past their deadline, but extend those of actors still at work (up to
         server.max_lease_seconds); returns how many expired."""
-        rooms = self.rooms
-        with rooms.lock:
-            rooms.evaluation.expire(self.still_working)
-            return rooms.leasing.expire(self.still_working)
+        with self.lock:
+            self.evaluation.expire(self.still_working)
+            return self.leasing.expire(self.still_working)
 
     def still_working(self, key: str) -> bool:
         """Whether a session of an actor key was heard from within WORKING_HEARTBEATS heartbeat periods."""
-        cutoff = time.monotonic() - WORKING_HEARTBEATS * self.rooms.cfg.server.heartbeat_seconds
-        return any(session.last_seen >= cutoff for session in self.rooms.registry.sessions_of(key))
+        cutoff = time.monotonic() - WORKING_HEARTBEATS * self.heartbeat_seconds
+        return any(session.last_seen >= cutoff for session in self.registry.sessions_of(key))
 
     def refresh_service_discovery(self, learner_target: Optional[str]) -> None:
         """Rebuild the /sd answer on the main thread; the HTTP thread reads the list it swaps in."""
-        with self.rooms.lock:
-            self.rooms.registry.refresh_service_discovery(learner_target)
+        with self.lock:
+            self.registry.refresh_service_discovery(learner_target)
 
     def rollouts_owner(self, msg: m.Rollouts) -> RolloutsTaker:
         """The room whose lease this is: an eval round's (or eval groups no round waits for), else intake."""
-        evaluation = self.rooms.evaluation
-        return evaluation if evaluation.claims(msg) else self.rooms.intake
+        return self.evaluation if self.evaluation.claims(msg) else self.intake
 
     def _dispatch(self, req: Request, msg: BaseModel) -> Reply:
         kind = type(msg)
         if kind in self.open:
             return self.open[kind](req, msg)
-        rooms = self.rooms
-        actor = rooms.registry.known(req.identity, req.owner)
+        actor = self.registry.known(req.identity, req.owner)
         if actor is None:
             return Reply(m.ErrorReply(reason="not_registered", detail="send Hello first"))
         handler = self.registered.get(kind)
         if handler is None:
-            rooms.metrics.protocol_errors.labels(reason="unexpected_type").inc()
-            rooms.registry.record_violation(req.owner, "unexpected_type")
+            self.metrics.protocol_errors.labels(reason="unexpected_type").inc()
+            self.registry.record_violation(req.owner, "unexpected_type")
             return Reply(m.ErrorReply(reason="unexpected_type", detail=f"{kind.__name__} is not a request"))
         return handler(actor, msg)
 
     def hello(self, req: Request, hello: m.Hello) -> Reply:
-        rooms = self.rooms
-        refusal = rooms.registry.hello(req.identity, req.owner, hello, req.peer_address)
+        refusal = self.registry.hello(req.identity, req.owner, hello, req.peer_address)
         if refusal is not None:
             return Reply(refusal)
         # A restarted actor, or one reconnecting to a resumed learner, will never
         # return the leases it does not name; unless its key has another live
         # session (one key on two Macs), hand them out again now.
-        if rooms.registry.sessions(req.owner) == 1:
-            released = rooms.state.scheduler.release_actor(req.owner, keep=frozenset(hello.holding))
+        if self.registry.sessions(req.owner) == 1:
+            released = self.state.scheduler.release_actor(req.owner, keep=frozenset(hello.holding))
             if released:
                 log.info("actor %s came back without %d of its leases; re-queued them", shown(hello.actor_id), released)
-        return Reply(rooms.card.welcome(hello.actor_id, rooms.state, rooms.pub_address))
+        return Reply(self.card.welcome(hello.actor_id, self.state, self.pub_address))
 
     def status(self, req: Request, request: m.StatusRequest) -> Reply:
-        return Reply(self.rooms.registry.status(self.rooms.state))
+        return Reply(self.registry.status(self.state))
 
     def heartbeat(self, actor: ActorInfo, beat: m.Heartbeat) -> Reply:
-        state = self.rooms.state
+        state = self.state
         actor.policy_version = beat.policy_version
         return Reply(m.Heartbeat(actor_id=actor.actor_id, policy_version=state.version, sent_at=time.time(),
                                  incarnation=state.incarnation))
 
     def weights(self, actor: ActorInfo, request: m.GetWeights) -> Reply:
-        return self.rooms.snapshots.chunk(request)
+        return self.snapshots.chunk(request)
 
     def lease(self, actor: ActorInfo, request: m.LeaseRequest) -> Reply:
         # Eval leases go first: a round is small, and its figures are for the version it started at.
-        return Reply(self.rooms.evaluation.grant(actor, request) or self.rooms.leasing.grant(actor, request))
+        return Reply(self.evaluation.grant(actor, request) or self.leasing.grant(actor, request))
 
     def rollouts(self, actor: ActorInfo, msg: m.Rollouts) -> Reply:
         return Reply(self.rollouts_owner(msg).take(actor, msg))

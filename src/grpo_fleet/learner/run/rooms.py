@@ -1,8 +1,8 @@
 """The rooms of one run, built once from its config: the record they share, the lock over it, and each room.
 
-The run's coordinator (learner/run/coordinator.py) is built on these; its two
-named parts, the I/O thread's handler table (learner/run/handlers.py) and the
-training thread's loop (learner/run/training_thread.py), each work on them.
+The run's coordinator (learner/run/coordinator.py) is built on these; it hands each of its parts, the I/O
+thread's handler table (learner/run/handlers.py), the training thread's loop (learner/run/training_thread.py),
+its checkpoints and its local evaluator, the few rooms that part works on, by name.
 """
 
 from __future__ import annotations
@@ -43,13 +43,12 @@ class RunRooms:
     """Single source of truth for the run: leases, accepted groups, steps and versions, under `lock`."""
 
     def __init__(self, cfg: RunConfig, policy: Policy, trainer: Trainer, task: Task, prompt_tokens: list[np.ndarray],
-                 model_digest: str, metrics: LearnerMetrics, run_dir: Path, pub_address: Optional[str] = None,
+                 model_digest: str, metrics: LearnerMetrics, run_dir: Path,
                  eval_prompt_tokens: Optional[list[np.ndarray]] = None,
                  make_scorer: Callable[[RewardSet], Scorer] = ScoringProcess,
                  make_envs: Callable[[EnvSetup], EnvCalling] = EnvProcess) -> None:
         self.cfg, self.policy, self.trainer, self.task = cfg, policy, trainer, task
         self.prompt_tokens, self.model_digest, self.metrics, self.run_dir = prompt_tokens, model_digest, metrics, run_dir
-        self.pub_address = pub_address
         self.card = run_card(cfg, policy, task, model_digest)
         scheduler = PromptScheduler(len(prompt_tokens), seed=cfg.train.seed, lease_seconds=cfg.server.lease_seconds)
         self.state = LearnerState(run_id=uuid.uuid4().hex[:12], incarnation=uuid.uuid4().hex[:12],

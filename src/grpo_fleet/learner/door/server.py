@@ -72,7 +72,8 @@ class RouterTransport:
 
 
 class LearnerServer:
-    """Owns the sockets; pumps messages into the run and starts its training thread."""
+    """Owns the sockets (its `RouterTransport`) and the run's threads: pumps what arrives through the door's
+    dispatcher (dispatch.py), runs the chores between pumps, and starts and stops the training thread."""
 
     def __init__(self, learner: Desk) -> None:
         self.learner = learner

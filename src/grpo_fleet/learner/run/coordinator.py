@@ -7,6 +7,10 @@ threads share the rooms under `lock`, and meet at one named hand-off
 (learner/records/state.py): intake puts accepted groups in, training takes
 batches out. Every room takes and returns plain typed records, so all of it
 can be tested without a network.
+
+The coordinator is where the parts are wired: each (the handler table, the training thread, its checkpoints
+(checkpoints.py), the local evaluator) is handed the rooms it works on, by name, and no part reaches the others
+through the coordinator.
 """
 
 from __future__ import annotations

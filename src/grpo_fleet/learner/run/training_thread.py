@@ -124,7 +124,3 @@ class TrainingThread:
     def checkpoint(self) -> Path:
         """Write weights, optimizer and learner state as one checkpoint (checkpoints.py)."""
         return self.checkpoints.checkpoint()
-
-    def resume(self, checkpoint: Path) -> None:
-        """Continue from a checkpoint: weights, optimizer, leases, finished groups, logs cut back to match."""
-        self.checkpoints.resume(checkpoint)

@@ -9,8 +9,9 @@ batches out. Every room takes and returns plain typed records, so all of it
 can be tested without a network.
 
 The coordinator is where the parts are wired: each (the handler table, the training thread, its checkpoints
-(checkpoints.py), the local evaluator) is handed the rooms it works on, by name, and no part reaches the others
-through the coordinator.
+(checkpoints.py), the local evaluator) is handed the rooms it works on, by name. The batch's check plan
+(learner/verify/batch_checks.py) still reads the run through its own protocol, `CheckedRun`, which the
+coordinator meets.
 """
 
 from __future__ import annotations

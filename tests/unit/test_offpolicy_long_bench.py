@@ -21,13 +21,13 @@ from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.model import load_policy
 
 
-def test_the_first_arm_is_the_shipped_default_then_every_other_objective_then_beta_0():
+def test_the_first_arm_is_the_shipped_default_then_beta_0_then_every_other_objective():
     defaults = GRPOConfig()
     chosen = arms(defaults)
     assert chosen[0].grpo == {"objective": defaults.objective, "beta": defaults.beta}
     objectives = set(typing.get_args(GRPOConfig.model_fields["objective"].annotation))
     assert {a.grpo["objective"] for a in chosen} == objectives and len(objectives) > 1
-    assert chosen[-1].grpo == {"objective": defaults.objective, "beta": 0.0}
+    assert chosen[1].grpo == {"objective": defaults.objective, "beta": 0.0}
     assert {"objective": "decoupled", "beta": defaults.beta, "is_level": "sequence"} in [a.grpo for a in chosen]
     assert len({a.name for a in chosen}) == len(chosen)
     assert len(arms(defaults, full=True)) == len(chosen) + 1
@@ -57,7 +57,7 @@ def test_the_config_is_the_long_answer_recipe_at_the_benchs_sizes(tmp_path):
     assert (cfg.task.num_eval, cfg.train.eval_samples, cfg.train.steps) == (sizes.eval_prompts, sizes.eval_samples,
                                                                             sizes.steps)
     assert cfg.model.path == "/models/m" and cfg.train.seed == 3 and cfg.lora.enabled
-    beta0 = with_arm(cfg, arms(GRPOConfig())[-1])
+    beta0 = with_arm(cfg, arms(GRPOConfig())[1])
     assert beta0.grpo.beta == 0.0 and beta0.grpo.groups_per_step == sizes.groups
 
 

@@ -86,13 +86,15 @@ class Arm:
 
 
 def arms(defaults: GRPOConfig, full: bool = False) -> list[Arm]:
-    """The shipped default, each other objective the config offers at the default beta, and beta 0.
+    """The shipped default, beta 0 with the default objective, and each other objective at the default beta.
 
     The decoupled objective is also run with one behaviour weight per completion (is_level 'sequence'),
     the variant meant for long completions; `full` adds its masking mode too.
     """
     shipped = {"objective": defaults.objective, "beta": defaults.beta}
     out = [Arm(f"default ({defaults.objective}, beta {defaults.beta:g})", shipped)]
+    if defaults.beta != 0:  # second: on a loaded machine the beta question should not wait for every objective
+        out.append(Arm(f"beta 0 ({defaults.objective})", {**shipped, "beta": 0.0}))
     for objective in typing.get_args(GRPOConfig.model_fields["objective"].annotation):
         if objective == defaults.objective:
             continue
@@ -101,8 +103,6 @@ def arms(defaults: GRPOConfig, full: bool = False) -> list[Arm]:
             out.append(Arm(f"{objective}, sequence weights", {**shipped, "objective": objective, "is_level": "sequence"}))
             if full:
                 out.append(Arm(f"{objective}, masked", {**shipped, "objective": objective, "is_mode": "mask"}))
-    if defaults.beta != 0:
-        out.append(Arm(f"beta 0 ({defaults.objective})", {**shipped, "beta": 0.0}))
     return out
 
 

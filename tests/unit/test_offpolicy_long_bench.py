@@ -18,7 +18,7 @@ from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.step.batch import build_train_batch
 from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.learner.step.trainer import Trainer
-from grpo_fleet.model import load_policy
+from grpo_fleet.models.loading import load_policy
 
 
 def test_the_first_arm_is_the_shipped_default_then_beta_0_then_every_other_objective():

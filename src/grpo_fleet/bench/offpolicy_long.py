@@ -42,13 +42,13 @@ from grpo_fleet.bench.offpolicy import OffPolicyStats, lagged_training
 from grpo_fleet.bench.offpolicy_real import staleness_of
 from grpo_fleet.bench.real_task import real_model_dir
 from grpo_fleet.config import GRPOConfig, RunConfig, apply_overrides
-from grpo_fleet.demo import DemoOptions, demo_settings
+from grpo_fleet.launch.demo import DemoOptions, demo_settings
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.step.batch import build_train_batch, split_batch
 from grpo_fleet.learner.step.forward import frozen_logprobs
 from grpo_fleet.learner.step.grpo import kl_k3
 from grpo_fleet.learner.step.step_result import StepStats
-from grpo_fleet.model import Policy, adapters_disabled, load_policy
+from grpo_fleet.models.loading import Policy, adapters_disabled, load_policy
 
 MODEL, RECIPE = "smollm2-135m-instruct", "long-answers"
 # The simulator's reasoning shape (docs/simulator.md, "At reasoning lengths"): 8 Macs of actors, 512-token

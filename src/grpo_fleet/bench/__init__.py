@@ -164,6 +164,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "logprob check vs quiet liars (stale weights, spikes, false finish) and a sleeper's exposure"),
     Benchmark("qwen_step", "qwen_step", False, 120.0, "Qwen2.5-0.5B-shaped learner step sweep and actor lease"),
     Benchmark("offpolicy_real", "offpolicy_real", False, 60.0, "real model: coupled vs decoupled at staleness 1 and 4"),
+    Benchmark("offpolicy_long", "offpolicy_long", False, 35.0,  # estimated: two_macs' 75 s a 1,000 tokens
+              "real model, long answers at the simulator's staleness for 8 Macs (2): default objective vs the "
+              "alternatives, and beta 0 (held-out reward, gap, clip, s/step, pi_ref share, KL)"),
     Benchmark("logprob_gap_real", "logprob_gap_real", False, 7.0, "real model: honest logprob gaps vs the check's bound"),
 )
 

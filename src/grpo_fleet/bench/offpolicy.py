@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from grpo_fleet.bench import Figure, Report, Scale
 from grpo_fleet.bench.e2e import TrainLoop, batched_rollout, demo_run_config
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.run.build import resolve_model_path
 from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.tasks import build_task
@@ -84,6 +85,7 @@ def lagged_run(cfg: RunConfig, model_path: str, lag: int) -> list[tuple[int, flo
 
 def lagged_training(
     loop: TrainLoop, lag: int, eval_every: int, on_step: Optional[Callable[[int, StepStats], None]] = None,
+    on_batch: Optional[Callable[[list[AcceptedGroup]], None]] = None,
 ) -> tuple[list[tuple[int, float, float]], list[StepStats]]:
     """Train `loop` for its cfg.train.steps, each batch sampled under the weights of `lag` updates back.
 
@@ -91,7 +93,8 @@ def lagged_training(
     for the rollout, as an actor that pulls weights late, then swapped back; kept
     versions are references to immutable arrays (nothing extra under LoRA).
     Held-out reward every `eval_every` steps, with the training clock stopped;
-    `on_step(step, stats)` after each step (progress for long runs).
+    `on_step(step, stats)` after each step (progress for long runs); `on_batch(groups)`
+    with each batch before it trains (its replies' lengths, a probe for the KL).
     """
     model = loop.policy.model
     history: deque[Any] = deque([tree_flatten(model.trainable_parameters())], maxlen=lag + 1)
@@ -104,6 +107,8 @@ def lagged_training(
             batch = loop.batch(loop.policy, batched_rollout)
         finally:
             model.update(tree_unflatten(list(live)))
+        if on_batch is not None:
+            on_batch(batch)
         steps.append(loop.train(batch))
         if on_step is not None:
             on_step(step, steps[-1])

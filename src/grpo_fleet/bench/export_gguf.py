@@ -48,9 +48,10 @@ def _child(*args: str) -> dict:
 
 
 def trained_run(root: Path, model: str = MODEL, rank: int = 8, spread: float = SPREAD) -> Path:
-    """A run directory of `model` (a GGUF model path) whose latest checkpoint holds rank-`rank` adapters with lora_b
-    drawn at `spread` (lora_a is mlx-lm's own initialisation)."""
-    policy = load_policy(str(import_source(model, default_cache_dir())), lora=LoraConfig(enabled=True, rank=rank))
+    """A run directory of `model` (a GGUF model path, or an mlx-lm directory) whose latest checkpoint holds
+    rank-`rank` adapters with lora_b drawn at `spread` (lora_a is mlx-lm's own initialisation)."""
+    base = model if Path(model).is_dir() else str(import_source(model, default_cache_dir()))
+    policy = load_policy(base, lora=LoraConfig(enabled=True, rank=rank))
     mx.random.seed(0)
     adapters = cast(list[tuple[str, mx.array]], tree_flatten(policy.model.trainable_parameters()))
     policy.model.load_weights([(n, spread * mx.random.normal(v.shape)) for n, v in adapters if n.endswith("lora_b")],

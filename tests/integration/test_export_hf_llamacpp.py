@@ -18,7 +18,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip 
 
 from grpo_fleet.export.llamacpp_check import chat_prompt, greedy_agreement, prompt_texts  # noqa: E402
 from grpo_fleet.export.run import ExportRequest, export_run  # noqa: E402
-from grpo_fleet.gguf import import_gguf  # noqa: E402
+from grpo_fleet.models.gguf.importer import import_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]

@@ -18,9 +18,9 @@ from gguf_synth import LLAMA3_SCALING, byte_level_vocab, spm_vocab, tiny_args, t
 from grpo_fleet.export.hf_header import header_from_hf
 from grpo_fleet.export.hf_vocab import PRE_NAMES, read_hf_vocab
 from grpo_fleet.export.run import ExportError, ExportRequest, export_run
-from grpo_fleet.gguf import import_gguf
-from grpo_fleet.gguf_file import read_gguf
-from grpo_fleet.gguf_weights import dequantized
+from grpo_fleet.models.gguf.header import read_gguf
+from grpo_fleet.models.gguf.importer import import_gguf
+from grpo_fleet.models.gguf.weights import dequantized
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
 # Keys that describe this file, not the model, or that the source need not have said (the writer's defaults).

@@ -123,7 +123,7 @@ def q8_0_against_its_f16(q8_0: Path, tmp: Path, tokenizer: Any, prompts: int = 3
 
     from grpo_fleet.export.gguf_writer import header_from_gguf, write_gguf
     from grpo_fleet.export.llamacpp_check import agreement, chat_prompt, llamacpp_greedy, open_gguf, prompt_texts
-    from grpo_fleet.gguf import import_gguf
+    from grpo_fleet.models.gguf.importer import import_gguf
 
     weights = mx.load(str(import_gguf(q8_0, tmp / "q8_0-weights") / "model.safetensors"))
     f16 = write_gguf(cast(dict[str, mx.array], weights), header_from_gguf(q8_0), tmp / "q8_0-weights-F16.gguf", "f16")

@@ -49,10 +49,18 @@ def run_from_gguf(root: Path, gguf: Path | str, *, model_path: str | None = None
     """A run directory whose latest checkpoint is step `step`'s adapters on `gguf` imported into root/base (`full`:
     every weight trained instead, `trained` added to the norms)."""
     base = import_gguf(gguf, root / "base")
+    return run_from_dir(root, base, model_path=model_path or str(gguf), trained=trained, step=step,
+                        generation=generation, full=full)
+
+
+def run_from_dir(root: Path, base: Path, *, model_path: str | None = None, trained: float = 0.0, step: int = 0,
+                 generation: dict[str, Any] | None = None, full: bool = False) -> tuple[Path, Policy]:
+    """A run directory trained from the mlx-lm directory `base` (model.path: `model_path`, else `base` itself)."""
     policy = full_policy(base, trained) if full else lora_policy(base, trained=trained)
     run = root / "run"
     (run / "checkpoints").mkdir(parents=True)
-    config = {"model": {"path": model_path or str(gguf)}, "generation": generation or {"temperature": 0.7, "top_p": 1.0}}
+    config = {"model": {"path": model_path or str(base)},
+              "generation": generation or {"temperature": 0.7, "top_p": 1.0}}
     (run / "config.json").write_text(json.dumps(config))
     checkpoint = run / "checkpoints" / f"step_{step:06d}"
     save_checkpoint(policy, checkpoint, extra={"step": step}, write_extra=_placeholders)

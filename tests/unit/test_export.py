@@ -143,17 +143,6 @@ def test_a_directory_that_is_not_a_run_is_refused_in_one_line(tmp_path: Path) ->
     assert "\n" not in str(caught.value)
 
 
-def test_a_gguf_needs_the_file_the_model_was_imported_from(tmp_path: Path) -> None:
-    source = _source(tmp_path, "llama", Q.Q8_0)
-    run, _ = run_from_gguf(tmp_path, source, model_path=str(tmp_path / "base"))  # as if trained from a directory
-    out = tmp_path / "out"
-    with pytest.raises(ExportError, match="needs a model imported from a GGUF"):
-        export_run(ExportRequest(path=str(run), out=str(out), gguf="q8_0"))
-    assert not out.exists()
-    result = export_run(ExportRequest(path=str(run), out=str(out)))  # no --gguf: the mlx-lm directory alone
-    assert result.gguf is None and (result.mlx_dir / "config.json").is_file() and "no GGUF" in result.note
-
-
 def test_a_source_gguf_that_changed_since_the_import_is_refused(tmp_path: Path) -> None:
     source = _source(tmp_path, "llama", Q.Q8_0)
     run, _ = run_from_gguf(tmp_path, source)

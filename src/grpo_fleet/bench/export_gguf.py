@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -48,9 +48,10 @@ def _child(*args: str) -> dict:
 
 
 def trained_run(root: Path, model: str = MODEL, rank: int = 8, spread: float = SPREAD) -> Path:
-    """A run directory of `model` (a GGUF model path) whose latest checkpoint holds rank-`rank` adapters with lora_b
-    drawn at `spread` (lora_a is mlx-lm's own initialisation)."""
-    policy = load_policy(str(import_source(model, default_cache_dir())), lora=LoraConfig(enabled=True, rank=rank))
+    """A run directory of `model` (a GGUF model path, or an mlx-lm directory) whose latest checkpoint holds
+    rank-`rank` adapters with lora_b drawn at `spread` (lora_a is mlx-lm's own initialisation)."""
+    base = model if Path(model).is_dir() else str(import_source(model, default_cache_dir()))
+    policy = load_policy(base, lora=LoraConfig(enabled=True, rank=rank))
     mx.random.seed(0)
     adapters = cast(list[tuple[str, mx.array]], tree_flatten(policy.model.trainable_parameters()))
     policy.model.load_weights([(n, spread * mx.random.normal(v.shape)) for n, v in adapters if n.endswith("lora_b")],
@@ -107,3 +108,30 @@ def _agreement(report: Report, run_dir: Path, tmp: Path) -> None:
             agreement = compare(result.gguf, model, tokenizer)
             report.add(Figure("export_gguf", f"llama.cpp greedy = mlx-lm on {against}, {quant}: identical continuations",
                               agreement.identical, f"of {agreement.prompts}", notes=agreement.describe()))
+        if quant == "q8_0":
+            identical, shared = q8_0_against_its_f16(result.gguf, tmp, tokenizer)
+            report.add(Figure("export_gguf", "llama.cpp greedy on Q8_0 = llama.cpp on an F16 file of the same weights: "
+                              "identical continuations", identical, "of 32", notes=f"{shared}/512 tokens before the "
+                              "first difference; only llama.cpp's Q8_0 arithmetic (activations rounded to 8 bits) differs"))
+
+
+def q8_0_against_its_f16(q8_0: Path, tmp: Path, tokenizer: Any, prompts: int = 32, tokens: int = 16) -> tuple[int, int]:
+    """llama.cpp on a Q8_0 GGUF against llama.cpp on an F16 GGUF of the same weights (the Q8_0 blocks dequantized,
+    which f16 holds to 2^-11): (identical continuations, tokens before the first difference). The weights being the
+    same, what differs is llama.cpp's own Q8_0 arithmetic, whose products round the activations to 8 bits."""
+    from functools import partial
+
+    from grpo_fleet.export.gguf_writer import header_from_gguf, write_gguf
+    from grpo_fleet.export.llamacpp_check import agreement, chat_prompt, llamacpp_greedy, open_gguf, prompt_texts
+    from grpo_fleet.models.gguf.importer import import_gguf
+
+    weights = mx.load(str(import_gguf(q8_0, tmp / "q8_0-weights") / "model.safetensors"))
+    f16 = write_gguf(cast(dict[str, mx.array], weights), header_from_gguf(q8_0), tmp / "q8_0-weights-F16.gguf", "f16")
+    ids = [list(tokenizer.encode(chat_prompt(tokenizer, text), add_special_tokens=False)) for text in prompt_texts(prompts)]
+    quantized, plain = open_gguf(q8_0), open_gguf(f16)
+    try:
+        return agreement(partial(llamacpp_greedy, quantized, count=tokens), partial(llamacpp_greedy, plain, count=tokens),
+                         ids)
+    finally:
+        quantized.close()
+        plain.close()

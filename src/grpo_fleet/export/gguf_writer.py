@@ -1,9 +1,10 @@
 """Fused weights -> a GGUF file that llama.cpp (and so Ollama and LM Studio) reads.
 
 The inverse of import-gguf, step by step:
-- the metadata is the source GGUF's, every key with its own type (gguf_kv.py): hyperparameters, the tokenizer
-  (tokens, scores, types, merges, special ids) and the chat template come back byte for byte; only
-  general.file_type (and the quantization version) say what this file holds;
+- the metadata (a Header) is the source GGUF's, every key with its own type (gguf_kv.py): hyperparameters, the
+  tokenizer (tokens, scores, types, merges, special ids) and the chat template come back byte for byte; only
+  general.file_type (and the quantization version) say what this file holds. A model that did not come from a GGUF
+  gets its metadata from its mlx-lm directory instead (hf_header.py);
 - tensor names are llama.cpp's, from the `gguf` package's own name map, and each is checked to be the name the
   importer maps back to the same weight (gguf_weights.hf_name);
 - what the importer undoes is redone: llama's q/k rows are permuted for llama.cpp's rope layout
@@ -15,8 +16,9 @@ The inverse of import-gguf, step by step:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import gguf
 import mlx.core as mx
@@ -28,7 +30,7 @@ from grpo_fleet.export.gguf_kv import add_entry, source_metadata
 from grpo_fleet.export.source import ExportError
 from grpo_fleet.models.gguf.header import read_gguf
 from grpo_fleet.models.gguf.metadata import Family, family_of
-from grpo_fleet.models.gguf.weights import hf_name
+from grpo_fleet.models.gguf.weights import dequantized, hf_name
 
 Q = GGMLQuantizationType
 # --gguf values this module writes itself, with the type of each quantized weight and the file type that says so.
@@ -88,28 +90,49 @@ def _encoded(weight: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     return quantize(weight, kind)
 
 
-def write_gguf(weights: dict[str, mx.array], source: Path, out: Path, quant: str) -> Path:
-    """The fused `weights` as a GGUF at `out`, `quant` one of WRITTEN, with `source`'s metadata and extra tensors."""
-    target, file_type = WRITTEN[quant]
+@dataclass(frozen=True)
+class Header:
+    """What a GGUF holds besides the weights: the family and shape its tensors are written for, its metadata
+    (`add_metadata` writes every key but the file type) and the tensors that are not weights (Llama 3's rope_freqs)."""
+
+    family: Family
+    heads: int
+    kv_heads: int
+    layers: int
+    add_metadata: Callable[[GGUFWriter], None]
+    extra_tensors: tuple[tuple[str, np.ndarray], ...] = ()
+
+
+def header_from_gguf(source: Path) -> Header:
+    """The header of the GGUF a model was imported from: its metadata and rope_freqs, as they were."""
     metadata = source_metadata(source)
     values = {key: value for key, value, _ in metadata}
     family = family_of(values.get("general.architecture"))
     arch = family.architecture
     heads = int(values[f"{arch}.attention.head_count"])
-    kv_heads = int(values.get(f"{arch}.attention.head_count_kv", heads))
-    layers = int(values[f"{arch}.block_count"])
+
+    def add_metadata(writer: GGUFWriter) -> None:
+        for key, value, key_type in metadata:
+            if key not in _REWRITTEN:
+                add_entry(writer, key, value, key_type)
+
+    return Header(family, heads, int(values.get(f"{arch}.attention.head_count_kv", heads)),
+                  int(values[f"{arch}.block_count"]), add_metadata, tuple(_kept_tensors(source)))
+
+
+def write_gguf(weights: dict[str, mx.array], header: Header, out: Path, quant: str) -> Path:
+    """The fused `weights` as a GGUF at `out`, `quant` one of WRITTEN, with `header`'s metadata and extra tensors."""
+    target, file_type = WRITTEN[quant]
     tied = "lm_head.weight" not in weights
     staging = out.with_name(f".{out.name}.partial")
-    writer = GGUFWriter(str(staging), arch)
-    for key, value, key_type in metadata:
-        if key not in _REWRITTEN:
-            add_entry(writer, key, value, key_type)
+    writer = GGUFWriter(str(staging), header.family.architecture)
+    header.add_metadata(writer)
     writer.add_file_type(int(file_type))
     if target not in (Q.F16, Q.BF16):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, data, kind in _tensors(weights, family, layers, heads, kv_heads, target, tied):
+    for name, data, kind in _tensors(weights, header, target, tied):
         writer.add_tensor(name, data, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
-    for name, data in _kept_tensors(source):
+    for name, data in header.extra_tensors:
         writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -119,13 +142,14 @@ def write_gguf(weights: dict[str, mx.array], source: Path, out: Path, quant: str
     return out
 
 
-def _tensors(weights: dict[str, mx.array], family: Family, layers: int, heads: int, kv_heads: int,
-             target: GGMLQuantizationType, tied: bool) -> Iterator[tuple[str, np.ndarray, GGMLQuantizationType]]:
+def _tensors(weights: dict[str, mx.array], header: Header, target: GGMLQuantizationType,
+             tied: bool) -> Iterator[tuple[str, np.ndarray, GGMLQuantizationType]]:
     """(GGUF name, encoded data, type) of every weight, in llama.cpp's order: embedding, blocks, output."""
-    named = {gguf_tensor_name(hf, family, layers): hf for hf in weights}
+    family = header.family
+    named = {gguf_tensor_name(hf, family, header.layers): hf for hf in weights}
     for name in sorted(named, key=_order):
         value = np.array(weights[named[name]].astype(mx.float32))
-        value = as_llamacpp(value, name, family, heads, kv_heads)
+        value = as_llamacpp(value, name, family, header.heads, header.kv_heads)
         kind = tensor_type(name, value.shape, target, tied)
         yield name, _encoded(value, kind), kind
 
@@ -139,8 +163,6 @@ def _order(name: str) -> tuple[int, int, str]:
 
 def _kept_tensors(source: Path) -> Iterator[tuple[str, np.ndarray]]:
     """Tensors of the source that are not weights (llama 3's rope_freqs), copied as they were (F32)."""
-    from grpo_fleet.models.gguf.weights import dequantized
-
     parsed = read_gguf(source)
     for info in parsed.tensors:
         if info.name == "rope_freqs.weight":

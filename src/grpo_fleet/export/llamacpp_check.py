@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -68,11 +69,17 @@ def _shared(left: list[int], right: list[int]) -> int:
 def greedy_agreement(llm: Any, model: Any, prompts: list[list[int]], tokens: int) -> tuple[int, int]:
     """(prompts whose continuations are identical, tokens before the first difference, summed): llama.cpp's `llm`
     against mlx-lm's `model`, greedy, `tokens` tokens after each prompt."""
+    return agreement(partial(mlx_greedy, model, count=tokens), partial(llamacpp_greedy, llm, count=tokens), prompts)
+
+
+def agreement(ours: Callable[[list[int]], list[int]], theirs: Callable[[list[int]], list[int]],
+              prompts: list[list[int]]) -> tuple[int, int]:
+    """(identical continuations, tokens before the first difference, summed) of two greedy decoders on `prompts`."""
     identical = same = 0
     for ids in prompts:
-        ours, theirs = mlx_greedy(model, ids, tokens), llamacpp_greedy(llm, ids, tokens)
-        identical += ours == theirs
-        same += _shared(ours, theirs)
+        left, right = ours(ids), theirs(ids)
+        identical += left == right
+        same += _shared(left, right)
     return identical, same
 
 

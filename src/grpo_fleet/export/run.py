@@ -1,8 +1,9 @@
 """`grpo-fleet export`: a run's checkpoint back to the apps people chat in.
 
-read the source (export/source.py) -> fuse the adapters with mlx-lm (export/fuse.py) -> write the mlx-lm directory
--> write the GGUF (export/gguf_writer.py; K-quants through llama.cpp, export/kquant.py) -> for `--ollama NAME`, a
-Modelfile beside it and the `ollama create` command (models/app_stores.py).
+read the source (export/source.py) -> the GGUF's header: the source GGUF's metadata for a model imported from one,
+else one built from the model's mlx-lm directory (export/hf_header.py) -> fuse the adapters with mlx-lm
+(export/fuse.py) -> write the mlx-lm directory -> write the GGUF (export/gguf_writer.py; K-quants through llama.cpp,
+export/kquant.py) -> for `--ollama NAME`, a Modelfile beside it and the `ollama create` command (models/app_stores.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from grpo_fleet.export.fuse import Fused, fuse_checkpoint, write_mlx_dir
-from grpo_fleet.export.gguf_writer import WRITTEN, write_gguf
+from grpo_fleet.export.gguf_writer import WRITTEN, Header, header_from_gguf, write_gguf
+from grpo_fleet.export.hf_header import header_from_hf, model_directory
 from grpo_fleet.export.kquant import HOW_TO_GET, k_quantize, quantizer
 from grpo_fleet.export.names import DEFAULT_GGUF, GGUF_TYPES, K_QUANT_TYPES
 from grpo_fleet.export.source import ExportError, ExportSource, read_source
@@ -27,7 +29,7 @@ class ExportRequest:
     path: str  # a run directory or a checkpoint directory
     out: str
     step: Optional[int] = None
-    gguf: Optional[str] = None  # one of GGUF_TYPES; None: DEFAULT_GGUF for a model imported from a GGUF, else no GGUF
+    gguf: Optional[str] = None  # one of GGUF_TYPES; None: DEFAULT_GGUF when the model can be written as one
     ollama: Optional[str] = None  # the name for `ollama create`
 
 
@@ -38,7 +40,7 @@ class ExportResult:
     modelfile: Optional[Path]
     ollama_command: Optional[str]
     seconds: float
-    note: str = ""  # why no GGUF was written, when none was asked for
+    note: str = ""  # why no GGUF was written, when none was asked for and the model cannot be written as one
 
     def describe(self) -> str:
         lines = [f"mlx-lm directory: {self.mlx_dir}  (mlx_lm.generate --model {self.mlx_dir}; LM Studio's MLX engine)"]
@@ -57,24 +59,21 @@ def export_run(request: ExportRequest) -> ExportResult:
     started = time.perf_counter()
     quant = _check(request)
     source = read_source(request.path, request.step)
-    if quant is None and source.gguf is not None:
+    header, why_not = _header(source, required=quant is not None)
+    if quant is None and header is not None:
         quant = DEFAULT_GGUF
-    if quant is not None and source.gguf is None:
-        raise ExportError(f"--gguf needs a model imported from a GGUF (its tokenizer and chat template are copied); "
-                          f"this run's model is {source.model_path!r}: export the mlx-lm directory only (no --gguf)")
-    if request.ollama and quant is None:
-        raise ExportError(f"--ollama needs a GGUF, and this run's model {source.model_path!r} was not imported from one")
+    if request.ollama and header is None:
+        raise ExportError(f"--ollama needs a GGUF, and this run's model {source.model_path!r} cannot be one: {why_not}")
     out = Path(request.out)
     out.mkdir(parents=True, exist_ok=True)
     fused = fuse_checkpoint(source)
     mlx_dir = write_mlx_dir(fused, source, out / "mlx")
-    gguf = None if quant is None else _write_gguf(fused, source, out, quant)
+    gguf = None if quant is None or header is None else _write_gguf(fused, header, source, out, quant)
     modelfile, command = None, None
     if request.ollama and gguf is not None:
         modelfile, command = write_modelfile(gguf, request.ollama, _chat_template(fused), _stops(fused),
                                              source.temperature, source.top_p)
-    note = "" if gguf is not None else "no GGUF: the model was not imported from one (convert it with llama.cpp's " \
-                                       "convert_hf_to_gguf.py)"
+    note = "" if gguf is not None else f"no GGUF: {why_not}"
     return ExportResult(mlx_dir, gguf, modelfile, command, time.perf_counter() - started, note)
 
 
@@ -87,15 +86,28 @@ def _check(request: ExportRequest) -> Optional[str]:
     return quant
 
 
-def _write_gguf(fused: Fused, source: ExportSource, out: Path, quant: str) -> Path:
-    assert source.gguf is not None
+def _header(source: ExportSource, required: bool) -> tuple[Optional[Header], str]:
+    """The GGUF's header (the source GGUF's, else one from the mlx-lm directory) and, when there is none, why: a
+    refusal when a GGUF was asked for, a note when it was not."""
+    try:
+        if source.gguf is not None:
+            return header_from_gguf(source.gguf), ""
+        model_dir = source.checkpoint if not source.has_adapters else model_directory(source.base_model)
+        return header_from_hf(model_dir), ""
+    except ExportError as exc:
+        if required:
+            raise ExportError(f"no GGUF can be written for {source.model_path!r}: {exc}") from None
+        return None, str(exc)
+
+
+def _write_gguf(fused: Fused, header: Header, source: ExportSource, out: Path, quant: str) -> Path:
     step = f"step{source.step}" if source.step is not None else "model"
     target = out / f"{step}-{quant.upper()}.gguf"
     if quant in WRITTEN:
-        return write_gguf(fused.weights(), source.gguf, target, quant)
+        return write_gguf(fused.weights(), header, target, quant)
     f16 = out / f".{step}-F16.for-{quant}.gguf"
     try:
-        write_gguf(fused.weights(), source.gguf, f16, "f16")
+        write_gguf(fused.weights(), header, f16, "f16")
         return k_quantize(f16, target, quant)
     finally:
         f16.unlink(missing_ok=True)

@@ -206,13 +206,13 @@ def llama3_rope_scaling(factors: np.ndarray, hyper: Hyper, metadata: dict[str, A
     original = meta_int(metadata, f"{hyper.architecture}.rope.scaling.original_context_length", 1, 1 << 24, 8192)
     scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": original}
-    expected = _llama3_factors(scaling, hyper.rope_theta, hyper.head_dim)
+    expected = llama3_factors(scaling, hyper.rope_theta, hyper.head_dim)
     if not np.allclose(factors, expected, rtol=1e-5, atol=0):
         raise GGUFError("rope_freqs does not follow Llama 3's rope scaling (low 1, high 4); this importer cannot map it")
     return scaling
 
 
-def _llama3_factors(scaling: dict[str, Any], base: float, dim: int) -> np.ndarray:
+def llama3_factors(scaling: dict[str, Any], base: float, dim: int) -> np.ndarray:
     """llama.cpp's rope factors for Llama 3 scaling, one per rotated pair."""
     freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     wavelen = 2 * math.pi / freqs

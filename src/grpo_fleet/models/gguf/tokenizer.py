@@ -29,7 +29,8 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SPLITS: dict[str, Optional[str]] = {"default": None, "gpt2": None, "smollm": None, "qwen2": _QWEN2_SPLIT,
+# "gpt-2" is llama.cpp's name for GPT-2's own split (what export writes); "gpt2" and "default" are read as it too.
+_SPLITS: dict[str, Optional[str]] = {"default": None, "gpt2": None, "gpt-2": None, "smollm": None, "qwen2": _QWEN2_SPLIT,
                                      "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
 PRE_TOKENIZERS = tuple(_SPLITS)
 # What a ggml token type means (llama.cpp's llama_token_type).
@@ -124,22 +125,28 @@ def build_tokenizer(vocab: Vocab) -> Any:
 
 
 def _byte_level(vocab: Vocab) -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, processors
 
     bpe = models.BPE(vocab={token: index for index, token in enumerate(vocab.tokens)}, merges=vocab.merges, fuse_unk=False)
     tokenizer = Tokenizer(bpe)
-    split = _SPLITS[vocab.pre]
-    if vocab.pre == "smollm":  # SmolLM's tokenizer.json: every digit alone, then GPT-2's byte-level split
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif split is None:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.pre_tokenizer = byte_level_pre_tokenizer(vocab.pre)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer
+
+
+def byte_level_pre_tokenizer(pre: str) -> Any:
+    """How the model named by `tokenizer.ggml.pre` splits text before BPE, as its own tokenizer.json does."""
+    from tokenizers import Regex, pre_tokenizers
+
+    split = _SPLITS[pre]
+    if pre == "smollm":  # SmolLM's tokenizer.json: every digit alone, then GPT-2's byte-level split
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ import zmq
 
 import grpo_fleet.protocol.sockets as sockets
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.actors.bans import peer_key
+from grpo_fleet.learner.actors.registry import Registry
 from grpo_fleet.learner.door.answers import Answers
 from grpo_fleet.learner.door.doorman import Doorman
 from grpo_fleet.learner.door.server import LearnerServer
-from grpo_fleet.learner.fleet.bans import peer_key
-from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.observe.metrics import learner_metrics
 from grpo_fleet.protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, decode, encode
 from grpo_fleet.protocol import messages as m

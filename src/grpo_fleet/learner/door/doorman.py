@@ -14,8 +14,8 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.actors.bans import peer_key
 from grpo_fleet.learner.door.desk import Desk
-from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.protocol.auth import Keypair, KeyRing, load_keypair, start_authenticator
 from grpo_fleet.protocol.endpoints import is_loopback_endpoint, pub_endpoint_for
 from grpo_fleet.protocol.logsafe import shown

@@ -18,6 +18,7 @@ from typing import Optional
 import zmq
 from pydantic import BaseModel
 
+from grpo_fleet.learner.actors.bans import peer_key
 from grpo_fleet.learner.door.answers import Answers
 from grpo_fleet.learner.door.desk import Desk
 from grpo_fleet.learner.door.doorman import Doorman, check_bind_security
@@ -25,7 +26,6 @@ from grpo_fleet.learner.door.housekeeping import Housekeeping
 from grpo_fleet.learner.door.intake_rules import inbound_limits
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.weights_in_flight import WeightsInFlight
-from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.verify.verifier_thread import RolloutsVerifier
 from grpo_fleet.observe.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m

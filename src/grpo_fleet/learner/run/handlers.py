@@ -13,11 +13,11 @@ from typing import Any, Callable, Optional
 
 from pydantic import BaseModel
 
+from grpo_fleet.learner.actors.bans import peer_key
+from grpo_fleet.learner.actors.registry import ActorInfo
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.requests import OBSERVER_REQUESTS, Request, refuse_observer, undecodable
 from grpo_fleet.learner.door.rollouts_taker import RolloutsTaker
-from grpo_fleet.learner.fleet.bans import peer_key
-from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.run.rooms import RunRooms
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError

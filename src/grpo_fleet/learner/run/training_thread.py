@@ -141,7 +141,7 @@ class TrainingThread:
         saved = persistence.load(checkpoint, rooms.policy, rooms.trainer)
         with rooms.lock:
             persistence.restore(state, saved)
-            # A liar banned before the checkpoint stays banned, and keeps its count of bans (learner/fleet/bans.py).
+            # A liar banned before the checkpoint stays banned, and keeps its count of bans (learner/actors/bans.py).
             rooms.registry.bans.load(saved.bans, time.time())
             rooms.metrics.banned_peers.set(rooms.registry.bans.banned_count())
             rooms.evaluation.current = None  # rounds are not checkpointed: the next one is due at its step

@@ -42,6 +42,13 @@ VARIANTS = {  # name: (loss_type, objective, ppo_epochs)
 MODES = ("lora", "full")
 
 
+def scatter_rows(values: np.ndarray, rows: np.ndarray, total: int) -> np.ndarray:
+    """A `[total, L]` grid of zeros with `values[i]` in row `rows[i]`: summed over ranks, the whole grid."""
+    out = np.zeros((total, *values.shape[1:]), dtype=values.dtype)
+    out[rows] = values
+    return out
+
+
 def run_config(model_dir: str, mode: str, variant: str) -> RunConfig:
     loss_type, objective, epochs = VARIANTS[variant]
     return RunConfig.model_validate({

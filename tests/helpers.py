@@ -151,7 +151,7 @@ def finished_in_checkpoint(scheduler: dict) -> set[str]:
 def audit_ledger(path: Path) -> LedgerAudit:
     """Read a ledger and check it is exactly-once: each group accepted once, dropped at most once after that.
 
-    A drop (learner/door/drops.py) names the new group its prompt was retried as,
+    A drop (learner/records/state.py, BatchHandOff.drop) names the new group its prompt was retried as,
     which is never the dropped group itself.
     """
     accepted: list[str] = []

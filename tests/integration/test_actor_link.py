@@ -11,7 +11,7 @@ from grpo_fleet.actor.link import LearnerLink, LearnerUnavailable
 from grpo_fleet.config import ActorConfig
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.endpoints import free_port
-from grpo_fleet.protocol.sockets import make_context, recv_routed_from, router_socket, send_message
+from grpo_fleet.protocol.sockets import decode_routed, make_context, recv_routed_frames, router_socket, send_message
 
 DIGEST = "0" * 64
 
@@ -43,7 +43,7 @@ def test_an_actor_backing_off_takes_the_welcome_to_its_last_hello(ctx: zmq.Conte
         router = router_socket(ctx, endpoint, max_message_bytes=1 << 20)
         try:
             assert router.poll(10_000), "the queued Hello never reached the learner"
-            hello = recv_routed_from(router)
+            hello = decode_routed(recv_routed_frames(router))
             assert isinstance(hello.message, m.Hello) and hello.message.actor_id == "late"
             # An answer belonging to the session that ended comes first; it is dropped, not booked.
             send_message(router, m.Ack(lease_id="old", status="accepted"), identity=hello.identity)

@@ -3,7 +3,7 @@ key's is welcomed."""
 
 from __future__ import annotations
 
-from grpo_fleet.learner.fleet.bans import peer_key
+from grpo_fleet.learner.actors.bans import peer_key
 from grpo_fleet.learner.run.build import build_learner
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import decode, encode

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from grpo_fleet.learner.fleet.leasing import NEW_ACTOR_LEASES
+from grpo_fleet.learner.actors.leasing import NEW_ACTOR_LEASES
 from grpo_fleet.learner.records.actor_ids import MAX_BOUND_IDS
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import add_actor, client_curve, init_keys

@@ -32,10 +32,11 @@ from grpo_fleet.protocol.sockets import (
     bound_endpoint,
     check_bindable,
     dealer_socket,
+    decode_routed,
     make_context,
     pub_socket,
     recv_message,
-    recv_routed_from,
+    recv_routed_frames,
     router_socket,
     send_message,
     sub_socket,
@@ -92,7 +93,7 @@ def connect_dealer(ctx: zmq.Context, sockets: list[zmq.Socket], router: zmq.Sock
 
 def routed(router: zmq.Socket) -> tuple[bytes, BaseModel | ProtocolError]:
     assert router.poll(int(TIMEOUT_S * 1000), zmq.POLLIN), "router received nothing"
-    got = recv_routed_from(router)
+    got = decode_routed(recv_routed_frames(router))
     return got.identity, got.message
 
 

@@ -1,8 +1,8 @@
-"""The ban policy (learner/fleet/bans.py): counted per key, timed, escalating, saved, bounded."""
+"""The ban policy (learner/actors/bans.py): counted per key, timed, escalating, saved, bounded."""
 
 from __future__ import annotations
 
-from grpo_fleet.learner.fleet.bans import Bans, peer_key
+from grpo_fleet.learner.actors.bans import Bans, peer_key
 
 
 def test_a_key_is_banned_at_the_limit_and_only_that_key(clock):

@@ -317,7 +317,7 @@ def test_an_actor_with_an_unsafe_id_fails_at_its_config_not_at_every_hello(actor
 
 
 def test_token_rate_keeps_only_its_window_even_if_nobody_asks() -> None:
-    from grpo_fleet.learner.fleet.rates import RATE_WINDOW_SECONDS, TokenRate
+    from grpo_fleet.learner.actors.rates import RATE_WINDOW_SECONDS, TokenRate
 
     rate = TokenRate()
     for i in range(10_000):

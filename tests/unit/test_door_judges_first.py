@@ -10,8 +10,8 @@ import msgpack
 import pytest
 
 import grpo_fleet.protocol.sockets as sockets
+from grpo_fleet.learner.actors.bans import peer_key
 from grpo_fleet.learner.door.dispatch import door_of
-from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.learner.verify.verifier_thread import RolloutsVerifier
 from grpo_fleet.protocol import PROTOCOL_VERSION, encode

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.actors.registry import ActorInfo, Registry
 from grpo_fleet.learner.evals.evaluation import Evaluation, eval_lease_size, eval_summary
-from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.state import LearnerState

@@ -1,5 +1,6 @@
 """The house rules on size, read from the source with `ast`: no class over MAX_METHODS methods anywhere in the
-package, and no module over MAX_LINES lines in the rooms a newcomer reads most (learner/, actor/, envs/).
+package, and no module over MAX_LINES lines in the rooms a newcomer reads most (learner/, actor/, envs/); and on
+names: the package's top level is its table of contents, and "fleet" means one thing.
 
 A class that does more is split along its jobs into collaborating classes; a module that grows past the limit
 gives a cohesive part to a new module in the same folder.
@@ -71,3 +72,22 @@ def test_no_module_over_the_line_limit() -> None:
 def test_the_allow_lists_hold_only_what_is_still_over() -> None:
     stale = (set(ALLOWED_CLASSES) - set(crowded_classes())) | (set(ALLOWED_MODULES) - set(long_modules()))
     assert not stale, f"no longer over the limit, take them off the allow-list: {sorted(stale)}"
+
+
+# Beside the folders (one job each), the top level keeps only the one config tree and `python -m grpo_fleet`.
+TOP_LEVEL_MODULES = ["__init__.py", "__main__.py", "config.py"]
+
+# "fleet" is one learner and its actors, what a run launches: the launcher's fleet file, a fleet on one machine,
+# the benchmark of the simulated fleet. Nothing else (the learner's view of its actors, the simulator) takes the word.
+NAMED_FOR_THE_FLEET = ["bench/fleet_sim.py", "launch/fleet_file.py", "launch/local_fleet.py"]
+
+
+def test_the_top_level_reads_like_a_table_of_contents() -> None:
+    loose = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert loose == TOP_LEVEL_MODULES, f"move these into the folder of their job: {sorted(set(loose) - set(TOP_LEVEL_MODULES))}"
+
+
+def test_fleet_names_one_thing() -> None:
+    named = sorted(path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*")
+                   if "fleet" in path.name and "__pycache__" not in path.parts)
+    assert named == NAMED_FOR_THE_FLEET

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.actors.leasing import NEW_ACTOR_LEASES, Leasing
+from grpo_fleet.learner.actors.registry import Registry
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules, suspect_groups, unusable_version
-from grpo_fleet.learner.fleet.leasing import NEW_ACTOR_LEASES, Leasing
-from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
@@ -140,7 +140,7 @@ def test_work_from_a_version_too_old_is_stale_and_requeued_never_a_violation(roo
     ack = _submit(rooms, version=0)
     assert (ack.status, ack.reason) == ("stale", RejectReason.STALE_VERSION)
     assert rooms.rejections(RejectReason.STALE_VERSION) == 2
-    assert len(rooms.state.scheduler.queued_groups) == 2 and rooms.registry.bans.violations(KEY) == 0
+    assert len(rooms.state.scheduler.queue.tickets) == 2 and rooms.registry.bans.violations(KEY) == 0
 
 
 def test_zero_variance_groups_are_ledgered_but_not_buffered(rooms):
@@ -212,7 +212,7 @@ def test_unscored_groups_are_requeued_counted_and_never_ledgered(rooms):
     (scored,), (unscored,) = msg.groups, msg.unscored
     assert ack.status == "accepted" and ack.groups == {scored.group_id: "accepted", unscored.group_id: "requeued"}
     assert [e["group_id"] for e in rooms.ledger()] == [scored.group_id]
-    assert [t.group_id for t in rooms.state.scheduler.queued_groups] == [unscored.group_id]
+    assert [t.group_id for t in rooms.state.scheduler.queue.tickets] == [unscored.group_id]
     assert unscored_count(rooms, "reverse_positions", "exception") == 1
     assert rooms.registry.bans.violations(KEY) == 0, "a failing reward is not the actor's fault"
 
@@ -220,7 +220,7 @@ def test_unscored_groups_are_requeued_counted_and_never_ledgered(rooms):
 def test_a_submission_of_only_unscored_groups_is_answered_requeued(rooms):
     ack = rooms.intake.take(rooms.registry.actors[b"id"], _unscored_rollouts(rooms))
     assert ack.status == "requeued" and set(ack.groups.values()) == {"requeued"}
-    assert rooms.state.buffer == [] and len(rooms.state.scheduler.queued_groups) == 2
+    assert rooms.state.buffer == [] and len(rooms.state.scheduler.queue.tickets) == 2
 
 
 def test_labels_of_unscored_groups_stay_a_bounded_set(rooms):
@@ -243,7 +243,7 @@ def test_a_prompt_unscored_three_times_in_a_row_is_skipped_for_the_pass(rooms):
                          unscored=[m.UnscoredGroup(group_id=group_id, reward="reverse_positions", error="timeout")])
         answers.append(rooms.intake.take(actor, msg).groups[group_id])
     assert answers == ["requeued", "requeued", "unscorable"]
-    assert scheduler.queued_groups == [] and group_id in scheduler.finished
+    assert scheduler.queue.tickets == [] and group_id in scheduler.finished
     assert rooms.metrics.registry.get_sample_value("grpo_fleet_learner_groups_unscorable_total") == 1
     assert rooms.ledger() == [], "a skipped prompt never counts as an accepted group"
 
@@ -310,7 +310,7 @@ def test_a_late_submission_is_verified_and_accepted_once(rooms, clock):
     assert sorted(e["group_id"] for e in rooms.ledger()) == sorted(g.group_id for g in late.groups)
     assert sorted(gid for gid, _ in check.asked) == sorted(ack.groups), "verified like any other result"
     assert late_count(rooms) == 2 and rooms.rejections(RejectReason.STALE_LEASE) == 0
-    assert rooms.state.scheduler.queued_groups == [], "taken out of the queue: nobody does them again"
+    assert rooms.state.scheduler.queue.tickets == [], "taken out of the queue: nobody does them again"
     assert rooms.intake.take(rooms.registry.actors[b"id"], late) == ack and len(rooms.ledger()) == 2
 
 
@@ -337,7 +337,7 @@ def test_a_late_submission_too_stale_to_train_leaves_its_groups_queued_once(room
     rooms.state.version = 5  # the policy moved on past max_staleness
     ack = rooms.intake.take(rooms.registry.actors[b"id"], late)
     assert (ack.status, ack.reason) == ("stale", RejectReason.STALE_VERSION)
-    assert sorted(t.group_id for t in rooms.state.scheduler.queued_groups) == sorted(ack.groups)
+    assert sorted(t.group_id for t in rooms.state.scheduler.queue.tickets) == sorted(ack.groups)
     assert rooms.ledger() == [] and late_count(rooms) == 0
 
 

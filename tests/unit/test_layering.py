@@ -195,9 +195,9 @@ def test_the_package_imports_in_no_circle():
 
 # ---------------------------------------------------------------- folders: the learner's floors, and no folder loops
 
-# verify/ (what judges actors) sits under the door and the fleet, whose intake and registry call it, and over the
+# verify/ (what judges actors) sits under the door and actors/, whose intake and registry call it, and over the
 # step, whose in-step math (fused_check, recheck, gap_bounds) it plans and reads.
-LEARNER_FLOORS = ("run", "evals", "door", "fleet", "verify", "ranks", "records", "step")  # top to bottom
+LEARNER_FLOORS = ("run", "evals", "door", "actors", "verify", "ranks", "records", "step")  # top to bottom
 
 
 def room(name: str) -> str:
@@ -246,20 +246,20 @@ def test_the_walks_find_a_back_arrow_a_circle_and_a_folder_loop():
     table = {
         "learner/step/a.py": imported_modules(source, "grpo_fleet.learner.step"),  # at type level only
         "learner/run/rooms.py": {"grpo_fleet.learner.step.a"},
-        "learner/door/p.py": {"grpo_fleet.learner.fleet.q"},
-        "learner/fleet/q.py": set(),
-        "learner/fleet/r.py": {"grpo_fleet.learner.door.s"},  # door -> fleet -> door, though no module cycle
+        "learner/door/p.py": {"grpo_fleet.learner.actors.q"},
+        "learner/actors/q.py": set(),
+        "learner/actors/r.py": {"grpo_fleet.learner.door.s"},  # door -> actors -> door, though no module cycle
         "learner/door/s.py": set(),
         "bench/x.py": {"grpo_fleet.bench.y"},
         "bench/y.py": {"grpo_fleet.bench.x"},
     }
-    assert back_arrows(table) == ["learner/step/a.py -> learner/run/rooms.py", "learner/fleet/r.py -> learner/door/s.py"]
+    assert back_arrows(table) == ["learner/step/a.py -> learner/run/rooms.py", "learner/actors/r.py -> learner/door/s.py"]
     assert [" -> ".join(c) for c in cycles(table, "*")] == [
         "learner/step/a.py -> learner/run/rooms.py -> learner/step/a.py",
         "learner/run/rooms.py -> learner/step/a.py -> learner/run/rooms.py",
         "bench/x.py -> bench/y.py -> bench/x.py", "bench/y.py -> bench/x.py -> bench/y.py"]
     loops = {" -> ".join(c) for c in folder_loops(table)}
-    assert {"learner/door -> learner/fleet -> learner/door", "learner/step -> learner/run -> learner/step"} <= loops
+    assert {"learner/door -> learner/actors -> learner/door", "learner/step -> learner/run -> learner/step"} <= loops
     downward = {"learner/run/rooms.py": {"grpo_fleet.learner.step.a"}, "learner/step/a.py": set(), "bench/x.py": set()}
     assert back_arrows(downward) == [] and cycles(downward, "*") == [] and folder_loops(downward) == []
 

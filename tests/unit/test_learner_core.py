@@ -378,7 +378,7 @@ def test_expired_leases_are_requeued_and_a_late_result_still_counts_once(learner
     assert learner.expire_leases() == 1
     assert learner.state.scheduler.outstanding_groups == 0
     assert sample(learner, "grpo_fleet_learner_leases_expired_total") == 1
-    assert [t.group_id for t in learner.state.scheduler.queued_groups] == ids, "re-queued for anyone meanwhile"
+    assert [t.group_id for t in learner.state.scheduler.queue.tickets] == ids, "re-queued for anyone meanwhile"
 
     ack = ask(learner, ACTOR_A, rollouts_for(lease_msg))
     assert ack.status == "accepted" and ack.groups == dict.fromkeys(ids, "accepted")
@@ -596,7 +596,7 @@ def test_results_too_far_behind_are_stale_and_requeued(learner):
     assert rejections(learner, RejectReason.STALE_VERSION) == len(ids)
     assert ledger(learner) == [] and learner.state.buffer == []
     assert learner.state.scheduler.outstanding_groups == 0
-    assert [t.group_id for t in learner.state.scheduler.queued_groups] == ids
+    assert [t.group_id for t in learner.state.scheduler.queue.tickets] == ids
 
     again = lease(learner)
     assert [p.group_id for p in again.prompts] == ids
@@ -825,7 +825,7 @@ def test_hello_requeues_the_leases_an_actor_no_longer_holds(learner):
                                             holding=[kept.lease_id]))
     assert isinstance(reply, m.Welcome)
     assert set(learner.state.scheduler.ledger.leases) == {kept.lease_id}
-    assert [t.group_id for t in learner.state.scheduler.queued_groups] == [p.group_id for p in lost.prompts]
+    assert [t.group_id for t in learner.state.scheduler.queue.tickets] == [p.group_id for p in lost.prompts]
 
 
 def test_resume_keeps_buffered_groups_and_open_leases(tiny_model_dir, tmp_path):

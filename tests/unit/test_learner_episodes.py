@@ -20,8 +20,8 @@ from grpo_fleet.config import RunConfig
 from grpo_fleet.envs.hosting import InlineEnvs
 from grpo_fleet.envs.runner import EpisodeLimits, EpisodeRunner
 from grpo_fleet.launch.demo import DemoOptions, demo_settings
+from grpo_fleet.learner.actors.registry import ActorInfo
 from grpo_fleet.learner.door.intake_rules import IntakeRules, accepted_group, inbound_limits
-from grpo_fleet.learner.fleet.registry import ActorInfo
 from grpo_fleet.learner.records.persistence import group_from_dict, group_to_dict
 from grpo_fleet.learner.records.samples import sample_rows, tokenizer_decode
 from grpo_fleet.learner.run.coordinator import RunCoordinator

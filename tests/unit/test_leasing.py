@@ -1,4 +1,4 @@
-"""Tests for grpo_fleet.learner.fleet.leasing: lease sizing from measured actor speed, in-flight capacity, retry-after."""
+"""Tests for grpo_fleet.learner.actors.leasing: lease sizing from measured actor speed, in-flight capacity, retry-after."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.fleet.leasing import (
+from grpo_fleet.learner.actors.leasing import (
     DEADLINE_SHARE,
     MAX_RETRY_SECONDS,
     MAX_SPEEDUP,
@@ -23,8 +23,8 @@ from grpo_fleet.learner.fleet.leasing import (
     speed_sample,
     unmeasured_speed,
 )
-from grpo_fleet.learner.fleet.rates import MovingAverage
-from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.learner.actors.rates import MovingAverage
+from grpo_fleet.learner.actors.registry import ActorInfo
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.observe.metrics import learner_metrics

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from test_trainer import snapshot, trainer_for
+from test_trainer import failed_checks, snapshot, trainer_for
 
-from data_parallel_driver import older_batch
-from grpo_fleet.learner.ranks.sharding import scatter_rows, shard_rows
+from data_parallel_driver import older_batch, scatter_rows
+from grpo_fleet.learner.ranks.sharding import shard_rows
 from grpo_fleet.learner.step.batch import take_rows
 from grpo_fleet.learner.step.recheck import judge, recompute
 from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH
@@ -47,7 +47,7 @@ def test_a_lie_in_an_older_group_drops_the_step_and_the_honest_batch_trains(tiny
 
     stats = trainer.step(lying)
 
-    assert stats.skipped == LOGPROB_MISMATCH and [c.broke for c in stats.failed_checks] == ["token"]
+    assert stats.skipped == LOGPROB_MISMATCH and [c.broke for c in failed_checks(stats)] == ["token"]
     assert stats.recomputed_rows == 6 and stats.check_seconds > 0
     after = snapshot(trainer)
     for key in before:

@@ -1,11 +1,11 @@
-"""Tests for grpo_fleet.learner.fleet.registry: who is connected, under which key, how fast, and who is banned."""
+"""Tests for grpo_fleet.learner.actors.registry: who is connected, under which key, how fast, and who is banned."""
 
 from __future__ import annotations
 
 import pytest
 
 from grpo_fleet.config import ServerConfig
-from grpo_fleet.learner.fleet.registry import Registry, RunCard, is_silent
+from grpo_fleet.learner.actors.registry import Registry, RunCard, is_silent
 from grpo_fleet.learner.records import actor_ids
 from grpo_fleet.learner.records.actor_ids import MAX_BOUND_IDS
 from grpo_fleet.learner.records.lease_book import PromptScheduler

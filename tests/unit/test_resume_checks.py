@@ -38,13 +38,13 @@ def test_restored_groups_of_a_version_a_full_fine_tuning_resume_lost_are_resampl
         assert {g.group_id for g in resumed.state.buffer} == restored
         hello(resumed)
         assert ask(resumed, ACTOR_A, generated_rollouts(resumed, lease(resumed))).status == "accepted"  # v2
-        queued = len(resumed.state.scheduler.queued_groups)
+        queued = len(resumed.state.scheduler.queue.tickets)
         assert resumed.train_step() is not None, "the new v2 groups train"
         unchecked = resumed.metrics.registry.get_sample_value("grpo_fleet_learner_groups_unchecked_total",
                                                               {"reason": "version_gone"}) or 0.0
         assert unchecked == 0, "nothing trained for want of its version's weights"
         assert rejections(resumed, RejectReason.VERSION_GONE) == len(restored)
-        assert len(resumed.state.scheduler.queued_groups) == queued + len(restored), "their prompts go back"
+        assert len(resumed.state.scheduler.queue.tickets) == queued + len(restored), "their prompts go back"
         resumed.runlog.sizes()  # flushes
         audit = audit_ledger(Path(resumed.cfg.run_dir) / "ledger.jsonl")
         assert {g for g, d in audit.dropped.items() if d["reason"] == "version_gone"} == restored

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Hashable, Sequence
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from grpo_fleet.actor.rolling import RollingGenerator, SlotUsage, WeightsInFlight, may_refill, run_leases
+from grpo_fleet.actor.rolling import FinishedLease, RollingGenerator, SlotUsage, WeightsInFlight, may_refill
 from grpo_fleet.models.generation import SamplingSettings, encode_prompt, generate_groups
 from grpo_fleet.models.loading import load_policy
 
@@ -14,6 +16,18 @@ from grpo_fleet.models.loading import load_policy
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir):
     return load_policy(str(tiny_model_dir))
+
+
+def run_leases(generator: RollingGenerator, leases: Sequence[tuple[Hashable, Sequence[Sequence[int]]]],
+               version: int = 0) -> list[FinishedLease]:
+    """Every lease through `generator`, each queued as soon as it wants work, as the actor's worker feeds it."""
+    waiting, finished = list(leases), []
+    while waiting or not generator.idle:
+        while waiting and generator.wants_work:
+            key, prompts = waiting.pop(0)
+            generator.add(key, prompts, version)
+        finished.extend(generator.step())
+    return finished
 
 
 def _prompts(policy, *texts: str) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """Tests for samples.jsonl: which completions a step logs (learner/records/samples.py), the file's resume cut-back,
-and how `grpo-fleet samples` prints it (observe/samples_view.py, through cli.main)."""
+and how `grpo-fleet samples` prints it (observe/samples_view.py, through cli/main.py)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def test_requeued_groups_are_leased_first_with_the_same_ids_and_prompts(make_sch
     first = scheduler.issue("actor-a", 2)
     original = dict(first.tickets)
     scheduler.release(first.lease_id)
-    assert {t.group_id for t in scheduler.queued_groups} == set(original)
+    assert {t.group_id for t in scheduler.queue.tickets} == set(original)
 
     second = scheduler.issue("actor-b", 3)
     tickets = list(second.tickets.values())
@@ -77,7 +77,7 @@ def test_requeued_groups_are_leased_first_with_the_same_ids_and_prompts(make_sch
         assert original[ticket.group_id] == ticket
     # The third one is fresh.
     assert tickets[2].group_id not in original
-    assert scheduler.queued_groups == []
+    assert scheduler.queue.tickets == []
 
 
 def test_requeue_puts_one_group_back_and_keeps_the_rest_of_the_lease(make_scheduler):
@@ -86,7 +86,7 @@ def test_requeue_puts_one_group_back_and_keeps_the_rest_of_the_lease(make_schedu
     gid = ids_of(lease)[1]
     ticket = scheduler.requeue(lease.lease_id, gid)
     assert ticket.group_id == gid
-    assert scheduler.queued_groups == [ticket]
+    assert scheduler.queue.tickets == [ticket]
     assert scheduler.outstanding_groups == 2
     assert gid not in scheduler.ledger.leases[lease.lease_id].tickets
     assert scheduler.classify("actor-a", lease.lease_id, gid) is RejectReason.NOT_LEASED
@@ -99,7 +99,7 @@ def test_expire_does_nothing_before_the_deadline(make_scheduler, clock):
     assert scheduler.expire() == []
     assert lease.lease_id in scheduler.ledger.leases
     assert scheduler.outstanding_groups == 2
-    assert scheduler.queued_groups == []
+    assert scheduler.queue.tickets == []
 
 
 def test_expire_requeues_at_the_deadline(make_scheduler, clock):
@@ -111,7 +111,7 @@ def test_expire_requeues_at_the_deadline(make_scheduler, clock):
     assert [e.lease_id for e in expired] == [lease.lease_id]
     assert lease.lease_id not in scheduler.ledger.leases
     assert scheduler.outstanding_groups == 0
-    assert [t.group_id for t in scheduler.queued_groups] == gids
+    assert [t.group_id for t in scheduler.queue.tickets] == gids
     # The next lease re-issues them under the same ids.
     assert ids_of(scheduler.issue("actor-b", 2)) == gids
 
@@ -175,10 +175,10 @@ def _expired(scheduler: PromptScheduler, clock, actor: str = "actor-a", groups: 
 def test_a_late_result_for_a_queued_group_takes_it_out_of_the_queue_once(make_scheduler, clock):
     scheduler = make_scheduler()
     lease, (first, second) = _expired(scheduler, clock)
-    assert [t.group_id for t in scheduler.queued_groups] == [first, second]
+    assert [t.group_id for t in scheduler.queue.tickets] == [first, second]
     assert scheduler.leased_prompt(lease.lease_id, first) == lease.tickets[first].prompt_index
     scheduler.finish(lease.lease_id, first)
-    assert [t.group_id for t in scheduler.queued_groups] == [second], "never handed out again"
+    assert [t.group_id for t in scheduler.queue.tickets] == [second], "never handed out again"
     assert first in scheduler.finished and second not in scheduler.finished
     assert scheduler.classify("actor-a", lease.lease_id, first) is RejectReason.DUPLICATE
     assert scheduler.classify("actor-a", lease.lease_id, second) is None
@@ -205,14 +205,14 @@ def test_the_first_result_for_a_re_leased_group_wins_the_other_is_a_duplicate(ma
     scheduler.finish(again.lease_id, second)  # here the new holder is first
     assert scheduler.classify("actor-a", late.lease_id, second) is RejectReason.DUPLICATE
     assert again.lease_id not in scheduler.ledger.leases and len(scheduler.ledger.late) == 1
-    assert scheduler.outstanding_groups == 0 and scheduler.queued_groups == []
+    assert scheduler.outstanding_groups == 0 and scheduler.queue.tickets == []
 
 
 def test_a_late_group_refused_stays_where_it_is_and_its_ticket_is_spent(make_scheduler, clock):
     scheduler = make_scheduler()
     late, (first, second) = _expired(scheduler, clock)
     scheduler.requeue(late.lease_id, first, not_to="actor-a")  # e.g. its version was too old
-    assert [t.group_id for t in scheduler.queued_groups] == [first, second], "queued once, not twice"
+    assert [t.group_id for t in scheduler.queue.tickets] == [first, second], "queued once, not twice"
     assert scheduler.classify("actor-a", late.lease_id, first) is RejectReason.NOT_LEASED
     assert ids_of(scheduler.issue("actor-a", 1)) == [second], "not back to the actor whose fault it was"
     scheduler.requeue(late.lease_id, second)  # out again under actor-a's new lease: it stays there
@@ -234,7 +234,7 @@ def test_late_leases_survive_a_resume(make_scheduler, clock):
     resumed.load_state_dict(scheduler.state_dict())
     assert resumed.classify("actor-a", late.lease_id, first) is None
     resumed.finish(late.lease_id, first)
-    assert [t.group_id for t in resumed.queued_groups] == [second] and first in resumed.finished
+    assert [t.group_id for t in resumed.queue.tickets] == [second] and first in resumed.finished
     older = {k: v for k, v in scheduler.state_dict().items() if k != "late"}  # a checkpoint from before
     resumed.load_state_dict(older)
     assert resumed.classify("actor-a", late.lease_id, first) is RejectReason.STALE_LEASE
@@ -268,7 +268,7 @@ def test_finish_removes_a_group_forever(make_scheduler, clock):
     # Expiry and actor loss re-queue only what is still out.
     clock.advance(LEASE_SECONDS)
     scheduler.expire()
-    assert [t.group_id for t in scheduler.queued_groups] == [pending]
+    assert [t.group_id for t in scheduler.queue.tickets] == [pending]
     assert scheduler.release_actor("actor-a") == 0
 
     reissued = []
@@ -285,7 +285,7 @@ def test_finishing_every_group_of_a_lease_closes_it(make_scheduler):
         scheduler.finish(lease.lease_id, gid)
     assert lease.lease_id not in scheduler.ledger.leases
     assert scheduler.outstanding_groups == 0
-    assert scheduler.queued_groups == []
+    assert scheduler.queue.tickets == []
 
 
 def test_release_of_unknown_lease_is_a_no_op(make_scheduler):
@@ -293,7 +293,7 @@ def test_release_of_unknown_lease_is_a_no_op(make_scheduler):
     scheduler.issue("actor-a", 2)
     scheduler.release("no-such-lease")
     assert scheduler.outstanding_groups == 2
-    assert scheduler.queued_groups == []
+    assert scheduler.queue.tickets == []
 
 
 def test_release_actor_requeues_only_that_actors_leases(make_scheduler):
@@ -305,7 +305,7 @@ def test_release_actor_requeues_only_that_actors_leases(make_scheduler):
 
     assert scheduler.release_actor("actor-a") == 2
     assert set(scheduler.ledger.leases) == {b1.lease_id}
-    assert {t.group_id for t in scheduler.queued_groups} == actor_a_groups
+    assert {t.group_id for t in scheduler.queue.tickets} == actor_a_groups
     assert scheduler.outstanding_groups == 1
     assert scheduler.classify("actor-b", b1.lease_id, ids_of(b1)[0]) is None
     assert scheduler.release_actor("actor-nobody") == 0
@@ -383,10 +383,10 @@ def test_outstanding_groups_counts_through_the_lifecycle(make_scheduler, clock):
     clock.advance(LEASE_SECONDS)
     scheduler.expire()
     assert scheduler.outstanding_groups == 0
-    assert len(scheduler.queued_groups) == 4
+    assert len(scheduler.queue.tickets) == 4
     scheduler.issue("actor-c", 4)
     assert scheduler.outstanding_groups == 4
-    assert scheduler.queued_groups == []
+    assert scheduler.queue.tickets == []
     assert b.lease_id not in scheduler.ledger.leases
 
 
@@ -451,7 +451,7 @@ def test_a_group_returned_unscored_goes_to_another_key_and_one_key_can_skip_noth
     which prompts were trained."""
     scheduler = make_scheduler()
     returned, skipped = _return_unscored(scheduler, "hostile", live_keys=2)
-    assert not skipped and [t.group_id for t in scheduler.queued_groups] == [returned]
+    assert not skipped and [t.group_id for t in scheduler.queue.tickets] == [returned]
     for _ in range(2 * UNSCORED_RETURNS):  # it asks again and again: never that group again
         group_id, skipped = _return_unscored(scheduler, "hostile", live_keys=2)
         assert group_id != returned and not skipped
@@ -467,7 +467,7 @@ def test_a_prompt_is_skipped_only_after_unscored_returns_from_two_keys(make_sche
     lease = scheduler.issue("a", 1)
     assert ids_of(lease) == [group_id]
     assert scheduler.return_unscored(lease.lease_id, group_id, "a", live_keys=2), "3 in a row from 2 keys"
-    assert group_id in scheduler.finished and scheduler.queued_groups == []
+    assert group_id in scheduler.finished and scheduler.queue.tickets == []
 
 
 def test_in_a_fleet_of_one_key_its_returns_alone_skip_a_prompt(make_scheduler):

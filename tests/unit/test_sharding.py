@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from data_parallel_driver import fixed_batch
+from data_parallel_driver import fixed_batch, scatter_rows
 from grpo_fleet.config import ConfigError, GRPOConfig, LoraConfig, OptimConfig, RunConfig
 from grpo_fleet.learner.ranks.collectives import Watchdog, launched_backend
 from grpo_fleet.learner.ranks.distributed import check_batch_fits
@@ -21,7 +21,6 @@ from grpo_fleet.learner.ranks.sharding import (
     Command,
     Header,
     buckets,
-    scatter_rows,
     shard_rows,
     weights_digest,
 )

@@ -19,10 +19,8 @@ from grpo_fleet.tasks import (
 )
 from grpo_fleet.tasks.jsonl import load_jsonl
 from grpo_fleet.tasks.reverse import (
-    REVERSE_ALPHABET,
     make_reverse_examples,
     make_reverse_splits,
-    reverse_tokenizer_corpus,
 )
 
 # --- reverse --------------------------------------------------------------------
@@ -72,12 +70,6 @@ def test_reverse_eval_split_independent_of_train_size() -> None:
     _, eval_small = make_reverse_splits(num_train=10, num_eval=20, digits=4, seed=1)
     _, eval_large = make_reverse_splits(num_train=500, num_eval=20, digits=4, seed=1)
     assert eval_small == eval_large
-
-
-def test_reverse_tokenizer_corpus_covers_alphabet() -> None:
-    corpus = reverse_tokenizer_corpus(digits=3, size=16, seed=0)
-    assert set("".join(corpus)) == set(REVERSE_ALPHABET)
-    assert corpus == reverse_tokenizer_corpus(digits=3, size=16, seed=0)
 
 
 # --- build_task: reverse ------------------------------------------------------------

@@ -12,13 +12,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, LoraConfig, OptimConfig
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
-from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch, split_batch
+from grpo_fleet.learner.step.batch import TrainBatch, build_train_batch, split_batch, unpack_completions
 from grpo_fleet.learner.step.fused_check import check_bounds_array
 from grpo_fleet.learner.step.gap_bounds import GapBound
 from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
 from grpo_fleet.learner.step.objective import Loss, LossOutput, behaviour_correction, default_loss, policy_logprobs
 from grpo_fleet.learner.step.schedule import learning_rate_schedule
-from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH
+from grpo_fleet.learner.step.step_result import LOGPROB_MISMATCH, CheckedGroup, StepStats
 from grpo_fleet.learner.step.trainer import Trainer
 from grpo_fleet.models.loading import Policy, adapters_disabled, load_policy, trainable_weights
 
@@ -99,7 +99,7 @@ def test_lora_reference_logprobs_are_the_base_model_even_after_training(tiny_mod
     # pi_ref is computed at completion positions only, 0 elsewhere.
     base_lp = np.array(policy_logprobs(base.model, batch.inputs, batch.targets, TEMPERATURE) * batch.mask)
 
-    np.testing.assert_allclose(np.array(trainer.reference_logprobs(batch)), base_lp, atol=1e-5)
+    np.testing.assert_allclose(np.array(reference_logprobs(trainer, batch)), base_lp, atol=1e-5)
 
     before = sequence_logprobs(trainer.policy, batch)
     trainer.step(batch)
@@ -107,7 +107,7 @@ def test_lora_reference_logprobs_are_the_base_model_even_after_training(tiny_mod
     # The adapters really changed the policy...
     assert np.abs(after - before).max() > 1e-4
     # ...but pi_ref is still exactly the base, and the adapters are back on afterwards.
-    np.testing.assert_allclose(np.array(trainer.reference_logprobs(batch)), base_lp, atol=1e-5)
+    np.testing.assert_allclose(np.array(reference_logprobs(trainer, batch)), base_lp, atol=1e-5)
     np.testing.assert_allclose(sequence_logprobs(trainer.policy, batch), after, atol=1e-6)
 
 
@@ -121,9 +121,9 @@ def test_lora_trains_only_the_adapters(tiny_model_dir):
 def test_full_finetune_reference_is_the_frozen_copy(tiny_model_dir, contrast_completions):
     trainer = make_trainer(tiny_model_dir, "full")
     batch = on_policy_batch(trainer.policy, *contrast_completions)
-    start = np.array(trainer.reference_logprobs(batch))
+    start = np.array(reference_logprobs(trainer, batch))
     trainer.step(batch)
-    np.testing.assert_allclose(np.array(trainer.reference_logprobs(batch)), start, atol=1e-6)
+    np.testing.assert_allclose(np.array(reference_logprobs(trainer, batch)), start, atol=1e-6)
     moved = np.array(policy_logprobs(trainer.policy.model, batch.inputs, batch.targets, TEMPERATURE))
     assert np.abs(moved * np.array(batch.mask) - start).max() > 1e-4
 
@@ -133,13 +133,13 @@ def test_full_finetune_with_beta_needs_a_reference_model(tiny_model_dir, contras
     trainer = Trainer(policy, GRPOConfig(beta=0.04), OptimConfig(), temperature=1.0, max_tokens=MAX_TOKENS)
     batch = on_policy_batch(policy, *contrast_completions)
     with pytest.raises(ValueError, match="reference model"):
-        trainer.reference_logprobs(batch)
+        reference_logprobs(trainer, batch)
 
 
 def test_beta_zero_skips_the_reference(tiny_model_dir, contrast_completions):
     trainer = make_trainer(tiny_model_dir, "full", beta=0.0)
     batch = on_policy_batch(trainer.policy, *contrast_completions)
-    assert trainer.reference_logprobs(batch) is None
+    assert reference_logprobs(trainer, batch) is None
     stats = trainer.step(batch)
     assert stats.kl == 0.0
 
@@ -302,6 +302,20 @@ def varied_batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> TrainBa
                                             -rng.uniform(1.5, 3.5, length).astype(np.float32), float(rng.random()), "length"))
         made.append(AcceptedGroup(f"g{b}", b, prompt, records, 0, "a"))
     return build_train_batch(made)
+
+
+def reference_logprobs(trainer: Trainer, batch: TrainBatch) -> mx.array | None:
+    """pi_ref logprobs on the batch's `[N, L]` grid: completion positions, 0 elsewhere (None when beta = 0)."""
+    micro = split_batch(batch, trainer.micro_batch_tokens)
+    refs = trainer.references(micro)
+    if refs and refs[0] is None:
+        return None
+    return mx.array(unpack_completions(micro, [ref for ref in refs if ref is not None], batch.mask.shape))
+
+
+def failed_checks(stats: StepStats) -> list[CheckedGroup]:
+    """The step's checks that found a lie, fused and rechecked alike."""
+    return [c for c in (*stats.checked, *stats.rechecked) if c.broke is not None]
 
 
 def trainer_for(model_dir: Path, mode: str, *, loss_type: str = "grpo", compiled: bool = False,
@@ -580,7 +594,7 @@ def test_a_lie_the_step_sees_in_its_own_forward_drops_the_step(tiny_model_dir, c
 
     stats = trainer.step(lying)
 
-    assert stats.skipped == LOGPROB_MISMATCH and [c.broke for c in stats.failed_checks] == ["token"]
+    assert stats.skipped == LOGPROB_MISMATCH and [c.broke for c in failed_checks(stats)] == ["token"]
     assert stats.epochs == 1
     after = snapshot(trainer)
     for key in before:
@@ -609,7 +623,7 @@ def test_a_loss_without_the_policy_logprobs_is_still_checked_in_the_step(tiny_mo
     lying.check = bound
     before = snapshot(trainer)
     stats = trainer.step(lying)
-    assert stats.skipped == LOGPROB_MISMATCH and [c.broke for c in stats.failed_checks] == ["mean"]
+    assert stats.skipped == LOGPROB_MISMATCH and [c.broke for c in failed_checks(stats)] == ["mean"]
     after = snapshot(trainer)
     for key in before:
         np.testing.assert_array_equal(after[key], before[key], err_msg=key)

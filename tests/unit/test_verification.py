@@ -121,7 +121,7 @@ def test_altered_logprobs_ban_the_actor_and_nothing_of_it_trains(make: Callable[
     assert learner.state.step == 0 and learner.state.buffer == []
     assert learner.registry.is_banned(next(iter(learner.registry.actors.values())).principal)
     assert rejections(learner, RejectReason.LOGPROB_MISMATCH) == len(halved)
-    assert len(learner.state.scheduler.queued_groups) == len(halved), "their prompts go to other actors"
+    assert len(learner.state.scheduler.queue.tickets) == len(halved), "their prompts go to other actors"
     _assert_ledgered_drops(learner, {g.group_id for g in halved}, RejectReason.LOGPROB_MISMATCH)
 
 
@@ -132,7 +132,7 @@ def _assert_ledgered_drops(learner: RunCoordinator, groups: set[str], reason: Re
     assert set(audit.dropped) == groups
     assert {d["reason"] for d in audit.dropped.values()} == {str(reason)}
     retried = {d["retried_as"] for d in audit.dropped.values()}
-    assert retried == {t.group_id for t in learner.state.scheduler.queued_groups}
+    assert retried == {t.group_id for t in learner.state.scheduler.queue.tickets}
 
 
 def test_groups_beyond_max_train_staleness_are_dropped_when_the_batch_is_taken(make: Callable[..., RunCoordinator]) -> None:
@@ -144,7 +144,7 @@ def test_groups_beyond_max_train_staleness_are_dropped_when_the_batch_is_taken(m
     learner.state.version += 1  # as if a step had published meanwhile
     assert learner.train_step() is None
     assert rejections(learner, RejectReason.STALE_AT_TRAIN) == accepted
-    assert len(learner.state.scheduler.queued_groups) == accepted
+    assert len(learner.state.scheduler.queue.tickets) == accepted
     _assert_ledgered_drops(learner, buffered, RejectReason.STALE_AT_TRAIN)
 
 

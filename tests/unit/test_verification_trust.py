@@ -16,10 +16,15 @@ from grpo_fleet.learner.step.gap_bounds import (
     calibrated_bound,
     default_bound,
 )
-from grpo_fleet.learner.verify.trust import Trust, expected_exposure, exposure_beyond
+from grpo_fleet.learner.verify.trust import Trust, expected_exposure
 from grpo_fleet.protocol.messages import finish_reason_mismatch
 
 EOS = frozenset({2, 7})
+
+
+def exposure_beyond(share: float, groups: int) -> float:
+    """The chance that a sleeper liar trains more than `groups` groups before one is checked."""
+    return (1.0 - share) ** groups
 
 
 def test_a_calibrated_half_precision_bound_follows_the_honest_gaps_of_this_model() -> None:

@@ -46,7 +46,7 @@ def may_refill(loaded: int, newest: int, max_staleness: Optional[int]) -> bool:
 
     The learner refuses groups more than `max_staleness` versions behind
     (Welcome says how many; None: only its own version), and sizes a lease to
-    come back within about that many of its steps (learner/fleet/leasing.py),
+    come back within about that many of its steps (learner/actors/leasing.py),
     so a lease started late spends its own budget. New work starts only while
     the lag leaves it at least two more steps: lag <= max_staleness - 2, and
     always at the learner's own version. At the default bound of 2 that is the
@@ -196,16 +196,3 @@ class RollingGenerator(Generic[Key]):
             return None
         del self._open[number]
         return FinishedLease(lease.key, self.version, lease.groups())
-
-
-def run_leases(generator: RollingGenerator[Key], leases: Sequence[tuple[Key, Sequence[Sequence[int]]]],
-               version: int = 0) -> list[FinishedLease[Key]]:
-    """Every lease through `generator`, each queued as soon as it wants work (the bench's and tests' driver)."""
-    waiting, finished = list(leases), []
-    while waiting or not generator.idle:
-        while waiting and generator.wants_work:
-            key, prompts = waiting.pop(0)
-            generator.add(key, prompts, version)
-        finished.extend(generator.step())
-    return finished
-

@@ -16,7 +16,7 @@ settings, once the run has ended (nothing else is busy):
 Each comes with the cores it kept busy: CPU seconds over wall seconds.
 
 `measure_alone_as_fleet` measures them in a child process with the fleet's own
-environment (`local_fleet.fleet_env`: one OpenBLAS thread, as the run's learner
+environment (`launch/local_fleet.py: fleet_env`: one OpenBLAS thread, as the run's learner
 and actors had), not in the bench process with OpenBLAS's default threads:
 speeds and cores measured under other threads are not the run's processes'.
 """

@@ -7,7 +7,7 @@ contention. The simulator is given what each process does alone, measured
 right after the run in a process with the run's own environment
 (`bench.alone`: the actor's seconds per group, the learner's step and the
 check's forward of one group, and the cores each keeps busy) and this host's
-cores (`fleetsim.SharedHost`), plus what is the task's, not the machine's: the
+cores (`simulator.SharedHost`), plus what is the task's, not the machine's: the
 share of informative groups and the weight-fetch time the run saw. It
 simulates as many steps as the run had, the probation of each new actor
 included, and its steps/s is compared with the run's (steps after the first,
@@ -18,7 +18,7 @@ start-up and the final eval included; the notes also give them, and the fleet's
 own, over the measured steps alone, and what the simulator says given those.
 
 Plan: 1-64 simulated actors at published Apple-silicon decode speeds
-(fleetsim.published) feeding 1, 2 and 4 learner ranks, with the check's share
+(simulator.published) feeding 1, 2 and 4 learner ranks, with the check's share
 of a step measured in the same run, and how the actor count that saturates one
 learner moves with the learner's speed.
 """
@@ -39,12 +39,12 @@ from grpo_fleet.bench.host_share import HostShare
 from grpo_fleet.bench.real import real_config
 from grpo_fleet.bench.scraping import Scraped, scrape
 from grpo_fleet.config import RunConfig
-from grpo_fleet.fleetsim.plan import Plan, PlanInputs, PlanShape, plan, render
-from grpo_fleet.fleetsim.published import LOGPROB_CHECK_SHARE
-from grpo_fleet.fleetsim.simulation import simulate
-from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, SharedHost
 from grpo_fleet.launch.local_fleet import running
 from grpo_fleet.observe.plotting import load_step_records
+from grpo_fleet.simulator.plan import Plan, PlanInputs, PlanShape, plan, render
+from grpo_fleet.simulator.published import LOGPROB_CHECK_SHARE
+from grpo_fleet.simulator.simulation import simulate
+from grpo_fleet.simulator.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, SharedHost
 
 ACTOR = "grpo_fleet_actor"
 LEARNER = "grpo_fleet_learner"
@@ -275,6 +275,6 @@ def run(report: Report, scale: Scale) -> None:
     shares = check(report, steps=4 if scale is Scale.QUICK else 10)
     share = sum(shares) / len(shares)
     report.add(Figure("fleet_sim", "the check's forward of one group over its part of a one-rank step", share, "x",
-                      baseline=LOGPROB_CHECK_SHARE, baseline_name="fleetsim.published",
+                      baseline=LOGPROB_CHECK_SHARE, baseline_name="simulator.published",
                       notes="measured alone after each run (one BLAS thread): " + ", ".join(f"{x:.2f}" for x in shares)))
     plans(report, share)

@@ -43,10 +43,6 @@ class ModelShape:
     adapted_blocks: int  # blocks with LoRA adapters, counted from the top: backward runs through these
     adapter_params: int  # LoRA A and B of every adapted block together
 
-    @property
-    def total_params(self) -> int:
-        return self.blocks * self.block_params + self.head_params
-
 
 def linear_dims(module: nn.Module) -> tuple[int, int]:
     """(in, out) of a Linear, QuantizedLinear (32 / bits values per packed uint32) or LoRA-wrapped one."""

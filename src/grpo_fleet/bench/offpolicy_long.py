@@ -115,8 +115,8 @@ def simulated_staleness() -> tuple[float, float]:
     """(mean, p90) versions behind that trained groups are for SIM_MACS Macs at SIM_MAX_TOKENS (refilled rows)."""
     from dataclasses import replace
 
-    from grpo_fleet.fleetsim.lengths import parse_lengths
-    from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan_lengths
+    from grpo_fleet.simulator.lengths import parse_lengths
+    from grpo_fleet.simulator.plan import PlanInputs, PlanShape, plan_lengths
 
     shape = PlanShape(completion_tokens=SIM_MAX_TOKENS)
     shape = replace(shape, lengths=parse_lengths(SIM_LENGTHS, SIM_MAX_TOKENS))

@@ -1,7 +1,7 @@
 """Benchmark `two_macs`: two cores as two Macs, at long completions.
 
 One machine cannot show why a fleet exists unless each process gets what one Mac
-would: here a core each, with one BLAS thread (`local_fleet.pin`, OPENBLAS_NUM_THREADS=1).
+would: here a core each, with one BLAS thread (`launch/local_fleet.py: pin`, OPENBLAS_NUM_THREADS=1).
 On the same model (SmolLM2-135M-Instruct from the zoo), task, batch (B x G), LoRA
 and learning rate, at completions of up to 256 tokens:
 

@@ -179,10 +179,10 @@ def _status(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from grpo_fleet.fleetsim.lengths import parse_lengths
-    from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, plan_lengths, render, render_lengths, render_on_off
-    from grpo_fleet.fleetsim.published import MODELS
-    from grpo_fleet.fleetsim.specs import FleetRules
+    from grpo_fleet.simulator.lengths import parse_lengths
+    from grpo_fleet.simulator.plan import PlanInputs, PlanShape, plan, plan_lengths, render, render_lengths, render_on_off
+    from grpo_fleet.simulator.published import MODELS
+    from grpo_fleet.simulator.specs import FleetRules
 
     if args.model not in MODELS or args.mac not in MODELS[args.model].decode_tok_s:
         print(f"grpo-fleet simulate: choose --model from {', '.join(MODELS)} and --mac from "
@@ -224,7 +224,7 @@ def _counts(text: str) -> list[int]:
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
     simulate = sub.add_parser("simulate", help="model how many Macs and learner ranks a run can use (not a measurement)")
-    simulate.add_argument("--model", default="qwen2.5-0.5b", help="a size from grpo_fleet.fleetsim.published")
+    simulate.add_argument("--model", default="qwen2.5-0.5b", help="a size from grpo_fleet.simulator.published")
     simulate.add_argument("--mac", default="m5-max", help="the actors' Mac: m1-ultra or m5-max (published tok/s)")
     simulate.add_argument("--actors", type=_counts, default=[1, 2, 4, 8, 16, 32, 64], help="e.g. 1,2,4,8")
     simulate.add_argument("--ranks", type=_counts, default=[1, 2, 4], help="learner rank counts, e.g. 1,2,4")

@@ -6,7 +6,7 @@ The inverse of import-gguf, step by step:
   general.file_type (and the quantization version) say what this file holds. A model that did not come from a GGUF
   gets its metadata from its mlx-lm directory instead (hf_header.py);
 - tensor names are llama.cpp's, from the `gguf` package's own name map, and each is checked to be the name the
-  importer maps back to the same weight (gguf_weights.hf_name);
+  importer maps back to the same weight (models/gguf/weights.py: hf_name);
 - what the importer undoes is redone: llama's q/k rows are permuted for llama.cpp's rope layout
   (convert_hf_to_gguf.py, LlamaModel.permute) and Gemma's norms stored as 1 + w;
 - weights are quantized by the `gguf` package's quantizers (gguf.quants), norms and biases kept F32, as

@@ -12,7 +12,7 @@ from grpo_fleet.runtime.checkpoint_dirs import checkpoint_key, checkpoints, late
 
 RUN_CONFIG = "config.json"  # RUN_DIR/config.json, the run's resolved config
 CHECKPOINT_META = "grpo_fleet.json"  # models/loading.py: save_checkpoint writes base_model, step
-IMPORT_MARKER = "gguf_source.json"  # gguf.import_gguf: the file an imported directory came from, and its digest
+IMPORT_MARKER = "gguf_source.json"  # models/gguf/importer.py: the file an imported directory came from, and its digest
 
 
 class ExportError(ValueError):

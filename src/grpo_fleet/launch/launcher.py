@@ -13,7 +13,7 @@ A stop reaches a remote actor through its stdin: the launcher holds a pipe to
 each ssh client's stdin and closes it, and the actor (--stdin-lifeline,
 actor/lifeline.py) drains and exits; the same happens when the launcher dies
 however it dies. The learner then gets SIGTERM, and as long as its measured step
-and checkpoint need before SIGKILL (launch_policy.learner_stop_wait).
+and checkpoint need before SIGKILL (launch/policy.py: learner_stop_wait).
 
 Example::
 

@@ -1,3 +1,4 @@
-"""Learner side, in rooms: step/ (the GRPO math and the MLX update), door/ (the ZeroMQ loop and what comes in and goes
-out), fleet/ (actors, bans, leases), records/ (state, checkpoints, logs), evals/ (evaluation rounds), ranks/
-(data-parallel), and setup.py, which builds a learner from a RunConfig."""
+"""Learner side, in floors (top to bottom): run/ (builds a learner from a RunConfig and runs its two threads), evals/
+(evaluation rounds), door/ (the ZeroMQ loop and what comes in and goes out), actors/ (the registry, bans, leases),
+verify/ (what judges actors), ranks/ (data-parallel), records/ (state, checkpoints, logs), step/ (the GRPO math and
+the MLX update)."""

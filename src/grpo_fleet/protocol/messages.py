@@ -128,20 +128,11 @@ class Tensor(_Strict):
                 return cls(dtype=name, shape=list(contiguous.shape), data=contiguous.tobytes())
         raise TypeError(f"unsupported numpy dtype {arr.dtype}; convert to int32/uint32/uint8/float32/float16")
 
-    @classmethod
-    def from_raw(cls, dtype: TensorDType, shape: list[int], data: bytes) -> "Tensor":
-        """Build from raw little-endian bytes, e.g. bfloat16 buffers numpy can't represent."""
-        return cls(dtype=dtype, shape=list(shape), data=bytes(data))
-
     def to_numpy(self) -> np.ndarray:
         """Zero-copy, read-only view of `data`. bfloat16 raises: numpy has no such dtype."""
         if self.dtype not in _NUMPY_DTYPES:
             raise TypeError(f"{self.dtype} has no numpy dtype; use .data and .shape directly")
         return np.frombuffer(self.data, dtype=_NUMPY_DTYPES[self.dtype]).reshape(self.shape)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 class Hello(_Strict):

@@ -282,11 +282,6 @@ def decode_routed(received: RoutedFrames, limits: Limits = DEFAULT_LIMITS) -> Ro
         return Routed(identity, principal, address, exc)
 
 
-def recv_routed_from(sock: zmq.Socket, limits: Limits = DEFAULT_LIMITS) -> Routed:
-    """Receive and decode one [identity, payload] message on the ROUTER (see `recv_routed_frames`)."""
-    return decode_routed(recv_routed_frames(sock), limits)
-
-
 def _metadata(frame: zmq.Frame) -> tuple[Optional[str], str]:
     try:
         user_id = frame.get("User-Id")

@@ -2,7 +2,7 @@
 
 A rename or a new file is only durable once its directory is fsynced, and the
 data of a file only once the file is. Checkpoints (learner/records/persistence.py,
-model.save_checkpoint) and the logs they record lengths of (runlog.sync_logs) go
+models/loading.py: save_checkpoint) and the logs they record lengths of (runlog.sync_logs) go
 through here. On macOS `fsync` leaves data in the drive's cache: F_FULLFSYNC flushes it.
 """
 

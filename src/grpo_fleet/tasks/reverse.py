@@ -84,17 +84,3 @@ def make_reverse_splits(
     eval_prompts = {example.prompt for example in eval_examples if isinstance(example.prompt, str)}
     train_examples = make_reverse_examples(num_train, digits, seed + 1, exclude=eval_prompts)
     return train_examples, eval_examples
-
-
-def reverse_tokenizer_corpus(digits: int = 3, size: int = 512, seed: int = 0) -> list[str]:
-    """Lines of text covering every character the task uses, for training a tokenizer.
-
-    Each line is a full "prompt + answer" so frequent pairs (like "N=") can become merges.
-    """
-    rng = random.Random(seed)
-    lines = [REVERSE_ALPHABET]
-    for _ in range(size):
-        number_text = "".join(rng.choice("0123456789") for _ in range(digits))
-        example = reverse_example(number_text)
-        lines.append(f"{example.prompt}{example.answer}")
-    return lines

@@ -117,7 +117,3 @@ def group_score(per_completion: Sequence[Sequence[Union[Optional[float], RewardF
                               seconds=seconds or {})
         rewards.append(total)
     return GroupScore(rewards=rewards, seconds=seconds or {})
-
-
-def failed_group(reward: str, error: RewardError, detail: str) -> GroupScore:
-    return GroupScore(failure=RewardFailure(reward, error, detail))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from grpo_fleet.learner.fleet.bans import peer_key
-from grpo_fleet.learner.fleet.registry import Registry
+from grpo_fleet.learner.actors.bans import peer_key
+from grpo_fleet.learner.actors.registry import Registry
 from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol.auth import KeyRing
 from grpo_fleet.protocol.logsafe import shown

@@ -11,9 +11,9 @@ from typing import Optional
 
 from pydantic import BaseModel
 
+from grpo_fleet.learner.actors.registry import Registry
 from grpo_fleet.learner.door.desk import RequestDesk
 from grpo_fleet.learner.door.replies import Reply
-from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.codec import ProtocolError

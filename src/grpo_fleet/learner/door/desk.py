@@ -9,9 +9,9 @@ from typing import Callable, Optional, Protocol
 from pydantic import BaseModel
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.actors.registry import Registry
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.snapshots import SnapshotStore
-from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.learner.verify.verification import Verification
 from grpo_fleet.observe.metrics import LearnerMetrics

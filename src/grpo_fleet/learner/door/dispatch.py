@@ -14,6 +14,7 @@ import time
 from functools import partial
 from typing import Optional
 
+from grpo_fleet.learner.actors.bans import peer_key
 from grpo_fleet.learner.door.admission import Admission
 from grpo_fleet.learner.door.answers import Answers
 from grpo_fleet.learner.door.desk import Desk
@@ -22,7 +23,6 @@ from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.door.transport import Transport
 from grpo_fleet.learner.door.weights_in_flight import WeightsInFlight
-from grpo_fleet.learner.fleet.bans import peer_key
 from grpo_fleet.learner.verify.verifier_thread import RolloutsVerifier
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.auth import KeyRing

@@ -14,7 +14,7 @@ from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
 from grpo_fleet.observe.metrics import LearnerMetrics
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
+    from grpo_fleet.learner.actors.registry import ActorInfo, Registry
 
 
 class GroupKeeper:

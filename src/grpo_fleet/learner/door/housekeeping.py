@@ -12,11 +12,11 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel
 
+from grpo_fleet.learner.actors.registry import is_silent
 from grpo_fleet.learner.door.admission import Admission
 from grpo_fleet.learner.door.desk import Desk
 from grpo_fleet.learner.door.doorman import Doorman
 from grpo_fleet.learner.door.weights_in_flight import WeightsInFlight
-from grpo_fleet.learner.fleet.registry import is_silent
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
 

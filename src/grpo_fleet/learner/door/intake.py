@@ -35,8 +35,8 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks.scoring import RewardError
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.fleet.leasing import Leasing
-    from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
+    from grpo_fleet.learner.actors.leasing import Leasing
+    from grpo_fleet.learner.actors.registry import ActorInfo, Registry
     from grpo_fleet.learner.step.step_result import StepStats
     from grpo_fleet.learner.verify.actor_checks import LogprobGap
 

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.learner.actors.registry import ActorInfo
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.protocol import messages as m

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from grpo_fleet.protocol import messages as m
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.fleet.registry import ActorInfo
+    from grpo_fleet.learner.actors.registry import ActorInfo
     from grpo_fleet.learner.verify.actor_checks import RewardCheck
 
 

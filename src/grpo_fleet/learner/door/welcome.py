@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.fleet.registry import RunCard
+from grpo_fleet.learner.actors.registry import RunCard
 from grpo_fleet.models.loading import Policy
 from grpo_fleet.models.zoo import model_reference
 from grpo_fleet.protocol import messages as m

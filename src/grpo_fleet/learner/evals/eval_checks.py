@@ -13,7 +13,7 @@ from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.reasons import RejectReason
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.fleet.registry import ActorInfo
+    from grpo_fleet.learner.actors.registry import ActorInfo
     from grpo_fleet.learner.verify.actor_checks import RewardCheck
 
 

@@ -29,6 +29,14 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional
 import numpy as np
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.actors.leasing import (
+    DEADLINE_SHARE,
+    conversation_of,
+    extend_leases,
+    max_lease_seconds,
+    prompt_item,
+    record_speed,
+)
 from grpo_fleet.learner.evals.eval_checks import EvalChecks
 from grpo_fleet.learner.evals.rounds import (
     EvalLease,
@@ -40,14 +48,6 @@ from grpo_fleet.learner.evals.rounds import (
     names_eval_groups,
     submitted_ids,
 )
-from grpo_fleet.learner.fleet.leasing import (
-    DEADLINE_SHARE,
-    conversation_of,
-    extend_leases,
-    max_lease_seconds,
-    prompt_item,
-    record_speed,
-)
 from grpo_fleet.learner.records.runlog import EvalRecord, RunLog
 from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
@@ -55,7 +55,7 @@ from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Example
 
 if TYPE_CHECKING:
-    from grpo_fleet.learner.fleet.registry import ActorInfo, Registry
+    from grpo_fleet.learner.actors.registry import ActorInfo, Registry
     from grpo_fleet.learner.records.state import LearnerState
     from grpo_fleet.learner.verify.actor_checks import RewardCheck
 

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from grpo_fleet.config import TrainConfig
-from grpo_fleet.learner.fleet.leasing import lease_size
+from grpo_fleet.learner.actors.leasing import lease_size
 from grpo_fleet.protocol import messages as m
 
 # An eval prompt unscored this many times is left out of its round (counted in the row).

@@ -87,13 +87,6 @@ def check_rows_cover_ranks(total: int, size: int) -> None:
         )
 
 
-def scatter_rows(values: np.ndarray, rows: np.ndarray, total: int) -> np.ndarray:
-    """A `[total, L]` grid of zeros with `values[i]` in row `rows[i]`: summed over ranks, the whole grid."""
-    out = np.zeros((total, *values.shape[1:]), dtype=values.dtype)
-    out[rows] = values
-    return out
-
-
 def buckets(sizes: list[int], kinds: list[str], limit: int) -> list[list[int]]:
     """Indices of arrays grouped for one collective each: the same dtype (`kinds`), at most `limit` bytes.
 

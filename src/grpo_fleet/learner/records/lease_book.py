@@ -122,10 +122,6 @@ class PromptScheduler:
     def outstanding_groups(self) -> int:
         return self.ledger.outstanding
 
-    @property
-    def queued_groups(self) -> list[GroupTicket]:
-        return self.queue.tickets
-
     # ------------------------------------------------------------------ handing out
 
     def issue(self, actor: str, max_groups: int) -> Optional[LeaseRecord]:

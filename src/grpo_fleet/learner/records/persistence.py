@@ -48,7 +48,7 @@ class SavedState:
     wall_seconds: float
     weights_published: bool = True  # the saved weights are version `version`'s (not past it)
     actor_ids: dict[str, str] = field(default_factory=dict)  # ActorIds.bindings(): actor id -> the key that owns it
-    # Bans.export(): key -> [violations, times banned, end of its ban as wall-clock time (0: none)] (learner/fleet/bans.py)
+    # Bans.export(): key -> [violations, times banned, end of its ban as wall-clock time (0: none)] (learner/actors/bans.py)
     bans: dict[str, list[float]] = field(default_factory=dict)
 
 

@@ -13,9 +13,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Optional
 
+from grpo_fleet.learner.actors.registry import Registry
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.evals.evaluation import Evaluation
-from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records import persistence
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.state import LearnerState
@@ -71,7 +71,7 @@ class Checkpoints:
         saved = persistence.load(checkpoint, self.policy, self.trainer)
         with self.lock:
             persistence.restore(state, saved)
-            # A liar banned before the checkpoint stays banned, and keeps its count of bans (learner/fleet/bans.py).
+            # A liar banned before the checkpoint stays banned, and keeps its count of bans (learner/actors/bans.py).
             self.registry.bans.load(saved.bans, time.time())
             self.metrics.banned_peers.set(self.registry.bans.banned_count())
             self.evaluation.current = None  # rounds are not checkpointed: the next one is due at its step

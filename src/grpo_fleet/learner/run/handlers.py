@@ -14,14 +14,14 @@ from typing import Any, Callable, Optional
 
 from pydantic import BaseModel
 
+from grpo_fleet.learner.actors.bans import peer_key
+from grpo_fleet.learner.actors.leasing import Leasing
+from grpo_fleet.learner.actors.registry import ActorInfo, Registry, RunCard
 from grpo_fleet.learner.door.replies import Reply
 from grpo_fleet.learner.door.requests import OBSERVER_REQUESTS, Request, refuse_observer, undecodable
 from grpo_fleet.learner.door.rollouts_taker import RolloutsTaker
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.evals.evaluation import Evaluation
-from grpo_fleet.learner.fleet.bans import peer_key
-from grpo_fleet.learner.fleet.leasing import Leasing
-from grpo_fleet.learner.fleet.registry import ActorInfo, Registry, RunCard
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m

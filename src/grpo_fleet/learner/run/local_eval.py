@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 from grpo_fleet.config import RunConfig
 from grpo_fleet.envs.protocol import env_extras
 from grpo_fleet.envs.runner import EnvRunner, EpisodeLimits, EpisodeRunner, EpisodeStart
+from grpo_fleet.learner.actors.registry import Registry
 from grpo_fleet.learner.evals.evaluation import Evaluation
-from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.state import LearnerState
 from grpo_fleet.learner.records.trackers import Trackers
 from grpo_fleet.models.generation import SamplingSettings

@@ -16,13 +16,13 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.envs.process import EnvProcess
+from grpo_fleet.learner.actors.leasing import Leasing
+from grpo_fleet.learner.actors.registry import Registry
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.door.intake_rules import IntakeRules
 from grpo_fleet.learner.door.snapshots import SnapshotStore
 from grpo_fleet.learner.door.welcome import run_card
 from grpo_fleet.learner.evals.evaluation import Evaluation
-from grpo_fleet.learner.fleet.leasing import Leasing
-from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.lease_book import PromptScheduler
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.samples import SampleLog, tokenizer_decode

@@ -14,10 +14,10 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from grpo_fleet.learner.actors.leasing import Leasing
+from grpo_fleet.learner.actors.registry import Registry
 from grpo_fleet.learner.door.intake import Intake
 from grpo_fleet.learner.evals.evaluation import Evaluation
-from grpo_fleet.learner.fleet.leasing import Leasing
-from grpo_fleet.learner.fleet.registry import Registry
 from grpo_fleet.learner.records.runlog import StepRecord
 from grpo_fleet.learner.records.samples import SampleLog
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState

@@ -52,10 +52,6 @@ class StepStats(UpdateStats):
     recomputed_rows: int = 0  # of them, by this rank
     check_seconds: float = 0.0  # the checks' seconds on the slowest rank: the recomputing and the comparisons
 
-    @property
-    def failed_checks(self) -> list[CheckedGroup]:
-        return [c for c in (*self.checked, *self.rechecked) if c.broke is not None]
-
 
 def global_norm(grads: dict) -> mx.array:
     """L2 norm over every gradient, in fp32 so half-precision squares cannot overflow."""

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
 from grpo_fleet.learner.step.attention import use_chunked_attention
-from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, split_batch, unpack_completions
+from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, split_batch
 from grpo_fleet.learner.step.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
 from grpo_fleet.learner.step.forward import enable_grad_checkpoint
 from grpo_fleet.learner.step.frozen_forwards import FrozenForwards
@@ -153,15 +153,6 @@ class Trainer:
     def references(self, micro_batches: list[MicroBatch]) -> list[Optional[mx.array]]:
         """pi_ref logprobs `[n, T]` per micro-batch (None each when beta = 0), evaluated one at a time."""
         return self.frozen.references(micro_batches)
-
-    def reference_logprobs(self, batch: TrainBatch) -> Optional[mx.array]:
-        """pi_ref logprobs on the batch's `[N, L]` grid: completion positions, 0 elsewhere."""
-        micro = split_batch(batch, self.micro_batch_tokens)
-        refs = self.references(micro)
-        if refs and refs[0] is None:
-            return None
-        rows, width = batch.mask.shape
-        return mx.array(unpack_completions(micro, [ref for ref in refs if ref is not None], (rows, width)))
 
     def step(self, batch: TrainBatch) -> StepStats:
         """Train on one batch: `ppo_epochs` accumulate-then-apply updates, stopping at a skipped one."""

@@ -21,7 +21,7 @@ intake and the training thread use):
 - **Who is checked** (`trust`): at intake, under the lock, each informative
   group gets its actor dtype's honest bound and a flag: every group of a key on
   probation, a random share (security.check_share, the OS's randomness) after.
-  A Hello or a violation starts probation again (learner/fleet/registry.py).
+  A Hello or a violation starts probation again (learner/actors/registry.py).
 - **The honest bound, calibrated** (`gap_calibration`): a half-precision
   actor's gap is held to a bound measured on this run's model, once, by the
   training thread as it starts (intake waits for it only if a group comes back

@@ -9,7 +9,7 @@ Every group of a batch goes one of three ways (`plan`):
   forward for it (FrozenForwards.proximal), so a custom loss never turns it off.
 - **forward**: an older version, flagged at intake (probation, or drawn:
   learner/verify/trust.py), or sent by a key that was banned before (it earns no
-  probation credit back: learner/fleet/bans.py): recomputed at its version before anything is
+  probation credit back: learner/actors/bans.py): recomputed at its version before anything is
   applied. With one rank, here before the step; with several ranks under LoRA,
   inside the step by the ranks that train its rows, each recomputing its own
   (the version's adapters travel with the batch: learner/step/recheck.py), so

@@ -1,6 +1,6 @@
 """What the batch's logprob check (batch_checks.py) reads of the run, named as Protocols on this floor.
 
-The run's rooms (learner/run/rooms.py: RunRooms), the fleet's bans and intake sit above verify/; naming what is
+The run's rooms (learner/run/rooms.py: RunRooms), the actors' bans and intake sit above verify/; naming what is
 read of them here lets the check take the run without importing anything from above it.
 """
 
@@ -26,7 +26,7 @@ class BanCount(Protocol):
 
 
 class Banning(Protocol):
-    """The fleet's bans (learner/fleet/registry.py, a floor above): how often a key was banned before."""
+    """The actors' bans (learner/actors/registry.py, a floor above): how often a key was banned before."""
 
     @property
     def bans(self) -> BanCount: ...

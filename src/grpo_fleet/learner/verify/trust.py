@@ -44,11 +44,6 @@ def expected_exposure(share: float) -> float:
     return (1.0 - share) / share if share > 0 else float("inf")
 
 
-def exposure_beyond(share: float, groups: int) -> float:
-    """The chance that a sleeper liar trains more than `groups` groups before one is checked."""
-    return (1.0 - share) ** groups
-
-
 @dataclass
 class Trust:
     """Per actor key: how many checks it has passed since its probation began, and the draw for the rest."""

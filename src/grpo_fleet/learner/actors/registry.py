@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from grpo_fleet.config import ServerConfig
-from grpo_fleet.learner.fleet.bans import Bans
-from grpo_fleet.learner.fleet.rates import MovingAverage, TokenRate
+from grpo_fleet.learner.actors.bans import Bans
+from grpo_fleet.learner.actors.rates import MovingAverage, TokenRate
 from grpo_fleet.learner.records.actor_ids import IDS_PER_SESSION, ActorIds
 from grpo_fleet.learner.verify.trust import Trust
 from grpo_fleet.observe.metrics import LearnerMetrics
@@ -38,7 +38,7 @@ class ActorInfo:
     metrics_target: Optional[str] = None  # "address:port" Prometheus can scrape
     policy_version: int = 0
     rate: TokenRate = field(default_factory=TokenRate)
-    # Measured from returned leases; sizes its next leases (learner/fleet/leasing.py).
+    # Measured from returned leases; sizes its next leases (learner/actors/leasing.py).
     groups_per_second: MovingAverage = field(default_factory=MovingAverage)
     last_return: Optional[float] = None  # scheduler clock, when its last lease came back
     loading: bool = True  # welcomed and silent since: loading the run's model (the silence allowed is longer)
@@ -225,7 +225,7 @@ class Registry:
         self.groups_accepted += 1
 
     def record_violation(self, key: str, reason: str, *, ban_now: bool = False) -> None:
-        """Count malformed or hostile input from a peer key (see learner/fleet/bans.py); `ban_now` bans it at once."""
+        """Count malformed or hostile input from a peer key (see learner/actors/bans.py); `ban_now` bans it at once."""
         self.metrics.violations.labels(reason=reason).inc()
         if self.trust is not None:
             self.trust.begin_probation(key)

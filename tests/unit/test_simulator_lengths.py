@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from grpo_fleet.fleetsim.decoding import decode_batch
-from grpo_fleet.fleetsim.lengths import LengthSpec, parse_lengths
-from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan_lengths
-from grpo_fleet.fleetsim.simulation import percentile, simulate
-from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec
+from grpo_fleet.simulator.decoding import decode_batch
+from grpo_fleet.simulator.lengths import LengthSpec, parse_lengths
+from grpo_fleet.simulator.plan import PlanInputs, PlanShape, plan_lengths
+from grpo_fleet.simulator.simulation import percentile, simulate
+from grpo_fleet.simulator.specs import ActorSpec, CheckSpec, FleetRules, RunSpec
 
 SPREAD = LengthSpec("lognormal", 512, low=16, median=200, sigma=1.0)
 

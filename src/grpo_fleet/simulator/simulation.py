@@ -1,6 +1,6 @@
 """The discrete-event model of one run: actors lease, generate and submit; the learner buffers and steps.
 
-The rules are the learner's own (`learner.fleet.leasing`): leases are sized so an
+The rules are the learner's own (`learner.actors.leasing`): leases are sized so an
 actor returns one within `max_staleness` learner steps, no lease is granted
 while leased-out plus buffered groups reach `in_flight_steps x groups_per_step`,
 a refused actor asks again after `retry_after`, and a group sampled more than
@@ -34,17 +34,17 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo_fleet.actor.rolling import may_refill
-from grpo_fleet.fleetsim.decoding import Decoding, SampledGroup
-from grpo_fleet.fleetsim.jobs import SharedJobs
-from grpo_fleet.fleetsim.specs import ActorSpec, RunSpec, SharedHost, SimResult
-from grpo_fleet.learner.fleet.leasing import (
+from grpo_fleet.learner.actors.leasing import (
     in_flight_limit,
     lease_size,
     lease_target_seconds,
     retry_after,
 )
-from grpo_fleet.learner.fleet.rates import MovingAverage
+from grpo_fleet.learner.actors.rates import MovingAverage
 from grpo_fleet.learner.verify.trust import Trust
+from grpo_fleet.simulator.decoding import Decoding, SampledGroup
+from grpo_fleet.simulator.jobs import SharedJobs
+from grpo_fleet.simulator.specs import ActorSpec, RunSpec, SharedHost, SimResult
 
 LEARNER = -1
 

@@ -11,8 +11,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from grpo_fleet.fleetsim.decoding import SampledGroup
-from grpo_fleet.fleetsim.specs import SharedHost
+from grpo_fleet.simulator.decoding import SampledGroup
+from grpo_fleet.simulator.specs import SharedHost
 
 
 @dataclass

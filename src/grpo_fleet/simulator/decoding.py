@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from grpo_fleet.fleetsim.specs import ActorSpec
+from grpo_fleet.simulator.specs import ActorSpec
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ its own step interval, and sizes every lease so that it comes back within a
 target time. A fast Mac gets big leases, a slow one small leases, so a slow Mac
 never holds prompts the step is waiting for, and its groups come back before
 they are too stale to use. The sizing is pure functions; `Leasing` applies them
-to the scheduler's bookkeeping (scheduler.py). No sockets.
+to the scheduler's bookkeeping (records/lease_book.py). No sockets.
 
 Each actor key may hold at most what its sessions can finish within a lease's
 timeout at their measured speed (`actor_cap`), so one actor, honest but slow or
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import numpy as np
 
 from grpo_fleet.config import RunConfig, ServerConfig
-from grpo_fleet.learner.fleet.rates import MovingAverage
-from grpo_fleet.learner.fleet.registry import ActorInfo
+from grpo_fleet.learner.actors.rates import MovingAverage
+from grpo_fleet.learner.actors.registry import ActorInfo
 from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.tasks import Example, prompt_text, reward_kwargs

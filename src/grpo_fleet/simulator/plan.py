@@ -6,10 +6,10 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from grpo_fleet.config import SecurityConfig
-from grpo_fleet.fleetsim.lengths import LengthSpec
-from grpo_fleet.fleetsim.published import LOGPROB_CHECK_SHARE, MODELS, learner_tokens_per_second, lora_gradient_bytes
-from grpo_fleet.fleetsim.simulation import simulate
-from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, SimResult, completions_share
+from grpo_fleet.simulator.lengths import LengthSpec
+from grpo_fleet.simulator.published import LOGPROB_CHECK_SHARE, MODELS, learner_tokens_per_second, lora_gradient_bytes
+from grpo_fleet.simulator.simulation import simulate
+from grpo_fleet.simulator.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, SimResult, completions_share
 
 SECURITY = SecurityConfig()
 SATURATED = 0.95  # "one learner saturates" where more actors add less than 5% more steps/s
@@ -28,7 +28,7 @@ class PlanShape:
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """Where the speeds come from; every default is a published or measured figure (fleetsim.published)."""
+    """Where the speeds come from; every default is a published or measured figure (simulator.published)."""
 
     model: str = "qwen2.5-0.5b"
     mac: str = "m5-max"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo_fleet.config import RunConfig, SecurityConfig
-from grpo_fleet.fleetsim.lengths import LengthSpec
+from grpo_fleet.simulator.lengths import LengthSpec
 
 _SECURITY = SecurityConfig()
 
@@ -79,7 +79,7 @@ class ActorSpec:
     decoded as one batch, so a lease has a part its size hardly changes), plus `fetch_seconds` for a new version.
 
     Given `lengths`, each completion's length is drawn instead, and the lease's batch of n x G rows decodes
-    as `fleetsim.decoding` says: until its longest completion ends, or, with `refill`, handing rows that end
+    as `simulator.decoding` says: until its longest completion ends, or, with `refill`, handing rows that end
     early to the next lease. `seconds_per_group` is then unused.
     """
 

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from grpo_fleet.fleetsim.plan import PlanInputs, PlanShape, plan, step_seconds
-from grpo_fleet.fleetsim.published import MODELS, learner_tokens_per_second
-from grpo_fleet.fleetsim.simulation import simulate
-from grpo_fleet.fleetsim.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, SharedHost
+from grpo_fleet.simulator.plan import PlanInputs, PlanShape, plan, step_seconds
+from grpo_fleet.simulator.published import MODELS, learner_tokens_per_second
+from grpo_fleet.simulator.simulation import simulate
+from grpo_fleet.simulator.specs import ActorSpec, CheckSpec, FleetRules, RunSpec, SharedHost
 
 
 def test_one_slow_actor_sets_the_pace():

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from grpo_fleet.export.llamacpp_check import mlx_reproduces
 from gguf_synth import tiny_args, tiny_model
+from grpo_fleet.export.llamacpp_check import mlx_reproduces
 
 VOCAB = 300
 TOKENS = 12

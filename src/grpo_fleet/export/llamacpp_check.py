@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -66,7 +66,7 @@ def mlx_reproduces(model: Any, prompt: list[int], continuation: list[int]) -> in
     if not continuation:
         return 0
     logits = model(mx.array([prompt + continuation[:-1]]))[0, len(prompt) - 1:]
-    return _shared([int(token) for token in mx.argmax(logits, axis=-1).tolist()], continuation)
+    return _shared(cast(list[int], mx.argmax(logits, axis=-1).tolist()), continuation)
 
 
 def greedy_agreement(llm: Any, model: Any, prompts: list[list[int]], tokens: int) -> tuple[int, int]:

@@ -118,6 +118,13 @@ def _shared_across_workers(tmp_path_factory: pytest.TempPathFactory, name: str, 
 
 
 @pytest.fixture(scope="session")
+def built_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], Path]], Path]:
+    """Returns `build(name, make)`: `make(folder)`'s result, made once for the whole run (`_shared_across_workers`),
+    for a module's own expensive reference."""
+    return lambda name, make: _shared_across_workers(tmp_path_factory, name, make)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The self-built tiny model for the reverse task, as an HF-format directory."""
     task = build_task(TaskConfig(name="reverse", digits=3, num_train=200, num_eval=32))

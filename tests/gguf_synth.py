@@ -8,6 +8,7 @@ rope factors are llama.cpp's (`convert_hf_to_gguf.py`: `LlamaModel.permute`, `Ge
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,9 +212,16 @@ def tiny_model(args: dict[str, Any], seed: int = 0) -> Any:
     return model
 
 
+@functools.cache
+def _name_map(architecture: str, layers: int) -> gguf.TensorNameMap:
+    """Built once a family and depth: building one formats every name of every block (the per-tensor rebuild was
+    most of test_gguf_bombs' minute)."""
+    return gguf.get_tensor_name_map(ARCH[architecture], layers)
+
+
 def gguf_name(hf_name: str, architecture: str, layers: int) -> str:
     """The GGUF name llama.cpp gives a Hugging Face tensor (the gguf package's tensor-name map)."""
-    name = gguf.get_tensor_name_map(ARCH[architecture], layers).get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    name = _name_map(architecture, layers).get_name(hf_name, try_suffixes=(".weight", ".bias"))
     assert name is not None, hf_name
     return name
 

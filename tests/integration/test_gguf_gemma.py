@@ -9,6 +9,7 @@ References, none of which goes through `grpo_fleet.models.gguf.importer`:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,53 +26,81 @@ PROMPT = ("The history of the bicycle begins in 1817, when Karl Drais built a tw
           "cycling popular across Europe and America. Today, more than one billion bicycles are in use")
 
 
+# What the tests read from the file through gguf's GGUFReader, whose parse of the 262,144-piece vocabulary takes
+# about 20 CPU s: done once a run (the `built_once` fixture), not once in each pytest-xdist worker that needs it.
+FIELDS = ["gemma3.block_count", "gemma3.embedding_length", "gemma3.feed_forward_length", "gemma3.attention.head_count",
+          "gemma3.attention.head_count_kv", "gemma3.attention.key_length", "gemma3.attention.layer_norm_rms_epsilon",
+          "gemma3.rope.freq_base", "gemma3.attention.sliding_window", "gemma3.context_length", "tokenizer.ggml.tokens",
+          "tokenizer.ggml.token_type", "tokenizer.ggml.scores", "tokenizer.ggml.unknown_token_id"]
+
+
 @pytest.fixture(scope="module")
-def reader(gemma3_gguf: Path) -> Any:
+def reading(gemma3_gguf: Path, built_once: Any) -> dict[str, Any]:
+    """FIELDS as gguf's reader gives them, and `weights`: the path of the reference weights (`_reference_weights`)."""
+    folder = built_once("gemma3-gguf-reading", lambda folder: _read_with_gguf(gemma3_gguf, folder))
+    return json.loads((folder / "fields.json").read_text()) | {"weights": str(folder / "weights.safetensors")}
+
+
+def _read_with_gguf(path: Path, folder: Path) -> Path:
     from gguf import GGUFReader
 
-    return GGUFReader(str(gemma3_gguf))
+    reader = GGUFReader(str(path))
+    fields = {key: reader.fields[key].contents() for key in FIELDS}
+    mx.save_safetensors(str(folder / "weights.safetensors"), _reference_weights(reader, fields))
+    (folder / "fields.json").write_text(json.dumps(fields))
+    return folder
 
 
-def _field(reader: Any, key: str) -> Any:
-    return reader.fields[key].contents()
+def _reference_args(fields: dict[str, Any]) -> Any:
+    """mlx-lm's gemma3_text arguments in the shape llama.cpp's gemma3 graph uses (every 6th layer global, local rope
+    base 10,000)."""
+    from mlx_lm.models import gemma3_text
+
+    return gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=fields["gemma3.embedding_length"],
+        num_hidden_layers=fields["gemma3.block_count"], intermediate_size=fields["gemma3.feed_forward_length"],
+        num_attention_heads=fields["gemma3.attention.head_count"],
+        num_key_value_heads=fields["gemma3.attention.head_count_kv"],
+        head_dim=fields["gemma3.attention.key_length"], query_pre_attn_scalar=fields["gemma3.attention.key_length"],
+        rms_norm_eps=fields["gemma3.attention.layer_norm_rms_epsilon"], vocab_size=len(fields["tokenizer.ggml.tokens"]),
+        rope_theta=fields["gemma3.rope.freq_base"], rope_local_base_freq=10000.0,
+        sliding_window=fields["gemma3.attention.sliding_window"], sliding_window_pattern=6,
+        max_position_embeddings=fields["gemma3.context_length"])
 
 
-def _reference_model(reader: Any) -> Any:
-    """mlx-lm's gemma3_text model with weights from gguf's reader and dequantizer, named by gguf's tensor-name map,
-    and the shape llama.cpp's gemma3 graph uses (every 6th layer global, local rope base 10,000)."""
+def _reference_weights(reader: Any, fields: dict[str, Any]) -> dict[str, mx.array]:
+    """Every weight of mlx-lm's gemma3_text model from gguf's reader and dequantizer, named by gguf's tensor-name
+    map, with llama.cpp's Gemma norm shift (stored as 1 + w) undone."""
     import gguf
     from gguf.quants import dequantize
     from mlx.utils import tree_flatten
     from mlx_lm.models import gemma3_text
 
-    layers = _field(reader, "gemma3.block_count")
-    args = gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=_field(reader, "gemma3.embedding_length"), num_hidden_layers=layers,
-        intermediate_size=_field(reader, "gemma3.feed_forward_length"),
-        num_attention_heads=_field(reader, "gemma3.attention.head_count"),
-        num_key_value_heads=_field(reader, "gemma3.attention.head_count_kv"),
-        head_dim=_field(reader, "gemma3.attention.key_length"),
-        query_pre_attn_scalar=_field(reader, "gemma3.attention.key_length"),
-        rms_norm_eps=_field(reader, "gemma3.attention.layer_norm_rms_epsilon"),
-        vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
-        rope_theta=_field(reader, "gemma3.rope.freq_base"), rope_local_base_freq=10000.0,
-        sliding_window=_field(reader, "gemma3.attention.sliding_window"), sliding_window_pattern=6,
-        max_position_embeddings=_field(reader, "gemma3.context_length"))
-    model = gemma3_text.Model(args)
+    model = gemma3_text.Model(_reference_args(fields))
     model.sanitize({})  # no lm_head in the file: the head is the embedding
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, fields["gemma3.block_count"])
     tensors = {t.name: t for t in reader.tensors}
-    weights = []
+    weights = {}
     for hf, _ in tree_flatten(model.parameters()):
         tensor = tensors[names.get_name(hf, try_suffixes=(".weight",))]
         value = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
-        weights.append((hf, mx.array(value - 1.0 if hf.endswith("norm.weight") else value, dtype=mx.float32)))
-    model.load_weights(weights)
+        weights[hf] = mx.array(value - 1.0 if hf.endswith("norm.weight") else value, dtype=mx.float32)
+    return weights
+
+
+def _reference_model(reading: dict[str, Any]) -> Any:
+    """mlx-lm's gemma3_text model on the reference weights."""
+    from mlx_lm.models import gemma3_text
+
+    model = gemma3_text.Model(_reference_args(reading))
+    model.sanitize({})
+    model.load_weights(reading["weights"])
     mx.eval(model.parameters())
     return model
 
 
-def test_greedy_tokens_equal_a_gguf_reference_dequantization_at_every_position(gemma3_f32_dir: Path, reader: Any) -> None:
+def test_greedy_tokens_equal_a_gguf_reference_dequantization_at_every_position(gemma3_f32_dir: Path,
+                                                                              reading: dict[str, Any]) -> None:
     from mlx_lm import load
 
     model, tokenizer = load(str(gemma3_f32_dir))
@@ -79,7 +108,7 @@ def test_greedy_tokens_equal_a_gguf_reference_dequantization_at_every_position(g
     assert len(ids) == 64 and ids[0] == tokenizer.bos_token_id
     ours = np.array(model(mx.array([ids]))[0].astype(mx.float32))
     del model
-    theirs = np.array(_reference_model(reader)(mx.array([ids]))[0].astype(mx.float32))
+    theirs = np.array(_reference_model(reading)(mx.array([ids]))[0].astype(mx.float32))
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
 
@@ -98,13 +127,12 @@ TEXTS = ["Hello world", "Hello  world   and    more", " leading space", "tabs\ta
          "http://example.com/path?q=1&r=2", "emoji 👩‍👩‍👧 zwj", PROMPT]
 
 
-def test_tokenizer_ids_equal_sentencepieces(gemma3_f32_dir: Path, reader: Any) -> None:
+def test_tokenizer_ids_equal_sentencepieces(gemma3_f32_dir: Path, reading: dict[str, Any]) -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    reference = sentencepiece_processor(tokens, _field(reader, "tokenizer.ggml.token_type"),
-                                        _field(reader, "tokenizer.ggml.scores"), add_dummy_prefix=False,
-                                        unk_id=_field(reader, "tokenizer.ggml.unknown_token_id"))
+    reference = sentencepiece_processor(reading["tokenizer.ggml.tokens"], reading["tokenizer.ggml.token_type"],
+                                        reading["tokenizer.ggml.scores"], add_dummy_prefix=False,
+                                        unk_id=reading["tokenizer.ggml.unknown_token_id"])
     wrapped = load_tokenizer(gemma3_f32_dir)
     mismatches = [text for text in TEXTS if wrapped.encode(text, add_special_tokens=False) != reference.EncodeAsIds(text)]
     assert mismatches == []

@@ -15,6 +15,7 @@ The inverse of import-gguf, step by step:
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +47,16 @@ _ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3"
          "gemma3": gguf.MODEL_ARCH.GEMMA3}
 
 
+@functools.cache
+def _name_map(architecture: str, layers: int) -> gguf.TensorNameMap:
+    """The `gguf` package's name map for one family and depth, built once: building one formats every name of every
+    block (20 ms at SmolLM2's 30 layers), once a tensor it was 5 of an export's 7 CPU seconds."""
+    return gguf.get_tensor_name_map(_ARCH[architecture], layers)
+
+
 def gguf_tensor_name(hf: str, family: Family, layers: int) -> str:
     """llama.cpp's name for a Hugging Face weight name, checked against the importer's own mapping back."""
-    name = gguf.get_tensor_name_map(_ARCH[family.architecture], layers).get_name(hf, try_suffixes=(".weight", ".bias"))
+    name = _name_map(family.architecture, layers).get_name(hf, try_suffixes=(".weight", ".bias"))
     if name is None or hf_name(name, family) != hf:
         raise ExportError(f"weight {hf} has no GGUF name that import-gguf maps back to it ({family.architecture})")
     return name

@@ -35,7 +35,7 @@ class StepPhases:
     data_prep: float
     ref_forward: float
     update: float
-    proximal_forward: Optional[float] = None  # only when the decoupled objective needs its own pi_prox forward
+    proximal_forward: Optional[float] = None  # only when the step makes its own pi_prox forward (FrozenForwards.proximal)
     publish: Optional[float] = None  # only on steps that publish a version
     checkpoint: Optional[float] = None  # only on steps that write a checkpoint
 

@@ -363,3 +363,24 @@ def test_rewards_are_verified_for_the_groups_of_an_open_lease(rooms):
     indices = {t.group_id: t.prompt_index for t in rooms.state.scheduler.ledger.leases[msg.lease_id].tickets.values()}
     assert rooms.intake.take(rooms.registry.actors[b"id"], msg).status == "accepted"
     assert sorted(check.asked) == sorted(indices.items())
+
+
+def test_verify_judges_a_submission_in_one_answer_flagging_all_on_probation_and_a_share_after():
+    """Verification.judge: what intake asks verify/ once per Rollouts (the bound, the flags, the reward verdicts)."""
+    import random
+
+    from grpo_fleet.learner.step.gap_bounds import default_bound
+    from grpo_fleet.learner.verify.gap_calibration import HonestBounds
+    from grpo_fleet.learner.verify.trust import Trust
+    from grpo_fleet.learner.verify.verification import Verification
+
+    trust = Trust(probation_groups=2, share=0.5, draw=random.Random(5))
+    verification = Verification(trust=trust, bounds=HonestBounds(requested_dtype="bfloat16"))
+    groups = [(_wire(f"g{i}", [0.0, 1.0]), i) for i in range(40)]
+    judged = verification.judge(KEY, "cpu", groups)
+    assert judged.verdicts == {} and judged.refusals() == {}, "no reward check: nothing re-scored, nothing refused"
+    assert judged.flagged == {f"g{i}" for i in range(40)}, "on probation: every group"
+    assert judged.bound == default_bound("bfloat16", "float32"), "the dtype the actor is told to sample in"
+    trust.record_pass(KEY, 2)
+    after = verification.judge(KEY, "cpu", groups).flagged
+    assert 5 < len(after) < 35 and after < judged.flagged, "after probation: a share, drawn"

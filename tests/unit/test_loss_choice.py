@@ -70,7 +70,8 @@ def test_a_loss_of_ones_own_that_cannot_be_had_is_refused_by_name(own_losses):
         loss_named("own_losses:MISSING")
 
 
-def test_the_built_in_loss_the_config_names_trains_and_checks_from_its_own_forward(tiny_model_dir, contrast_completions):
+def test_the_built_in_loss_the_config_names_trains_and_checks_from_its_own_forward(tiny_model_dir,
+                                                                                    contrast_completions):  # noqa: F811
     trainer = load_trainer(_config(tiny_model_dir, "grpo"), str(tiny_model_dir))
     assert trainer.loss is GRPO_LOSS and "own forward" in trainer.loss.check_cost()
     batch = on_policy_batch(trainer.policy, *contrast_completions)
@@ -80,8 +81,8 @@ def test_the_built_in_loss_the_config_names_trains_and_checks_from_its_own_forwa
     assert stats.proximal_seconds == 0.0, "its own logprobs are compared: no forward of the check's own"
 
 
-def test_a_loss_the_config_names_by_module_reaches_the_step_and_is_checked(tiny_model_dir, contrast_completions,
-                                                                          own_losses):
+def test_a_loss_the_config_names_by_module_reaches_the_step_and_is_checked(tiny_model_dir, own_losses,
+                                                                          contrast_completions):  # noqa: F811
     """load_trainer is how rank 0 (learner/run/build.py) and every data-parallel rank (learner/ranks/follower.py)
     build their Trainer, so each trains the loss the config names."""
     trainer = load_trainer(_config(tiny_model_dir, "own_losses:COUNTED"), str(tiny_model_dir))

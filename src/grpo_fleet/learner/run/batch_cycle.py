@@ -63,6 +63,11 @@ class TrainedBatch:
     phases: StepPhases
     started: float  # perf_counter at the start of the step
 
+    @property
+    def published(self) -> Optional[int]:
+        """The version this step published, if it did (the logprob check keeps its weights: verify/batch_checks.py)."""
+        return None if self.snapshot is None else self.snapshot.version
+
 
 class BatchCycle:
     """One optimizer batch at a time; the caller holds the lock for `take_batch` and `record` only."""

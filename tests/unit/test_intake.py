@@ -301,7 +301,7 @@ def late_count(rooms: Rooms) -> float:
 
 def test_a_late_submission_is_verified_and_accepted_once(rooms, clock):
     """Issue 38: whole leases of long answers outlived their deadline and were refused as stale_lease."""
-    check = rooms.intake.verification.reward_check = AgreeingRewardCheck()  # type: ignore[assignment]
+    check = rooms.intake.verification.reward_check = AgreeingRewardCheck()
     late = _rollouts(rooms)
     clock.advance(61.0)  # past the lease's 60 s: the learner re-queues its groups
     assert rooms.state.scheduler.expire()
@@ -358,7 +358,7 @@ def test_a_late_lease_lets_no_one_submit_what_it_never_held(rooms, clock):
 
 
 def test_rewards_are_verified_for_the_groups_of_an_open_lease(rooms):
-    check = rooms.intake.verification.reward_check = AgreeingRewardCheck()  # type: ignore[assignment]
+    check = rooms.intake.verification.reward_check = AgreeingRewardCheck()
     msg = _rollouts(rooms)
     indices = {t.group_id: t.prompt_index for t in rooms.state.scheduler.ledger.leases[msg.lease_id].tickets.values()}
     assert rooms.intake.take(rooms.registry.actors[b"id"], msg).status == "accepted"

@@ -208,6 +208,9 @@ class TaskConfig(_Section):
 # range is 3e-4 / 4e-4, and a PPO-sized one (0.1-0.3) leaves it effectively unclipped.
 GSPO_EPSILONS = (3e-4, 4e-4)
 GSPO_MAX_EPSILON = 0.05
+# The losses learner/step/objective.py holds (its LOSSES, which a test keeps equal to this); a custom one is named
+# by where it is defined instead, as "package.module:NAME".
+BUILT_IN_LOSSES = ("grpo",)
 
 
 class GRPOConfig(_Section):
@@ -223,7 +226,15 @@ class GRPOConfig(_Section):
         None, gt=0,
         description="Upper clip range (DAPO clip-higher). Default: epsilon_low; for gspo with neither set, 4e-4.",
     )
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo"] = Field("grpo", description="Token aggregation.")
+    loss: str = Field(
+        "grpo",
+        description="The loss the trainer differentiates: 'grpo' (built in: the clipped surrogate, shaped by objective, "
+        "loss_type and the settings below), or 'package.module:NAME' naming a `Loss` of your own "
+        "(learner/step/objective.py), imported by the learner and each data-parallel rank. Every loss gets the step's "
+        "logprob check (docs/learner-step.md: Choosing the loss).",
+    )
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo"] = Field(
+        "grpo", description="Token aggregation of the built-in loss (and of a custom one that reads it).")
     scale_by_std: Optional[bool] = Field(
         None,
         description="Divide advantages by the group std. Default: true, and false for dr_grpo, which is defined "
@@ -280,6 +291,15 @@ class GRPOConfig(_Section):
         "would train is dropped (its prompt re-queued, counted as stale_at_train). Default: max_staleness + "
         "server.in_flight_steps, which the in-flight cap already guarantees, so nothing is dropped.",
     )
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        module, _, attribute = name.partition(":")
+        if name in BUILT_IN_LOSSES or (all(part.isidentifier() for part in module.split(".")) and attribute.isidentifier()):
+            return name
+        raise ValueError(f"unknown grpo.loss {name!r}: the built-in losses are {', '.join(BUILT_IN_LOSSES)}; a loss of "
+                         "your own is named 'package.module:NAME', NAME a Loss (learner/step/objective.py)")
 
     @model_validator(mode="after")
     def _loss_type_settings(self) -> "GRPOConfig":

@@ -301,7 +301,7 @@ def late_count(rooms: Rooms) -> float:
 
 def test_a_late_submission_is_verified_and_accepted_once(rooms, clock):
     """Issue 38: whole leases of long answers outlived their deadline and were refused as stale_lease."""
-    check = rooms.intake.reward_check = AgreeingRewardCheck()
+    check = rooms.intake.verification.reward_check = AgreeingRewardCheck()
     late = _rollouts(rooms)
     clock.advance(61.0)  # past the lease's 60 s: the learner re-queues its groups
     assert rooms.state.scheduler.expire()
@@ -358,8 +358,29 @@ def test_a_late_lease_lets_no_one_submit_what_it_never_held(rooms, clock):
 
 
 def test_rewards_are_verified_for_the_groups_of_an_open_lease(rooms):
-    check = rooms.intake.reward_check = AgreeingRewardCheck()
+    check = rooms.intake.verification.reward_check = AgreeingRewardCheck()
     msg = _rollouts(rooms)
     indices = {t.group_id: t.prompt_index for t in rooms.state.scheduler.ledger.leases[msg.lease_id].tickets.values()}
     assert rooms.intake.take(rooms.registry.actors[b"id"], msg).status == "accepted"
     assert sorted(check.asked) == sorted(indices.items())
+
+
+def test_verify_judges_a_submission_in_one_answer_flagging_all_on_probation_and_a_share_after():
+    """Verification.judge: what intake asks verify/ once per Rollouts (the bound, the flags, the reward verdicts)."""
+    import random
+
+    from grpo_fleet.learner.step.gap_bounds import default_bound
+    from grpo_fleet.learner.verify.gap_calibration import HonestBounds
+    from grpo_fleet.learner.verify.trust import Trust
+    from grpo_fleet.learner.verify.verification import Verification
+
+    trust = Trust(probation_groups=2, share=0.5, draw=random.Random(5))
+    verification = Verification(trust=trust, bounds=HonestBounds(requested_dtype="bfloat16"))
+    groups = [(_wire(f"g{i}", [0.0, 1.0]), i) for i in range(40)]
+    judged = verification.judge(KEY, "cpu", groups)
+    assert judged.verdicts == {} and judged.refusals() == {}, "no reward check: nothing re-scored, nothing refused"
+    assert judged.flagged == {f"g{i}" for i in range(40)}, "on probation: every group"
+    assert judged.bound == default_bound("bfloat16", "float32"), "the dtype the actor is told to sample in"
+    trust.record_pass(KEY, 2)
+    after = verification.judge(KEY, "cpu", groups).flagged
+    assert 5 < len(after) < 35 and after < judged.flagged, "after probation: a share, drawn"

@@ -613,12 +613,20 @@ def test_a_loss_without_the_policy_logprobs_is_still_checked_in_the_step(tiny_mo
 
     trainer = Trainer(policy, GRPOConfig(beta=0.0, groups_per_step=1), OptimConfig(lr=1e-3), temperature=TEMPERATURE,
                       max_tokens=MAX_TOKENS, loss=Loss("plain", plain_loss, gives_policy_logprobs=False))
+    lying = assert_checked_in_the_step(trainer, contrast_completions)
+    lying.check = None
+    assert trainer.step(lying).proximal_seconds == 0.0, "unchecked, the loss's own forward is the only one"
+
+
+def assert_checked_in_the_step(trainer: Trainer, completions: tuple[list[list[int]], list[float]]) -> TrainBatch:
+    """An honest on-policy group passes the step's own check and trains; the same group with every reported logprob
+    0.02 nats low breaks the mean bound and applies nothing. Returns the lying batch."""
     bound = check_bounds_array([GapBound(0.001, 0.05)])
-    honest = on_policy_batch(policy, *contrast_completions)
+    honest = on_policy_batch(trainer.policy, *completions)
     honest.check = bound
     stats = trainer.step(honest)
     assert stats.skipped is None and [c.broke for c in stats.checked] == [None] and stats.checked[0].worst < 1e-4
-    lying = on_policy_batch(policy, *contrast_completions)
+    lying = on_policy_batch(trainer.policy, *completions)
     lying.old_logprobs = lying.old_logprobs - 0.02 * lying.mask
     lying.check = bound
     before = snapshot(trainer)
@@ -627,8 +635,7 @@ def test_a_loss_without_the_policy_logprobs_is_still_checked_in_the_step(tiny_mo
     after = snapshot(trainer)
     for key in before:
         np.testing.assert_array_equal(after[key], before[key], err_msg=key)
-    lying.check = None
-    assert trainer.step(lying).proximal_seconds == 0.0, "unchecked, the loss's own forward is the only one"
+    return lying
 
 
 

@@ -27,7 +27,7 @@ from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.lease_book import UNSCORED_RETURNS
 from grpo_fleet.learner.records.runlog import RunLog
 from grpo_fleet.learner.records.state import BatchHandOff, LearnerState
-from grpo_fleet.learner.verify.verification import Verification
+from grpo_fleet.learner.verify.verification import Judgement, Verification
 from grpo_fleet.observe.metrics import LearnerMetrics
 from grpo_fleet.protocol import messages as m
 from grpo_fleet.protocol.logsafe import shown
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from grpo_fleet.learner.actors.leasing import Leasing
     from grpo_fleet.learner.actors.registry import ActorInfo, Registry
     from grpo_fleet.learner.step.step_result import StepStats
-    from grpo_fleet.learner.verify.actor_checks import LogprobGap
+    from grpo_fleet.learner.verify.actor_checks import LogprobGap, RewardCheck
 
 log = logging.getLogger("grpo_fleet.learner")
 # Refusals of the learner's reward check: the prompt goes back in the queue for someone else to do again.
@@ -60,14 +60,18 @@ class Intake:
                  handoff: BatchHandOff, verification: Optional[Verification] = None) -> None:
         self.rules, self.state, self.registry, self.leasing = rules, state, registry, leasing
         self.runlog, self.metrics, self.prompt_tokens = runlog, metrics, prompt_tokens
-        # What judges actors (learner/verify/): the re-scoring, the trust's flags, the versions the logprob check
-        # can still recompute. None: every check off, every group flagged.
+        # What judges actors (learner/verify/), asked once per Rollouts (`judge`): the re-scoring, the bounds, the
+        # trust's flags. None: every check off, every group flagged.
         self.verification = verification or Verification()
-        self.handoff, self.reward_check = handoff, self.verification.reward_check
+        # The versions the logprob check can still recompute (a live view; None: any): work of another is refused.
+        self.kept: Optional[Collection[int]] = self.verification.kept_versions()
+        self.handoff = handoff
         self.keeper = GroupKeeper(state, registry, runlog, metrics, handoff)
 
-    def _kept(self) -> Optional[Collection[int]]:
-        return self.verification.kept_versions()
+    @property
+    def reward_check(self) -> Optional[RewardCheck]:
+        """What re-scores the groups `take` would accept (None: rewards are not re-scored): `reward_jobs` ahead."""
+        return self.verification.reward_check
 
     def take(self, actor: ActorInfo, msg: m.Rollouts) -> m.Ack:
         """The answer to one Rollouts from `actor`; a replay gets the stored answer and changes nothing."""
@@ -92,7 +96,7 @@ class Intake:
             return self._invalid(actor, msg.lease_id, violations[0])
         issued_at = self.leasing.issued_at(msg.lease_id)  # read now: a lease whose groups are all taken is gone
         requeued = self._unscored(actor, msg, unscored)
-        unusable = unusable_version(msg, self.state, rules.max_staleness, self._kept())
+        unusable = unusable_version(msg, self.state, rules.max_staleness, self.kept)
         if not msg.groups:
             ack = m.Ack(lease_id=msg.lease_id, status="requeued", groups=requeued)
         elif unusable is not None:
@@ -112,7 +116,7 @@ class Intake:
         """The groups `take` would re-score, with their prompts; reads the state, changes nothing (under the lock)."""
         rules, scheduler = self.rules, self.state.scheduler
         if (self.reward_check is None or self.state.done or self.state.acks.get(msg.lease_id) is not None
-                or unusable_version(msg, self.state, rules.max_staleness, self._kept()) is not None
+                or unusable_version(msg, self.state, rules.max_staleness, self.kept) is not None
                 or rules.invalid(msg) is not None):
             return []
         return [(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in msg.groups
@@ -163,7 +167,8 @@ class Intake:
     def _accept(self, actor: ActorInfo, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]],
                 requeued: dict[str, str]) -> m.Ack:
         answer: dict[str, str] = {}
-        refused = {**refused, **self._reward_verdicts(msg, refused)}
+        judged = self._judge(actor, msg, refused)
+        refused = {**refused, **judged.refusals()}
         late = self.state.scheduler.ledger.is_late(msg.lease_id)
         records = []
         for group in msg.groups:
@@ -174,7 +179,10 @@ class Intake:
             ticket = self.state.scheduler.finish(msg.lease_id, group.group_id)
             index = ticket.prompt_index
             records.append(accepted_group(group, index, self.prompt_tokens[index], msg.policy_version, actor))
-        self.verification.mark(records, actor.principal, actor.backend)  # bounds, and who the logprob check sees
+        for record in records:
+            if record.is_informative:  # only those train: each gets its bound, and whether the logprob check sees it
+                record.logprob_bound, record.token_bound = judged.bound.mean, judged.bound.token
+                record.check_logprobs = record.group_id in judged.flagged
         if late and records:
             self.metrics.late_groups.labels(kind="train").inc(len(records))
         for record in records:
@@ -183,16 +191,15 @@ class Intake:
         overall = "accepted" if "accepted" in answer.values() else next(iter(answer.values()))
         return m.Ack(lease_id=msg.lease_id, status=overall, groups={**answer, **requeued})  # type: ignore[arg-type]  # one of Ack's statuses
 
-    def _reward_verdicts(self, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> dict[str, Optional[RejectReason]]:
-        """The learner's own rewards for every group it would accept (security.verify_rewards)."""
-        pending = [g for g in msg.groups if refused[g.group_id] is None]
-        if self.reward_check is None or not pending:
-            # A submission for a lease nobody remembers (released, forgotten, or from before a resume) has every
-            # group refused as stale_lease and already re-queued: there is nothing to verify, and no lease to read.
-            return {}
+    def _judge(self, actor: ActorInfo, msg: m.Rollouts, refused: dict[str, Optional[RejectReason]]) -> Judgement:
+        """verify/'s one answer on the groups nothing refused yet: their rewards re-scored (security.verify_rewards),
+        the actor's honest bound, and which of them the logprob check recomputes."""
+        # A submission for a lease nobody remembers (released, forgotten, or from before a resume) has every group
+        # refused as stale_lease and already re-queued: there is nothing to verify, and no lease to read. A group
+        # nothing refused is under this lease, open or late (classify said so): its ticket names the prompt.
         scheduler = self.state.scheduler
-        # A group nothing refused is under this lease, open or late (classify said so): its ticket names the prompt.
-        return self.reward_check.verdicts([(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in pending])
+        pending = [(g, scheduler.leased_prompt(msg.lease_id, g.group_id)) for g in msg.groups if refused[g.group_id] is None]
+        return self.verification.judge(actor.principal, actor.backend, pending)
 
     def _refuse_group(self, actor: ActorInfo, lease_id: str, group_id: str, reason: RejectReason) -> str:
         """Count one refused group; a reward check's refusal re-queues the prompt (and charges a mismatch)."""

@@ -35,7 +35,7 @@ class StepPhases:
     data_prep: float
     ref_forward: float
     update: float
-    proximal_forward: Optional[float] = None  # only when the decoupled objective needs its own pi_prox forward
+    proximal_forward: Optional[float] = None  # only when the step makes its own pi_prox forward (FrozenForwards.proximal)
     publish: Optional[float] = None  # only on steps that publish a version
     checkpoint: Optional[float] = None  # only on steps that write a checkpoint
 
@@ -62,6 +62,11 @@ class TrainedBatch:
     snapshot: Optional[Snapshot]  # the new version, on steps that publish one
     phases: StepPhases
     started: float  # perf_counter at the start of the step
+
+    @property
+    def published(self) -> Optional[int]:
+        """The version this step published, if it did (the logprob check keeps its weights: verify/batch_checks.py)."""
+        return None if self.snapshot is None else self.snapshot.version
 
 
 class BatchCycle:

@@ -16,6 +16,7 @@ from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.trackers import build_trackers, require_installed
 from grpo_fleet.learner.run.coordinator import RunCoordinator
 from grpo_fleet.learner.step.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
+from grpo_fleet.learner.step.objective import Loss
 from grpo_fleet.learner.step.trainer import load_trainer
 from grpo_fleet.learner.verify.env_replay import EnvCalling
 from grpo_fleet.models.loading import Policy, latest_checkpoint, model_digest
@@ -70,6 +71,15 @@ def tokenize_prompts(tokenizer: object, task: Task, cfg: RunConfig, *, split: st
     ]
 
 
+def _log_loss(cfg: RunConfig, loss: Loss) -> None:
+    """Say, once, which loss trains and how the step's logprob check gets the logprobs it compares (every loss is
+    checked: docs/learner-step.md, Choosing the loss)."""
+    if not cfg.security.verify_logprobs:
+        log.info("loss %s (grpo.loss); the logprob check is off (security.verify_logprobs)", loss.name)
+        return
+    log.info("loss %s (grpo.loss); the step's logprob check compares against %s", loss.name, loss.check_cost())
+
+
 def _check_memory(cfg: RunConfig, policy: Policy, reference_copy: bool) -> None:
     """Say what a step will need, and refuse one that this machine cannot hold (before pi_ref is loaded too)."""
     estimate = estimate_step_memory(policy.model, cfg, reference_copy=reference_copy)
@@ -110,6 +120,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     task = build_task(cfg.task)
     path = resolve_model_path(cfg, task)
     trainer = load_trainer(cfg, path, before_reference=partial(_check_memory, cfg))
+    _log_loss(cfg, trainer.loss)
     policy = trainer.policy
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     eval_prompts = tokenize_prompts(policy.tokenizer, task, cfg, split="eval")

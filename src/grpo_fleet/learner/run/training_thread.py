@@ -76,25 +76,15 @@ class TrainingThread:
     def train_step(self) -> Optional[StepRecord]:
         """One optimizer batch from the oldest informative groups; publishes and checkpoints when due.
 
-        None when the logprob check (verify/batch_checks.py) found a lie in the batch:
-        its actor is banned, everything of it dropped, the rest of the batch back
-        in the buffer, and no step taken yet.
+        None when no batch is ready, or the logprob check (verify/batch_checks.py)
+        found a lie in the batch: its actor is banned, everything of it dropped,
+        the rest of the batch back in the buffer, and no step taken yet.
         """
         state = self.state
-        with self.lock:
-            # Stale groups go first, then the batch is taken and checked as it is: no group slides in unchecked.
-            self.cycle.drop_too_stale(state)
-            self.checks.drop_unverifiable(state)
-            if not self.cycle.ready(state):
-                return None
-            groups, trained_on = self.cycle.take_batch(state)
-            plan = self.checks.plan(groups, trained_on, state.weights_published)
-            step = state.step + 1  # only this thread moves the step
-        if not self.checks.forward(plan, groups):
+        checked = self.checks.train(self.cycle)  # taken, checked and trained: the one call into verify/ per batch
+        if checked is None:
             return None
-        trained = self.cycle.run(groups, trained_on, step, plan.fused_bounds(), plan.recheck)
-        if not self.checks.fused(plan, groups, trained.stats):
-            return None
+        groups, step, trained = checked.groups, checked.step, checked.trained
         # Decoding and writing samples.jsonl take no lock: `groups` left the shared buffer
         # above, only this thread writes the file, and the log sizes a checkpoint records
         # are taken on this thread too (below; `checkpoint()` on the main thread runs only
@@ -104,15 +94,12 @@ class TrainingThread:
         with self.lock:
             if trained.stats.skipped is not None:
                 self.intake.blame_poisoned(groups, trained.stats, step)
-            self.checks.record_unchecked(plan, step)
             record = self.cycle.record(state, trained, actors=len(self.registry.actors),
-                                       checks=CheckTally(plan.seconds, plan.checked, len(plan.unchecked)))
+                                       checks=CheckTally(checked.seconds, checked.checked, checked.unchecked))
             self.leasing.step_finished()
             if self.evaluation.due(state.step, final=state.done):
                 self.evaluation.start(state.step, state.version)
             saved = self.checkpoints.capture() if self.cycle.checkpoint_due(state) else None
-        if trained.snapshot is not None and self.verification.history is not None:
-            self.verification.history.record(trained.snapshot.version)
         self.trackers.log_record(record)  # outside the lock: a slow tracker holds up no request
         if saved is not None:
             started = time.perf_counter()

@@ -1,14 +1,17 @@
 """The loss a `Trainer` differentiates: the default GRPO objective on one micro-batch, and pi_prox on the batch's grid.
 
 The loss is a parameter of the trainer (`Loss`), so a new objective plugs in
-without forking it; `GRPO_LOSS` (`default_loss`) wraps `grpo.grpo_loss`. A loss
-returns a declared record, `LossOutput`: its share of the batch's loss, the
-statistics it computes (only those), and the policy logprobs it saw, which the
-step's own logprob check compares with what actors reported.
+without forking it; `GRPO_LOSS` (`default_loss`) wraps `grpo.grpo_loss`. The
+config chooses it (grpo.loss, `loss_named`): a built-in one by name, or one of
+the user's own as "package.module:NAME". A loss returns a declared record,
+`LossOutput`: its share of the batch's loss, the statistics it computes (only
+those), and the policy logprobs it saw, which the step's own logprob check
+compares with what actors reported.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -16,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from grpo_fleet.config import GRPOConfig
+from grpo_fleet.config import BUILT_IN_LOSSES, GRPOConfig
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, unpack_completions
 from grpo_fleet.learner.step.forward import completion_logprobs
 from grpo_fleet.learner.step.grpo import BehaviourCorrection, grpo_loss
@@ -54,6 +57,12 @@ class Loss:
     name: str
     fn: LossFn
     gives_policy_logprobs: bool
+
+    def check_cost(self) -> str:
+        """Where the step's logprob check takes its policy logprobs from, and at what cost: the learner logs it."""
+        if self.gives_policy_logprobs:
+            return "the loss's own forward (a comparison, nothing more)"
+        return "one no-grad forward more per checked step (the loss gives no policy logprobs of its own)"
 
 
 def policy_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, temperature: float) -> mx.array:
@@ -99,6 +108,26 @@ def default_loss(
 
 
 GRPO_LOSS = Loss("grpo", default_loss, gives_policy_logprobs=True)
+LOSSES = {loss.name: loss for loss in (GRPO_LOSS,)}  # config.BUILT_IN_LOSSES names these, for its validation
+
+
+def loss_named(name: str) -> Loss:
+    """The loss grpo.loss names: a built-in one (`LOSSES`), or "package.module:NAME", a `Loss` defined there."""
+    if name in LOSSES:
+        return LOSSES[name]
+    module_name, _, attribute = name.partition(":")
+    if not attribute:
+        raise ValueError(f"unknown grpo.loss {name!r}: the built-in losses are {', '.join(BUILT_IN_LOSSES)}; a loss "
+                         "of your own is named 'package.module:NAME'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"grpo.loss {name!r}: cannot import {module_name}: {exc}") from exc
+    loss = getattr(module, attribute, None)
+    if not isinstance(loss, Loss):
+        raise ValueError(f"grpo.loss {name!r}: {module_name}.{attribute} is {type(loss).__name__}, not a Loss "
+                         "(grpo_fleet.learner.step.objective.Loss)")
+    return loss
 
 
 def offpolicy_summary(

@@ -40,7 +40,8 @@ class StepStats(UpdateStats):
     micro_batches: int
     epochs: int  # epochs attempted, the skipped one included
     extra: dict[str, float] = field(default_factory=dict)  # statistics the loss computes beyond these
-    proximal_seconds: float = 0.0  # the no-grad pi_prox forward (decoupled, ppo_epochs > 1); else 0
+    proximal_seconds: float = 0.0  # the no-grad pi_prox forward (decoupled at ppo_epochs > 1, or a checked step's
+    # under a loss that gives no policy logprobs: FrozenForwards.proximal); else 0
     # pi_prox at the batch's completion positions, [N, L] like TrainBatch.old_logprobs (0 elsewhere), for
     # comparing what the learner computes with what each actor reported; None if the loss gave none and no forward made them.
     proximal_logprobs: Optional[np.ndarray] = field(default=None, repr=False)

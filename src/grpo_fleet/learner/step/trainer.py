@@ -9,7 +9,9 @@ and the update are separate: a non-finite loss or gradient norm skips the update
 and leaves weights and optimizer state exactly as they were.
 
 The loss is a parameter (`loss`, objective.py's `Loss`) so a new objective plugs in
-without forking the trainer; the default (`GRPO_LOSS`) wraps `grpo.grpo_loss`.
+without forking the trainer; the default (`GRPO_LOSS`) wraps `grpo.grpo_loss`, and
+a run's config chooses it (grpo.loss: `trainer_from_config`). Whichever it is, a
+checked step compares the actors' logprobs with the step's own (`check_fused`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ from grpo_fleet.learner.step.forward import enable_grad_checkpoint
 from grpo_fleet.learner.step.frozen_forwards import FrozenForwards
 from grpo_fleet.learner.step.fused_check import CheckedGroup, fused_check
 from grpo_fleet.learner.step.memory import trim_cache
-from grpo_fleet.learner.step.objective import GRPO_LOSS, Loss, LossOutput, behaviour_correction, offpolicy_summary
+from grpo_fleet.learner.step.objective import (
+    GRPO_LOSS,
+    Loss,
+    LossOutput,
+    behaviour_correction,
+    loss_named,
+    offpolicy_summary,
+)
 from grpo_fleet.learner.step.recheck import check_older, slowest_check
 from grpo_fleet.learner.step.rows import Sharding, SingleProcess
 from grpo_fleet.learner.step.schedule import learning_rate_schedule, with_decay_steps
@@ -238,11 +247,11 @@ def check_fused(batch: TrainBatch, grid: Optional[np.ndarray]) -> list[CheckedGr
 
 
 def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.Module] = None) -> Trainer:
-    """The Trainer a run config describes (objective, optimizer, memory settings)."""
+    """The Trainer a run config describes (the loss grpo.loss names, objective, optimizer, memory settings)."""
     train = cfg.train
     return Trainer(
         policy, cfg.grpo, with_decay_steps(cfg), temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
-        ref_model=ref_model, compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
+        ref_model=ref_model, loss=loss_named(cfg.grpo.loss), compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
         logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
         attention_chunk_tokens=train.attention_chunk_tokens, memory_limit_bytes=train.memory_limit_bytes,
     )

@@ -28,7 +28,8 @@ intake and the training thread use):
   first); a float32 pair keeps its fixed bound (learner/step/gap_bounds.py).
 - **Logprobs, against the claimed version** (`actor_checks.LogprobCheck`,
   `actor_checks.WeightHistory`): on the training thread, per optimizer batch,
-  the check plan (`batch_checks`) sends each group one way: fused into the
+  in one call (`batch_checks.BatchChecks.train`, around the step), the check
+  plan (`batch_checks`) sends each group one way: fused into the
   step's own forward (its version is the one the step trains from), recomputed
   at its version before the step (flagged, or from a key banned before), or
   unchecked with a counted reason; older groups are also screened inside the

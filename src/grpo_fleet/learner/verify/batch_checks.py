@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -57,37 +57,16 @@ import numpy as np
 from grpo_fleet.learner.records.groups import AcceptedGroup
 from grpo_fleet.learner.records.runlog import UncheckedEntry
 from grpo_fleet.learner.records.state import LearnerState
-from grpo_fleet.learner.step.fused_check import CheckedGroup, Recheck, check_bounds_array
+from grpo_fleet.learner.step.fused_check import CheckedGroup, Recheck
 from grpo_fleet.learner.step.gap_bounds import GapBound
 from grpo_fleet.learner.step.step_result import StepStats
 from grpo_fleet.learner.verify.actor_checks import LogprobGap
+from grpo_fleet.learner.verify.check_plan import BatchSteps, CheckedBatch, CheckPlan, Trained
 from grpo_fleet.learner.verify.checked_run import CheckedRun
 from grpo_fleet.protocol.reasons import RejectReason
 
 SAMPLED_OUT, VERIFICATION_OFF, VERSION_GONE = "sampled_out", "verification_off", "version_gone"
 _PICKER = random.SystemRandom()  # which completions a forward check recomputes: the OS's randomness
-
-
-@dataclass
-class CheckPlan:
-    """How each group of one batch is checked; `fused` follows the batch's group order."""
-
-    fused: list[Optional[GapBound]]
-    screens: dict[int, float] = field(default_factory=dict)  # group index -> token bound of the step's screen
-    forward: list[AcceptedGroup] = field(default_factory=list)
-    unchecked: list[tuple[AcceptedGroup, str]] = field(default_factory=list)
-    recheck: Optional[Recheck] = None  # `forward`, recomputed inside a data-parallel step (TrainBatch.recheck)
-    seconds: float = 0.0  # spent on this batch's checks, the forwards and the step's comparison (its slowest rank's)
-
-    def fused_bounds(self) -> Optional[np.ndarray]:
-        """`TrainBatch.check`: None when the step checks nothing itself."""
-        if not self.screens and all(b is None for b in self.fused):
-            return None
-        return check_bounds_array(self.fused, self.screens)
-
-    @property
-    def checked(self) -> int:
-        return sum(b is not None for b in self.fused) + len(self.forward)
 
 
 class BatchChecks:
@@ -96,6 +75,38 @@ class BatchChecks:
     def __init__(self, rooms: CheckedRun) -> None:
         self.rooms = rooms
         self.cleared: set[str] = set()  # groups recomputed whole after the screen: their retry is not screened
+
+    def train(self, cycle: BatchSteps[Trained]) -> Optional[CheckedBatch[Trained]]:
+        """One checked optimizer batch: the training thread's one call (it holds no lock; this takes it as needed).
+
+        Under the lock: too-stale and then unverifiable groups dropped, the batch
+        taken and planned. Then its older groups recomputed, the step run with
+        its own check and screen, the unchecked groups counted and ledgered, and
+        the published version's weights kept. None when no batch is ready, or a
+        check found a lie or sent the batch back to be recomputed: nothing of it
+        trained, and the rest of it is back in the buffer.
+        """
+        rooms, state = self.rooms, self.rooms.state
+        with rooms.lock:
+            # Stale groups go first, then the batch is taken and checked as it is: no group slides in unchecked.
+            cycle.drop_too_stale(state)
+            self.drop_unverifiable(state)
+            if not cycle.ready(state):
+                return None
+            groups, trained_on = cycle.take_batch(state)
+            plan = self.plan(groups, trained_on, state.weights_published)
+            step = state.step + 1  # only the training thread moves the step
+        if not self.forward(plan, groups):
+            return None
+        trained = cycle.run(groups, trained_on, step, plan.fused_bounds(), plan.recheck)
+        if not self.fused(plan, groups, trained.stats):
+            return None
+        with rooms.lock:
+            self.record_unchecked(plan, step)
+        history = rooms.verification.history
+        if trained.published is not None and history is not None:
+            history.record(trained.published)  # the weights the step left are that version's, which actors sample
+        return CheckedBatch(groups, step, trained, plan.seconds, plan.checked, len(plan.unchecked))
 
     def plan(self, groups: list[AcceptedGroup], trained_on: int, weights_published: bool) -> CheckPlan:
         """Sort a batch's groups into fused, forward and unchecked (under the lock: flags and history are shared)."""

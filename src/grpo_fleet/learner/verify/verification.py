@@ -7,19 +7,22 @@ and the logprob check against them, the calibration of the half-precision
 bound, and the trust that says which groups are checked. The learner's rooms
 (learner/run/rooms.py) hold one, and pass it down; the parts do the work
 (learner/verify/__init__.py says what each judges, when, and at what cost).
+
+Intake asks it one thing per Rollouts, `judge`: the reward check's verdicts on
+the groups it would accept, the actor's honest logprob bound, and which of those
+groups the logprob check will recompute, in one typed answer (`Judgement`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
 from grpo_fleet.config import RunConfig
-from grpo_fleet.learner.records.groups import AcceptedGroup
-from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, CalibratedBounds, default_bound
+from grpo_fleet.learner.step.gap_bounds import FLOAT32_PAIR_BOUND, CalibratedBounds, GapBound, default_bound
 from grpo_fleet.learner.verify.actor_checks import LogprobCheck, RewardCheck, WeightHistory
 from grpo_fleet.learner.verify.env_replay import EnvCalling, EnvReplay, check_verifiable
 from grpo_fleet.learner.verify.gap_calibration import HonestBounds, PendingCalibration, calibrate
@@ -27,9 +30,23 @@ from grpo_fleet.learner.verify.trust import Trust
 from grpo_fleet.models.generation import SamplingSettings
 from grpo_fleet.models.loading import Policy
 from grpo_fleet.observe.metrics import LearnerMetrics
+from grpo_fleet.protocol import messages as m
+from grpo_fleet.protocol.reasons import RejectReason
 from grpo_fleet.tasks import Task
 from grpo_fleet.tasks.env_module import EnvSetup
 from grpo_fleet.tasks.reward_runner import RewardSet, Scorer
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What verify/ says of the groups of one Rollouts that intake would accept (`Verification.judge`)."""
+
+    verdicts: dict[str, Optional[RejectReason]]  # the reward check's: group_id -> why refused, or None (it agrees)
+    bound: GapBound  # the honest logprob gap of the actor's dtype pair, which each informative group is held to
+    flagged: frozenset[str]  # the groups the logprob check recomputes before they train, whatever their version
+
+    def refusals(self) -> dict[str, RejectReason]:
+        return {group_id: reason for group_id, reason in self.verdicts.items() if reason is not None}
 
 
 @dataclass
@@ -69,23 +86,25 @@ class Verification:
                               calibrated=calibration.bounds)
         return cls(trust, calibration, bounds, reward_check, eval_check, history, check)
 
-    def mark(self, records: list[AcceptedGroup], key: str, backend: str) -> None:
-        """Give each informative group of actor key `key` (only those train) its honest bound, and flag those the
-        logprob check will recompute (intake, under the lock).
+    def judge(self, key: str, backend: str, groups: Sequence[tuple[m.GroupResult, int]]) -> Judgement:
+        """The verdicts on `groups` (each with its prompt index) of one Rollouts from actor key `key` on `backend`,
+        which intake would accept (intake, under the lock; the rewards were usually scored ahead, outside it).
 
-        Every group of an actor on probation is flagged; after it, a share drawn
-        from the OS's randomness (trust.py), so an actor cannot tell which of its
-        groups will be looked at. A group at the version the step trains from is
-        checked anyway, inside the step, whatever its flag.
+        Rewards are re-scored (security.verify_rewards). Each group the rewards
+        pass is flagged for the logprob check or not: every group of an actor on
+        probation; after it, a share drawn from the OS's randomness (trust.py), so
+        an actor cannot tell which of its groups will be looked at. A group at
+        the version the step trains from is checked anyway, inside the step,
+        whatever its flag.
         """
-        bound = self.bounds.of(backend)
-        for record in records:
-            if record.is_informative:
-                record.logprob_bound, record.token_bound = bound.mean, bound.token
-                record.check_logprobs = self.trust.wants_check(key)
+        verdicts = {} if self.reward_check is None or not groups else self.reward_check.verdicts(groups)
+        passed = [group.group_id for group, _ in groups if verdicts.get(group.group_id) is None]
+        return Judgement(verdicts, self.bounds.of(backend),
+                         frozenset(group_id for group_id in passed if self.trust.wants_check(key)))
 
     def kept_versions(self) -> Optional[Collection[int]]:
-        """The versions whose weights the logprob check still holds; None when it is off."""
+        """The versions whose weights the logprob check still holds, as a live view (it follows the versions as they
+        are recorded and dropped, so a holder reads it without asking again); None when the check is off."""
         return None if self.history is None else self.history.versions.keys()
 
     def close(self) -> None:

@@ -5,17 +5,18 @@ broadcast whose size is not rank 0's."""
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterator, cast
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from grpo_fleet.config import DistributedConfig
-from grpo_fleet.learner.ranks.collectives import MAX_BROADCAST_BYTES, RankGroup
+from grpo_fleet.learner.ranks.collectives import MAX_BROADCAST_BYTES, RankGroup, Watchdog
 from grpo_fleet.learner.ranks.distributed import DataParallel
-from grpo_fleet.learner.ranks.ring_guard import check_backend, checked_sum
+from grpo_fleet.learner.ranks.ring_guard import check_backend, checked_sum, prove_ring
 from grpo_fleet.learner.ranks.ring_trust import RingRefused, as_words, payload_tag
 from grpo_fleet.learner.ranks.sharding import HEADER_SIZE, Command, Header, shard_rows
 
@@ -30,7 +31,7 @@ class _Rank1:
         self.refusals: Counter[str] = Counter()
         self.theirs, self.tags, self.tamper = theirs, tags, tamper
 
-    def gather_slots(self, slots: np.ndarray, what: str) -> np.ndarray:
+    def gather_slots(self, slots: np.ndarray, what: str, *, idle: bool = False) -> np.ndarray:
         out = slots.copy()
         out[0] = as_words(self.tags.pop(0))
         return out
@@ -51,6 +52,32 @@ def test_the_ranks_gradients_are_summed_from_their_checked_contributions():
     ranks = _Rank1(theirs, tags)
     summed = checked_sum(cast(Any, ranks), {"grads": mx.array([10.0, 20.0, 30.0])}, "gradient all-sum")
     assert np.array(summed["grads"]).tolist() == [11.0, 22.0, 33.0] and ranks.refusals == Counter()
+
+
+class _Bounds(Watchdog):
+    """A watchdog that records each collective's bound instead of arming a timer."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=0)
+        self.seen: list[tuple[str, float]] = []
+
+    @contextmanager
+    def bound(self, what: str, seconds: float) -> Iterator[None]:
+        self.seen.append((what, seconds))
+        yield
+
+
+def test_a_steps_gathers_are_bound_by_the_step_timeout_and_only_the_ring_proof_by_the_idle_one():
+    # A stopped rank must end rank 0 within timeout_seconds wherever the step is: the gradient sum's tag gather
+    # once waited under idle_timeout_seconds (900 s), so a rank stopped there hung rank 0 for 15 minutes.
+    cfg, dog = DistributedConfig(timeout_seconds=8, idle_timeout_seconds=900), _Bounds()
+    ranks = RankGroup(mx.distributed.init(), cfg, watchdog=dog)  # the one-process group: no sockets
+    summed = checked_sum(ranks, {"grads": mx.array([1.0, 2.0])}, "gradient all-sum")
+    assert np.array(summed["grads"]).tolist() == [1.0, 2.0]
+    assert [seconds for _, seconds in dog.seen] == [8, 8], dog.seen
+    dog.seen.clear()
+    assert prove_ring(ranks) == []
+    assert [seconds for _, seconds in dog.seen] == [900, 900], dog.seen
 
 
 def _bump(array: np.ndarray) -> None:

@@ -199,9 +199,11 @@ class RankGroup:
         (out,) = self.run(what, [mx.array([value], dtype=mx.float32)], mx.distributed.all_max)
         return float(np.array(out)[0])
 
-    def gather_slots(self, slots: np.ndarray, what: str) -> np.ndarray:
-        """An all-gather: each rank's `[size, ...]` grid holds its own row (zeros elsewhere); the sum is every row."""
-        (out,) = self.run(what, [mx.array(slots)], mx.distributed.all_sum, idle=True)
+    def gather_slots(self, slots: np.ndarray, what: str, *, idle: bool = False) -> np.ndarray:
+        """An all-gather: each rank's `[size, ...]` grid holds its own row (zeros elsewhere); the sum is every row.
+
+        `idle` for the ring's proof at start-up only: a step's gathers are bound by `timeout_seconds`."""
+        (out,) = self.run(what, [mx.array(slots)], mx.distributed.all_sum, idle=idle)
         return np.array(out)
 
     def broadcast_bytes(self, data: bytes, what: str, *, idle: bool = False) -> bytes:

@@ -135,8 +135,9 @@ def enter_ring(ranks: RankGroup) -> None:
 def prove_ring(ranks: RankGroup) -> list[int]:
     """Every rank's nonce gathered, then every rank's HMAC over them: the ranks whose HMAC is wrong."""
     slots = nonce_slots(ranks.rank, ranks.size, secrets.token_bytes(4 * NONCE_WORDS))
-    nonces = ranks.gather_slots(slots, "ring proof (nonces)")
-    tags = ranks.gather_slots(proof_slots(ranks.ring_key, ranks.rank, nonces), "ring proof (tags)")
+    nonces = ranks.gather_slots(slots, "ring proof (nonces)", idle=True)
+    tags = ranks.gather_slots(proof_slots(ranks.ring_key, ranks.rank, nonces), "ring proof (tags)",
+                             idle=True)
     return failed_proofs(ranks.ring_key, nonces, tags)
 
 

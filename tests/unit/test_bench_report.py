@@ -23,6 +23,28 @@ def test_figures_carry_ratio_to_their_baseline_into_json(tmp_path, capsys):
     assert saved["set"] == "full" and saved["scale"] == "full" and saved["benchmark_seconds"] == {"rollout": 12.5}
 
 
+def test_an_only_run_goes_under_runs_beside_the_whole_run_and_a_whole_run_keeps_them(tmp_path, capsys):
+    out = tmp_path / "results.json"
+    Report(selection="default", durations={"rollout": 1.0}, figures=[Figure("rollout", "batched", 5.0, "tok/s")]).save(out)
+    Report(selection="only", durations={"step_flops": 2.0}, figures=[Figure("step_flops", "ratio", 0.3, "x")]).save(out)
+    Report(selection="only", durations={"step_flops": 3.0}, figures=[Figure("step_flops", "ratio", 0.4, "x")]).save(out)
+    saved = json.loads(out.read_text())
+    assert saved["set"] == "default" and saved["figures"][0]["name"] == "batched"  # the whole run, untouched
+    assert list(saved["runs"]) == ["step_flops"] and saved["runs"]["step_flops"]["figures"][0]["value"] == 0.4
+    Report(selection="default", durations={"rollout": 4.0}, figures=[Figure("rollout", "batched", 6.0, "tok/s")]).save(out)
+    saved = json.loads(out.read_text())
+    assert saved["benchmark_seconds"] == {"rollout": 4.0} and list(saved["runs"]) == ["step_flops"]
+
+
+def test_a_results_file_that_is_not_json_is_kept_aside_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "results.json"
+    out.write_text("{ half a file")
+    Report(selection="only", durations={"ingest": 1.0}).save(out)
+    assert (tmp_path / "results.json.unreadable").read_text() == "{ half a file"
+    assert list(json.loads(out.read_text())["runs"]) == ["ingest"]
+    assert "not readable JSON" in capsys.readouterr().out
+
+
 def test_every_benchmark_module_loads_and_unknown_names_are_refused():
     for bench in BENCHMARKS:
         assert callable(load_benchmark(bench.name))

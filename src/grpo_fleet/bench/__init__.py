@@ -68,6 +68,8 @@ class Report:
         return "\n".join(rows)
 
     def save(self, path: Path) -> None:
+        """Write this run into `path`, keeping what the file already records: an `--only` run goes under
+        `runs`, keyed by its benchmarks, beside the last whole run; a whole run keeps the `--only` runs."""
         payload = {
             "machine": machine_description(),
             "started": self.started,
@@ -77,8 +79,30 @@ class Report:
             "benchmark_seconds": self.durations,
             "figures": [{**asdict(f), "ratio": f.ratio} for f in self.figures],
         }
+        kept = _recorded(path)
+        runs = kept.pop("runs", {}) if isinstance(kept.get("runs"), dict) else {}
+        if self.selection == "only":
+            runs["+".join(self.durations) or "only"] = payload
+            whole = kept if kept.get("set") in ("default", "full") else {}
+            payload = {**whole, "runs": runs}
+        elif runs:
+            payload["runs"] = runs
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2))
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _recorded(path: Path) -> dict:
+    """What `path` already records (a results.json), or {} when there is none; one that cannot be read is
+    kept beside it as PATH.unreadable rather than overwritten."""
+    if not path.exists():
+        return {}
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"{path} is not readable JSON ({exc}): kept as {path}.unreadable", flush=True)
+        path.replace(path.with_name(path.name + ".unreadable"))
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def machine_description() -> dict:

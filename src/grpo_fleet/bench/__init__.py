@@ -20,6 +20,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, Optional, cast
 
+from grpo_fleet.runtime.durable import write_atomic
+
 
 @dataclass
 class Figure:
@@ -88,7 +90,8 @@ class Report:
         elif runs:
             payload["runs"] = runs
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
+        # Atomic: the file now carries earlier runs too, and a bench stopped mid-write must not lose them.
+        write_atomic(path, (json.dumps(payload, indent=2) + "\n").encode())
 
 
 def _recorded(path: Path) -> dict:

@@ -1,5 +1,6 @@
 """Train the tiny model k steps on fixed batches, for every loss type, LoRA and full, in one process or as
-data-parallel ranks (started by `mlx.launch`): tests/integration/test_data_parallel.py compares the two.
+data-parallel ranks (started as `mlx.launch` starts them, with MLX_HOSTFILE and MLX_RANK):
+tests/integration/test_data_parallel.py compares the two.
 
     python tests/data_parallel_driver.py MODEL_DIR OUT_DIR STEPS
 

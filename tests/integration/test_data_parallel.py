@@ -21,25 +21,32 @@ from grpo_fleet.runtime.exit_codes import RANKS_FAILED
 from helpers import audit_ledger, finished_in_checkpoint, free_port_pair, jsonl, scrape, wait_steps
 
 DRIVER = Path(__file__).parents[1] / "data_parallel_driver.py"
-MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
 STEPS = 3
 TOLERANCE = 1e-5
 
 
-def _launch(args: list[str], out: Path, timeout: float) -> str:
-    """`mlx.launch -n 2 --backend ring` on 127.0.0.1; kills its whole process group if it overruns."""
-    command = [str(MLX_LAUNCH), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring",
-               "--starting-port", str(free_port_pair()), "--", sys.executable, *args]
-    with open(out, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        finally:
+def _two_ranks(args: list[str], tmp_path: Path, timeout: float) -> str:
+    """Two ranks of `python ARGS` on a loopback ring, started as mlx.launch starts them (MLX_HOSTFILE, MLX_RANK) but
+    without it: mlx.launch spins a core for as long as its ranks run (docs/data-parallel.md). Each rank's process
+    group is killed if it overruns; returns both logs."""
+    hostfile = tmp_path / "ranks.json"
+    port = free_port_pair()
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    procs, logs = [], [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    for rank, log in enumerate(logs):
+        env = child_env({**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)})
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    text = out.read_text()
-    assert proc.returncode == 0, text[-3000:]
+    text = "".join(log.read_text() for log in logs)
+    assert codes == [0, 0], text[-3000:]
     return text
 
 
@@ -59,7 +66,7 @@ def test_two_ranks_train_the_same_weights_as_one_for_every_loss_lora_and_full(ti
     env = child_env()
     subprocess.run([sys.executable, str(DRIVER), str(tiny_model_dir), str(single), str(STEPS)], env=env, check=True,
                    timeout=300, start_new_session=True)
-    output = _launch([str(DRIVER), str(tiny_model_dir), str(ranks), str(STEPS)], tmp_path / "launch.log", timeout=480)
+    output = _two_ranks([str(DRIVER), str(tiny_model_dir), str(ranks), str(STEPS)], tmp_path, timeout=480)
     assert "rank 1: done" in output and "rank 0: done" in output
     names = sorted(p.stem for p in single.glob("*.safetensors"))
     assert len(names) == 10  # 5 objectives (4 loss types + decoupled at 2 epochs) x LoRA and full

@@ -2,8 +2,10 @@
 
 The ~50M bench model, LoRA r8 and full fine-tuning, 4 groups of 8 (32-token
 prompts, 64-token completions). One rank is a plain `Trainer.step` in this
-process; two ranks are `mlx.launch -n 2 --backend ring` on 127.0.0.1 running
-this module's `__main__`, rank 0 broadcasting each batch as the learner does.
+process; two ranks are this module's `__main__` on a ring on 127.0.0.1, started
+as `mlx.launch -n 2 --backend ring` starts them (MLX_HOSTFILE, MLX_RANK) but
+without its launcher, which spins a core while they run and would take one of
+this machine's two from the ranks. Rank 0 broadcasts each batch as the learner does.
 The figures: rank 0's step time, the seconds its gradient all-sum took (its
 share of the step) and the bytes it all-reduced per step. On one machine two
 ranks share its cores, so they cannot be faster; the all-reduce share is the
@@ -13,6 +15,7 @@ figure that carries over to several Macs (over loopback here, not a network).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -58,12 +61,12 @@ def one_rank(path: str, mode: str, repeats: int) -> float:
 
 
 def ranked(path: str, mode: str, repeats: int, out: Path) -> None:
-    """One rank of the 2-rank run (under mlx.launch); rank 0 writes its step and all-sum figures to `out`."""
+    """One rank of the 2-rank run (`two_ranks`); rank 0 writes its step and all-sum figures to `out`."""
     from grpo_fleet.learner.ranks.distributed import DataParallel, connect
     from grpo_fleet.learner.ranks.sharding import Command, Header
 
     rank = launched_rank()
-    assert rank is not None, "run under mlx.launch"
+    assert rank is not None, "run with MLX_RANK and MLX_HOSTFILE set (two_ranks)"
     ranks = connect(DistributedConfig(timeout_seconds=600, idle_timeout_seconds=600), rank, authenticated=False)
     assert ranks is not None, "needs 2 ranks"
     trainer = _trainer(path, mode)
@@ -95,13 +98,21 @@ def two_ranks(path: str, mode: str, repeats: int, root: Path) -> dict[str, float
     from grpo_fleet.protocol.endpoints import free_port
     from grpo_fleet.runtime.blas import child_env
 
-    out = root / f"ranks-{mode}.json"
-    command = [str(Path(sys.executable).parent / "mlx.launch"), "--hosts", "127.0.0.1", "-n", "2",
-               "--backend", "ring", "--starting-port", str(free_port()),
-               # One BLAS thread per rank: two ranks of two spinning OpenBLAS threads each thrash two cores.
-               "--env", "OPENBLAS_NUM_THREADS=1", "--", sys.executable,
-               "-m", "grpo_fleet.bench.data_parallel", path, mode, str(repeats), str(out)]
-    subprocess.run(command, env=child_env(), check=True, timeout=1800)
+    out, hostfile = root / f"ranks-{mode}.json", root / f"hosts-{mode}.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    command = [sys.executable, "-m", "grpo_fleet.bench.data_parallel", path, mode, str(repeats), str(out)]
+    # One BLAS thread per rank: two ranks of two spinning OpenBLAS threads each thrash two cores.
+    env = child_env({**os.environ, "OPENBLAS_NUM_THREADS": "1", "MLX_HOSTFILE": str(hostfile)})
+    ranks = [subprocess.Popen(command, env={**env, "MLX_RANK": str(rank)}) for rank in range(2)]
+    try:
+        codes = [rank.wait(timeout=1800) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    if codes != [0, 0]:
+        raise RuntimeError(f"data-parallel bench ranks exited {codes}")
     return dict(json.loads(out.read_text()))
 
 

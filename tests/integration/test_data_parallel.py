@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -146,6 +147,26 @@ def _both_ranks_export_their_collectives(port: int) -> None:
     assert rank1.value("grpo_fleet_learner_steps_total") == 0, "rank 1 serves its own page, not the learner's"
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _a_waiting_follower_sleeps(rank1: subprocess.Popen, seconds: float = 4.0) -> None:
+    """Once rank 1 is ready and rank 0 idles, rank 1 sleeps on rank 0's doorbell: without it, MLX's ring spun a
+    core for a fifth of the time at least (the share of each keepalive gap the follower did not sleep)."""
+    deadline = time.monotonic() + 120
+    while "waiting for rank 0's batches" not in rank1.log_path.read_text():  # type: ignore[attr-defined]
+        assert rank1.poll() is None and time.monotonic() < deadline, rank1.log_path.read_text()[-2000:]  # type: ignore[attr-defined]
+        time.sleep(0.2)
+    if not sys.platform.startswith("linux"):
+        return  # /proc
+    before = _cpu_seconds(rank1.pid)
+    time.sleep(seconds)
+    used = _cpu_seconds(rank1.pid) - before
+    assert used < 0.05 * seconds, f"rank 1 used {used:.2f} CPU s of {seconds:g} s waiting for rank 0's next command"
+
+
 def _no_partial_checkpoint(run_dir: Path, steps_done: int) -> None:
     root = run_dir / "checkpoints"
     staging = [p.name for p in root.iterdir() if p.name.startswith(".")]
@@ -221,6 +242,7 @@ def test_a_one_rank_run_resumes_on_two_ranks_and_both_stop_cleanly_at_the_end(ru
     resume = ("learner", "--resume", str(run_dir), "--set", "train.steps=8")
     rank0 = spawn(*resume, name="rank0", env=_rank_env(hostfile, 0))
     rank1 = spawn(*resume, name="rank1", env=_rank_env(hostfile, 1))
+    _a_waiting_follower_sleeps(rank1)  # rank 0 has no actors yet: it waits for a batch
     second = actors("second")
     assert rank0.wait(timeout=300) == 0, rank0.log_path.read_text()[-3000:]
     assert rank1.wait(timeout=60) == 0, rank1.log_path.read_text()[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_fleet.observe.metrics_http import exposure_warning
+from grpo_fleet.protocol.doorbell import check_bell_endpoint
 from grpo_fleet.protocol.endpoints import (
     advertised,
     dialable,
@@ -88,3 +89,12 @@ def test_metrics_beyond_loopback_are_warned_about_with_what_they_expose(host: st
     assert warning is not None
     assert ":9400" in warning and "without authentication" in warning
     assert "actor ids" in warning and "/sd" in warning and "host:port" in warning
+
+
+def test_rank0s_doorbell_must_be_a_tcp_ip_and_port():
+    assert check_bell_endpoint("tcp://127.0.0.1:40000") == "tcp://127.0.0.1:40000"
+    assert check_bell_endpoint("tcp://[::1]:5") == "tcp://[::1]:5"
+    for bad in ("ipc:///tmp/x", "tcp://example.com:1", "tcp://127.0.0.1", "tcp://127.0.0.1:1; rm", 7, None,
+                "tcp://127.0.0.1:123456"):
+        with pytest.raises(ValueError, match="doorbell"):
+            check_bell_endpoint(bad)

@@ -123,6 +123,7 @@ class _Wire:
 
     def __init__(self, words: list[np.ndarray]) -> None:
         self.rank, self.size, self.ring_key, self.sequence = 1, 2, SECRET, 0
+        self.bell = self.listener = None  # no doorbell: the broadcast is the wait
         self.refusals: Counter[str] = Counter()
         self.words, self.asked = words, []
 

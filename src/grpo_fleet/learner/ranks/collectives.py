@@ -29,6 +29,7 @@ from mlx.utils import tree_unflatten
 from grpo_fleet.config import DistributedConfig
 from grpo_fleet.learner.ranks.ring_trust import RingRefused, hostfile_addresses
 from grpo_fleet.learner.ranks.sharding import DIGEST_WORDS, buckets, weights_digest
+from grpo_fleet.protocol.doorbell import BellListener, Doorbell
 from grpo_fleet.runtime.exit_codes import RANKS_FAILED
 from grpo_fleet.runtime.trees import flat_leaves
 
@@ -148,6 +149,10 @@ class RankGroup:
         self.sequence = 0  # commands rank 0 has sent (or this rank has taken): each header's tag covers it
         self.gathers = 0  # checked gathers run (ring_guard.gather_checked): each contribution's tag covers it
         self.refusals: Counter[str] = Counter()  # by reason: knocks at the ring door, and the ring's proofs
+        # Rank 0 rings `bell` while it sends a command; the others sleep on `listener` until it does
+        # (protocol/doorbell.py: MLX's ring spins while it waits). None before the run is shared, or off the ring.
+        self.bell: Optional[Doorbell] = None
+        self.listener: Optional[BellListener] = None
 
     def peers(self) -> str:
         others = [r for r in range(self.size) if r != self.rank]

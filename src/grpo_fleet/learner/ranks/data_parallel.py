@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -111,7 +112,8 @@ class DataParallel:
         self.ranks.sequence += 1
         signed = replace(header, head_tag=self._tag(sequence, unsigned, None),
                          tag=self._tag(sequence, unsigned, [signable(a) for a in arrays]))
-        self.ranks.broadcast([mx.array(signed.encode())], f"{header.command.name.lower()} command")
+        with self.ranks.bell.ringing(sequence) if self.ranks.bell is not None else nullcontext():
+            self.ranks.broadcast([mx.array(signed.encode())], f"{header.command.name.lower()} command")
         self.last_command = time.monotonic()
 
     def _tag(self, sequence: int, unsigned: np.ndarray, arrays: Optional[list[np.ndarray]]) -> bytes:
@@ -132,6 +134,8 @@ class DataParallel:
     def receive(self) -> Header:
         """The others: rank 0's next command (waited for up to `idle_timeout_seconds`), its fields checked before
         anything is allocated for the batch a step announces (that batch is checked in `receive_batch`)."""
+        if self.ranks.listener is not None and not self.ranks.listener.wait(self.ranks.sequence):
+            log.debug("rank %d: no word from rank 0's doorbell for three heartbeats; waiting in the ring", self.ranks.rank)
         (words,) = self.ranks.broadcast([mx.zeros(HEADER_SIZE, dtype=mx.int32)], "waiting for rank 0's next command",
                                         idle=True)
         try:

@@ -32,10 +32,12 @@ from grpo_fleet.learner.ranks.ring_guard import (
     check_backend,
     check_network,
     check_state,
+    rank0_host,
     send_signed,
 )
 from grpo_fleet.learner.ranks.sharding import Command, Header, check_rows_cover_ranks
 from grpo_fleet.learner.step.trainer import Trainer
+from grpo_fleet.protocol.doorbell import open_bell
 from grpo_fleet.runtime.trees import flat_leaves
 
 log = logging.getLogger("grpo_fleet.learner.ranks")
@@ -76,15 +78,17 @@ def share_state(ranks: RankGroup, trainer: Trainer, layout: dict[str, list[tuple
             trainer.set_optimizer_state(tree_unflatten(pairs))
 
 
-def setup_message(cfg: RunConfig, trainer: Trainer, model_digest: str) -> dict[str, Any]:
-    """What rank 0 tells the others before the first step: the run config, the model, the state's layout."""
+def setup_message(cfg: RunConfig, trainer: Trainer, model_digest: str, bell: Optional[str]) -> dict[str, Any]:
+    """What rank 0 tells the others before the first step: the run config, the model, the state's layout, and
+    where its doorbell rings (None: off the ring backend, the others wait in the collective)."""
     return {"config": cfg.model_dump(mode="json"), "model_path": trainer.policy.path, "model_digest": model_digest,
-            "layout": state_layout(trainer)}
+            "layout": state_layout(trainer), "doorbell": bell}
 
 
 def start_rank0(ranks: RankGroup, cfg: RunConfig, trainer: Trainer, model_digest: str, step: int) -> None:
     """Rank 0, its learner built (and resumed): hand the others the run and the state, then shard every step."""
-    setup = setup_message(cfg, trainer, model_digest)
+    ranks.bell = open_bell(rank0_host(cfg.distributed), cfg.distributed.keepalive_seconds)
+    setup = setup_message(cfg, trainer, model_digest, None if ranks.bell is None else ranks.bell.endpoint)
     send_signed(ranks, json.dumps(setup).encode(), "run config")
     share_state(ranks, trainer, setup["layout"])
     check_state(ranks, trainer.policy.model.trainable_parameters(), trainer.optimizer.state)
@@ -102,6 +106,9 @@ def stop_others(ranks: RankGroup) -> None:
     """The run is over, or rank 0 was stopped and has checkpointed: the others exit 0."""
     DataParallel(ranks, 1).send(Header(Command.STOP))
     log.info("told the other %d ranks to stop", ranks.size - 1)
+    if ranks.bell is not None:
+        ranks.bell.close()
+        ranks.bell = None
 
 
 def check_batch_fits(cfg: RunConfig, size: int) -> None:

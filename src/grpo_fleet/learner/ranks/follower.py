@@ -1,4 +1,4 @@
-"""A data-parallel learner rank other than 0: no sockets but MLX's, no run directory.
+"""A data-parallel learner rank other than 0: no sockets but MLX's and rank 0's doorbell, no run directory.
 
 It waits for rank 0's run config, loads the same model (the same path, as an
 actor does), takes rank 0's weights and optimizer state, and then trains its
@@ -23,6 +23,7 @@ from grpo_fleet.learner.ranks.ring_trust import RingRefused
 from grpo_fleet.learner.ranks.sharding import Command
 from grpo_fleet.learner.step.trainer import Trainer, load_trainer
 from grpo_fleet.models.loading import model_digest
+from grpo_fleet.protocol.doorbell import BellListener
 from grpo_fleet.runtime.exit_codes import DONE, REFUSED
 from grpo_fleet.runtime.trees import flat_leaves
 
@@ -41,6 +42,13 @@ def join_run(ranks: RankGroup) -> tuple[RunConfig, Trainer]:
         raise SetupRefused(f"rank 0 did not start: {setup['refused']}")
     cfg = RunConfig.model_validate(setup["config"])
     ranks.cfg = cfg.distributed  # rank 0's bounds from here on
+    if setup.get("doorbell") is not None:  # subscribed now, so that it is connected before the first command
+        if ranks.listener is not None:  # a group that joins run after run (tests/data_parallel_driver.py)
+            ranks.listener.close()
+        try:
+            ranks.listener = BellListener(setup["doorbell"], cfg.distributed.keepalive_seconds)
+        except ValueError as exc:
+            raise SetupRefused(str(exc)) from None
     path = setup["model_path"]
     trainer = load_trainer(cfg, path)  # the Trainer rank 0 built: same model, objective, optimizer
     layout = state_layout(trainer)
@@ -99,7 +107,8 @@ def _follow(sharding: DataParallel, trainer: Trainer, metrics: FollowerMetrics, 
             # This rank's trainable weights shape those of the versions its rows of older groups are checked at.
             batch = sharding.receive_batch(header, flat_leaves(trainer.policy.model.trainable_parameters()))
             metrics.observe_step(started, trainer.step(batch).recomputed_rows)
-        elif header.command == Command.KEEPALIVE:
+        elif header.command == Command.KEEPALIVE and sharding.ranks.listener is None:
             # Rank 0 is idle and will not be back for about keepalive_seconds. MLX's ring spins a core while
             # it waits in a collective, so sleep most of that away (the first step after idling waits for it).
+            # With rank 0's doorbell, `sharding.receive` sleeps until rank 0 sends instead.
             time.sleep(IDLE_SLEEP_SHARE * keepalive_seconds)

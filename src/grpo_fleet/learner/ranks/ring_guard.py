@@ -74,12 +74,17 @@ def check_backend(cfg: DistributedConfig) -> None:
                           "the ring backend (mlx.launch --backend ring) with keys")
 
 
-def door_endpoint(cfg: DistributedConfig) -> Optional[str]:
-    """Rank 0's ring door: its first ring address's host at `door_port`; None off the ring backend."""
+def rank0_host(cfg: DistributedConfig) -> Optional[str]:
+    """Rank 0's first ring address's host, where its ring door and doorbell listen; None off the ring backend."""
     hosts = ring_hostfile(cfg, os.environ)
-    if not hosts or not hosts[0]:
+    return host_of(hosts[0][0]) if hosts and hosts[0] else None
+
+
+def door_endpoint(cfg: DistributedConfig) -> Optional[str]:
+    """Rank 0's ring door: `rank0_host` at `door_port`; None off the ring backend."""
+    host = rank0_host(cfg)
+    if host is None:
         return None
-    host = host_of(hosts[0][0])
     return f"tcp://[{host}]:{cfg.door_port}" if ":" in host else f"tcp://{host}:{cfg.door_port}"
 
 

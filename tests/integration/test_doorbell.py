@@ -1,0 +1,72 @@
+"""Rank 0's doorbell on 127.0.0.1 (protocol/doorbell.py): the other ranks sleep until it rings for the command
+they wait for, heartbeats keep them asleep, and silence sends them into the ring unannounced."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from grpo_fleet.protocol.doorbell import REPEAT_SECONDS, BellListener, Doorbell
+
+HEARTBEAT = 0.1
+
+
+def _woken_after(listener: BellListener, command: int, results: list[tuple[bool, float, float]]) -> threading.Thread:
+    """A thread waiting on `listener` for `command`: appends (rang, seconds waited, CPU seconds it took)."""
+
+    def wait() -> None:
+        started, cpu = time.monotonic(), time.thread_time()
+        rang = listener.wait(command)
+        results.append((rang, time.monotonic() - started, time.thread_time() - cpu))
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread
+
+
+def test_a_rank_sleeps_through_heartbeats_and_wakes_when_rank0_sends_its_command():
+    bell = Doorbell("127.0.0.1", HEARTBEAT)
+    listener = BellListener(bell.endpoint, HEARTBEAT)
+    try:
+        results: list[tuple[bool, float, float]] = []
+        waiting = _woken_after(listener, 3, results)
+        with bell.ringing(2):  # an earlier command's ring (one this rank has taken already) wakes nobody
+            time.sleep(1.0)
+        time.sleep(1.0)  # heartbeats only: 20 of them
+        assert results == [], "woken by a heartbeat or an old command's ring"
+        with bell.ringing(3):
+            waiting.join(timeout=5)
+        (rang, waited, cpu), = results
+        assert rang and 2.0 <= waited < 2.0 + 5 * REPEAT_SECONDS + 1.0
+        assert cpu < 0.2, f"the wait took {cpu:.2f} CPU s of {waited:.1f} s: it should sleep, not spin"
+        assert listener.missed == 0
+    finally:
+        listener.close()
+        bell.close()
+
+
+def test_a_ring_sent_before_the_rank_subscribed_is_repeated_until_the_broadcast_ends():
+    bell = Doorbell("127.0.0.1", HEARTBEAT)
+    try:
+        with bell.ringing(0):
+            listener = BellListener(bell.endpoint, HEARTBEAT)  # subscribes while rank 0 already rings
+            try:
+                assert listener.wait(0)
+            finally:
+                listener.close()
+    finally:
+        bell.close()
+
+
+def test_three_silent_heartbeats_send_the_rank_into_the_ring_unannounced():
+    bell = Doorbell("127.0.0.1", HEARTBEAT)
+    listener = BellListener(bell.endpoint, HEARTBEAT)
+    try:
+        time.sleep(0.5)  # connected, heartbeats queued
+        bell.close()  # rank 0 gone: no more heartbeats
+        started = time.monotonic()
+        assert listener.wait(5) is False
+        assert 3 * HEARTBEAT <= time.monotonic() - started < 3 * HEARTBEAT + 2.0
+        assert listener.missed == 1
+    finally:
+        listener.close()

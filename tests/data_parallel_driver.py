@@ -24,8 +24,8 @@ import numpy as np
 
 from grpo_fleet.config import RunConfig
 from grpo_fleet.learner.ranks.collectives import RankGroup, launched_rank
-from grpo_fleet.learner.ranks.distributed import DataParallel, connect, start_rank0, stop_others
-from grpo_fleet.learner.ranks.follower import join_run
+from grpo_fleet.learner.ranks.distributed import DataParallel, connect, share_doorbell, start_rank0, stop_others
+from grpo_fleet.learner.ranks.follower import join_doorbell, join_run
 from grpo_fleet.learner.ranks.rank_metrics import FollowerMetrics, follower_metrics
 from grpo_fleet.learner.ranks.sharding import Command, weights_digest
 from grpo_fleet.learner.records.groups import AcceptedGroup, CompletionRecord
@@ -151,7 +151,13 @@ def main(model_dir: str, out_dir: str, steps: int) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rank = launched_rank()
-    ranks = None if rank is None else connect(run_config(model_dir, "lora", "grpo").distributed, rank, authenticated=False)
+    distributed = run_config(model_dir, "lora", "grpo").distributed
+    ranks = None if rank is None else connect(distributed, rank, authenticated=False)
+    if ranks is not None:  # as the learner does once the ring is proven
+        if ranks.rank == 0:
+            share_doorbell(ranks, distributed)
+        else:
+            join_doorbell(ranks)
     for mode in MODES:
         for variant in VARIANTS:
             if ranks is not None and ranks.rank > 0:

@@ -62,13 +62,19 @@ def one_rank(path: str, mode: str, repeats: int) -> float:
 
 def ranked(path: str, mode: str, repeats: int, out: Path) -> None:
     """One rank of the 2-rank run (`two_ranks`); rank 0 writes its step and all-sum figures to `out`."""
-    from grpo_fleet.learner.ranks.distributed import DataParallel, connect
+    from grpo_fleet.learner.ranks.distributed import DataParallel, connect, share_doorbell
+    from grpo_fleet.learner.ranks.follower import join_doorbell
     from grpo_fleet.learner.ranks.sharding import Command, Header
 
     rank = launched_rank()
     assert rank is not None, "run with MLX_RANK and MLX_HOSTFILE set (two_ranks)"
-    ranks = connect(DistributedConfig(timeout_seconds=600, idle_timeout_seconds=600), rank, authenticated=False)
+    cfg = DistributedConfig(timeout_seconds=600, idle_timeout_seconds=600)
+    ranks = connect(cfg, rank, authenticated=False)
     assert ranks is not None, "needs 2 ranks"
+    if rank == 0:  # the ranks wait for rank 0's commands as the learner's do
+        share_doorbell(ranks, cfg)
+    else:
+        join_doorbell(ranks)
     trainer = _trainer(path, mode)
     sharding = DataParallel(ranks, digest_every=10**9)
     trainer.sharding = sharding

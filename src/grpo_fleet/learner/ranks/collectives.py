@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional
 
@@ -153,6 +153,21 @@ class RankGroup:
         # (protocol/doorbell.py: MLX's ring spins while it waits). None before the run is shared, or off the ring.
         self.bell: Optional[Doorbell] = None
         self.listener: Optional[BellListener] = None
+        self.rings = 0  # broadcasts rank 0 has announced on its doorbell (or this rank has waited for)
+
+    @contextmanager
+    def announced(self) -> Iterator[None]:
+        """Around a broadcast that the others wait for, maybe for minutes: rank 0 rings its doorbell through it;
+        the others first sleep until it rings, or until it has been silent for three heartbeats."""
+        number = self.rings
+        self.rings += 1
+        if self.rank == 0:
+            with self.bell.ringing(number) if self.bell is not None else nullcontext():
+                yield
+            return
+        if self.listener is not None and not self.listener.wait(number):
+            log.info("rank %d: no word from rank 0's doorbell for three heartbeats; waiting in the ring", self.rank)
+        yield
 
     def peers(self) -> str:
         others = [r for r in range(self.size) if r != self.rank]

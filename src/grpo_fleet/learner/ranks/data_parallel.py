@@ -9,7 +9,6 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -112,7 +111,7 @@ class DataParallel:
         self.ranks.sequence += 1
         signed = replace(header, head_tag=self._tag(sequence, unsigned, None),
                          tag=self._tag(sequence, unsigned, [signable(a) for a in arrays]))
-        with self.ranks.bell.ringing(sequence) if self.ranks.bell is not None else nullcontext():
+        with self.ranks.announced():
             self.ranks.broadcast([mx.array(signed.encode())], f"{header.command.name.lower()} command")
         self.last_command = time.monotonic()
 
@@ -134,10 +133,9 @@ class DataParallel:
     def receive(self) -> Header:
         """The others: rank 0's next command (waited for up to `idle_timeout_seconds`), its fields checked before
         anything is allocated for the batch a step announces (that batch is checked in `receive_batch`)."""
-        if self.ranks.listener is not None and not self.ranks.listener.wait(self.ranks.sequence):
-            log.debug("rank %d: no word from rank 0's doorbell for three heartbeats; waiting in the ring", self.ranks.rank)
-        (words,) = self.ranks.broadcast([mx.zeros(HEADER_SIZE, dtype=mx.int32)], "waiting for rank 0's next command",
-                                        idle=True)
+        with self.ranks.announced():
+            (words,) = self.ranks.broadcast([mx.zeros(HEADER_SIZE, dtype=mx.int32)],
+                                            "waiting for rank 0's next command", idle=True)
         try:
             header = Header.decode(np.array(words))
         except ValueError as exc:

@@ -78,18 +78,31 @@ def share_state(ranks: RankGroup, trainer: Trainer, layout: dict[str, list[tuple
             trainer.set_optimizer_state(tree_unflatten(pairs))
 
 
-def setup_message(cfg: RunConfig, trainer: Trainer, model_digest: str, bell: Optional[str]) -> dict[str, Any]:
-    """What rank 0 tells the others before the first step: the run config, the model, the state's layout, and
-    where its doorbell rings (None: off the ring backend, the others wait in the collective)."""
+def setup_message(cfg: RunConfig, trainer: Trainer, model_digest: str) -> dict[str, Any]:
+    """What rank 0 tells the others before the first step: the run config, the model, the state's layout."""
     return {"config": cfg.model_dump(mode="json"), "model_path": trainer.policy.path, "model_digest": model_digest,
-            "layout": state_layout(trainer), "doorbell": bell}
+            "layout": state_layout(trainer)}
+
+
+def share_doorbell(ranks: RankGroup, cfg: DistributedConfig) -> None:
+    """Rank 0, as soon as the ring is proven: open its doorbell and tell the others where it rings (null off the
+    ring backend), before the minutes it may take to load the model, calibrate and resume."""
+    ranks.bell = open_bell(rank0_host(cfg), cfg.keepalive_seconds)
+    where = None if ranks.bell is None else {"endpoint": ranks.bell.endpoint, "heartbeat": cfg.keepalive_seconds}
+    send_signed(ranks, json.dumps(where).encode(), "doorbell")
+
+
+def close_doorbell(ranks: RankGroup) -> None:
+    if ranks.bell is not None:
+        ranks.bell.close()
+        ranks.bell = None
 
 
 def start_rank0(ranks: RankGroup, cfg: RunConfig, trainer: Trainer, model_digest: str, step: int) -> None:
     """Rank 0, its learner built (and resumed): hand the others the run and the state, then shard every step."""
-    ranks.bell = open_bell(rank0_host(cfg.distributed), cfg.distributed.keepalive_seconds)
-    setup = setup_message(cfg, trainer, model_digest, None if ranks.bell is None else ranks.bell.endpoint)
-    send_signed(ranks, json.dumps(setup).encode(), "run config")
+    setup = setup_message(cfg, trainer, model_digest)
+    with ranks.announced():
+        send_signed(ranks, json.dumps(setup).encode(), "run config")
     share_state(ranks, trainer, setup["layout"])
     check_state(ranks, trainer.policy.model.trainable_parameters(), trainer.optimizer.state)
     ranks.check_identical(trainer.policy.model.trainable_parameters(), step)
@@ -99,16 +112,14 @@ def start_rank0(ranks: RankGroup, cfg: RunConfig, trainer: Trainer, model_digest
 
 def refuse_others(ranks: RankGroup, reason: str) -> None:
     """Rank 0 could not start (bad config, no memory): tell the others, who are waiting for the run config."""
-    send_signed(ranks, json.dumps({"refused": reason}).encode(), "run config")
+    with ranks.announced():
+        send_signed(ranks, json.dumps({"refused": reason}).encode(), "run config")
 
 
 def stop_others(ranks: RankGroup) -> None:
     """The run is over, or rank 0 was stopped and has checkpointed: the others exit 0."""
     DataParallel(ranks, 1).send(Header(Command.STOP))
     log.info("told the other %d ranks to stop", ranks.size - 1)
-    if ranks.bell is not None:
-        ranks.bell.close()
-        ranks.bell = None
 
 
 def check_batch_fits(cfg: RunConfig, size: int) -> None:
@@ -145,6 +156,7 @@ def rank0_session(ranks: RankGroup, cfg: RunConfig) -> Iterator[Callable[[Traine
     """
     started = False
     admit_ranks(ranks, cfg)  # before anything of the run is shared; a refusal (RingRefused) tells the others nothing
+    share_doorbell(ranks, cfg.distributed)
 
     def start(trainer: Trainer, model_digest: str, step: int, metrics_registry: CollectorRegistry) -> None:
         nonlocal started
@@ -160,8 +172,10 @@ def rank0_session(ranks: RankGroup, cfg: RunConfig) -> Iterator[Callable[[Traine
             refuse_others(ranks, f"{type(exc).__name__}: {exc}")
         else:
             stop_others(ranks)
+        close_doorbell(ranks)
         raise
     if started:
         stop_others(ranks)
     else:
         refuse_others(ranks, "rank 0 did not start; see its log")
+    close_doorbell(ranks)

@@ -24,6 +24,7 @@ from grpo_fleet.learner.ranks.sharding import Command
 from grpo_fleet.learner.step.trainer import Trainer, load_trainer
 from grpo_fleet.models.loading import model_digest
 from grpo_fleet.protocol.doorbell import BellListener
+from grpo_fleet.protocol.logsafe import shown
 from grpo_fleet.runtime.exit_codes import DONE, REFUSED
 from grpo_fleet.runtime.trees import flat_leaves
 
@@ -37,18 +38,12 @@ class SetupRefused(RuntimeError):
 
 def join_run(ranks: RankGroup) -> tuple[RunConfig, Trainer]:
     """Rank 0's run config, the model loaded and checked, and rank 0's weights and optimizer state."""
-    setup: dict[str, Any] = json.loads(receive_signed(ranks, "run config"))
+    with ranks.announced():  # asleep while rank 0 loads the model, calibrates and resumes
+        setup: dict[str, Any] = json.loads(receive_signed(ranks, "run config"))
     if "refused" in setup:
         raise SetupRefused(f"rank 0 did not start: {setup['refused']}")
     cfg = RunConfig.model_validate(setup["config"])
     ranks.cfg = cfg.distributed  # rank 0's bounds from here on
-    if setup.get("doorbell") is not None:  # subscribed now, so that it is connected before the first command
-        if ranks.listener is not None:  # a group that joins run after run (tests/data_parallel_driver.py)
-            ranks.listener.close()
-        try:
-            ranks.listener = BellListener(setup["doorbell"], cfg.distributed.keepalive_seconds)
-        except ValueError as exc:
-            raise SetupRefused(str(exc)) from None
     path = setup["model_path"]
     trainer = load_trainer(cfg, path)  # the Trainer rank 0 built: same model, objective, optimizer
     layout = state_layout(trainer)
@@ -62,6 +57,23 @@ def join_run(ranks: RankGroup) -> tuple[RunConfig, Trainer]:
     return cfg, trainer
 
 
+def join_doorbell(ranks: RankGroup) -> None:
+    """Subscribe to rank 0's doorbell (distributed.share_doorbell), if it has one."""
+    try:
+        where = json.loads(receive_signed(ranks, "doorbell"))
+    except ValueError:
+        raise SetupRefused("rank 0's doorbell message is not JSON") from None
+    if where is None:
+        return
+    heartbeat = where.get("heartbeat") if isinstance(where, dict) else None
+    if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool) or not 0 < heartbeat <= 3600:
+        raise SetupRefused(f"rank 0's doorbell {shown(str(where))} names no heartbeat of 0 to 3600 s")
+    try:
+        ranks.listener = BellListener(where.get("endpoint"), float(heartbeat))
+    except ValueError as exc:
+        raise SetupRefused(str(exc)) from None
+
+
 def _names(layout: dict[str, Any]) -> list[list[str]]:
     # Sorted: a resumed optimizer state comes back from its file in another order; arrays travel by name.
     return [sorted(entry[0] for entry in layout[part]) for part in ("weights", "optimizer")]
@@ -73,6 +85,7 @@ def run_follower(ranks: RankGroup) -> int:
         signal.signal(stop, lambda *_: log.info("rank %d: stop signal ignored; rank 0 says when", ranks.rank))
     try:
         enter_ring(ranks)  # rank 0 authenticated (with keys) and every rank's proof checked, before anything is shared
+        join_doorbell(ranks)
         cfg, trainer = join_run(ranks)
     except SetupRefused as exc:
         log.error("rank %d: %s", ranks.rank, exc)

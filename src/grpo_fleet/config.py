@@ -663,9 +663,9 @@ class DistributedConfig(_Section):
     )
     keepalive_seconds: float = Field(
         2.0, gt=0,
-        description="While waiting for a batch, rank 0 tells the other ranks it is alive this often; they sleep "
-        "most of the gap (MLX's ring spins a core while it waits), so the first step after idling starts up to "
-        "0.8 of this later.",
+        description="While waiting for a batch, rank 0 tells the other ranks it is alive this often, and its "
+        "doorbell heartbeats as often: the others sleep until it rings, and step into the ring unannounced after "
+        "three silent heartbeats (MLX's ring spins a core while it waits; docs/data-parallel.md, 'Cost').",
     )
     digest_every: int = Field(
         10, ge=1, description="Every this many steps the ranks check their weights are bitwise identical."

@@ -145,6 +145,8 @@ def _both_ranks_export_their_collectives(port: int) -> None:
     assert rank1.value("grpo_fleet_learner_rank_steps_total", rank="1") >= 1
     assert rank1.value("grpo_fleet_learner_rank_step_seconds_count", rank="1") >= 1
     assert rank1.value("grpo_fleet_learner_steps_total") == 0, "rank 1 serves its own page, not the learner's"
+    # Rank 1 slept on rank 0's doorbell for each command (the run config and every step at least).
+    assert rank1.value("grpo_fleet_learner_rank_doorbell_waits_total", rank="1", result="rang") >= 6, rank1.text[:3000]
 
 
 def _cpu_seconds(pid: int) -> float:

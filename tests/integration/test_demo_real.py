@@ -70,4 +70,10 @@ def _check_adapter(checkpoint: Path) -> None:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True, tokenize=False)
     reply = mlx_lm.generate(model, tokenizer, prompt, max_tokens=12)
-    assert "Paris" in reply, reply
+    assert isinstance(reply, str) and reply.strip(), reply
+    # The model kept what it knew. Not the greedy reply's first words: after two steps of a batch this small, one run
+    # in many opened with "L'Étoile, la Marseillaise," while it still gave " Paris" 0.96 of the next token here.
+    ids = tokenizer.encode(prompt + "The capital of France is", add_special_tokens=False)
+    probabilities = mx.softmax(model(mx.array([ids]))[0, -1].astype(mx.float32))
+    best = int(mx.argmax(probabilities).item())
+    assert tokenizer.decode([best]) == " Paris" and probabilities[best].item() > 0.5, (reply, tokenizer.decode([best]))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -117,6 +119,10 @@ class _Wire:
         self.rank, self.size, self.ring_key, self.sequence = rank, 2, key, 0
         self.refusals: Counter[str] = Counter()
         self.sent = sent
+        self.listener: Any = None  # rank 0's doorbell, as a follower hears it
+
+    def announced(self) -> Any:
+        return nullcontext()  # no doorbell: the broadcast is the wait
 
     def broadcast(self, arrays: list, what: str, *, idle: bool = False) -> list:
         if self.rank == 0:
@@ -185,6 +191,18 @@ def test_the_ring_refusals_are_exported_by_reason_and_rank():
     name = "grpo_fleet_learner_ring_refusals_total"
     assert registry.get_sample_value(name, {"reason": "key not allowed", "rank": "0"}) == 2
     assert registry.get_sample_value(name, {"reason": "malformed knock", "rank": "0"}) == 1
+    assert registry.get_sample_value("grpo_fleet_learner_rank_doorbell_waits_total", {"result": "rang", "rank": "0"}) is None
+
+
+def test_a_followers_doorbell_waits_are_exported_by_how_they_ended():
+    wire = _Wire(1, [], SECRET)
+    wire.totals = {}  # type: ignore[attr-defined]
+    wire.listener = SimpleNamespace(rang=7, missed=2)
+    registry = CollectorRegistry()
+    registry.register(CollectiveTotals(cast(Any, wire)))
+    name = "grpo_fleet_learner_rank_doorbell_waits_total"
+    assert registry.get_sample_value(name, {"result": "rang", "rank": "1"}) == 7
+    assert registry.get_sample_value(name, {"result": "silent", "rank": "1"}) == 2
 
 
 def _weights(scale: float) -> tuple[tuple[str, mx.array], ...]:

@@ -83,7 +83,7 @@ def _rank_registry() -> CollectorRegistry:
     from grpo_fleet.learner.ranks.collectives import RankGroup
     from grpo_fleet.learner.ranks.rank_metrics import follower_metrics
 
-    ranks = SimpleNamespace(rank=1, totals={}, refusals={})
+    ranks = SimpleNamespace(rank=1, totals={}, refusals={}, listener=SimpleNamespace(rang=0, missed=0))
     return follower_metrics(cast(RankGroup, ranks)).registry
 
 

@@ -110,6 +110,7 @@ class BellListener:
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.connect(check_bell_endpoint(endpoint))
         self._silence_ms = max(1, int(MISSED_HEARTBEATS * heartbeat * 1000))
+        self.rang = 0  # waits that ended on rank 0's ring
         self.missed = 0  # waits that heard nothing for three heartbeats and stepped into the ring unannounced
 
     def wait(self, command: int) -> bool:
@@ -118,6 +119,7 @@ class BellListener:
         while self._sock.poll(self._silence_ms, zmq.POLLIN):
             frame = self._sock.recv(zmq.NOBLOCK)
             if len(frame) == _RING_BYTES and int.from_bytes(frame, "big") >= command:
+                self.rang += 1
                 return True
         self.missed += 1
         return False

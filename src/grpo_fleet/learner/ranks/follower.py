@@ -8,6 +8,7 @@ SIGINT are left to rank 0: it checkpoints, then tells this rank to stop.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import signal
@@ -86,6 +87,9 @@ def run_follower(ranks: RankGroup) -> int:
     try:
         enter_ring(ranks)  # rank 0 authenticated (with keys) and every rank's proof checked, before anything is shared
         join_doorbell(ranks)
+        # mlx-lm's import (over a CPU second, most of it transformers) now, while rank 0 loads the model and
+        # calibrates: after the run config it would keep rank 0 spinning in share_state for this rank's load.
+        importlib.import_module("mlx_lm")
         cfg, trainer = join_run(ranks)
     except SetupRefused as exc:
         log.error("rank %d: %s", ranks.rank, exc)

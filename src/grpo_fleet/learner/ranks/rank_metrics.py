@@ -47,9 +47,18 @@ class CollectiveTotals(Collector):
                                       "tag), a broadcast of bytes past its bound (oversized)", labels=["reason", "rank"])
         for reason, count in sorted(self.ranks.refusals.items()):
             refused.add_metric([reason, str(self.ranks.rank)], count)
+        waits = CounterMetricFamily(f"{LEARNER}_rank_doorbell_waits", "A rank other than 0's waits for rank 0's next "
+                                    "broadcast on its doorbell, by how they ended: rang, or silent (three heartbeats "
+                                    "unheard; the rank waited in MLX's ring instead, spinning a core)",
+                                    labels=["result", "rank"])
+        listener = self.ranks.listener
+        if listener is not None:
+            waits.add_metric(["rang", str(self.ranks.rank)], listener.rang)
+            waits.add_metric(["silent", str(self.ranks.rank)], listener.missed)
         yield seconds
         yield sent
         yield refused
+        yield waits
 
 
 @dataclass

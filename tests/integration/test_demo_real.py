@@ -26,7 +26,7 @@ def test_demo_real_trains_the_pretrained_model_and_leaves_a_loadable_adapter(smo
     run_dir = tmp_path / "demo-real"
     args = [sys.executable, "-m", "grpo_fleet", "demo", "--model", "smollm2-135m-instruct", "--steps", str(STEPS),
             "--run-dir", str(run_dir), "--no-progress",
-            "--set", f"train.eval_every={STEPS}", "--set", f"task.num_eval={EVAL_PROMPTS}",
+            "--set", f"train.eval_every={STEPS}", "--set", f"task.num_eval={EVAL_PROMPTS}", "--set", "train.eval_samples=1",
             "--set", "train.log_samples_every=1", "--set", f"train.checkpoint_every={STEPS}",
             # The plumbing, not the demo's 4 groups x 8: a quarter of the rollouts and of each step. A batch
             # that small is a noisy gradient; at a fifth of the demo's rate two steps still train the adapter

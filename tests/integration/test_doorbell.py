@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from grpo_fleet.protocol.doorbell import REPEAT_SECONDS, BellListener, Doorbell
+from grpo_fleet.protocol.doorbell import REPEAT_SECONDS, BellListener, Doorbell, open_bell
 
 HEARTBEAT = 0.1
 
@@ -70,3 +70,17 @@ def test_three_silent_heartbeats_send_the_rank_into_the_ring_unannounced():
         assert listener.missed == 1
     finally:
         listener.close()
+
+
+def test_a_rank_on_ipv6_loopback_hears_the_bell_and_an_address_rank0_cannot_bind_gives_no_bell():
+    bell = Doorbell("::1", HEARTBEAT)
+    listener = BellListener(bell.endpoint, HEARTBEAT)
+    try:
+        assert bell.endpoint.startswith("tcp://[::1]:")
+        with bell.ringing(0):
+            assert listener.wait(0) and listener.rang == 1
+    finally:
+        listener.close()
+        bell.close()
+    assert open_bell("192.0.2.1", HEARTBEAT) is None  # TEST-NET-1: not an address of this machine
+    assert open_bell(None, HEARTBEAT) is None

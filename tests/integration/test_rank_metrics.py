@@ -13,7 +13,7 @@ from helpers import free_port_pair, scrape
 
 def _metrics(rank: int = 1):
     ranks = SimpleNamespace(rank=rank, totals={"gradient all-sum": [1.5, 4096.0]},  # what RankGroup counts
-                            refusals={"bad tag": 1})
+                            refusals={"bad tag": 1}, listener=SimpleNamespace(rang=5, missed=1))
     return follower_metrics(ranks)  # type: ignore[arg-type]
 
 
@@ -29,6 +29,7 @@ def test_a_rank_serves_its_collectives_and_steps_on_the_learners_port_plus_its_r
         assert page.value("grpo_fleet_learner_collective_bytes_total", rank="1") == 4096.0
         assert page.value("grpo_fleet_learner_rank_steps_total", rank="1") == 1.0
         assert page.value("grpo_fleet_learner_ring_refusals_total", reason="bad tag", rank="1") == 1.0
+        assert page.value("grpo_fleet_learner_rank_doorbell_waits_total", result="silent", rank="1") == 1.0
     finally:
         server.close()
 

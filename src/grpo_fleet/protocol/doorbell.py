@@ -25,6 +25,7 @@ to rank 0's socket alone.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ import zmq
 
 from grpo_fleet.protocol.sockets import bound_endpoint, make_context
 
+log = logging.getLogger("grpo_fleet.learner.ranks")
 REPEAT_SECONDS = 0.2
 MISSED_HEARTBEATS = 3
 _TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[0-9.]+):[0-9]{1,5}")
@@ -57,7 +59,13 @@ class Doorbell:
         sock = self._context.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, _QUEUED)
-        sock.bind_to_random_port(f"tcp://[{host}]" if ":" in host else f"tcp://{host}")
+        sock.setsockopt(zmq.IPV6, 1)  # a ring on IPv6 addresses
+        try:
+            sock.bind_to_random_port(f"tcp://[{host}]" if ":" in host else f"tcp://{host}")
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            self._context.term()
+            raise
         self.endpoint = bound_endpoint(sock)
         self._heartbeat = heartbeat
         self._changed = threading.Condition()
@@ -108,6 +116,7 @@ class BellListener:
         # Rings are 8 bytes; the limit also bounds ZeroMQ's handshake, which needs a few dozen.
         self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.IPV6, 1)
         self._sock.connect(check_bell_endpoint(endpoint))
         self._silence_ms = max(1, int(MISSED_HEARTBEATS * heartbeat * 1000))
         self.rang = 0  # waits that ended on rank 0's ring
@@ -130,5 +139,12 @@ class BellListener:
 
 
 def open_bell(host: Optional[str], heartbeat: float) -> Optional[Doorbell]:
-    """Rank 0's doorbell on its ring address `host`; None without one (a backend other than the ring)."""
-    return Doorbell(host, heartbeat) if host else None
+    """Rank 0's doorbell on its ring address `host`; None without one (a backend other than the ring), or where it
+    cannot bind there: the ranks then wait in the ring, as they did before the bell."""
+    if not host:
+        return None
+    try:
+        return Doorbell(host, heartbeat)
+    except zmq.ZMQError as exc:
+        log.warning("rank 0: no doorbell on %s (%s); the other ranks will wait in MLX's ring, spinning a core", host, exc)
+        return None

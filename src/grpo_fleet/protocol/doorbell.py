@@ -7,13 +7,14 @@ the actors, verifies it, evaluates or writes a checkpoint. With the bell they
 wait in ZeroMQ's poll, which sleeps, and step into the ring only when rank 0
 is sending.
 
-Rank 0 binds a PUB socket on its ring address at a free port and names it in
-the run config; each other rank subscribes. A thread of rank 0 owns the socket
-and publishes two kinds of frame:
-- a ring, the 8-byte number of the command being sent, repeated every
-  `REPEAT_SECONDS` until the broadcast is over, so a ring that is lost (a rank
-  that subscribed late) costs that long, and one for an earlier command is
-  told apart and ignored;
+As soon as the ring is proven, rank 0 binds a PUB socket on its ring address
+at a free port and sends the others its address (learner/ranks/distributed.py,
+`share_doorbell`); each subscribes. A thread of rank 0 owns the socket and
+publishes two kinds of frame:
+- a ring, the 8-byte number of the broadcast being sent (the run config, then
+  each command: `RankGroup.announced`), repeated every `REPEAT_SECONDS` until
+  the broadcast is over, so a ring that is lost (a rank that subscribed late)
+  costs that long, and one for an earlier broadcast is told apart and ignored;
 - a heartbeat, an empty frame every `heartbeat` seconds otherwise.
 
 A rank that hears nothing for three heartbeats (rank 0 stopped, gone, or the
@@ -76,7 +77,7 @@ class Doorbell:
 
     @contextmanager
     def ringing(self, command: int) -> Iterator[None]:
-        """Ring for command number `command` until the block (its broadcast) is over."""
+        """Ring for broadcast number `command` until the block (the broadcast) is over."""
         with self._changed:
             self._sending = command
             self._changed.notify()
@@ -87,6 +88,8 @@ class Doorbell:
                 self._sending = None
 
     def close(self) -> None:
+        if self._closed:
+            return
         with self._changed:
             self._closed = True
             self._changed.notify()
@@ -123,7 +126,7 @@ class BellListener:
         self.missed = 0  # waits that heard nothing for three heartbeats and stepped into the ring unannounced
 
     def wait(self, command: int) -> bool:
-        """Sleep until rank 0 rings for command number `command` (or a later one): True; or until it has been
+        """Sleep until rank 0 rings for broadcast number `command` (or a later one): True; or until it has been
         silent for three heartbeats: False."""
         while self._sock.poll(self._silence_ms, zmq.POLLIN):
             frame = self._sock.recv(zmq.NOBLOCK)

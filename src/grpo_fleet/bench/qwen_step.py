@@ -48,6 +48,7 @@ class Shape:
     group_counts: tuple[int, ...]
     one_shot_sequences: int  # the one-shot path's batch: what it fits in this machine's 24 GB at FULL
     bf16_actor_tokens: int  # bf16 decoding is ~3x slower than fp32 on this CPU, so its lease is shorter
+    micro_batch_tokens: int = 2048  # the flagship config's
 
 
 FULL = Shape(layers=24, prompt_tokens=150, completion_tokens=384, group_counts=(2, 8, 16), one_shot_sequences=4,
@@ -65,11 +66,11 @@ def config_policy(layers: int, dtype: str = "float32") -> Policy:
 
 
 def qwen_config_trainer(layers: int, completion_tokens: int, *, grad_checkpoint: bool = True,
-                        compile: bool = False) -> Trainer:
+                        compile: bool = False, micro_batch_tokens: int = 2048) -> Trainer:
     """The flagship config's learner at `layers` blocks, fp32 weights."""
     grpo = GRPOConfig(beta=0.04, loss_type="dapo", epsilon_high=0.28, groups_per_step=16)
     return Trainer(config_policy(layers), grpo, OptimConfig(lr=1e-5), temperature=0.9,
-                   max_tokens=completion_tokens, micro_batch_tokens=2048, logprob_chunk_tokens=256,
+                   max_tokens=completion_tokens, micro_batch_tokens=micro_batch_tokens, logprob_chunk_tokens=256,
                    grad_checkpoint=grad_checkpoint, compile=compile)
 
 
@@ -139,7 +140,7 @@ def _run_once(fn: Callable[[Trainer, TrainBatch], object], shape: Shape, batch: 
 
 def measure(report: Report, shape: Shape) -> None:
     """The config's step at each of `shape.group_counts` groups: peak memory, seconds and tokens/s."""
-    trainer = qwen_config_trainer(shape.layers, shape.completion_tokens)
+    trainer = qwen_config_trainer(shape.layers, shape.completion_tokens, micro_batch_tokens=shape.micro_batch_tokens)
     vocab = trainer.policy.vocab_size
     label = f"{_label(shape)} step"
     peaks: dict[int, float] = {}

@@ -321,10 +321,12 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from grpo_fleet.runtime import transformers_scan
     from grpo_fleet.runtime.blas import reexec_with_openblas
 
     if argv is None:
         reexec_with_openblas()
+    transformers_scan.install()
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:

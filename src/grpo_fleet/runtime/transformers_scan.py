@@ -9,7 +9,8 @@ that importing mlx-lm costs here (measured with `-X importtime`).
 
 `install()` puts a finder in front of Python's import system that, the moment `transformers.models` is first
 imported, makes the second walk a cache hit: a file path is looked up as its folder, which is what the walk itself
-does with it. Where transformers' internals are not what this expects, it changes nothing.
+does with it. Where transformers' internals are not what this expects, it changes nothing. Upstream's work on this
+import's time is huggingface/transformers#44246; once a release walks the folders once, this can go.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ MODELS_PACKAGE = "transformers.models"
 def share_scan(import_utils: Any) -> bool:
     """Key `import_utils`'s cached folder walk by folder, so that a package's `__init__.py` hits its folder's entry."""
     walk = getattr(import_utils, "create_import_structure_from_path", None)
-    if walk is None or not hasattr(walk, "cache_info") or getattr(walk, "keyed_by_folder", False):
+    if walk is None or not hasattr(walk, "cache_info"):  # not the cached walk, or already keyed by folder
         return False
 
     def keyed_by_folder(module_path: Any) -> Any:
@@ -35,7 +35,6 @@ def share_scan(import_utils: Any) -> bool:
             module_path = Path(os.path.dirname(module_path))
         return walk(module_path)
 
-    keyed_by_folder.keyed_by_folder = True  # type: ignore[attr-defined]
     import_utils.create_import_structure_from_path = keyed_by_folder
     return True
 

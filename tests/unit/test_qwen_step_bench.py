@@ -1,4 +1,4 @@
-"""The real-shape learner-step benchmark's quick variant: full vocabulary, one block, short sequences."""
+"""The real-shape learner-step benchmark's step (`measure`): full vocabulary, one block, short sequences."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ SHORT = replace(QUICK, prompt_tokens=16, completion_tokens=24, micro_batch_token
 
 
 @pytest.mark.slow
-def test_quick_qwen_config_step_reports_bounded_peak_memory(realshape_model_dir, realshape_cache_dir, monkeypatch):
+def test_the_config_step_keeps_its_peak_memory_when_the_groups_double(realshape_model_dir, realshape_cache_dir,
+                                                                      monkeypatch):
     monkeypatch.setenv("GRPO_FLEET_MODEL_CACHE", str(realshape_cache_dir))  # reuse the session's build
     report = Report()
     measure(report, SHORT)

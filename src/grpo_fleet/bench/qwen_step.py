@@ -38,6 +38,7 @@ from grpo_fleet.models.loading import Policy, load_policy
 from grpo_fleet.models.realshape import build_realshape
 
 GIB = float(1 << 30)
+FLAGSHIP_MICRO_BATCH_TOKENS = 2048  # the flagship config's train.micro_batch_tokens
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Shape:
     group_counts: tuple[int, ...]
     one_shot_sequences: int  # the one-shot path's batch: what it fits in this machine's 24 GB at FULL
     bf16_actor_tokens: int  # bf16 decoding is ~3x slower than fp32 on this CPU, so its lease is shorter
-    micro_batch_tokens: int = 2048  # the flagship config's
+    micro_batch_tokens: int = FLAGSHIP_MICRO_BATCH_TOKENS
 
 
 FULL = Shape(layers=24, prompt_tokens=150, completion_tokens=384, group_counts=(2, 8, 16), one_shot_sequences=4,
@@ -66,7 +67,7 @@ def config_policy(layers: int, dtype: str = "float32") -> Policy:
 
 
 def qwen_config_trainer(layers: int, completion_tokens: int, *, grad_checkpoint: bool = True,
-                        compile: bool = False, micro_batch_tokens: int = 2048) -> Trainer:
+                        compile: bool = False, micro_batch_tokens: int = FLAGSHIP_MICRO_BATCH_TOKENS) -> Trainer:
     """The flagship config's learner at `layers` blocks, fp32 weights."""
     grpo = GRPOConfig(beta=0.04, loss_type="dapo", epsilon_high=0.28, groups_per_step=16)
     return Trainer(config_policy(layers), grpo, OptimConfig(lr=1e-5), temperature=0.9,

@@ -17,10 +17,14 @@ from grpo_fleet.config import RunConfig, TaskConfig, TinyModelConfig
 from grpo_fleet.learner.run.build import tokenizer_corpus
 from grpo_fleet.models.realshape import build_realshape
 from grpo_fleet.models.tiny_model import build_tiny_model
+from grpo_fleet.runtime import transformers_scan
 from grpo_fleet.runtime.blas import child_env
 from grpo_fleet.tasks import build_task
 from helpers import free_port as free_port_in_slice
 from scheduling import UNKNOWN_SECONDS, UNKNOWN_SLOW_SECONDS, balanced_order, known_durations
+
+# As the CLI's first step does: the tests that load tokenizers in this process read transformers' walk from its cache.
+transformers_scan.install()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

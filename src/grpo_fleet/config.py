@@ -404,14 +404,21 @@ class TrainConfig(_Section):
         "recomputed in the backward pass, and chunks run one after another, so logits never exist for the "
         "whole batch (256 x 151,936 fp32 logits are 156 MB; a chunk's backward holds about two such buffers).",
     )
-    attention_chunk_tokens: int = Field(
-        0, ge=0,
+    attention_chunk_tokens: Optional[int] = Field(
+        None, ge=0,
         description="Queries per chunk of the learner's causal attention on rows longer than this: each chunk "
         "meets only the keys up to its own end (the masked half is never computed), and the backward pass "
         "recomputes a chunk's probabilities instead of keeping them, so attention's memory grows linearly with a "
-        "row's length, not quadratically (learner/step/attention.py). Off (0, mlx-lm's own attention) by default: on this "
-        "CPU at 572-token rows it cut a step's peak memory by 20% and the pi_ref forward by 6%, but the step as a "
-        "whole was not faster (bench/RESULTS.md).",
+        "row's length, not quadratically (learner/step/attention.py). 0 is mlx-lm's own attention. Default: 128 on "
+        "MLX's CPU backend, where its forwards without a gradient take NumPy's exp (`numpy_exp`), and 0 on a GPU, "
+        "whose fused attention kernel needs no help.",
+    )
+    numpy_exp: bool = Field(
+        True,
+        description="On MLX's CPU backend, take the exponentials of the forwards without a gradient (pi_ref, pi_prox, "
+        "verification) with NumPy's vectorized exp: chunked attention's, the LM head's log-sum-exp and the MLP's "
+        "SiLU (learner/step/vector_exp.py). MLX's CPU exp runs at an eighth of NumPy's on the same core. No effect "
+        "on a GPU, or under `compile` (it evaluates mid-graph, which mx.compile cannot trace).",
     )
     memory_limit_gb: Optional[float] = Field(
         None, gt=0,

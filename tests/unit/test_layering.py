@@ -338,7 +338,8 @@ def test_the_bench_reads_no_private_attribute():
 
 
 # The pure math: arrays in, arrays out, checked against NumPy references. It knows no other room.
-PURE_MATH = ("learner/step/grpo.py", "learner/step/advantages.py", "learner/step/offpolicy.py", "learner/step/logprobs.py")
+PURE_MATH = ("learner/step/grpo.py", "learner/step/advantages.py", "learner/step/offpolicy.py", "learner/step/logprobs.py",
+             "learner/step/vector_exp.py")
 
 
 def test_the_pure_math_imports_only_the_pure_math():

@@ -78,10 +78,12 @@ def _llama_policy(adapted_blocks: int):
     return Policy(model=model, tokenizer=None, path="narrow-llama", lora=lora, vocab_size=512)
 
 
+@pytest.mark.parametrize("chunk", [0, 128])
 @pytest.mark.parametrize("width", [256, 1024])
-def test_estimate_bounds_the_peak_of_long_rows_and_follows_their_width(width):
+def test_estimate_bounds_the_peak_of_long_rows_and_follows_their_width(width, chunk):
     """Issue 38: a 2,048-token micro-batch of 1,024-wide rows holds 4.6x the memory of one of 64-wide rows
-    (attention), which an estimate blind to the width did not bound; 2 of 4 blocks adapted."""
+    (mlx-lm's attention, chunk 0), which an estimate blind to the width did not bound; 2 of 4 blocks adapted.
+    Chunked attention (the CPU's default) holds one chunk's scores at a time, and the estimate follows it."""
     import gc
 
     from grpo_fleet.bench.step import synthetic_groups
@@ -89,23 +91,29 @@ def test_estimate_bounds_the_peak_of_long_rows_and_follows_their_width(width):
     gc.collect()
     held_before = mx.get_active_memory()
     policy = _llama_policy(adapted_blocks=2)
-    cfg = RunConfig.model_validate({"train": {"compile": False, "micro_batch_tokens": 2048, "logprob_chunk_tokens": 128},
+    cfg = RunConfig.model_validate({"train": {"compile": False, "micro_batch_tokens": 2048, "logprob_chunk_tokens": 128,
+                                              "attention_chunk_tokens": chunk},
                                     "generation": {"group_size": 4, "max_tokens": width - 16},
                                     "lora": {"enabled": True, "rank": 8, "num_layers": 2}})
     batch = build_train_batch(synthetic_groups(1, 2048 // width, 16, width - 16, 512))
     measured = trainer_from_config(policy, cfg).step(batch).peak_memory_bytes - held_before
     estimate = estimate_step_memory(policy.model, cfg, width=width)
-    assert measured <= estimate.total <= 2.5 * measured, (measured, estimate.describe())
-    if width == 1024:  # what the estimate for short rows says is not enough
+    # The per-block constants were fitted with whole-row attention: with chunks, what is left over-estimates more.
+    assert measured <= estimate.total <= (2.5 if chunk == 0 else 3.0) * measured, (measured, estimate.describe())
+    if width == 1024 and chunk == 0:  # what the estimate for short rows says is not enough
         assert estimate_step_memory(policy.model, cfg, width=64).total < measured
 
 
 def test_activations_grow_linearly_with_the_width_and_only_in_the_adapted_blocks():
     model = _Shape()
     lora = {"enabled": True, "rank": 8, "num_layers": 12}
-    sizes = [estimate_step_memory(model, _run_config(), width=w).activations for w in (512, 1024, 1536)]
+    whole_rows = _run_config(attention_chunk_tokens=0)  # mlx-lm's attention: a token's scores span its row
+    sizes = [estimate_step_memory(model, whole_rows, width=w).activations for w in (512, 1024, 1536)]
     assert sizes[2] - sizes[1] == pytest.approx(sizes[1] - sizes[0], rel=1e-6) and sizes[1] > sizes[0]
-    adapted = RunConfig.model_validate({"lora": lora, "train": {"compile": False}})
+    chunked = [estimate_step_memory(model, _run_config(attention_chunk_tokens=128), width=w).activations
+               for w in (512, 1024, 1536)]
+    assert chunked[0] == chunked[2] < sizes[0]  # one chunk's scores at a time, whatever the row's width
+    adapted = RunConfig.model_validate({"lora": lora, "train": {"compile": False, "attention_chunk_tokens": 0}})
     half = estimate_step_memory(model, adapted, width=512).activations
     assert half < 0.6 * sizes[0], "12 of 24 blocks keep activations for the backward pass"
 

@@ -12,6 +12,9 @@ recomputes each chunk's probabilities from the saved row log-sum-exp (as flash
 attention does) instead of keeping them: what a layer holds for its backward is
 `q, k, v`, the output and one float per query and head, linear in T. The chunks
 are chained with `mx.depends`, so at most one chunk's scores exist at a time.
+In the forwards that take no gradient (pi_ref, pi_prox, verification), their exp
+is `vector_exp.exp`: NumPy's on the CPU backend, where MLX's is eight times
+slower; so is the SiLU of the MLP (`use_vector_swiglu`).
 
 Only the learner's full-row forwards take this path (no cache, `mask="causal"`,
 as many queries as keys, no attention sinks). Everything else, the actor's
@@ -26,7 +29,9 @@ from typing import Any, Callable, Optional, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-ORIGINAL_ATTR = "_grpo_fleet_original_sdpa"
+from grpo_fleet.learner.step import vector_exp
+
+ORIGINAL_ATTR = "_grpo_fleet_original"
 
 
 def _causal_block(start: int, end: int) -> mx.array:
@@ -73,7 +78,7 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk:
                 part = mx.depends(part, outs[-1])
             scores = _scores(part, k, end, start, scale)
             top = mx.max(scores, axis=-1, keepdims=True)
-            weights = mx.exp(scores - top)
+            weights = vector_exp.exp(scores - top)
             total = mx.sum(weights, axis=-1, keepdims=True)
             b, kv, g, c, _ = weights.shape
             out = (weights.reshape(b, kv, g * c, end) @ v[:, :, :end]).reshape(b, kv, g, c, -1) / total
@@ -135,7 +140,6 @@ def chunked_attention_function(original: Callable[..., mx.array], chunk: int) ->
         q, k, v = (a.astype(mx.float32) for a in (queries, keys, values))
         return causal_attention(q, k, v, scale, chunk).astype(queries.dtype)
 
-    setattr(attention, ORIGINAL_ATTR, original)
     return attention
 
 
@@ -146,18 +150,60 @@ def _attention_module(model: nn.Module) -> Any:
     return sys.modules.get(type(model if attention is None else attention).__module__)
 
 
-def use_chunked_attention(model: nn.Module, chunk: int) -> bool:
-    """Route `model`'s full causal rows through `causal_attention` (chunk 0: back to mlx-lm's own).
-
-    mlx-lm's model modules each import `scaled_dot_product_attention` by name, so
-    the name is rebound in the module that defines the model's class; rows it
-    does not take (decoding with a cache, masks of arrays, sinks) go to the
-    original. Returns whether the module had that function to replace.
-    """
+def _rebind(model: nn.Module, name: str, replacement: Callable[[Callable[..., mx.array]], Callable[..., mx.array]],
+            restore: bool) -> bool:
+    """Rebind `name` in the module that defines `model`'s attention class: mlx-lm's model modules import
+    `scaled_dot_product_attention` and `swiglu` by name. The original is kept on the replacement, so a second call
+    wraps the original, not the wrapper. Returns whether the module had that function."""
     module = _attention_module(model)
-    current = getattr(module, "scaled_dot_product_attention", None)
+    current = getattr(module, name, None)
     if module is None or current is None:
         return False
     original = getattr(current, ORIGINAL_ATTR, current)
-    module.scaled_dot_product_attention = original if chunk <= 0 else chunked_attention_function(original, chunk)
+    if restore:
+        setattr(module, name, original)
+        return True
+    wrapped = replacement(original)
+    setattr(wrapped, ORIGINAL_ATTR, original)
+    setattr(module, name, wrapped)
     return True
+
+
+def use_chunked_attention(model: nn.Module, chunk: int) -> bool:
+    """Route `model`'s full causal rows through `causal_attention` (chunk 0: back to mlx-lm's own).
+
+    Rows it does not take (decoding with a cache, masks of arrays, sinks) go to
+    the original. Returns whether the module had that function to replace.
+    """
+    return _rebind(model, "scaled_dot_product_attention", lambda original: chunked_attention_function(original, chunk),
+                   restore=chunk <= 0)
+
+
+def use_vector_swiglu(model: nn.Module, enabled: bool) -> bool:
+    """`model`'s SiLU gate through `vector_exp.sigmoid` (NumPy's exp on the CPU), or back to mlx-lm's compiled
+    `swiglu`. Models without a `swiglu` (gemma3's GELU) are left alone: returns False."""
+    def vector_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+        def swiglu(gate: mx.array, x: mx.array) -> mx.array:  # a function of its own, to carry its original
+            return vector_exp.swiglu(gate, x) if vector_exp.numpy_active() else original(gate, x)
+        return swiglu
+
+    return _rebind(model, "swiglu", vector_swiglu, restore=not enabled)
+
+
+CPU_ATTENTION_CHUNK = 128  # queries a chunk, where MLX runs on the CPU (bench/RESULTS.md: 64, 128 and 256 measured)
+
+
+def attention_chunk(setting: Optional[int]) -> int:
+    """`train.attention_chunk_tokens` resolved: None is CPU_ATTENTION_CHUNK on the CPU backend, and 0 (mlx-lm's fused
+    kernel) on a GPU."""
+    if setting is not None:
+        return setting
+    return CPU_ATTENTION_CHUNK if mx.default_device().type == mx.DeviceType.cpu else 0
+
+
+def use_fast_functions(model: nn.Module, attention_chunk_setting: Optional[int], *, numpy_exp: bool) -> None:
+    """The learner's choices for `model`: chunked attention (`attention_chunk`), and NumPy's exp in the forwards
+    without a gradient (`vector_exp`) or MLX's everywhere."""
+    vector_exp.use_numpy(numpy_exp)
+    use_chunked_attention(model, attention_chunk(attention_chunk_setting))
+    use_vector_swiglu(model, numpy_exp)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from grpo_fleet.learner.step import vector_exp
 from grpo_fleet.learner.step.batch import MicroBatch
 from grpo_fleet.learner.step.logprobs import chunked_logprobs
 
@@ -68,12 +69,17 @@ def completion_logprobs(model: nn.Module, micro: MicroBatch, *, temperature: flo
 
 def frozen_logprobs(model: nn.Module, micro_batches: list[MicroBatch], *, temperature: float,
                     chunk_tokens: int) -> list[mx.array]:
-    """Stop-gradient `completion_logprobs` per micro-batch, evaluated one at a time (so memory stays one micro-batch's)."""
+    """Stop-gradient `completion_logprobs` per micro-batch, evaluated one at a time (so memory stays one micro-batch's).
+
+    No gradient is traced here, so the exponentials may go through NumPy (`vector_exp.numpy_scope`).
+    """
     out: list[mx.array] = []
-    for micro in micro_batches:
-        logprobs = mx.stop_gradient(completion_logprobs(model, micro, temperature=temperature, chunk_tokens=chunk_tokens))
-        mx.eval(logprobs)
-        out.append(logprobs)
+    with vector_exp.numpy_scope():
+        for micro in micro_batches:
+            logprobs = mx.stop_gradient(completion_logprobs(model, micro, temperature=temperature,
+                                                            chunk_tokens=chunk_tokens))
+            mx.eval(logprobs)
+            out.append(logprobs)
     return out
 
 

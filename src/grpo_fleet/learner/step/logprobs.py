@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, cast
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
+from grpo_fleet.learner.step import vector_exp
 from grpo_fleet.runtime.trees import flat_leaves
 
 
@@ -25,7 +26,7 @@ def token_logprobs(logits: mx.array, targets: mx.array) -> mx.array:
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {logits.shape} do not align with targets {targets.shape}")
     logits = logits.astype(mx.float32)
-    lse = mx.logsumexp(logits, axis=-1)
+    lse = vector_exp.logsumexp(logits)
     picked = mx.take_along_axis(logits, targets.astype(mx.int32)[..., None], axis=-1)
     return picked.squeeze(-1) - lse
 

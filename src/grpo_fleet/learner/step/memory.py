@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from grpo_fleet.config import RunConfig
+from grpo_fleet.learner.step.attention import attention_chunk
 from grpo_fleet.runtime.trees import flat_leaves
 
 GIB = float(1 << 30)
@@ -112,7 +113,9 @@ def estimate_step_memory(model: nn.Module, cfg: RunConfig, *, reference_copy: bo
     hidden, intermediate, layers, vocab, heads = _shape(model)
     element = max((v.dtype.size for _, v in flat_leaves(model.parameters()) if isinstance(v, mx.array)), default=4)
     width = planned_width(cfg) if width is None else width
-    attention = element * ATTENTION_BUFFERS * heads * width
+    chunk_queries = attention_chunk(cfg.train.attention_chunk_tokens)
+    # Chunked attention holds one chunk's scores at a time: a row's keys against `chunk_queries` queries, not all.
+    attention = element * ATTENTION_BUFFERS * heads * (min(width, chunk_queries) if chunk_queries else width)
     per_block = element * (HIDDEN_VECTORS_PER_TOKEN * hidden + INTERMEDIATE_VECTORS_PER_TOKEN * intermediate) + attention
     outside = element * HIDDEN_VECTORS_OUTSIDE_BLOCKS * hidden
     tokens = max(cfg.train.micro_batch_tokens, width)  # a row wider than the budget is a micro-batch of its own

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from grpo_fleet.config import GRPOConfig, OptimConfig, RunConfig, TrainConfig
-from grpo_fleet.learner.step.attention import use_chunked_attention
+from grpo_fleet.learner.step.attention import use_fast_functions
 from grpo_fleet.learner.step.batch import MicroBatch, TrainBatch, batch_totals, split_batch
 from grpo_fleet.learner.step.compiled import MAX_COMPILED_SHAPES, CompiledUpdate
 from grpo_fleet.learner.step.forward import enable_grad_checkpoint
@@ -69,7 +69,8 @@ class Trainer:
         micro_batch_tokens: int = _TRAIN_DEFAULTS.micro_batch_tokens,
         logprob_chunk_tokens: int = _TRAIN_DEFAULTS.logprob_chunk_tokens,
         grad_checkpoint: bool = _TRAIN_DEFAULTS.grad_checkpoint,
-        attention_chunk_tokens: int = _TRAIN_DEFAULTS.attention_chunk_tokens,
+        attention_chunk_tokens: Optional[int] = _TRAIN_DEFAULTS.attention_chunk_tokens,
+        numpy_exp: bool = _TRAIN_DEFAULTS.numpy_exp,
         memory_limit_bytes: Optional[int] = None, max_compiled_shapes: int = MAX_COMPILED_SHAPES,
     ) -> None:
         self.policy, self.grpo, self.optim_cfg = policy, grpo, optim_cfg
@@ -77,7 +78,7 @@ class Trainer:
         self.micro_batch_tokens, self.chunk_tokens = micro_batch_tokens, logprob_chunk_tokens
         if grad_checkpoint:
             enable_grad_checkpoint(policy.model)
-        use_chunked_attention(policy.model, attention_chunk_tokens)
+        use_fast_functions(policy.model, attention_chunk_tokens, numpy_exp=numpy_exp and not compile)
         if memory_limit_bytes is not None:
             # Process-wide: MLX throttles evaluation past it, so chained chunks really run one at a time.
             mx.set_memory_limit(memory_limit_bytes)
@@ -253,7 +254,8 @@ def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.M
         policy, cfg.grpo, with_decay_steps(cfg), temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
         ref_model=ref_model, loss=loss_named(cfg.grpo.loss), compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
         logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
-        attention_chunk_tokens=train.attention_chunk_tokens, memory_limit_bytes=train.memory_limit_bytes,
+        attention_chunk_tokens=train.attention_chunk_tokens, numpy_exp=train.numpy_exp,
+        memory_limit_bytes=train.memory_limit_bytes,
     )
 
 

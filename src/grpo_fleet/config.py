@@ -410,15 +410,23 @@ class TrainConfig(_Section):
         "meets only the keys up to its own end (the masked half is never computed), and the backward pass "
         "recomputes a chunk's probabilities instead of keeping them, so attention's memory grows linearly with a "
         "row's length, not quadratically (learner/step/attention.py). 0 is mlx-lm's own attention. Default: 128 on "
-        "MLX's CPU backend, where its forwards without a gradient take NumPy's exp (`numpy_exp`), and 0 on a GPU, "
+        "MLX's CPU backend, where its exp is the native kernel's (`native_exp`), and 0 on a GPU, "
         "whose fused attention kernel needs no help.",
+    )
+    native_exp: bool = Field(
+        True,
+        description="On MLX's CPU backend, take the step's exponentials (chunked attention's, forward and backward, "
+        "the LM head's log-sum-exp and the MLP's SiLU) with grpo-fleet's native kernel: exp as an MLX primitive "
+        "with a vectorized AVX2 loop, built by `make native` (grpo_fleet/native/vector_exp.cpp). MLX's own CPU exp "
+        "is scalar on x86, at about a twenty-fifth of its speed. Where the kernel was not built, MLX's exp is used "
+        "(and `numpy_exp`) and the learner logs why. No effect on a GPU.",
     )
     numpy_exp: bool = Field(
         True,
-        description="On MLX's CPU backend, take the exponentials of the forwards without a gradient (pi_ref, pi_prox, "
-        "verification) with NumPy's vectorized exp: chunked attention's, the LM head's log-sum-exp and the MLP's "
-        "SiLU (learner/step/vector_exp.py). MLX's CPU exp runs at an eighth of NumPy's on the same core. No effect "
-        "on a GPU, or under `compile` (it evaluates mid-graph, which mx.compile cannot trace).",
+        description="Where the native kernel is absent or turned off (`native_exp`), take the exponentials of the "
+        "forwards without a gradient (pi_ref, pi_prox, verification) on MLX's CPU backend with NumPy's vectorized "
+        "exp (learner/step/vector_exp.py). No effect on a GPU, or under `compile` (it evaluates mid-graph, which "
+        "mx.compile cannot trace).",
     )
     memory_limit_gb: Optional[float] = Field(
         None, gt=0,

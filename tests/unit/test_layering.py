@@ -345,6 +345,8 @@ PURE_MATH = ("learner/step/grpo.py", "learner/step/advantages.py", "learner/step
 def test_the_pure_math_imports_only_the_pure_math():
     table = _package_imports()
     files = _module_file(table)
-    allowed = {*PURE_MATH, "runtime/trees.py", "__init__.py", "learner/__init__.py", "learner/step/__init__.py"}
+    # native/__init__.py loads the compiled exp kernel (native/vector_exp.cpp): math too, in C++
+    allowed = {*PURE_MATH, "runtime/trees.py", "__init__.py", "learner/__init__.py", "learner/step/__init__.py",
+               "native/__init__.py"}
     reached = {name: sorted(files[n] for n in table[name] if n in files and files[n] not in allowed) for name in PURE_MATH}
     assert reached == {name: [] for name in PURE_MATH}

@@ -91,6 +91,16 @@ def blas_description() -> str:
     return "bundled reference BLAS" + hint
 
 
+def exp_description() -> str:
+    """Which exp the learner's step takes where MLX runs on the CPU: grpo-fleet's native kernel, or MLX's (and why)."""
+    from grpo_fleet.native import load_vector_exp
+
+    module, detail = load_vector_exp()
+    if sys.platform == "darwin":
+        return "MLX's (the GPU's kernels)"
+    return f"native vector_exp ({detail})" if module is not None else f"MLX's, scalar on x86: native vector_exp {detail}"
+
+
 def report() -> str:
     import mlx.core as mx
 
@@ -101,5 +111,6 @@ def report() -> str:
         f"blas        {blas_description()}",
         f"matmul      {matmul_gflops():.1f} GF/s (fp32, 1024x1024)",
         f"quantized   {quantized_description()}",
+        f"exp         {exp_description()}",
     ]
     return "\n".join(lines)

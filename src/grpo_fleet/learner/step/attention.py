@@ -12,9 +12,9 @@ recomputes each chunk's probabilities from the saved row log-sum-exp (as flash
 attention does) instead of keeping them: what a layer holds for its backward is
 `q, k, v`, the output and one float per query and head, linear in T. The chunks
 are chained with `mx.depends`, so at most one chunk's scores exist at a time.
-In the forwards that take no gradient (pi_ref, pi_prox, verification), their exp
-is `vector_exp.exp`: NumPy's on the CPU backend, where MLX's is eight times
-slower; so is the SiLU of the MLP (`use_vector_swiglu`).
+Their exp, forward and backward, is `vector_exp.exp`: on the CPU backend the
+native vectorized kernel (or NumPy's, in the forwards without a gradient), where
+MLX's is scalar; so is the SiLU of the MLP (`use_vector_swiglu`).
 
 Only the learner's full-row forwards take this path (no cache, `mask="causal"`,
 as many queries as keys, no attention sinks). Everything else, the actor's
@@ -116,7 +116,7 @@ def _backward(q: mx.array, k: mx.array, v: mx.array, out: mx.array, log_sums: mx
         if d_q:
             part = mx.depends(part, [d_q[-1], d_k, d_v])
         c = end - start
-        probs = mx.exp(_scores(part, k, end, start, scale) - log_sums[:, :, :, start:end, None])
+        probs = vector_exp.exp(_scores(part, k, end, start, scale) - log_sums[:, :, :, start:end, None])
         flat_probs = probs.reshape(b, kv, g * c, end)
         grad_out = d_out[:, :, :, start:end].reshape(b, kv, g * c, d)
         d_v = d_v + padded(flat_probs.swapaxes(-1, -2) @ grad_out)
@@ -180,11 +180,11 @@ def use_chunked_attention(model: nn.Module, chunk: int) -> bool:
 
 
 def use_vector_swiglu(model: nn.Module, enabled: bool) -> bool:
-    """`model`'s SiLU gate through `vector_exp.sigmoid` (NumPy's exp on the CPU), or back to mlx-lm's compiled
-    `swiglu`. Models without a `swiglu` (gemma3's GELU) are left alone: returns False."""
+    """`model`'s SiLU gate through `vector_exp.sigmoid` (the native kernel or NumPy's exp, where MLX runs on the CPU),
+    or back to mlx-lm's compiled `swiglu`. Models without a `swiglu` (gemma3's GELU) are left alone: returns False."""
     def vector_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         def swiglu(gate: mx.array, x: mx.array) -> mx.array:  # a function of its own, to carry its original
-            return vector_exp.swiglu(gate, x) if vector_exp.numpy_active() else original(gate, x)
+            return vector_exp.swiglu(gate, x) if vector_exp.fast_active() else original(gate, x)
         return swiglu
 
     return _rebind(model, "swiglu", vector_swiglu, restore=not enabled)
@@ -201,9 +201,11 @@ def attention_chunk(setting: Optional[int]) -> int:
     return CPU_ATTENTION_CHUNK if mx.default_device().type == mx.DeviceType.cpu else 0
 
 
-def use_fast_functions(model: nn.Module, attention_chunk_setting: Optional[int], *, numpy_exp: bool) -> None:
-    """The learner's choices for `model`: chunked attention (`attention_chunk`), and NumPy's exp in the forwards
-    without a gradient (`vector_exp`) or MLX's everywhere."""
+def use_fast_functions(model: nn.Module, attention_chunk_setting: Optional[int], *, native_exp: bool,
+                       numpy_exp: bool) -> None:
+    """The learner's choices for `model`: chunked attention (`attention_chunk`), and `vector_exp`'s native kernel,
+    NumPy's exp in the forwards without a gradient, or MLX's exp everywhere."""
+    vector_exp.use_native(native_exp)
     vector_exp.use_numpy(numpy_exp)
     use_chunked_attention(model, attention_chunk(attention_chunk_setting))
-    use_vector_swiglu(model, numpy_exp)
+    use_vector_swiglu(model, native_exp or numpy_exp)

@@ -70,7 +70,7 @@ class Trainer:
         logprob_chunk_tokens: int = _TRAIN_DEFAULTS.logprob_chunk_tokens,
         grad_checkpoint: bool = _TRAIN_DEFAULTS.grad_checkpoint,
         attention_chunk_tokens: Optional[int] = _TRAIN_DEFAULTS.attention_chunk_tokens,
-        numpy_exp: bool = _TRAIN_DEFAULTS.numpy_exp,
+        native_exp: bool = _TRAIN_DEFAULTS.native_exp, numpy_exp: bool = _TRAIN_DEFAULTS.numpy_exp,
         memory_limit_bytes: Optional[int] = None, max_compiled_shapes: int = MAX_COMPILED_SHAPES,
     ) -> None:
         self.policy, self.grpo, self.optim_cfg = policy, grpo, optim_cfg
@@ -78,7 +78,8 @@ class Trainer:
         self.micro_batch_tokens, self.chunk_tokens = micro_batch_tokens, logprob_chunk_tokens
         if grad_checkpoint:
             enable_grad_checkpoint(policy.model)
-        use_fast_functions(policy.model, attention_chunk_tokens, numpy_exp=numpy_exp and not compile)
+        use_fast_functions(policy.model, attention_chunk_tokens, native_exp=native_exp,
+                           numpy_exp=numpy_exp and not compile)
         if memory_limit_bytes is not None:
             # Process-wide: MLX throttles evaluation past it, so chained chunks really run one at a time.
             mx.set_memory_limit(memory_limit_bytes)
@@ -254,7 +255,7 @@ def trainer_from_config(policy: Policy, cfg: RunConfig, ref_model: Optional[nn.M
         policy, cfg.grpo, with_decay_steps(cfg), temperature=cfg.generation.temperature, max_tokens=cfg.generation.max_tokens,
         ref_model=ref_model, loss=loss_named(cfg.grpo.loss), compile=train.compile, micro_batch_tokens=train.micro_batch_tokens,
         logprob_chunk_tokens=train.logprob_chunk_tokens, grad_checkpoint=train.grad_checkpoint,
-        attention_chunk_tokens=train.attention_chunk_tokens, numpy_exp=train.numpy_exp,
+        attention_chunk_tokens=train.attention_chunk_tokens, native_exp=train.native_exp, numpy_exp=train.numpy_exp,
         memory_limit_bytes=train.memory_limit_bytes,
     )
 

@@ -1,24 +1,28 @@
-"""The exponentials of the learner's gradient-free forwards through NumPy's vectorized exp, where MLX runs on the CPU.
+"""The exponentials of the learner's forwards and backwards, vectorized where MLX runs on the CPU.
 
-MLX's CPU `exp` runs at about an eighth of NumPy's on the same core here (63-68 M
-values/s against 546 M: its Linux wheel's exp looks scalar), and a forward takes the
-exp of every attention score, every vocabulary logit at the completion positions and
-every SiLU input. At 2 x 572 tokens of SmolLM2-135M that bounded the step at 0.40x of
-the doctor's matmul (bench/RESULTS.md).
+MLX's CPU `exp` is scalar on x86 (its polynomial calls `std::fma` per term):
+63-68 M values/s against NumPy's 546 M on the same core, and a long row's step
+takes the exp of every attention score, every vocabulary logit at the completion
+positions and every SiLU input. At 2 x 572 tokens of SmolLM2-135M that bounded
+the step at 0.40x of the doctor's matmul (bench/RESULTS.md).
 
-Each function here (exp, sigmoid, the last axis's log-sum-exp, swiglu) is the MLX
-op, except inside `numpy_scope()` on the CPU backend: there it is an
-`mx.custom_function` whose forward hands the values to NumPy and
-whose gradient is written out in MLX ops from the output. Values are computed in
-float32 and returned in the input's dtype.
+Each function here (exp, sigmoid, the last axis's log-sum-exp, swiglu) takes, in
+order of preference:
 
-Only the forwards that take no gradient open the scope (`forward.frozen_logprobs`:
-pi_ref, pi_prox and the verification passes). Handing values to NumPy evaluates
-them mid-graph, and inside a traced gradient an evaluated array keeps every
-intermediate of the graph behind it until the backward runs: measured on SmolLM2's
-step at 2 x 572 tokens, the peak went from 1.97 to 7.0 GiB (the LM head's
-log-sum-exp) and 11.6 GiB (attention). Nor may it run under `mx.compile`, which
-cannot trace an evaluation; a Trainer that compiles turns it off.
+- **the native kernel** (`grpo_fleet/native/vector_exp.cpp`, built by `make
+  native`): exp as an MLX primitive with an AVX2 loop, about 25x MLX's exp. It is
+  lazy like any MLX op, so it serves inside traced gradients and `mx.compile`
+  too, wherever MLX runs on the CPU;
+- **NumPy**, only inside `numpy_scope()` (the forwards that take no gradient:
+  `forward.frozen_logprobs`), where the native kernel is not built or is turned
+  off. Handing values to NumPy evaluates them mid-graph, and inside a traced
+  gradient an evaluated array keeps every intermediate behind it until the
+  backward runs (measured: a peak of 11.4 GiB against 2.56), so NumPy never
+  runs under a gradient or `mx.compile`;
+- MLX's own op, everywhere else (and always on a GPU).
+
+Values are computed in float32 and returned in the input's dtype. The gradients
+are written out in MLX ops from the outputs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from typing import Any, Iterator, cast
 import mlx.core as mx
 import numpy as np
 
+from grpo_fleet.native import load_vector_exp
+
+_native, NATIVE_KERNEL = load_vector_exp()  # the module, and its kernel's name or why it is absent
+_native_on = True
 _enabled = True
 _scope = threading.local()  # the verifier's thread may run a forward while the training thread traces a gradient
 
@@ -51,8 +59,28 @@ def numpy_scope() -> Iterator[None]:
         _scope.on = before
 
 
+def _on_cpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def use_native(enabled: bool) -> bool:
+    """Process-wide: the native kernel where MLX runs on the CPU (the default). Returns whether it is built."""
+    global _native_on
+    _native_on = enabled
+    return _native is not None
+
+
+def native_active() -> bool:
+    return _native_on and _native is not None and _on_cpu()
+
+
 def numpy_active() -> bool:
-    return _enabled and getattr(_scope, "on", False) and mx.default_device().type == mx.DeviceType.cpu
+    return _enabled and getattr(_scope, "on", False) and _on_cpu() and not native_active()
+
+
+def fast_active() -> bool:
+    """Whether `exp` here is faster than MLX's: the native kernel, or NumPy in its scope."""
+    return native_active() or numpy_active()
 
 
 def _float32(x: mx.array) -> np.ndarray:
@@ -100,16 +128,53 @@ def _numpy_logsumexp_vjp(primals: Any, cotangent: mx.array, output: mx.array) ->
     return (cotangent[..., None] * exp(x - output[..., None]),)
 
 
+def _native_exp(x: mx.array) -> mx.array:
+    assert _native is not None
+    if x.dtype == mx.float32:
+        return cast(mx.array, _native.exp(x))
+    return cast(mx.array, _native.exp(x.astype(mx.float32))).astype(x.dtype)
+
+
+@mx.custom_function
+def _native_sigmoid(x: mx.array) -> mx.array:
+    return (1.0 / (1.0 + _native_exp(-x.astype(mx.float32)))).astype(x.dtype)
+
+
+@_native_sigmoid.vjp
+def _native_sigmoid_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array]:
+    return (cotangent * output * (1.0 - output),)
+
+
+@mx.custom_function
+def _native_logsumexp(x: mx.array) -> mx.array:
+    values = x.astype(mx.float32)
+    top = mx.max(values, axis=-1, keepdims=True)  # shifted by the row's max: no overflow
+    top = mx.where(mx.isfinite(top), top, 0.0)  # and a row of -inf stays finite until the log
+    return (mx.log(mx.sum(_native_exp(values - top), axis=-1)) + top[..., 0]).astype(x.dtype)
+
+
+@_native_logsumexp.vjp
+def _native_logsumexp_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array]:
+    x = primals[0] if isinstance(primals, (list, tuple)) else primals  # MLX passes a lone input bare
+    return (cotangent[..., None] * _native_exp(x - output[..., None]),)
+
+
 def exp(x: mx.array) -> mx.array:
+    if native_active():
+        return _native_exp(x)
     return cast(mx.array, _numpy_exp(x)) if numpy_active() else mx.exp(x)
 
 
 def sigmoid(x: mx.array) -> mx.array:
+    if native_active():
+        return cast(mx.array, _native_sigmoid(x))
     return cast(mx.array, _numpy_sigmoid(x)) if numpy_active() else mx.sigmoid(x)
 
 
 def logsumexp(x: mx.array) -> mx.array:
     """log(sum(exp(x))) over the last axis."""
+    if native_active():
+        return cast(mx.array, _native_logsumexp(x))
     return cast(mx.array, _numpy_logsumexp(x)) if numpy_active() else mx.logsumexp(x, axis=-1)
 
 

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from grpo_fleet import native
 from grpo_fleet.learner.step.attention import causal_attention, chunked_attention_function, use_chunked_attention
 
 
@@ -77,9 +78,15 @@ def test_only_full_causal_rows_longer_than_a_chunk_leave_mlx_lms_function():
     attention(q, kv, kv, None, 1.0, "causal")
     assert calls == [], "a full causal row past the chunk takes the chunked path"
     attention(q[:, :, :4], kv[:, :, :4], kv[:, :, :4], None, 1.0, "causal")  # no longer than a chunk
-    attention(q[:, :, -1:], kv, kv, None, 1.0, None)  # decoding one token against a cache
     attention(q, kv, kv, object(), 1.0, "causal")  # a cache
     attention(q, kv, kv, None, 1.0, mx.zeros((8, 8)))  # a mask of values (sliding windows)
+    assert calls == ["original"] * 3
+    attention(q[:, :, -1:], kv, kv, None, 1.0, None)  # decoding one token against a cache: the native kernel's
+    native.use(False)
+    try:
+        attention(q[:, :, -1:], kv, kv, None, 1.0, None)  # and mlx-lm's where the kernel is off
+    finally:
+        native.use(True)
     assert calls == ["original"] * 4
 
 

@@ -87,10 +87,10 @@ def _starts(policy: Any) -> list[EpisodeStart]:
 
 
 def _run(policy: Any, setup: EnvSetup, *, group_size: int = 3, max_tokens: int = 6,
-         budget: int = 200, hold: int = 0) -> tuple[list[list[EpisodeOutcome]], Recording]:
+         budget: int = 200, hold: int = 0, stop: bool = True) -> tuple[list[list[EpisodeOutcome]], Recording]:
     mx.random.seed(7)
     settings = SamplingSettings(group_size=group_size, max_tokens=max_tokens, temperature=1.0,
-                                stop_token_ids=sorted(policy.tokenizer.eos_token_ids))
+                                stop_token_ids=sorted(policy.tokenizer.eos_token_ids) if stop else [])
     recording = Recording(InlineEnvs(setup), hold)
     runner = EpisodeRunner(policy.model, policy.tokenizer, settings, EpisodeLimits(setup.max_turns, budget), recording)
     return runner.run(_starts(policy)), recording
@@ -144,8 +144,9 @@ def test_ids_are_the_sampled_turns_and_the_template_differences(policy: Any, tmp
 def test_sampled_logprobs_are_the_learners_on_the_whole_episode(policy: Any, tmp_path: Path, hold: int) -> None:
     # The learner recomputes every logprob from prompt + completion in one forward: sampled tokens agree with what
     # the actor recorded while resuming from KV caches (parked beside the batch while others decode, with `hold`);
-    # environment tokens carry 0 and no claim.
-    groups, recording = _run(policy, _echo_setup(tmp_path), hold=hold)
+    # environment tokens carry 0 and no claim. No stop tokens: every turn is max_tokens long, so without `hold` the
+    # episodes take their turns in step whatever was sampled.
+    groups, recording = _run(policy, _echo_setup(tmp_path), hold=hold, stop=False)
     resumed = [call.episode for call, _ in recording.log if call.kind == "step"]
     in_step = [key for _ in range(3) for key in sorted(set(resumed))]  # every episode's turn t before any's t + 1
     assert (resumed == in_step) == (hold == 0), "held answers must make the episodes take their turns out of step"

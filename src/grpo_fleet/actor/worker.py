@@ -33,6 +33,7 @@ from grpo_fleet.actor.weights_sync import WeightsSync
 from grpo_fleet.config import ActorConfig, MetricsConfig
 from grpo_fleet.models.generation import generate_groups
 from grpo_fleet.models.loading import Policy, load_policy
+from grpo_fleet.models.native_functions import use_native_decoding
 from grpo_fleet.observe.metrics import ActorMetrics, actor_metrics
 from grpo_fleet.observe.metrics_http import MetricsServer, serve_metrics
 from grpo_fleet.protocol import messages as m
@@ -169,6 +170,7 @@ class ActorWorker:
         if plan is not None:
             self.stream.reset()  # its sequences decode on the model being replaced
             self.policy = load_policy(plan.path, lora=plan.lora, dtype=plan.dtype)
+            use_native_decoding(self.policy.model)  # MLX's CPU exp is scalar on x86: decoding takes the native one
             self.model_key = plan.key
             self.weights.forget()
         previous = self.welcome

@@ -81,10 +81,19 @@ def rolling_stream(model: Any, leases: Sequence[list[list[int]]], shape: LeaseSh
     """(while work waited, whole stream) for every lease through one rolling generator of one lease's slots."""
     from grpo_fleet.actor.rolling import RollingGenerator
     from grpo_fleet.models.generation import SamplingSettings
+    from grpo_fleet.models.native_functions import use_native_decoding
 
     settings = SamplingSettings(group_size=shape.group_size, max_tokens=shape.max_tokens,
                                 temperature=shape.temperature, stop_token_ids=tuple(eos))
-    generator: RollingGenerator[int] = RollingGenerator(model, settings, batch_size=shape.sequences)
+    use_native_decoding(model)  # as the actor's worker does; batch_generate's side keeps mlx-lm's own
+    try:
+        return _roll(RollingGenerator(model, settings, batch_size=shape.sequences), leases)
+    finally:
+        use_native_decoding(model, False)
+
+
+def _roll(generator: Any, leases: Sequence[list[list[int]]]) -> tuple[Window, Window]:
+    """Feed the leases to `generator` as its slots free; (while work waited, whole stream)."""
     waiting, usage = list(enumerate(leases)), generator.usage
     start = time.perf_counter()
     steady = Window(0, 0, 0, 0.0)

@@ -163,18 +163,31 @@ def generate_groups(
     return [flat[i : i + size] for i in range(0, len(flat), size)]
 
 
+def token_sampler(temperature: float) -> Callable[[mx.array], mx.array]:
+    """The temperature is already in the logits (`Float32Logits`), so: greedy at T = 0, else a draw from the
+    normalised logprobs: by their inverse CDF through the native exp where it runs, else mlx-lm's Gumbel-max."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from grpo_fleet import native
+    from grpo_fleet.models.native_functions import inverse_cdf_sampler
+
+    if temperature == 0:
+        return cast(Callable[[mx.array], mx.array], make_sampler(temp=0.0))
+    if native.active():
+        return inverse_cdf_sampler
+    return cast(Callable[[mx.array], mx.array], make_sampler(temp=1.0))
+
+
 def make_generator(model: nn.Module, settings: SamplingSettings, batch_size: int, prefill_step_size: int) -> Any:
     """mlx-lm's BatchGenerator over float32 logits at `settings`' temperature (nucleus sampling refused)."""
     from mlx_lm.generate import BatchGenerator
-    from mlx_lm.sample_utils import make_sampler
 
     refuse_truncated_sampling(settings.top_p)
     return BatchGenerator(
         cast(nn.Module, Float32Logits(model, settings.temperature)),  # duck-typed: calls it, reads its layers
         max_tokens=settings.max_tokens,
         stop_tokens=[[int(t)] for t in settings.stop_token_ids],
-        # The temperature is already in the logits; T = 0 stays greedy.
-        sampler=make_sampler(temp=0.0 if settings.temperature == 0 else 1.0),
+        sampler=token_sampler(settings.temperature),
         completion_batch_size=batch_size,
         prefill_batch_size=batch_size,
         prefill_step_size=prefill_step_size,

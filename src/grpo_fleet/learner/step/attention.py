@@ -23,15 +23,13 @@ decoding included, goes to mlx-lm's own function unchanged.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from grpo_fleet.learner.step import vector_exp
-
-ORIGINAL_ATTR = "_grpo_fleet_original"
+from grpo_fleet.models.native_functions import decode_attention_function, rebind
 
 
 def _causal_block(start: int, end: int) -> mx.array:
@@ -128,45 +126,21 @@ def _backward(q: mx.array, k: mx.array, v: mx.array, out: mx.array, log_sums: mx
 
 
 def chunked_attention_function(original: Callable[..., mx.array], chunk: int) -> Callable[..., mx.array]:
-    """mlx-lm's `scaled_dot_product_attention`, with full causal rows longer than `chunk` sent to `causal_attention`."""
+    """mlx-lm's `scaled_dot_product_attention`, with full causal rows longer than `chunk` sent to `causal_attention`
+    (and one-row queries, the learner's own eval decoding, to the native kernel where it runs)."""
+    fallback = decode_attention_function(original)
 
     def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                   mask: Optional[Any], sinks: Optional[mx.array] = None) -> mx.array:
         length = queries.shape[2]
         if (cache is not None or sinks is not None or not isinstance(mask, str) or mask != "causal"
                 or keys.shape[2] != length or length <= chunk):
-            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+            return fallback(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         # Scores and their exp in float32 whatever the weights' dtype, as MLX's own kernels accumulate.
         q, k, v = (a.astype(mx.float32) for a in (queries, keys, values))
         return causal_attention(q, k, v, scale, chunk).astype(queries.dtype)
 
     return attention
-
-
-def _attention_module(model: nn.Module) -> Any:
-    """The module whose attention class calls `scaled_dot_product_attention` (gemma3's is its text model's)."""
-    layers = getattr(model, "layers", None)
-    attention = getattr(layers[0], "self_attn", None) if layers else None
-    return sys.modules.get(type(model if attention is None else attention).__module__)
-
-
-def _rebind(model: nn.Module, name: str, replacement: Callable[[Callable[..., mx.array]], Callable[..., mx.array]],
-            restore: bool) -> bool:
-    """Rebind `name` in the module that defines `model`'s attention class: mlx-lm's model modules import
-    `scaled_dot_product_attention` and `swiglu` by name. The original is kept on the replacement, so a second call
-    wraps the original, not the wrapper. Returns whether the module had that function."""
-    module = _attention_module(model)
-    current = getattr(module, name, None)
-    if module is None or current is None:
-        return False
-    original = getattr(current, ORIGINAL_ATTR, current)
-    if restore:
-        setattr(module, name, original)
-        return True
-    wrapped = replacement(original)
-    setattr(wrapped, ORIGINAL_ATTR, original)
-    setattr(module, name, wrapped)
-    return True
 
 
 def use_chunked_attention(model: nn.Module, chunk: int) -> bool:
@@ -175,7 +149,7 @@ def use_chunked_attention(model: nn.Module, chunk: int) -> bool:
     Rows it does not take (decoding with a cache, masks of arrays, sinks) go to
     the original. Returns whether the module had that function to replace.
     """
-    return _rebind(model, "scaled_dot_product_attention", lambda original: chunked_attention_function(original, chunk),
+    return rebind(model, "scaled_dot_product_attention", lambda original: chunked_attention_function(original, chunk),
                    restore=chunk <= 0)
 
 
@@ -187,7 +161,7 @@ def use_vector_swiglu(model: nn.Module, enabled: bool) -> bool:
             return vector_exp.swiglu(gate, x) if vector_exp.fast_active() else original(gate, x)
         return swiglu
 
-    return _rebind(model, "swiglu", vector_swiglu, restore=not enabled)
+    return rebind(model, "swiglu", vector_swiglu, restore=not enabled)
 
 
 CPU_ATTENTION_CHUNK = 128  # queries a chunk, where MLX runs on the CPU (bench/RESULTS.md: 64, 128 and 256 measured)

@@ -34,10 +34,9 @@ from typing import Any, Iterator, cast
 import mlx.core as mx
 import numpy as np
 
-from grpo_fleet.native import load_vector_exp
+from grpo_fleet import native
 
-_native, NATIVE_KERNEL = load_vector_exp()  # the module, and its kernel's name or why it is absent
-_native_on = True
+NATIVE_KERNEL = native.vector_exp_module()[1]  # the kernel's name, or why it is absent
 _enabled = True
 _scope = threading.local()  # the verifier's thread may run a forward while the training thread traces a gradient
 
@@ -65,13 +64,11 @@ def _on_cpu() -> bool:
 
 def use_native(enabled: bool) -> bool:
     """Process-wide: the native kernel where MLX runs on the CPU (the default). Returns whether it is built."""
-    global _native_on
-    _native_on = enabled
-    return _native is not None
+    return native.use(enabled)
 
 
 def native_active() -> bool:
-    return _native_on and _native is not None and _on_cpu()
+    return native.active()
 
 
 def numpy_active() -> bool:
@@ -128,53 +125,22 @@ def _numpy_logsumexp_vjp(primals: Any, cotangent: mx.array, output: mx.array) ->
     return (cotangent[..., None] * exp(x - output[..., None]),)
 
 
-def _native_exp(x: mx.array) -> mx.array:
-    assert _native is not None
-    if x.dtype == mx.float32:
-        return cast(mx.array, _native.exp(x))
-    return cast(mx.array, _native.exp(x.astype(mx.float32))).astype(x.dtype)
-
-
-@mx.custom_function
-def _native_sigmoid(x: mx.array) -> mx.array:
-    return (1.0 / (1.0 + _native_exp(-x.astype(mx.float32)))).astype(x.dtype)
-
-
-@_native_sigmoid.vjp
-def _native_sigmoid_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array]:
-    return (cotangent * output * (1.0 - output),)
-
-
-@mx.custom_function
-def _native_logsumexp(x: mx.array) -> mx.array:
-    values = x.astype(mx.float32)
-    top = mx.max(values, axis=-1, keepdims=True)  # shifted by the row's max: no overflow
-    top = mx.where(mx.isfinite(top), top, 0.0)  # and a row of -inf stays finite until the log
-    return (mx.log(mx.sum(_native_exp(values - top), axis=-1)) + top[..., 0]).astype(x.dtype)
-
-
-@_native_logsumexp.vjp
-def _native_logsumexp_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array]:
-    x = primals[0] if isinstance(primals, (list, tuple)) else primals  # MLX passes a lone input bare
-    return (cotangent[..., None] * _native_exp(x - output[..., None]),)
-
-
 def exp(x: mx.array) -> mx.array:
     if native_active():
-        return _native_exp(x)
+        return native.exp(x)
     return cast(mx.array, _numpy_exp(x)) if numpy_active() else mx.exp(x)
 
 
 def sigmoid(x: mx.array) -> mx.array:
     if native_active():
-        return cast(mx.array, _native_sigmoid(x))
+        return native.sigmoid(x)
     return cast(mx.array, _numpy_sigmoid(x)) if numpy_active() else mx.sigmoid(x)
 
 
 def logsumexp(x: mx.array) -> mx.array:
     """log(sum(exp(x))) over the last axis."""
     if native_active():
-        return cast(mx.array, _native_logsumexp(x))
+        return native.logsumexp(x)
     return cast(mx.array, _numpy_logsumexp(x)) if numpy_active() else mx.logsumexp(x, axis=-1)
 
 

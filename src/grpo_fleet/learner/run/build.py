@@ -8,6 +8,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
+import mlx.core as mx
 import numpy as np
 
 from grpo_fleet.config import RunConfig, load_run_config
@@ -15,6 +16,7 @@ from grpo_fleet.envs.process import EnvProcess
 from grpo_fleet.learner.records.runlog import LogSizes
 from grpo_fleet.learner.records.trackers import build_trackers, require_installed
 from grpo_fleet.learner.run.coordinator import RunCoordinator
+from grpo_fleet.learner.step import vector_exp
 from grpo_fleet.learner.step.memory import check_step_fits, estimate_step_memory, machine_memory_bytes
 from grpo_fleet.learner.step.objective import Loss
 from grpo_fleet.learner.step.trainer import load_trainer
@@ -80,6 +82,18 @@ def _log_loss(cfg: RunConfig, loss: Loss) -> None:
     log.info("loss %s (grpo.loss); the step's logprob check compares against %s", loss.name, loss.check_cost())
 
 
+def _log_exp(cfg: RunConfig) -> None:
+    """Say which exp the step takes on the CPU backend: the native kernel's, or MLX's (scalar on x86) and why."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return
+    if not cfg.train.native_exp:
+        log.info("exp: MLX's (train.native_exp is off)")
+    elif vector_exp.native_active():
+        log.info("exp: the native kernel's (%s)", vector_exp.NATIVE_KERNEL)
+    else:
+        log.warning("exp: MLX's, scalar on x86: the native kernel is %s", vector_exp.NATIVE_KERNEL)
+
+
 def _check_memory(cfg: RunConfig, policy: Policy, reference_copy: bool) -> None:
     """Say what a step will need, and refuse one that this machine cannot hold (before pi_ref is loaded too)."""
     estimate = estimate_step_memory(policy.model, cfg, reference_copy=reference_copy)
@@ -121,6 +135,7 @@ def build_learner(cfg: RunConfig, *, resume: bool = False, pub_address: Optional
     path = resolve_model_path(cfg, task)
     trainer = load_trainer(cfg, path, before_reference=partial(_check_memory, cfg))
     _log_loss(cfg, trainer.loss)
+    _log_exp(cfg)
     policy = trainer.policy
     prompts = tokenize_prompts(policy.tokenizer, task, cfg)
     eval_prompts = tokenize_prompts(policy.tokenizer, task, cfg, split="eval")

@@ -750,6 +750,13 @@ class ActorConfig(_Section):
         "holds its own episode while the others' calls, and their decoding, go on. An async def step waits on an "
         "event loop there, not on a thread.",
     )
+    native_exp: bool = Field(
+        True,
+        description="Where MLX runs on the CPU, decode through grpo-fleet's native exp kernel (`make native`): "
+        "attention against the cache and SiLU of float32 models, and sampling by the inverse CDF instead of mlx-lm's "
+        "Gumbel-max (models/native_functions.py). MLX's own CPU exp is scalar on x86. No effect on a GPU, or where "
+        "the kernel was not built (`grpo-fleet doctor` says which).",
+    )
     metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig(port=9401))
     model_dirs: list[str] = Field(
         default_factory=list,

@@ -21,6 +21,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from grpo_fleet import native
 from grpo_fleet.actor import wire
 from grpo_fleet.actor.admission import ActorRefused, ModelKey, admit, plan_rewards
 from grpo_fleet.actor.episodes import RunEpisodes
@@ -170,7 +171,11 @@ class ActorWorker:
         if plan is not None:
             self.stream.reset()  # its sequences decode on the model being replaced
             self.policy = load_policy(plan.path, lora=plan.lora, dtype=plan.dtype)
-            use_native_decoding(self.policy.model)  # MLX's CPU exp is scalar on x86: decoding takes the native one
+            # MLX's CPU exp is scalar on x86: decoding takes the native one (the sampler follows the same switch)
+            native.use(self.cfg.native_exp)
+            use_native_decoding(self.policy.model, self.cfg.native_exp)
+            if native.active():
+                log.info("actor %s decodes through the native exp (%s)", self.actor_id, native.vector_exp_module()[1])
             self.model_key = plan.key
             self.weights.forget()
         previous = self.welcome

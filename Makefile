@@ -47,7 +47,7 @@ endif
 
 # The native exp kernel (src/grpo_fleet/native/vector_exp.cpp): exp as an MLX primitive with a vectorized loop.
 # MLX's own CPU exp is scalar on x86 and bounds the learner's step at long rows; on macOS the GPU needs none of it.
-# About 25 s; a failed build leaves MLX's exp in place (the learner and `doctor` say why).
+# About 20 s; a failed build leaves MLX's exp in place (the learner and `doctor` say why).
 NATIVE := build/native/.built
 $(NATIVE): $(VENV)/.installed src/grpo_fleet/native/vector_exp.cpp src/grpo_fleet/native/CMakeLists.txt
 ifeq ($(UNAME),Linux)

@@ -30,6 +30,9 @@ from typing import Any, Callable, Optional, Sequence, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from grpo_fleet import native
+from grpo_fleet.models.native_functions import inverse_cdf_sampler
+
 # Re-exported: callers that import it from here predate its neutral home.
 from grpo_fleet.tasks.prompts import decode_completion
 from grpo_fleet.tasks.prompts import encode_prompt as encode_prompt
@@ -167,9 +170,6 @@ def token_sampler(temperature: float) -> Callable[[mx.array], mx.array]:
     """The temperature is already in the logits (`Float32Logits`), so: greedy at T = 0, else a draw from the
     normalised logprobs: by their inverse CDF through the native exp where it runs, else mlx-lm's Gumbel-max."""
     from mlx_lm.sample_utils import make_sampler
-
-    from grpo_fleet import native
-    from grpo_fleet.models.native_functions import inverse_cdf_sampler
 
     if temperature == 0:
         return cast(Callable[[mx.array], mx.array], make_sampler(temp=0.0))

@@ -9,15 +9,15 @@ the kernel was not built):
 
 - `decode_attention_function`: mlx-lm's `scaled_dot_product_attention` for one
   query row against the cache, as scores, softmax and values in float32;
-- `use_native_swiglu`: mlx-lm's `swiglu` with the native sigmoid;
+- `native_swiglu_function`: mlx-lm's `swiglu` with the native sigmoid;
 - `inverse_cdf_sampler`: one token a row by the inverse CDF of the probabilities
   (one exp and one uniform a row), instead of mlx-lm's Gumbel-max, which takes two
   logs of a uniform per vocabulary entry.
 
 mlx-lm's model modules import `scaled_dot_product_attention` and `swiglu` by
 name, so `rebind` replaces the name in the module that defines a model's
-attention class. The learner's chunked attention (learner/step/attention.py)
-rebinds through it too.
+attention class; `use_native_decoding` does both for the actor. The learner's
+chunked attention (learner/step/attention.py) rebinds through it too.
 """
 
 from __future__ import annotations

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, cast
 
-if TYPE_CHECKING:
-    import mlx.core as mx
+import mlx.core as mx
 
 BUILD_HINT = "build it with `make native` (cmake, a C++ compiler and the `native` extra's nanobind)"
 
@@ -26,8 +25,6 @@ def load_vector_exp() -> tuple[Optional[ModuleType], str]:
     except ImportError as err:
         return None, f"not built ({err}); {BUILD_HINT}"
     try:  # an mx.array crosses into the module only when both were built against one nanobind ABI
-        import mlx.core as mx
-
         value = module.exp(mx.array([0.0, 1.0], dtype=mx.float32))
         mx.eval(value)
         ok = abs(value[0].item() - 1.0) < 1e-6 and abs(value[1].item() - 2.718281828) < 1e-5
@@ -59,17 +56,13 @@ def use(enabled: bool) -> bool:
 
 def active() -> bool:
     """Whether `exp` below may run: built, switched on, and MLX's default device is the CPU."""
-    import mlx.core as mx
-
     return _switched_on and vector_exp_module()[0] is not None and mx.default_device().type == mx.DeviceType.cpu
 
 
 # The functions below need the module (callers check `active()` first). They compute in float32 and return the
 # input's dtype; their gradients are MLX ops on their outputs, so they serve in traced gradients and mx.compile.
 
-def exp(x: "mx.array") -> "mx.array":
-    import mlx.core as mx
-
+def exp(x: mx.array) -> mx.array:
     module = vector_exp_module()[0]
     assert module is not None, "grpo_fleet.native.exp without the built kernel: check active() first"
     if x.dtype == mx.float32:
@@ -77,50 +70,35 @@ def exp(x: "mx.array") -> "mx.array":
     return module.exp(x.astype(mx.float32)).astype(x.dtype)
 
 
-def _sigmoid_forward(x: "mx.array") -> "mx.array":
-    import mlx.core as mx
-
+@mx.custom_function
+def _sigmoid(x: mx.array) -> mx.array:
     return (1.0 / (1.0 + exp(-x.astype(mx.float32)))).astype(x.dtype)
 
 
-def _sigmoid_vjp(primals: Any, cotangent: "mx.array", output: "mx.array") -> tuple["mx.array"]:
+@_sigmoid.vjp
+def _sigmoid_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array]:
     return (cotangent * output * (1.0 - output),)
 
 
-def _logsumexp_forward(x: "mx.array") -> "mx.array":
-    import mlx.core as mx
-
+@mx.custom_function
+def _logsumexp(x: mx.array) -> mx.array:
     values = x.astype(mx.float32)
     top = mx.max(values, axis=-1, keepdims=True)  # shifted by the row's max: no overflow
     top = mx.where(mx.isfinite(top), top, 0.0)  # and a row of -inf stays finite until the log
     return (mx.log(mx.sum(exp(values - top), axis=-1)) + top[..., 0]).astype(x.dtype)
 
 
-def _logsumexp_vjp(primals: Any, cotangent: "mx.array", output: "mx.array") -> tuple["mx.array"]:
+@_logsumexp.vjp
+def _logsumexp_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array]:
     x = primals[0] if isinstance(primals, (list, tuple)) else primals  # MLX passes a lone input bare
     return (cotangent[..., None] * exp(x - output[..., None]),)
 
 
-_custom: dict[str, Any] = {}
-
-
-def _custom_function(name: str) -> Any:
-    """mx.custom_function of a forward and its VJP, made on first use (importing this package loads no MLX)."""
-    if name not in _custom:
-        import mlx.core as mx
-
-        forward, vjp = {"sigmoid": (_sigmoid_forward, _sigmoid_vjp), "logsumexp": (_logsumexp_forward, _logsumexp_vjp)}[name]
-        function = mx.custom_function(forward)
-        function.vjp(vjp)
-        _custom[name] = function
-    return _custom[name]
-
-
-def sigmoid(x: "mx.array") -> "mx.array":
+def sigmoid(x: mx.array) -> mx.array:
     """1 / (1 + exp(-x)); its VJP is cotangent * s * (1 - s)."""
-    return _custom_function("sigmoid")(x)
+    return cast(mx.array, _sigmoid(x))
 
 
-def logsumexp(x: "mx.array") -> "mx.array":
+def logsumexp(x: mx.array) -> mx.array:
     """log(sum(exp(x))) over the last axis; its VJP is cotangent * exp(x - lse)."""
-    return _custom_function("logsumexp")(x)
+    return cast(mx.array, _logsumexp(x))

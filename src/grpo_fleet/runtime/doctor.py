@@ -93,11 +93,11 @@ def blas_description() -> str:
 
 def exp_description() -> str:
     """Which exp the learner's step takes where MLX runs on the CPU: grpo-fleet's native kernel, or MLX's (and why)."""
-    from grpo_fleet.native import load_vector_exp
-
-    module, detail = load_vector_exp()
     if sys.platform == "darwin":
         return "MLX's (the GPU's kernels)"
+    from grpo_fleet.native import vector_exp_module
+
+    module, detail = vector_exp_module()
     return f"native vector_exp ({detail})" if module is not None else f"MLX's, scalar on x86: native vector_exp {detail}"
 
 

@@ -17,8 +17,9 @@ native vectorized kernel (or NumPy's, in the forwards without a gradient), where
 MLX's is scalar; so is the SiLU of the MLP (`use_vector_swiglu`).
 
 Only the learner's full-row forwards take this path (no cache, `mask="causal"`,
-as many queries as keys, no attention sinks). Everything else, the actor's
-decoding included, goes to mlx-lm's own function unchanged.
+as many queries as keys, no attention sinks). One-row queries against a cache
+(the learner's own eval decoding) go to `models.native_functions`' decode path,
+and everything else to mlx-lm's own function unchanged.
 """
 
 from __future__ import annotations
